@@ -1,0 +1,93 @@
+"""Loading HF MoE checkpoints (local directory or hub id) with clear failures."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import MoECompressError
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype):
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise MoECompressError(f"Unknown dtype '{name}'; use one of {', '.join(_DTYPES)}.") from None
+
+
+def resolve_source(source: str | os.PathLike) -> str:
+    """A local directory path, or a hub id; a missing local path is refused here."""
+    source = str(source)
+    p = Path(source).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise MoECompressError(f"{source} has no config.json: pass a HuggingFace checkpoint directory.")
+        return str(p)
+    if p.exists():
+        raise MoECompressError(f"{source} is a file, not a checkpoint directory: pass the directory holding "
+                               "config.json and the safetensors weights.")
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise MoECompressError(f"No model directory at {source}: pass an existing local checkpoint directory "
+                               "or a hub id such as Qwen/Qwen3-30B-A3B.")
+    return source
+
+
+def load_config(source: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    src = resolve_source(source)
+    try:
+        return AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        if Path(src).is_dir():
+            try:
+                model_type = json.loads((Path(src) / "config.json").read_text()).get("model_type")
+            except (OSError, json.JSONDecodeError):
+                raise MoECompressError(f"{src}/config.json is not valid JSON: the checkpoint is corrupted; "
+                                       "re-download it.") from None
+            raise MoECompressError(
+                f"Unknown architecture '{model_type}' in {src}: the installed transformers does not know it; "
+                "upgrade transformers or pass --trust-remote-code if you trust the checkpoint's code."
+            ) from None
+        raise MoECompressError(
+            f"Could not fetch {src} from the HuggingFace hub ({type(exc).__name__}); if this machine is offline, "
+            "download the checkpoint elsewhere and pass its local directory."
+        ) from None
+
+
+def skeleton(config):
+    """The model with every parameter on the meta device: structure without memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bool = False,
+               experts_implementation: str | None = None):
+    """Load a causal LM from a directory or hub id (safetensors only, never pickled weights)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(source, trust_remote_code)
+    src = resolve_source(source)
+    kwargs = dict(dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if experts_implementation:
+        kwargs["experts_implementation"] = experts_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, config=config, **kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise MoECompressError(f"Could not load weights from {src} ({first}); check that the directory holds "
+                               "complete safetensors weights for this config.") from None
+    model.eval()
+    return model
