@@ -147,6 +147,8 @@ class SphinxText(HTMLParser):
         self.in_main = 0
         self.skip = 0
         self.pre = 0
+        self.cell = 0
+        self.row_cells = 0
 
     VOID = {"br", "hr", "img", "meta", "link", "input", "wbr", "col", "area", "base", "source"}
 
@@ -166,13 +168,22 @@ class SphinxText(HTMLParser):
             self.skip += 1
         if tag == "pre":
             self.pre += 1
+        if tag in ("td", "th"):
+            self.cell += 1
         if self.in_main and not self.skip:
-            if tag in BLOCK_TAGS or tag == "pre":
+            if tag == "tr":
+                self.row_cells = 0
+            if tag in ("td", "th"):
+                # table rows become one line: "cell | cell | cell"
+                if self.row_cells:
+                    self.parts.append(" | ")
+                self.row_cells += 1
+            elif self.cell and tag in BLOCK_TAGS and tag not in ("tr", "table"):
+                self.parts.append(" ")
+            elif tag in BLOCK_TAGS or tag == "pre":
                 self.parts.append("\n\n" if tag in ("p", "pre", "h1", "h2", "h3", "h4", "dl", "table", "section") else "\n")
             if tag == "li":
                 self.parts.append("- ")
-            if tag in ("td", "th"):
-                self.parts.append(" ")
 
     def handle_endtag(self, tag):
         if tag in self.VOID:
@@ -180,8 +191,10 @@ class SphinxText(HTMLParser):
         # pop until matching tag (HTML may be slightly unbalanced)
         while self.stack:
             t, m, s = self.stack.pop()
-            if self.in_main and not self.skip and (t in BLOCK_TAGS or t == "pre"):
-                self.parts.append("\n")
+            if t in ("td", "th"):
+                self.cell -= 1
+            elif self.in_main and not self.skip and (t in BLOCK_TAGS or t == "pre"):
+                self.parts.append(" " if self.cell and t not in ("tr", "table") else "\n")
             if m:
                 self.in_main -= 1
             if s:
@@ -223,7 +236,10 @@ def pydoc_documents(root: Path) -> list[tuple[str, str]]:
         for ln in parser.text().split("\n"):
             # left-strip prose lines but keep code indentation: only strip lines that are not
             # inside code (heuristic: indentation produced by HTML is a single space)
-            lines.append(ln[1:] if ln.startswith(" ") and not ln.startswith("  ") else ln)
+            ln = ln[1:] if ln.startswith(" ") and not ln.startswith("  ") else ln
+            if " | " in ln:  # table row produced above
+                ln = re.sub(r" +\| +", " | ", ln).strip()
+            lines.append(ln)
         text = normalise("\n".join(lines))
         if len(text) < 500:
             continue
