@@ -40,12 +40,30 @@ def resolve_source(source: str | os.PathLike) -> str:
     return source
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or huggingface.co cannot be resolved/connected quickly."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    import socket
+
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _offline_kwargs(src: str) -> dict:
+    # hub ids while offline still load from the local HF cache, without minutes of retries
+    return {} if Path(src).is_dir() or hub_reachable() else {"local_files_only": True}
+
+
 def load_config(source: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     src = resolve_source(source)
     try:
-        return AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, **_offline_kwargs(src))
     except (OSError, ValueError, KeyError) as exc:
         if Path(src).is_dir():
             try:
@@ -58,8 +76,8 @@ def load_config(source: str, trust_remote_code: bool = False):
                 "upgrade transformers or pass --trust-remote-code if you trust the checkpoint's code."
             ) from None
         raise MoECompressError(
-            f"Could not fetch {src} from the HuggingFace hub ({type(exc).__name__}); if this machine is offline, "
-            "download the checkpoint elsewhere and pass its local directory."
+            f"Could not fetch {src} from the HuggingFace hub ({'offline' if not hub_reachable() else type(exc).__name__}); "
+            "download the checkpoint where the hub is reachable and pass its local directory."
         ) from None
 
 
@@ -78,7 +96,8 @@ def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bo
 
     config = load_config(source, trust_remote_code)
     src = resolve_source(source)
-    kwargs = dict(dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code,
+                  **_offline_kwargs(src))
     if device_map is not None:
         kwargs["device_map"] = device_map
     if experts_implementation:

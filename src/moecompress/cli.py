@@ -1,0 +1,101 @@
+"""The `moecompress` command line (Typer + rich). Each verb is a thin shell over a Python function."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import MoECompressError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Compress trained Mixture-of-Experts language models after training.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+def inspect(
+    model: str = typer.Argument(..., help="Local checkpoint directory or hub id."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+    trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
+) -> None:
+    """Family, layers, experts, top-k, router semantics and a byte breakdown."""
+    from .summary import inspect_model
+
+    info = inspect_model(model, trust_remote_code)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    head = Table(title=f"{info['architecture']} ({info['model_type']})", show_header=False)
+    head.add_row("layers", f"{info['num_layers']} ({len(info['moe_layers'])} MoE, {len(info['dense_layers'])} dense)")
+    head.add_row("routed experts / layer", ", ".join(map(str, info["experts_per_layer"])))
+    head.add_row("top-k", str(info["top_k"]))
+    head.add_row("router", info["router_convention"])
+    head.add_row("dtype", info["dtype"])
+    console.print(head)
+    sizes = Table(title="bytes")
+    for col in ("part", "parameters", "bytes", "share"):
+        sizes.add_column(col, justify="right" if col != "part" else "left")
+    total = info["bytes"]["total"]
+    for part in ("routed_experts", "shared_experts", "router", "rest", "total"):
+        b = info["bytes"][part]
+        sizes.add_row(part.replace("_", " "), f"{info['parameters'][part]:,}", _human(b), f"{100 * b / total:.1f}%")
+    if "bytes_on_disk" in info:
+        sizes.add_row("on disk", "", _human(info["bytes_on_disk"]), "")
+    console.print(sizes)
+
+
+@app.command()
+def demo() -> None:
+    """Offline end-to-end run on the shipped fixture (grows as methods land)."""
+    from .testing import fixture_dir
+
+    for name in ("qwen3-moe-tiny", "olmoe-tiny"):
+        path = fixture_dir(name)
+        if not (path / "config.json").exists():
+            raise MoECompressError(f"The fixture {name} is missing from {path}; reinstall moecompress from a full clone.")
+        console.rule(name)
+        inspect(str(path), as_json=False, trust_remote_code=False)
+
+
+# -- verbs contributed by other modules register here, one line each ---------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: bad input prints one sentence and exits 2, never a traceback."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        app(args=argv, standalone_mode=False)
+    except MoECompressError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(exc.exit_code)
+    except (typer.Exit, SystemExit) as exc:
+        code = getattr(exc, "exit_code", getattr(exc, "code", 0))
+        sys.exit(code or 0)
+    except Exception as exc:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(2)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()
