@@ -16,7 +16,7 @@ from .errors import MoECompressError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compress trained Mixture-of-Experts language models after training.")
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _human(n: int) -> str:

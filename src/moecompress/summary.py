@@ -14,8 +14,13 @@ from .atomic import dir_bytes
 from .models import MoEAdapter, load_config, skeleton
 
 
-def _numel(params) -> int:
-    return sum(p.numel() for p in params)
+def _numel(module) -> int:
+    """Parameters plus persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias): what a checkpoint stores."""
+    n = sum(p.numel() for p in module.parameters())
+    for sub in module.modules():
+        n += sum(b.numel() for name, b in sub.named_buffers(recurse=False)
+                 if name not in sub._non_persistent_buffers_set)
+    return n
 
 
 def _dtype_of(config) -> torch.dtype:
@@ -35,14 +40,14 @@ def inspect_model(source: str, trust_remote_code: bool = False) -> dict:
     layers = []
     for i in adapter.moe_layers:
         layer = adapter.layer(i)
-        n_routed = _numel(layer.storage.module.parameters())
-        n_router = _numel(layer.router.parameters())
-        n_shared = sum(_numel(m.parameters()) for m in (layer.shared, layer.shared_gate) if m is not None)
+        n_routed = _numel(layer.storage.module)
+        n_router = _numel(layer.router)
+        n_shared = sum(_numel(m) for m in (layer.shared, layer.shared_gate) if m is not None)
         routed, router, shared = routed + n_routed, router + n_router, shared + n_shared
         layers.append(dict(layer=i, experts=layer.storage.num_experts, top_k=layer.spec.top_k,
                            expert_width=layer.storage.intermediate_size, shared=layer.shared is not None,
                            router=layer.spec.describe(), router_verified=layer.verified))
-    total = _numel(model.parameters())
+    total = _numel(model)
     rest = total - routed - router - shared
     first = adapter.layer(adapter.moe_layers[0])
     out = dict(
