@@ -112,8 +112,8 @@ def test_group_limited_budget_stays_feasible():
 
 def test_nonuniform_budget_keeps_floor():
     scores = {0: torch.tensor([1.0, 0.9, 0.8, 0.7]), 1: torch.tensor([1.0, 0.01, 0.01, 0.01])}
-    kept = nonuniform_keep(scores, 0.5, {0: 2, 1: 2})
-    assert kept == {0: [0, 1, 2], 1: [0, 1]}
+    assert nonuniform_keep(scores, 0.5, {0: 2, 1: 2}) == {0: [0, 1], 1: [0, 1]}
+    assert nonuniform_keep(scores, 0.25, {0: 2, 1: 2}) == {0: [0, 1, 2, 3], 1: [0, 1]}
 
 
 def test_mone_is_std_norm_times_mean_gate():
