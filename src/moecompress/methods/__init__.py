@@ -1,0 +1,5 @@
+"""Compression methods: each reads statistics and weights and returns a CompressionPlan."""
+
+from .registry import METHODS, MethodEntry, get_method, parse_config, register_method
+
+__all__ = ["METHODS", "MethodEntry", "get_method", "parse_config", "register_method"]

@@ -1,0 +1,70 @@
+"""Methods by name: a recipe is `{method: name, params: {...}}` validated by the method's pydantic config.
+
+A method is a config class plus a build function `build(config, context) -> (CompressionPlan, tensors)`,
+where `context` gives the adapter/model, the stats store and the seed. `needs_stats` names the
+calibration statistics it reads, so one calibration can serve the union of every arm's needs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pydantic import BaseModel, ValidationError
+
+from ..errors import MoECompressError
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    name: str
+    config_cls: type[BaseModel]
+    build: Callable[..., Any]
+    needs_stats: Callable[[BaseModel], list[str]] | list[str] = field(default_factory=list)
+    family: str = ""  # prune | consolidate | merge | elementwise | dense | auto
+
+    def stats_for(self, config: BaseModel) -> list[str]:
+        return list(self.needs_stats(config) if callable(self.needs_stats) else self.needs_stats)
+
+
+METHODS: dict[str, MethodEntry] = {}
+
+
+def register_method(name: str, config_cls: type[BaseModel], build: Callable[..., Any],
+                    needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "") -> None:
+    METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
+                                else needs_stats, family)
+
+
+def get_method(name: str) -> MethodEntry:
+    _load_builtin_methods()
+    try:
+        return METHODS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, METHODS, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"known methods: {', '.join(sorted(METHODS))}."
+        raise MoECompressError(f"Unknown method '{name}'; {hint}") from None
+
+
+def parse_config(name: str, params: dict | None) -> BaseModel:
+    """Validate a recipe's params for method `name`; a bad field is named in one sentence."""
+    entry = get_method(name)
+    try:
+        return entry.config_cls(**(params or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "params"
+        raise MoECompressError(f"Recipe field '{loc}' for method '{name}' is invalid: {err['msg']}.") from None
+
+
+def _load_builtin_methods() -> None:
+    """Import the method modules so that they register themselves (ignoring ones not yet present)."""
+    import importlib
+
+    for mod in ("prune", "conmoe", "merging", "puzzle", "dense", "auto"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{mod}":
+                raise
