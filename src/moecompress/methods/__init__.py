@@ -1,5 +1,5 @@
 """Compression methods: each reads statistics and weights and returns a CompressionPlan."""
 
-from .registry import METHODS, MethodEntry, get_method, parse_config, register_method
+from .registry import METHODS, MethodContext, MethodEntry, get_method, parse_config, register_method
 
-__all__ = ["METHODS", "MethodEntry", "get_method", "parse_config", "register_method"]
+__all__ = ["METHODS", "MethodContext", "MethodEntry", "get_method", "parse_config", "register_method"]

@@ -16,6 +16,25 @@ from pydantic import BaseModel, ValidationError
 from ..errors import MoECompressError
 
 
+@dataclass
+class MethodContext:
+    """What a method's build function receives besides its config.
+
+    adapter: the loaded model's `MoEAdapter` (weights in memory); stats: a calibration
+    `StatsStore` (``stats.get(layer, name)``) or None for stats-free methods; seed for any
+    randomness; progress: show rich progress bars.
+    """
+
+    adapter: Any
+    stats: Any = None
+    seed: int = 0
+    progress: bool = False
+
+    @property
+    def model(self):
+        return self.adapter.model
+
+
 @dataclass(frozen=True)
 class MethodEntry:
     name: str
