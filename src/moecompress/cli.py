@@ -73,6 +73,7 @@ def demo() -> None:
 
 
 # -- verbs contributed by other modules register here, one line each ---------------------------
+from .eval.cli import eval_command; app.command("eval")(eval_command)  # noqa: E402,E702
 from .analysis_cli import analyze_command; app.command("analyze")(analyze_command)  # noqa: E402,E702
 
 

@@ -1,0 +1,285 @@
+"""lm-evaluation-harness bridge: in-memory models, local tasks offline, per-document results for pairing.
+
+`run_lm_eval` wraps `lm_eval.simple_evaluate` with an `HFLM(pretrained=model, tokenizer=tokenizer)`
+built around the model object itself, so a model with runtime blocks installed (or any other
+in-memory `PreTrainedModel`) is evaluated exactly as it sits in memory. `log_samples=True` keeps
+every document's score, which is what the paired bootstrap in `stats.py` needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ..errors import MoECompressError
+
+#: Directory of the local tasks shipped next to the fixtures (fixture_mc, fixture_gen).
+FIXTURE_TASKS = Path(__file__).resolve().parent.parent / "fixtures" / "tasks"
+
+# the metric used for the "task average" and the plots when a task reports several
+_PRIMARY_ORDER = ("acc", "exact_match", "acc_norm", "f1", "mcc", "bleu", "word_perplexity")
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (str, os.PathLike)):
+        return [x]
+    return list(x)
+
+
+def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
+    """'a,b c' or ['a', 'b'] -> ['a', 'b', 'c'] (order kept, duplicates dropped)."""
+    items = re.split(r"[,\s]+", tasks) if isinstance(tasks, str) else [t for s in tasks for t in re.split(r"[,\s]+", s)]
+    out: list[str] = []
+    for t in items:
+        if t and t not in out:
+            out.append(t)
+    return out
+
+
+def local_task_paths(include_path=None) -> list[Path]:
+    """The shipped fixture task directory plus the user's include paths (which must exist)."""
+    paths = [FIXTURE_TASKS]
+    for p in _as_list(include_path):
+        p = Path(p).expanduser()
+        if not p.is_dir():
+            raise MoECompressError(f"The task directory {p} does not exist; pass a directory holding lm-eval "
+                                   "task YAML files (and their JSONL data) as include_path.")
+        paths.append(p.resolve())
+    return paths
+
+
+def _task_manager(paths: Sequence[Path], include_defaults: bool):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults)
+
+
+@lru_cache(maxsize=1)
+def _standard_names_fast() -> frozenset[str]:
+    """Names of lm-eval's built-in tasks/groups/tags by a regex scan of its YAML files (~0.5 s).
+
+    Indexing them with lm-eval's TaskManager parses ~14k YAML files (10+ s on 2 cores); the scan
+    misses only template-generated subtasks, and it is used only to word error messages offline.
+    """
+    import lm_eval.tasks
+
+    root = Path(lm_eval.tasks.__file__).parent
+    names: set[str] = set()
+    line = re.compile(r"^(?:task|group|tag):[ \t]*([^\n]*)$", re.M)
+    for f in root.rglob("*.yaml"):
+        try:
+            text = f.read_text(encoding="utf-8", errors="ignore")
+        except OSError:
+            continue
+        for m in line.finditer(text):
+            v = m.group(1).strip()
+            if not v or v.startswith("!"):
+                continue
+            for name in v.strip("[]").split(","):
+                name = name.strip().strip("'\"")
+                if re.fullmatch(r"[\w.\-]+", name):
+                    names.add(name)
+    return frozenset(names)
+
+
+def _close(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
+    return difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.6)
+
+
+def resolve_tasks(tasks, include_path=None, online: bool | None = None):
+    """Check task names; return (task names, TaskManager, local_only) or raise a one-sentence MoECompressError.
+
+    Local tasks (the shipped fixture tasks and `include_path`) always work. Built-in lm-eval tasks
+    download their data from the HuggingFace hub, so offline they are refused; an unknown name is
+    refused with its closest matches.
+    """
+    names = parse_tasks(tasks)
+    if not names:
+        raise MoECompressError("No lm-eval task given; pass task names such as fixture_mc,fixture_gen "
+                               "(local) or arc_easy,hellaswag (hub).")
+    paths = local_task_paths(include_path)
+    local = _task_manager(paths, include_defaults=False)
+    missing = [t for t in names if t not in local.all_tasks]
+    if not missing:
+        return names, local, True
+    from ..models.loading import hub_reachable
+
+    if online is None:
+        online = hub_reachable()
+    if not online:
+        fast = _standard_names_fast()
+        local_list = ", ".join(local.all_tasks)
+        for t in missing:
+            if t in fast:
+                raise MoECompressError(
+                    f"The lm-eval task '{t}' downloads its data from the HuggingFace hub, which is not reachable; "
+                    f"run where the hub is reachable, or use a local task ({local_list}, or your own YAML + JSONL "
+                    "passed with --include-path).")
+        t = missing[0]
+        near = _close(t, list(local.all_tasks) + list(fast))
+        hint = f"did you mean {', '.join(near)}? " if near else ""
+        raise MoECompressError(
+            f"Unknown lm-eval task '{t}': {hint}Offline only local tasks run ({local_list}, or your own YAML + "
+            "JSONL passed with --include-path).")
+    full = _task_manager(paths, include_defaults=True)
+    for t in missing:
+        if t not in full.all_tasks:
+            near = _close(t, full.all_tasks)
+            hint = f"did you mean {', '.join(near)}?" if near else "see `lm_eval ls tasks` for the list."
+            raise MoECompressError(f"Unknown lm-eval task '{t}': {hint}")
+    return names, full, False
+
+
+@contextlib.contextmanager
+def _offline_env(active: bool):
+    """Keep local-only runs off the network (lm-eval and datasets look at these variables)."""
+    if not active:
+        yield
+        return
+    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "item"):
+        return _clean(v.item())
+    return v
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    metric, _, flt = key.partition(",")
+    return metric, flt or "none"
+
+
+def _task_entry(name: str, results: dict, configs: dict, hib: dict, samples: list[dict] | None,
+                n_shot) -> dict[str, Any]:
+    """One task's aggregate metrics and per-document scores in the results-dict layout (see report.py)."""
+    # lm-eval writes "N/A" for a stderr it did not compute (bootstrap_iters=0): keep numbers only
+    agg_raw = {k: (None if isinstance(v, str) else _clean(v)) for k, v in results.items() if "," in k}
+    filters = sorted({_split_key(k)[1] for k in agg_raw if not _split_key(k)[0].endswith("_stderr")})
+    plain = len(filters) <= 1
+
+    def mname(key: str) -> str:
+        metric, flt = _split_key(key)
+        return metric if plain else f"{metric},{flt}"
+
+    aggregate = {mname(k): v for k, v in agg_raw.items()}
+    higher = {}
+    for k in aggregate:
+        base = _split_key(k)[0]
+        if not base.endswith("_stderr") and base in hib:
+            higher[k] = bool(hib[base])
+    metric_names = [k for k in aggregate if not _split_key(k)[0].endswith("_stderr")]
+    first_key = {}
+    for k in metric_names:
+        first_key.setdefault(_split_key(k)[0], k)
+    primary = next((first_key[p] for p in _PRIMARY_ORDER if p in first_key), metric_names[0] if metric_names else None)
+    items: dict[str, list] = {"ids": []}
+    output_type = configs.get("output_type")
+    if samples:
+        by_doc: dict[int, dict] = {}
+        for s in samples:
+            rec = by_doc.setdefault(int(s["doc_id"]), {})
+            flt = s.get("filter", "none")
+            for m in s.get("metrics", []):
+                if m in s:
+                    rec[m if plain else f"{m},{flt}"] = _clean(float(s[m]) if isinstance(s[m], (int, float, bool)) else s[m])
+            if output_type == "generate_until":
+                resp = s.get("filtered_resps")
+                rec["response"] = resp[0] if isinstance(resp, list) and resp else resp
+                rec["target"] = s.get("target")
+        doc_ids = sorted(by_doc)
+        items["ids"] = doc_ids
+        keys = sorted({k for r in by_doc.values() for k in r})
+        for k in keys:
+            items[k] = [by_doc[d].get(k) for d in doc_ids]
+    for k in metric_names:  # standard error of the mean from the per-document scores (lm-eval skips it here)
+        vals = [v for v in items.get(k, []) if isinstance(v, (int, float))]
+        if aggregate.get(f"{k}_stderr") is None and len(vals) > 1:
+            mean = sum(vals) / len(vals)
+            aggregate[f"{k}_stderr"] = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
+    return {"output_type": output_type, "num_fewshot": n_shot, "n": len(items["ids"]), "aggregate": aggregate,
+            "higher_is_better": higher, "primary": primary, "items": items}
+
+
+def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: int | float | None = None,
+                batch_size: int | str = 1, include_path=None, *, seed: int = 1234, gen_kwargs: dict | None = None,
+                max_length: int | None = None, online: bool | None = None) -> dict[str, dict]:
+    """Evaluate an in-memory model on lm-eval tasks; return {task: entry} with per-document items.
+
+    Each entry: ``output_type`` (multiple_choice | generate_until | loglikelihood | ...),
+    ``aggregate`` ({metric: value}, lm-eval's numbers incl. ``*_stderr``), ``higher_is_better``,
+    ``primary`` (metric used for averages and plots), ``n``, ``num_fewshot`` and ``items``
+    ({"ids": doc ids, metric: per-document values, ...}; generative tasks also keep ``response``
+    and ``target``). A requested group (e.g. mmlu) becomes one entry whose item ids are
+    "subtask/doc_id", with the subtasks' aggregates under ``subtasks``.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    names, manager, local_only = resolve_tasks(tasks, include_path, online)
+    if tokenizer is None:
+        raise MoECompressError("lm-eval needs the model's tokenizer; pass the tokenizer (a checkpoint directory "
+                               "without tokenizer files cannot be evaluated on tasks).")
+    lm_kwargs = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    if max_length is not None:
+        lm_kwargs["max_length"] = max_length
+    lm = HFLM(**lm_kwargs)
+    with _offline_env(local_only):
+        out = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, log_samples=True,
+                              task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=gen_kwargs,
+                              bootstrap_iters=0, verbosity="ERROR")
+    if out is None:  # non-zero ranks under accelerate
+        return {}
+    res, cfgs, hib = out["results"], out.get("configs", {}), out.get("higher_is_better", {})
+    samples = out.get("samples", {})
+    n_shot = out.get("n-shot", {})
+    entries: dict[str, dict] = {}
+    for name in names:
+        if name in samples:
+            entries[name] = _task_entry(name, res.get(name, {}), cfgs.get(name, {}), hib.get(name, {}),
+                                        samples[name], n_shot.get(name, num_fewshot))
+            continue
+        # a group or tag: one entry over its leaf tasks, ids prefixed with the subtask name
+        leaves = [t for t in out.get("group_subtasks", {}).get(name, []) if t in samples] or [
+            t for t in samples if t not in names]
+        subs = {t: _task_entry(t, res.get(t, {}), cfgs.get(t, {}), hib.get(t, {}), samples[t], n_shot.get(t))
+                for t in leaves}
+        if not subs:
+            continue
+        first = next(iter(subs.values()))
+        primary = first["primary"]
+        items: dict[str, list] = {"ids": []}
+        for t, e in subs.items():
+            items["ids"] += [f"{t}/{i}" for i in e["items"]["ids"]]
+            for k, v in e["items"].items():
+                if k != "ids":
+                    items.setdefault(k, []).extend(v)
+        agg = {k: _clean(v) for k, v in res.get(name, {}).items() if "," in k}
+        agg = {_split_key(k)[0]: v for k, v in agg.items()} or {
+            primary: sum(x for x in items.get(primary, []) if x is not None) / max(1, len(items["ids"]))}
+        entries[name] = {"output_type": first["output_type"], "num_fewshot": first["num_fewshot"],
+                         "n": len(items["ids"]), "aggregate": agg, "higher_is_better": first["higher_is_better"],
+                         "primary": primary, "items": items,
+                         "subtasks": {t: e["aggregate"] for t, e in subs.items()}}
+    return entries

@@ -1,0 +1,580 @@
+"""report.md + PNG plots + results.json from a results dict (schema in `schema.py`).
+
+Every report prints the five-item reporting checklist; an item the results do not support is
+listed as MISSING with what would satisfy it, never left out.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import MoECompressError
+from .schema import SCHEMA, Arm, Results, arm_bytes, validate_results
+from .stats import apply_holm, paired_bootstrap_tasks
+
+AVERAGE = "task average"
+
+CHECKLIST_TITLES = (
+    "Router convention of the model and the gate semantics each arm used",
+    "Replacement operators compared on a fixed mask",
+    "At least one generative task",
+    "Calibration domain, source and token count",
+    "Matched-storage quantization baseline (RTN, group-wise, symmetric, 4/3-bit on routed experts)",
+)
+
+
+# ----------------------------------------------------------------------------------- comparisons
+def min_replicates(m: int, alpha: float = 0.05) -> int:
+    """Default B: at least 1000 and enough that Holm over m comparisons can reach significance.
+
+    The smallest bootstrap p is 2/(B+1), and Holm multiplies the smallest p by m, so B must exceed
+    2m/alpha - 1 for any verdict to be possible; we take 4x that margin.
+    """
+    return max(1000, math.ceil(8 * m / alpha))
+
+
+def compare_arms(results: dict | Results, pairs: Sequence[tuple[str, str]] | None = None, *, B: int | None = None,
+                 seed: int = 0, alpha: float = 0.05) -> list[dict]:
+    """Paired bootstrap of every (A, B) pair (default: each arm vs the baseline) on every shared task.
+
+    Per pair: one comparison per task on its primary metric (perplexity streams: per-window mean
+    nll), plus the task average over the lm-eval tasks when there are two or more with the same
+    direction. Holm correction runs over all comparisons returned (one family). B defaults to
+    `min_replicates(number of comparisons, alpha)`; every comparison uses the same `seed`.
+    """
+    res = results if isinstance(results, Results) else validate_results(results)
+    arms = {a.name: a for a in res.arms}
+    if pairs is None:
+        pairs = [(a.name, res.baseline) for a in res.arms if a.name != res.baseline]
+    jobs: list[tuple] = []  # (a, b, task label, {task: (ids, vals)} for A, same for B, metric, higher_is_better)
+    for na, nb in pairs:
+        for n in (na, nb):
+            if n not in arms:
+                raise MoECompressError(f"No arm named '{n}' in the results; arms are {', '.join(arms)}.")
+        a, b = arms[na], arms[nb]
+        lm_tasks = {}
+        for t in [t for t in a.metrics if t in b.metrics]:
+            ea, eb = a.metrics[t], b.metrics[t]
+            metric = ea.primary
+            if metric not in ea.items or metric not in eb.items:
+                continue
+            hib = ea.higher_is_better.get(metric, True)
+            jobs.append((na, nb, t, {t: (ea.items["ids"], ea.items[metric])},
+                         {t: (eb.items["ids"], eb.items[metric])}, metric, hib))
+            if ea.output_type != "perplexity":
+                lm_tasks[t] = (metric, hib)
+        if len(lm_tasks) >= 2 and len({h for _, h in lm_tasks.values()}) == 1:
+            ta = {t: (a.metrics[t].items["ids"], a.metrics[t].items[m]) for t, (m, _) in lm_tasks.items()}
+            tb = {t: (b.metrics[t].items["ids"], b.metrics[t].items[m]) for t, (m, _) in lm_tasks.items()}
+            jobs.append((na, nb, AVERAGE, ta, tb, "primary", next(iter(lm_tasks.values()))[1]))
+    B = B if B is not None else min_replicates(len(jobs), alpha)
+    out: list[dict] = []
+    for na, nb, label, ta, tb, metric, hib in jobs:
+        r = paired_bootstrap_tasks(ta, tb, metric=metric, higher_is_better=hib, B=B, seed=seed, alpha=alpha).to_dict()
+        r.pop("per_task")
+        out.append(dict(r, a=na, b=nb, task=label, **({"tasks": list(ta)} if label == AVERAGE else {})))
+    apply_holm(out, alpha)
+    return out
+
+
+# ------------------------------------------------------------------------------------ checklist
+def checklist(results: dict | Results) -> list[dict]:
+    """The five reporting items: {"item", "title", "done", "detail"} (detail says what is missing)."""
+    res = results if isinstance(results, Results) else validate_results(results)
+    items = []
+
+    # 1. router convention + gate semantics per arm
+    conv = res.model.router_convention
+    needs = [a for a in res.arms if a.kind != "original"]
+    lacking = [a.name for a in needs if not a.gate_semantics]
+    sem = "; ".join(f"{a.name}: {a.gate_semantics or 'not recorded'}" for a in needs) or "no compressed arms"
+    if conv and not lacking:
+        items.append((True, f"router: {conv}. Gate semantics — {sem}."))
+    else:
+        miss = ([] if conv else ["the model's router convention"]) + (
+            [f"gate semantics of {', '.join(lacking)}"] if lacking else [])
+        items.append((False, f"not recorded: {' and '.join(miss)}."))
+
+    # 2. fixed-mask operator comparison: two or more arms sharing a mask with different operators
+    by_mask: dict[str, set] = {}
+    for a in res.arms:
+        if a.mask_id:
+            by_mask.setdefault(a.mask_id, set()).add(a.operator or "none")
+    fixed = {m: ops for m, ops in by_mask.items() if len(ops) >= 2}
+    if fixed:
+        items.append((True, "; ".join(f"mask {m[:12]}: operators {', '.join(sorted(ops))}" for m, ops in fixed.items())
+                      + "."))
+    else:
+        items.append((False, "no two arms share a retained-expert mask (mask_id) with different replacement "
+                             "operators, so operator effects are confounded with mask effects."))
+
+    # 3. a generative task
+    gen = sorted({t for a in res.arms for t, e in a.metrics.items() if e.output_type == "generate_until"})
+    items.append((True, f"generative task(s): {', '.join(gen)}.") if gen else
+                 (False, "no generate_until task was evaluated (e.g. fixture_gen, gsm8k); multiple-choice accuracy "
+                         "alone can hide generation collapse."))
+
+    # 4. calibration domain, source, token count
+    cal = res.calibration
+    fields = {"domain": cal.domain if cal else None, "source": cal.source if cal else None,
+              "tokens": cal.tokens if cal else None}
+    missing = [k for k, v in fields.items() if v in (None, "")]
+    if not missing:
+        items.append((True, f"domain: {cal.domain}; source: {cal.source}; tokens: {cal.tokens:,}."))
+    else:
+        items.append((False, f"calibration {', '.join(missing)} not recorded."))
+
+    # 5. matched-storage quantization baseline
+    quant = [a for a in res.arms if a.kind == "quant_baseline" and a.metrics]
+    if quant:
+        desc = []
+        for a in quant:
+            bpw = (a.model_extra or {}).get("quant", {}).get("bits_per_weight")
+            size = arm_bytes(a)
+            desc.append(f"{a.name} ({bpw:.3f} bits/weight incl. scales, " if bpw else f"{a.name} (")
+            desc[-1] += f"{_human(size)})" if size is not None else "size not recorded)"
+        items.append((True, "; ".join(desc) + "."))
+    else:
+        items.append((False, "no evaluated round-to-nearest quantization arm (kind 'quant_baseline'); see "
+                             "moecompress.eval.quant.quantize_experts."))
+    return [dict(item=i + 1, title=CHECKLIST_TITLES[i], done=d, detail=det) for i, (d, det) in enumerate(items)]
+
+
+def checklist_markdown(items: list[dict]) -> str:
+    lines = []
+    for it in items:
+        mark = "done" if it["done"] else "MISSING"
+        lines.append(f"{it['item']}. **{mark}** — {it['title']}: {it['detail']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- format
+def _human(n: int | float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _cell(s: Any) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _task_columns(res: Results) -> list[tuple[str, str]]:
+    cols: list[tuple[str, str]] = []
+    for a in res.arms:
+        for t, e in a.metrics.items():
+            keys = ["ppl", "kl"] if e.output_type == "perplexity" else [e.primary]
+            for m in keys:
+                if m and m in e.aggregate and (t, m) not in cols:
+                    cols.append((t, m))
+    return cols
+
+
+def _json_safe(x):
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        try:
+            return _json_safe(x.item())
+        except (TypeError, ValueError):
+            pass
+    if hasattr(x, "tolist"):
+        return _json_safe(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def _write_atomic(path: Path, data: str | bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------- plots
+def _quality_points(res: Results) -> list[tuple[str, str, bool]]:
+    """(panel key, y label, lower is better) for the quality-vs-bytes panels that have data."""
+    panels = []
+    ppl = [t for a in res.arms for t, e in a.metrics.items() if e.output_type == "perplexity"]
+    if ppl:
+        panels.append(("ppl", f"perplexity ({ppl[0]}, lower is better)", True))
+        if any("kl" in a.metrics[t].aggregate for a in res.arms for t in a.metrics if t == ppl[0]):
+            panels.append(("kl", "KL(original ‖ arm), nats/token (lower is better)", True))
+    if any(e.output_type != "perplexity" for a in res.arms for e in a.metrics.values()):
+        panels.append(("tasks", "mean task score, primary metric (higher is better)", False))
+    return panels
+
+
+def _panel_value(arm: Arm, key: str) -> float | None:
+    if key in ("ppl", "kl"):
+        for e in arm.metrics.values():
+            if e.output_type == "perplexity" and key in e.aggregate:
+                return e.aggregate[key]
+        return None
+    vals = [e.aggregate.get(e.primary) for e in arm.metrics.values() if e.output_type != "perplexity"]
+    vals = [v for v in vals if isinstance(v, (int, float))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _unit(max_bytes: float) -> tuple[float, str]:
+    for div, name in ((1024 ** 3, "GiB"), (1024 ** 2, "MiB"), (1024, "KiB")):
+        if max_bytes >= div:
+            return div, name
+    return 1, "bytes"
+
+
+def _style(i: int):
+    markers = "os^Dv<>pXh*"
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return cmap(i % 10), markers[i % len(markers)]
+
+
+def plot_quality_vs_bytes(res: Results, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _quality_points(res)
+    sized = [(a, arm_bytes(a)) for a in res.arms if arm_bytes(a) is not None]
+    if not panels or not sized:
+        return None
+    div, unit = _unit(max(b for _, b in sized))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
+    for ax, (key, label, _) in zip(axes[0], panels):
+        for i, a in enumerate(res.arms):
+            y, b = _panel_value(a, key), arm_bytes(a)
+            if y is None or b is None:
+                continue
+            color, marker = _style(i)
+            is_base = a.name == res.baseline
+            ax.scatter(b / div, y, s=140 if is_base else 70, marker="*" if is_base else marker, color=color,
+                       edgecolor="black", linewidth=0.6, label=f"{a.name} ({a.method})", zorder=3)
+        ax.set_xlabel(f"model size ({unit})")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.margins(x=0.12, y=0.15)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.suptitle(f"Quality vs size — {res.model.name or res.model.model_type or 'model'}", fontsize=12)
+    rows = math.ceil(len(labels) / min(4, len(labels)))
+    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _metric_axis_label(metric: str, baseline: str) -> str:
+    names = {"nll": "Δ mean NLL, nats/token (lower is better)", "acc": "Δ accuracy (higher is better)",
+             "acc_norm": "Δ length-normalised accuracy (higher is better)",
+             "exact_match": "Δ exact match (higher is better)", "kl": "Δ KL, nats/token (lower is better)",
+             "primary": "Δ mean primary score (higher is better)"}
+    return f"{names.get(metric, f'Δ {metric}')}, arm − {baseline}"
+
+
+def plot_task_deltas(comparisons: list[dict], baseline: str, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not comparisons:
+        return None
+    metrics = []
+    for c in comparisons:
+        if c["metric"] not in metrics:
+            metrics.append(c["metric"])
+    arms = []
+    for c in comparisons:
+        if c["a"] not in arms:
+            arms.append(c["a"])
+    heights = [len({c["task"] for c in comparisons if c["metric"] == m}) for m in metrics]
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(8.5, sum(0.55 * h * max(1, len(arms) * 0.5) + 1.4
+                                                                  for h in heights)),
+                             squeeze=False, gridspec_kw={"height_ratios": [max(1, h) for h in heights]})
+    for ax, m in zip(axes[:, 0], metrics):
+        sub = [c for c in comparisons if c["metric"] == m]
+        tasks = []
+        for c in sub:
+            if c["task"] not in tasks:
+                tasks.append(c["task"])
+        width = 0.8 / max(1, len(arms))
+        for j, arm in enumerate(arms):
+            color, marker = _style(j + 1)
+            pts = [(tasks.index(c["task"]), c) for c in sub if c["a"] == arm]
+            if not pts:
+                continue
+            ys = [ti - 0.4 + width * (j + 0.5) for ti, _ in pts]
+            xs = [c["delta"] for _, c in pts]
+            err = [[c["delta"] - c["ci_low"] for _, c in pts], [c["ci_high"] - c["delta"] for _, c in pts]]
+            ax.errorbar(xs, ys, xerr=err, fmt=marker, color=color, capsize=3, label=arm, markersize=6)
+            for (ti, c), y in zip(pts, ys):
+                if c["verdict"] != "not detectably different":
+                    ax.annotate("*", (c["ci_high"], y), xytext=(3, -4), textcoords="offset points", fontsize=11)
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_yticks(range(len(tasks)))
+        ax.set_yticklabels(tasks)
+        ax.invert_yaxis()
+        ax.set_xlabel(_metric_axis_label(m, baseline))
+        ax.grid(True, axis="x", alpha=0.3)
+    handles, labels = [], []
+    for ax in axes[:, 0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    ncol = min(4, len(labels))
+    fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1.0 - 0.35 / fig.get_figheight()))
+    fig.suptitle(f"Paired differences vs {baseline}: mean with 95% bootstrap interval (* = Holm-significant)",
+                 fontsize=10)
+    top = 1.0 - (0.55 + 0.22 * math.ceil(len(labels) / ncol)) / fig.get_figheight()
+    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_per_layer(res: Results, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in res.arms if a.per_layer]
+    if not arms:
+        return None
+    fig, axes = plt.subplots(len(arms), 1, figsize=(max(6.0, 0.45 * max(len(a.per_layer) for a in arms) + 2),
+                                                    2.6 * len(arms) + 0.6), squeeze=False, sharex=True)
+    for ax, a in zip(axes[:, 0], arms):
+        layers = [int(r.get("layer", k)) for k, r in enumerate(a.per_layer)]
+        ret = [r.get("retained", 0) or 0 for r in a.per_layer]
+        rem = [r.get("remapped", 0) or 0 for r in a.per_layer]
+        ops = [r.get("operators", 0) or 0 for r in a.per_layer]
+        drop = [r.get("dropped", 0) or 0 for r in a.per_layer]
+        tot = [r.get("experts") for r in a.per_layer]
+        bottom = [0] * len(layers)
+        for vals, color, hatch, label in ((ret, "#2b6cb0", None, "retained (own expert)"),
+                                          (rem, "#ed8936", None, "served by another stored expert"),
+                                          (ops, "#38a169", None, "replacement operator"),
+                                          (drop, "#cbd5e0", "//", "removed (rerouted / dropped)")):
+            if any(vals) or label.startswith("retained"):
+                ax.bar(layers, vals, bottom=bottom, color=color, hatch=hatch, edgecolor="#4a5568" if hatch else None,
+                       label=label)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        if any(t is not None for t in tot):
+            ax.scatter(layers, [t if t is not None else float("nan") for t in tot], marker="_", s=300,
+                       color="black", label="original experts", zorder=3)
+        ax.set_ylabel("experts (count)")
+        ax.set_title(f"{a.name} ({a.method})", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[-1, 0].set_xlabel("decoder layer index")
+    axes[-1, 0].set_xticks(sorted({int(r.get("layer", k)) for a in arms for k, r in enumerate(a.per_layer)}))
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.suptitle("Routed experts per layer", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- report
+def render_markdown(res: Results, comparisons: list[dict], items: list[dict], plots: dict[str, Path | None],
+                    settings: dict) -> str:
+    base = next(a for a in res.arms if a.name == res.baseline)
+    base_bytes = arm_bytes(base)
+    m = res.model
+    out = [f"# moecompress report — {m.name or m.path or m.model_type or 'model'}", ""]
+    out.append(f"Generated {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine-readable "
+               "results (incl. per-item scores) in `results.json`.")
+    out.append("")
+    facts = [("model", m.name or m.path), ("model type", m.model_type), ("router convention", m.router_convention)]
+    for key in ("num_experts", "top_k", "moe_layers", "dtype"):
+        if (m.model_extra or {}).get(key) is not None:
+            facts.append((key.replace("_", " "), m.model_extra[key]))
+    out.append(_table(["", ""], [(k, v if v is not None else "—") for k, v in facts]))
+    out += ["", "## Reporting checklist", "", checklist_markdown(items), ""]
+
+    cols = _task_columns(res)
+    out += ["## Arms", ""]
+    header = ["arm", "method", "params", "gate semantics", "operator", "size", "size vs baseline"]
+    header += [f"{t} {mm}" for t, mm in cols]
+    rows = []
+    for a in res.arms:
+        b = arm_bytes(a)
+        rel = f"{100 * b / base_bytes:.1f}%" if b is not None and base_bytes else "—"
+        params = ", ".join(f"{k}={v}" for k, v in a.params.items()) or "—"
+        row = [a.name + (" (baseline)" if a.name == res.baseline else ""), a.method, params,
+               a.gate_semantics or "—", a.operator or "—", _human(b), rel]
+        for t, mm in cols:
+            e = a.metrics.get(t)
+            row.append(_fmt(e.aggregate.get(mm)) if e else "—")
+        rows.append(row)
+    out += [_table(header, rows), ""]
+    out.append("Size: `bytes.model` (packed size for the quantization baseline), else bytes on disk, else resident "
+               "parameter bytes.")
+    out.append("")
+
+    out += ["## Paired comparisons", ""]
+    if comparisons:
+        out.append(f"A = arm, B = the other arm (default: the baseline `{res.baseline}`), on the same items; Δ = "
+                   f"mean(A − B) of the primary metric (perplexity streams: per-window mean NLL). Paired bootstrap, "
+                   f"B = {settings['B']} replicates, seed {settings['seed']}, {100 * (1 - settings['alpha']):.0f}% "
+                   f"percentile interval; p from the bootstrap; Holm correction over all {len(comparisons)} "
+                   "comparisons. A difference whose interval contains 0 or whose Holm-adjusted p exceeds α is "
+                   "*not detectably different* — not equal.")
+        out.append("")
+        rows = [[c["a"], c["b"], c["task"], c["metric"], c["n"], _fmt(c["mean_a"]), _fmt(c["mean_b"]),
+                 _fmt(c["delta"]), f"[{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}]", _fmt(c["p"]),
+                 _fmt(c["p_adjusted"]), c["verdict"]] for c in comparisons]
+        out.append(_table(["A", "B", "task", "metric", "items", "A mean", "B mean", "Δ (A−B)", "interval", "p",
+                           "p (Holm)", "verdict"], rows))
+        m, nb = len(comparisons), settings["B"]
+        if nb is not None and 2 * m / (nb + 1) > settings["alpha"]:
+            out.append("")
+            out.append(f"**Warning:** with B = {nb} replicates the smallest bootstrap p is 2/(B+1) = {2 / (nb + 1):.4f}, "
+                       f"so after Holm over {m} comparisons no difference can reach α = {settings['alpha']}; re-run "
+                       f"with B ≥ {min_replicates(m, settings['alpha'])}.")
+    else:
+        out.append("No comparisons: fewer than two arms share per-item results.")
+    out.append("")
+
+    if any(a.memory or a.latency or a.bytes.disk or a.bytes.resident for a in res.arms):
+        out += ["## Memory and latency", ""]
+        rows = []
+        for a in res.arms:
+            mem, lat = a.memory or {}, a.latency or {}
+            rows.append([a.name, _human(a.bytes.disk), _human(a.bytes.resident), _human(mem.get("peak_bytes")),
+                         _human(mem.get("peak_delta_bytes")), _fmt(lat.get("prefill_tok_s"), 1),
+                         _fmt(lat.get("decode_tok_s"), 1)])
+        out.append(_table(["arm", "on disk", "resident params", "peak memory", "peak − before", "prefill tok/s",
+                           "decode tok/s"], rows))
+        lat0 = next((a.latency for a in res.arms if a.latency), None)
+        if lat0:
+            out.append("")
+            out.append(f"Latency: greedy generation, batch {lat0.get('batch_size')}, prompt {lat0.get('prompt_len')} "
+                       f"tokens, {lat0.get('new_tokens')} new tokens, median of {lat0.get('repeats')} runs after "
+                       f"{lat0.get('warmup')} warm-up on {lat0.get('device')}. Peak memory: "
+                       f"{(next((a.memory for a in res.arms if a.memory), {}) or {}).get('kind', '—')}.")
+        out.append("")
+
+    quant = [a for a in res.arms if a.kind == "quant_baseline"]
+    if quant:
+        out += ["## Quantization baseline", ""]
+        rows = []
+        for a in quant:
+            q = (a.model_extra or {}).get("quant", {})
+            rows.append([a.name, q.get("bits"), q.get("group_size"), q.get("scale_dtype"),
+                         _fmt(q.get("bits_per_weight"), 3), _human(q.get("routed_bytes_before")),
+                         _human(q.get("routed_bytes_after")), _fmt(q.get("rel_fro_error"))])
+        out.append(_table(["arm", "bits", "group", "scales", "bits/weight", "routed before", "routed after",
+                           "rel. Frobenius error"], rows))
+        out.append("")
+        out.append("Round-to-nearest, symmetric, group-wise along the input dimension, routed experts only; "
+                   "evaluated fake-quantized in memory, sized as packed codes + scales.")
+        out.append("")
+
+    per_layer = [a for a in res.arms if a.per_layer]
+    if per_layer:
+        out += ["## Per-layer experts", ""]
+        layers = sorted({int(r.get("layer", k)) for a in per_layer for k, r in enumerate(a.per_layer)})
+        rows = []
+        for a in per_layer:
+            by = {int(r.get("layer", k)): r for k, r in enumerate(a.per_layer)}
+            rows.append([a.name] + [
+                f"{by[i].get('retained', '—')}/{by[i].get('experts', '—')}"
+                + (f" (+{by[i]['remapped']} remapped)" if by[i].get("remapped") else "")
+                + (f" (+{by[i]['operators']} operators)" if by[i].get("operators") else "") if i in by else "—"
+                for i in layers])
+        out.append(_table(["arm"] + [f"layer {i}" for i in layers], rows))
+        out.append("")
+        out.append("Cells: slots still served by their own expert / original routed experts (+ slots served by "
+                   "another stored expert or by a replacement operator).")
+        out.append("")
+
+    if res.calibration is not None:
+        out += ["## Calibration", ""]
+        cal = res.calibration.model_dump(exclude_none=True)
+        out.append(_table(["", ""], [(k, v) for k, v in cal.items()]))
+        out.append("")
+
+    shown = [(k, p) for k, p in plots.items() if p is not None]
+    if shown:
+        out += ["## Plots", ""]
+        titles = {"quality_vs_bytes": "Quality vs size", "task_deltas": "Per-task paired differences",
+                  "per_layer": "Routed experts per layer"}
+        for k, p in shown:
+            out += [f"![{titles.get(k, k)}]({p.name})", ""]
+    if res.notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in res.notes] + [""]
+    return "\n".join(out)
+
+
+def write_report(results: dict, out_dir, *, B: int | None = None, seed: int | None = None,
+                 alpha: float | None = None, pairs: Sequence[tuple[str, str]] | None = None) -> Path:
+    """Write report.md, results.json and the PNG plots into `out_dir`; return the report path.
+
+    Comparisons are computed (each arm vs the baseline, or `pairs`) unless `results["comparisons"]`
+    is given; B / seed / alpha default to `results["settings"]`, else `min_replicates(m)` / 0 / 0.05.
+    """
+    res = validate_results(results)
+    settings = {"B": None, "seed": 0, "alpha": 0.05, **res.settings}
+    for k, v in (("B", B), ("seed", seed), ("alpha", alpha)):
+        if v is not None:
+            settings[k] = v
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    comparisons = results.get("comparisons")
+    if comparisons is None:
+        comparisons = compare_arms(res, pairs, B=settings["B"], seed=settings["seed"], alpha=settings["alpha"])
+    if comparisons:
+        settings["B"] = comparisons[0]["B"]
+    items = checklist(res)
+    plots = {"quality_vs_bytes": plot_quality_vs_bytes(res, out / "quality_vs_bytes.png"),
+             "task_deltas": plot_task_deltas(comparisons, res.baseline, out / "task_deltas.png"),
+             "per_layer": plot_per_layer(res, out / "per_layer_experts.png")}
+    full = dict(results, schema=results.get("schema", SCHEMA), baseline=res.baseline, settings=settings,
+                comparisons=comparisons, checklist=items)
+    _write_atomic(out / "results.json", json.dumps(_json_safe(full), indent=1, ensure_ascii=False) + "\n")
+    report = out / "report.md"
+    _write_atomic(report, render_markdown(res, comparisons, items, plots, settings) + "\n")
+    return report

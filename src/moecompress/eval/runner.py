@@ -1,0 +1,110 @@
+"""One call that evaluates one in-memory model (an "arm") and fills its part of the results dict."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import MoECompressError
+
+
+def ppl_task_name(spec) -> str:
+    """Metrics key of a perplexity stream: "ppl:<file name>" (or "ppl:tokens")."""
+    return f"ppl:{Path(str(spec)).name}" if isinstance(spec, (str, os.PathLike)) else "ppl:tokens"
+
+
+def model_info(model, path=None, name: str | None = None) -> dict[str, Any]:
+    """results["model"]: type, router convention, MoE layers, experts, top-k, dtype and bytes."""
+    from .bench import disk_bytes, resident_bytes
+
+    info: dict[str, Any] = {"name": name or (Path(str(path)).name if path else type(model).__name__),
+                            "path": str(path) if path else None,
+                            "model_type": getattr(model.config, "model_type", None),
+                            "architecture": type(model).__name__,
+                            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                            "bytes": {"resident": resident_bytes(model)}}
+    if path is not None and Path(str(path)).exists():
+        info["bytes"]["disk"] = disk_bytes(path)
+    try:
+        from ..models import MoEAdapter
+
+        ad = MoEAdapter(model)
+        first = ad.moe_layers[0]
+        info.update(router_convention=ad.router_spec(first).describe(), moe_layers=ad.moe_layers,
+                    num_experts=ad.num_experts(first), top_k=ad.top_k(first),
+                    router=ad.router_spec(first).to_dict())
+    except MoECompressError:
+        info["router_convention"] = "dense (no routed experts)"
+    return info
+
+
+def evaluate_model(model, tokenizer=None, *, tasks=None, ppl=None, reference=None, limit=None,
+                   num_fewshot: int | None = None, batch_size: int | str = 1, include_path=None,
+                   window: int = 512, stride: int | None = None, max_tokens: int | None = None, seed: int = 1234,
+                   progress: bool = True) -> dict[str, dict]:
+    """{task: entry} for an arm: a perplexity stream ("ppl:<name>", with KL when `reference`) + lm-eval tasks.
+
+    Every arm of a comparison must be evaluated with the same `ppl`, `window`, `stride`,
+    `max_tokens`, `tasks`, `limit` and `num_fewshot` so its items pair with the others'.
+    """
+    from .lmeval import run_lm_eval
+    from .metrics import evaluate_stream
+
+    if reference is not None and ppl is None:
+        raise MoECompressError("KL to a reference model is measured on a text stream; pass a perplexity text "
+                               "(--ppl FILE) together with the reference.")
+    metrics: dict[str, dict] = {}
+    if ppl is not None:
+        bs = batch_size if isinstance(batch_size, int) else 1
+        metrics[ppl_task_name(ppl)] = evaluate_stream(model, ppl, tokenizer, reference=reference, window=window,
+                                                      stride=stride, max_tokens=max_tokens, batch_size=bs,
+                                                      progress=progress)
+    if tasks:
+        metrics.update(run_lm_eval(model, tokenizer, tasks, num_fewshot=num_fewshot, limit=limit,
+                                   batch_size=batch_size, include_path=include_path, seed=seed))
+    return metrics
+
+
+def plan_arm_fields(plan) -> dict[str, Any]:
+    """An arm's gate_semantics, operator, mask_id and per_layer counts, read from a CompressionPlan.
+
+    Per layer: ``retained`` = slots still served by a verbatim copy of their own expert;
+    ``remapped`` = slots served by another stored expert (a prototype or a merged expert);
+    ``operators`` = slots served by a replacement operator (constant, tilt, partial);
+    ``dropped`` = slots with no expert (rerouted under keep/renorm, zero under replace).
+    ``mask_id`` hashes the set of retained (layer, expert) pairs: arms with the same mask share it.
+    """
+    import hashlib
+    import json
+
+    rows, retained_all, ops_used, gates = [], [], set(), []
+    for lp in sorted(plan.layers, key=lambda x: x.layer):
+        sc = plan.scope(lp.scope)
+        stored = {s.id: s for s in sc.stored}
+        ret = rem = ops = drop = 0
+        for e, slot in enumerate(lp.slots):
+            if isinstance(slot, int):
+                s = stored.get(slot)
+                own = s is not None and s.construction == "copy" and [tuple(x) for x in s.sources] == [(lp.layer, e)]
+                if own:
+                    ret += 1
+                    retained_all.append((lp.layer, e))
+                else:
+                    rem += 1
+            elif slot == "drop":
+                drop += 1
+            else:
+                ops += 1
+                ops_used.add(slot.op)
+        if drop:
+            ops_used.add(f"reroute ({lp.gate})" if lp.gate in ("keep", "renorm") else "drop")
+        if rem:
+            ops_used.add("remap")
+        gates.append(lp.gate)
+        rows.append(dict(layer=lp.layer, experts=len(lp.slots), stored=len(sc.stored), retained=ret, remapped=rem,
+                         operators=ops, dropped=drop, gate=lp.gate))
+    mask = hashlib.sha256(json.dumps(sorted(retained_all)).encode()).hexdigest()[:16]
+    return {"gate_semantics": "/".join(sorted(set(gates))) or None,
+            "operator": " + ".join(sorted(ops_used)) or None, "mask_id": mask, "per_layer": rows,
+            "method": plan.method, "params": dict(plan.params)}

@@ -1,0 +1,127 @@
+"""report.md + PNGs + results.json: every checklist item printed, MISSING when absent, refusals in one sentence."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moecompress.errors import MoECompressError
+from moecompress.eval.report import CHECKLIST_TITLES, checklist, compare_arms, write_report
+
+
+def entry(output_type, metric, values, ids=None, hib=True):
+    values = [float(v) for v in values]
+    ids = list(range(len(values))) if ids is None else ids
+    e = {"output_type": output_type, "aggregate": {metric: float(np.mean(values))},
+         "higher_is_better": {metric: hib}, "primary": metric, "n": len(values),
+         "items": {"ids": ids, metric: values}}
+    return e
+
+
+def ppl_entry(nll, kl=None):
+    ids = [f"abc:{i * 64}" for i in range(len(nll))]
+    e = {"output_type": "perplexity", "aggregate": {"ppl": float(np.exp(np.mean(nll))), "nll": float(np.mean(nll))},
+         "higher_is_better": {"ppl": False, "nll": False, "acc": True}, "primary": "nll", "n": len(nll),
+         "items": {"ids": ids, "nll": list(nll), "n_tokens": [64] * len(nll)}}
+    if kl is not None:
+        e["aggregate"]["kl"] = float(np.mean(kl))
+        e["items"]["kl"] = list(kl)
+    return e
+
+
+def full_results():
+    rng = np.random.default_rng(0)
+    base_mc = rng.integers(0, 2, 80)
+    base_gen = rng.integers(0, 2, 60)
+    base_nll = rng.normal(3.0, 0.2, 40)
+
+    def arm(name, method, kind, drop, size, **kw):
+        mc = np.where(rng.random(80) < drop, 0, base_mc)
+        gen = np.where(rng.random(60) < drop, 0, base_gen)
+        nll = base_nll + drop + rng.normal(0, 0.02, 40)
+        kl = np.abs(rng.normal(drop, 0.01, 40)) if kind != "original" else np.zeros(40)
+        a = {"name": name, "method": method, "kind": kind, "bytes": {"model": size},
+             "metrics": {"ppl:heldout.txt": ppl_entry(nll, kl), "fixture_mc": entry("multiple_choice", "acc", mc),
+                         "fixture_gen": entry("generate_until", "exact_match", gen)}}
+        a.update(kw)
+        return a
+
+    layers = [{"layer": i, "experts": 8, "retained": 4, "remapped": 0, "dropped": 4} for i in range(3)]
+    return {
+        "model": {"name": "qwen3-moe-tiny", "model_type": "qwen3_moe", "router_convention": "softmax → top-2 → renorm",
+                  "num_experts": 8, "top_k": 2},
+        "calibration": {"domain": "English prose", "source": "fixture-calib", "tokens": 65536},
+        "arms": [
+            arm("original", "original", "original", 0.0, 40_000_000, latency={"prefill_tok_s": 900.0,
+                "decode_tok_s": 40.0, "batch_size": 1, "prompt_len": 128, "new_tokens": 32, "repeats": 3,
+                "warmup": 1, "device": "cpu"}, memory={"peak_bytes": 600_000_000, "kind": "cpu_rss"}),
+            arm("reap-50-reroute", "reap", "compressed", 0.3, 22_000_000, gate_semantics="keep", operator="reroute",
+                mask_id="m1", params={"ratio": 0.5}, per_layer=layers),
+            arm("reap-50-drop", "reap", "compressed", 0.05, 22_000_000, gate_semantics="keep", operator="drop",
+                mask_id="m1", params={"ratio": 0.5}, per_layer=layers),
+            arm("rtn-w4g128", "rtn", "quant_baseline", 0.02, 12_000_000, gate_semantics="n/a (all experts kept)",
+                quant={"bits": 4, "group_size": 128, "bits_per_weight": 4.125, "scale_dtype": "float16"}),
+        ],
+        "settings": {"seed": 0},
+        "notes": ["synthetic results for the report test"],
+    }
+
+
+def test_report_with_every_checklist_item(tmp_path):
+    path = write_report(full_results(), tmp_path / "rep")
+    text = path.read_text()
+    for i, title in enumerate(CHECKLIST_TITLES, 1):
+        assert f"{i}. **done** — {title}" in text
+    assert "MISSING" not in text
+    for png in ("quality_vs_bytes.png", "task_deltas.png", "per_layer_experts.png"):
+        assert (tmp_path / "rep" / png).stat().st_size > 5000
+        assert f"]({png})" in text
+    data = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert data["schema"] == "moecompress.results/1" and data["baseline"] == "original"
+    assert [c["done"] for c in data["checklist"]] == [True] * 5
+    comps = data["comparisons"]
+    # 3 arms x (ppl + 2 tasks + task average) vs the baseline, one Holm family
+    assert len(comps) == 12 and all(c["b"] == "original" and c["p_adjusted"] >= c["p"] for c in comps)
+    assert {c["verdict"] for c in comps} <= {"A better", "B better", "not detectably different"}
+    bad = next(c for c in comps if c["a"] == "reap-50-reroute" and c["task"] == "ppl:heldout.txt")
+    assert bad["delta"] > 0 and bad["verdict"] == "B better"  # NLL up by 0.3 nats: the original is better
+    assert "not detectably different" in text or "B better" in text
+    assert "mask m1: operators drop, reroute" in text
+    assert data["settings"]["B"] == 1920 and "Warning" not in text  # B >= 8 m / alpha for m = 12
+
+
+def test_too_few_replicates_are_flagged(tmp_path):
+    text = write_report(full_results(), tmp_path / "rep", B=300).read_text()
+    assert "with B = 300 replicates" in text and "B ≥ 1920" in text
+
+
+def test_missing_items_are_listed_not_hidden(tmp_path):
+    r = full_results()
+    r.pop("calibration")
+    r["model"].pop("router_convention")
+    r["arms"] = [a for a in r["arms"] if a["kind"] != "quant_baseline"][:2]
+    for a in r["arms"]:
+        a["metrics"].pop("fixture_gen")
+    text = write_report(r, tmp_path / "rep").read_text()
+    for i, title in enumerate(CHECKLIST_TITLES, 1):
+        assert f"{i}. **MISSING** — {title}" in text
+    items = checklist(r)
+    assert "router convention" in items[0]["detail"] and "calibration domain, source, tokens" in items[3]["detail"]
+
+
+def test_unpaired_arms_are_refused(tmp_path):
+    r = full_results()
+    r["arms"][1]["metrics"]["fixture_mc"]["items"]["ids"] = list(range(1, 81))
+    with pytest.raises(MoECompressError, match="not evaluated on the same items"):
+        write_report(r, tmp_path / "rep")
+
+
+def test_invalid_results_point_at_the_field(tmp_path):
+    r = full_results()
+    r["arms"][1]["name"] = "original"
+    with pytest.raises(MoECompressError, match="'arms'.*unique"):
+        write_report(r, tmp_path / "rep")
+    r = full_results()
+    r["arms"][0]["metrics"]["fixture_mc"]["items"]["acc"] = [1.0]
+    with pytest.raises(MoECompressError, match="arms.0.metrics.fixture_mc"):
+        compare_arms(r)
