@@ -18,7 +18,7 @@ def pairwise_distance(experts: ExpertWeights, eps: float = 1e-8) -> torch.Tensor
     """
     total = None
     for w in (experts.gate, experts.up, experts.down):
-        flat = w.reshape(w.shape[0], -1).double()
+        flat = w.detach().reshape(w.shape[0], -1).double()
         norms = flat.norm(dim=1)
         diff = torch.cdist(flat, flat)
         term = 2 * diff / (norms[:, None] + norms[None, :] + 2 * eps)

@@ -1,0 +1,16 @@
+"""Calibration: stream a checkpoint layer by layer over calibration text and gather per-expert statistics."""
+
+from . import intermediate as _intermediate  # noqa: F401  (registers the mid_mean collector)
+from .api import UnreachedExpertsWarning, calibrate
+from .collectors import COLLECTORS, STAT_PROVIDERS, Collector, collectors_for, register_collector
+from .dryrun import ResourceEstimate
+from .observe import Observation
+from .registry import DEFAULT_STATS, known_methods, register_method_stats, resolve_stats, stats_for_method
+from .runner import SequentialRunner
+from .store import StatsStore
+
+__all__ = [
+    "COLLECTORS", "DEFAULT_STATS", "STAT_PROVIDERS", "Collector", "Observation", "ResourceEstimate",
+    "SequentialRunner", "StatsStore", "UnreachedExpertsWarning", "calibrate", "collectors_for", "known_methods",
+    "register_collector", "register_method_stats", "resolve_stats", "stats_for_method",
+]

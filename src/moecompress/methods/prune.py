@@ -1,0 +1,217 @@
+"""Expert pruning: any selection criterion × any replacement operator × any gate scale.
+
+`select_experts` decides which experts each layer keeps (criterion + budget); `build_prune` decides
+what a removed slot computes (operator) and at which gate scale, and returns a CompressionPlan.
+Holding the mask fixed while varying the operator is the fixed-mask comparison of the
+replacement-operators paper; `moecompress grid` does exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import MoECompressError
+from ..plan import CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp, Scope, StoredExpert, TiltOp
+from ..scoring import criteria as C
+from ..scoring import doptimal_kernel, greedy_doptimal, nonuniform_keep, num_kept, rank, uniform_keep
+from ..scoring.distance import pairwise_distance
+from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+from .registry import MethodContext, register_method
+
+Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
+OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
+
+CRITERION_STATS: dict[str, list[str]] = {
+    "random": ["counts", "tokens"], "frequency": ["counts", "tokens"], "mass": ["counts", "tokens", "routing_mass"],
+    "pp": ["counts", "tokens", "pp"], "ps": ["counts", "tokens", "cp"], "cp": ["counts", "tokens", "cp"],
+    "acp": ["counts", "tokens", "cp", "out_norm_sq_mean"], "reap": ["counts", "tokens", "reap"],
+    "ean": ["counts", "tokens", "ean"], "mone": ["counts", "tokens", "routing_mass", "out_mean", "out_var"],
+    "do-cp": ["counts", "tokens", "cp", "gram"], "do-acp": ["counts", "tokens", "cp", "out_norm_sq_mean", "gram"],
+}
+OPERATOR_STATS: dict[str, list[str]] = {
+    "reroute": [], "drop": [], "remap": [], "constant": ["out_mean"],
+    "tilt": ["moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment", "cross_moment"],
+    "partial": ["mid_channel_norm", "mid_mean"],
+}
+
+
+class PruneConfig(BaseModel):
+    """Expert pruning recipe."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    criterion: Criterion = Field("reap", description="selection criterion (higher score = kept)")
+    ratio: float = Field(0.5, ge=0.0, lt=1.0, description="fraction of routed experts removed")
+    budget: Literal["uniform", "nonuniform"] = Field("uniform", description="per-layer or global budget")
+    operator: OperatorName = Field("reroute", description="what a removed slot computes")
+    gate: Literal["keep", "renorm"] = Field("keep", description="gate scale when rerouting")
+    rank: int = Field(32, ge=0, description="tilt rank (0 = MoNE's constant); also sets the partial-copy budget")
+    ridge: float = Field(1e-3, ge=0.0, description="scale-free ridge of the tilt fit")
+    protect_super_experts: bool = Field(True, description="never prune experts with extreme output norms")
+    seed: int = 0
+
+
+def needs_stats(config: PruneConfig) -> list[str]:
+    return sorted(set(CRITERION_STATS[config.criterion]) | set(OPERATOR_STATS[config.operator])
+                  | ({"out_norm_sq_mean"} if config.protect_super_experts else set()))
+
+
+def _get(stats, layer: int, name: str) -> torch.Tensor:
+    return stats.get(layer, name).double()
+
+
+def layer_scores(criterion: str, stats, layer: int, seed: int = 0) -> torch.Tensor:
+    """Score [E] of every expert of `layer` under `criterion` (scoring/criteria.py equations)."""
+    g = lambda name: _get(stats, layer, name)  # noqa: E731
+    counts = g("counts")
+    n = float(g("tokens"))
+    if criterion == "random":
+        return C.random_scores(len(counts), seed + layer)
+    if criterion == "frequency":
+        return C.frequency(counts)
+    if criterion == "mass":
+        return C.routing_mass(g("routing_mass"))
+    if criterion == "pp":
+        return g("pp")
+    if criterion == "ps":
+        return C.ps(g("cp") * counts, n)
+    if criterion == "cp":
+        return g("cp")
+    if criterion == "acp":
+        return C.acp(g("cp") * counts, counts, g("out_norm_sq_mean") * counts)
+    if criterion == "reap":
+        return g("reap")
+    if criterion == "ean":
+        return C.ean(g("ean"))
+    if criterion == "mone":
+        mean, var = g("out_mean"), g("out_var")
+        c = counts[:, None]
+        return C.mone(mean * c, (var + mean.square()) * c, counts, g("routing_mass"), n)
+    raise MoECompressError(f"Criterion '{criterion}' has no per-expert score; use it through select_experts.")
+
+
+def select_experts(config: PruneConfig, adapter, stats) -> dict[int, list[int]]:
+    """Kept expert ids per MoE layer (sorted), under the config's criterion and budget."""
+    protected = {}
+    if config.protect_super_experts:
+        for i in adapter.moe_layers:
+            protected[i] = C.super_experts(_get(stats, i, "out_norm_sq_mean") * _get(stats, i, "counts"),
+                                           _get(stats, i, "counts"))
+    if config.criterion.startswith("do-"):
+        if config.budget != "uniform":
+            raise MoECompressError("D-optimal selection chooses a set per layer; use budget 'uniform' with it.")
+        keep = {}
+        for i in adapter.moe_layers:
+            counts = _get(stats, i, "counts")
+            base = g_cp = _get(stats, i, "cp")
+            if config.criterion == "do-acp":
+                base = C.acp(g_cp * counts, counts, _get(stats, i, "out_norm_sq_mean") * counts)
+            k = num_kept(len(counts), config.ratio)
+            chosen = greedy_doptimal(doptimal_kernel(base, _get(stats, i, "gram")), k)
+            keep[i] = _with_protected(sorted(chosen), protected.get(i), base)
+            _check_feasible(adapter, i, keep[i], config.ratio)
+        return keep
+    scores = {i: layer_scores(config.criterion, stats, i, config.seed) for i in adapter.moe_layers}
+    if config.budget == "nonuniform":
+        keep = nonuniform_keep(scores, config.ratio, {i: adapter.top_k(i) for i in adapter.moe_layers})
+        return {i: _with_protected(v, protected.get(i), scores[i]) for i, v in keep.items()}
+    out = {}
+    for i in adapter.moe_layers:
+        spec = adapter.router_spec(i)
+        out[i] = uniform_keep(scores[i], config.ratio, spec.top_k, protected.get(i), spec.n_group, spec.topk_group)
+    return out
+
+
+def _with_protected(kept: list[int], protected: torch.Tensor | None, scores: torch.Tensor) -> list[int]:
+    """Swap protected experts in for the lowest-scored unprotected kept ones (same count)."""
+    if protected is None or not protected.any():
+        return kept
+    missing = [e for e in range(len(protected)) if protected[e] and e not in kept]
+    removable = sorted((e for e in kept if not protected[e]), key=lambda e: (float(scores[e]), -e))
+    for e, out in zip(missing, removable):
+        kept = [x for x in kept if x != out] + [e]
+    return sorted(kept)
+
+
+def _check_feasible(adapter, layer: int, kept: list[int], ratio: float) -> None:
+    if len(kept) < adapter.top_k(layer):
+        raise MoECompressError(f"Ratio {ratio} keeps {len(kept)} experts in layer {layer}, fewer than top-k="
+                               f"{adapter.top_k(layer)}; use a smaller ratio.")
+
+
+# ----------------------------------------------------------------------------- operators
+def _operator_for(config: PruneConfig, adapter, stats, layer: int, e: int, kept: list[int],
+                  tensors: dict[str, torch.Tensor], dtype: torch.dtype, distance: torch.Tensor | None):
+    """The slot target replacing pruned expert e of `layer`, adding any parameters to `tensors`."""
+    key = f"layer{layer}.expert{e}"
+    if config.operator == "drop":
+        return "drop"
+    if config.operator == "remap":
+        return kept.index(min(kept, key=lambda p: (float(distance[e, p]), p)))
+    if config.operator == "constant" or (config.operator == "tilt" and config.rank == 0):
+        tensors[f"{key}.value"] = _get(stats, layer, "out_mean")[e].to(dtype)
+        return ConstantOp(tensor=key)
+    if config.operator == "tilt":
+        sel = stats.get(layer, "moment_experts").tolist()
+        if e not in sel:
+            raise MoECompressError(f"The stats store has no input/output moments for expert {e} of layer {layer}; "
+                                   "re-run calibration with --for-method tilt.")
+        s = sel.index(e)
+        n = float(stats.get(layer, "moment_count")[s])
+        mom = lambda name: _get(stats, layer, name)[s] * n  # noqa: E731  means -> sums
+        tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
+                        rank=min(config.rank, adapter.hidden_size), ridge=config.ridge)
+        if tilt.rank == 0:  # an expert no token reached: its constant is 0
+            tensors[f"{key}.value"] = tilt.b.to(dtype)
+            return ConstantOp(tensor=key)
+        tensors.update({f"{key}.U": tilt.B.to(dtype), f"{key}.V": tilt.A.T.contiguous().to(dtype),
+                        f"{key}.bias": tilt.b.to(dtype)})
+        return TiltOp(rank=tilt.rank, tensor=key)
+    # partial copy: the highest-energy neurons of the expert plus a bias for the rest
+    w = adapter.get_expert(layer, e)
+    if w.has_bias:
+        raise MoECompressError("Partial copies of experts with biases (GPT-OSS) are not supported; use tilt instead.")
+    count = float(stats.get(layer, "counts")[e])
+    width = max(1, min(partial_copy_size(config.rank, adapter.hidden_size), w.down.shape[1]))
+    energy = neuron_energy(_get(stats, layer, "mid_channel_norm")[e].square(), count, w.down)
+    neurons = torch.tensor(sorted(rank(energy)[:width]))
+    mid_sum = _get(stats, layer, "mid_mean")[e] * count
+    tensors.update({f"{key}.gate": w.gate[neurons].to(dtype), f"{key}.up": w.up[neurons].to(dtype),
+                    f"{key}.down": w.down[:, neurons].to(dtype),
+                    f"{key}.bias": partial_copy_bias(mid_sum, count, w.down, neurons).to(dtype)})
+    return PartialOp(source=(layer, e), width=width, tensor=key)
+
+
+def build_prune(config: PruneConfig, context: MethodContext):
+    """CompressionPlan (+ operator tensors) for `config` on the context's model and stats."""
+    adapter, stats = context.adapter, context.stats
+    if stats is None:
+        raise MoECompressError("Pruning needs calibration statistics; run moecompress calibrate first "
+                               "(or pass --calib SPEC).")
+    keep = select_experts(config, adapter, stats)
+    info = ModelInfo.from_model(adapter)
+    params = config.model_dump()
+    if config.operator == "reroute":
+        return CompressionPlan.prune(info, keep, gate=config.gate, method="prune", params=params), {}
+    tensors: dict[str, torch.Tensor] = {}
+    scopes, layers = [], []
+    for i in adapter.moe_layers:
+        kept = keep[i]
+        dtype = adapter.experts(i).gate.dtype
+        distance = pairwise_distance(adapter.experts(i)) if config.operator == "remap" else None
+        slots = []
+        for e in range(adapter.num_experts(i)):
+            slots.append(kept.index(e) if e in kept else
+                         _operator_for(config, adapter, stats, i, e, kept, tensors, dtype, distance))
+        sid = f"layer{i}"
+        scopes.append(Scope(id=sid, layers=[i], stored=[StoredExpert(id=j, sources=[(i, e)])
+                                                         for j, e in enumerate(kept)]))
+        gate = "aggregate" if config.operator == "remap" else "replace"
+        layers.append(LayerPlan(layer=i, scope=sid, gate=gate, slots=slots))
+    return CompressionPlan(model=info, scopes=scopes, layers=layers, method="prune", params=params), tensors
+
+
+register_method("prune", PruneConfig, build_prune, needs_stats, family="prune")

@@ -1,0 +1,135 @@
+"""Pruning: criteria equal a full-forward reference; every operator builds a runnable plan."""
+
+import pytest
+import torch
+
+from moecompress.api import apply_plan
+from moecompress.calibrate import calibrate
+from moecompress.data import CalibrationData
+from moecompress.errors import MoECompressError
+from moecompress.methods import MethodContext, get_method, parse_config
+from moecompress.methods.operators import fit_tilt
+from moecompress.methods.prune import PruneConfig, build_prune, layer_scores, select_experts
+from moecompress.models import MoEAdapter, load_model
+from moecompress.scoring import criteria as C
+from moecompress.testing import save_tiny
+
+STATS = ["counts", "tokens", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_sq_mean", "out_mean", "out_var",
+         "gram", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
+         "cross_moment", "mid_channel_norm", "mid_mean"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prune")
+    path = save_tiny("olmoe", root / "model", seed=3)
+    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
+    data = CalibrationData.from_tokens(ids)
+    store = calibrate(str(path), data, seq_len=24, out=root / "stats", stats=STATS, batch_size=4, dtype="float32",
+                      progress=False)
+    model = load_model(str(path), dtype="float32")
+    adapter = MoEAdapter(model)
+    # reference: every MoE block's input on the same tokens, from a full forward with hooks
+    inputs = {}
+    hooks = [adapter.layer(i).block.register_forward_hook(
+        lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach()))
+        for i in adapter.moe_layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return path, store, adapter, inputs
+
+
+def _reference_scores(adapter, layer, h):
+    r = adapter.route(layer, h)
+    e_all = adapter.num_experts(layer)
+    out = {k: torch.zeros(e_all, dtype=torch.float64) for k in ("count", "mass", "psel", "gnorm", "norm", "sq")}
+    outs = {}
+    for e in range(e_all):
+        tok, slot = torch.where(r.index == e)
+        y = adapter.expert_forward(layer, e, h[tok]).double()
+        norm = y.norm(dim=-1)
+        g = r.weight[tok, slot].double()
+        out["count"][e], out["mass"][e] = len(tok), g.sum()
+        out["psel"][e] = r.probs[tok, e].double().sum()
+        out["gnorm"][e], out["norm"][e], out["sq"][e] = (g * norm).sum(), norm.sum(), (norm * norm).sum()
+        outs[e] = y
+    n = len(h)
+    cnt = out["count"]
+    std = torch.stack([outs[e].std(0, unbiased=False).norm() if len(outs[e]) else torch.tensor(0.0, dtype=torch.float64)
+                       for e in range(e_all)])
+    return {
+        "frequency": cnt, "mass": out["mass"], "pp": r.probs.double().mean(0), "ps": out["psel"] / n,
+        "cp": C._safe_div(out["psel"], cnt), "acp": C._safe_div(out["psel"], cnt) * C._safe_div(out["sq"], cnt).sqrt(),
+        "reap": C._safe_div(out["gnorm"], cnt), "ean": out["norm"], "mone": std * out["mass"] / n,
+    }
+
+
+@pytest.mark.parametrize("criterion", ["frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone"])
+def test_criterion_equals_full_forward_reference(setup, criterion):
+    _, store, adapter, inputs = setup
+    for i in adapter.moe_layers:
+        ours = layer_scores(criterion, store, i)
+        ref = _reference_scores(adapter, i, inputs[i])[criterion]
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("criterion", ["random", "reap", "do-cp", "do-acp", "mone"])
+def test_selection_budget(setup, criterion):
+    _, store, adapter, _ = setup
+    keep = select_experts(PruneConfig(criterion=criterion, ratio=0.5), adapter, store)
+    assert all(len(v) == 4 and v == sorted(set(v)) for v in keep.values())
+    again = select_experts(PruneConfig(criterion=criterion, ratio=0.5), adapter, store)
+    assert keep == again
+
+
+@pytest.mark.parametrize("operator", ["reroute", "drop", "constant", "tilt", "partial", "remap"])
+def test_every_operator_builds_a_runnable_plan(setup, operator):
+    path, store, adapter, inputs = setup
+    config = parse_config("prune", dict(criterion="reap", ratio=0.5, operator=operator, rank=4))
+    plan, tensors = get_method("prune").build(config, MethodContext(adapter, store))
+    plan.check_tensors(tensors)
+    model = load_model(str(path), dtype="float32")
+    apply_plan(model, plan, tensors)
+    with torch.no_grad():
+        logits = model(torch.randint(3, 96, (2, 10))).logits
+    assert torch.isfinite(logits).all()
+    if operator != "reroute":
+        assert {lp.gate for lp in plan.layers} == ({"aggregate"} if operator == "remap" else {"replace"})
+
+
+def test_constant_and_tilt_slots_compute_their_fits(setup):
+    path, store, adapter, inputs = setup
+    layer = adapter.moe_layers[0]
+    h = inputs[layer]
+    for operator, rank in (("constant", 0), ("tilt", 3)):
+        config = PruneConfig(criterion="frequency", ratio=0.5, operator=operator, rank=rank)
+        plan, tensors = build_prune(config, MethodContext(adapter, store))
+        kept = [e for e, s in enumerate(plan.layer(layer).slots) if isinstance(s, int)]
+        model = load_model(str(path), dtype="float32")
+        ref = MoEAdapter(model)
+        r = ref.route(layer, h)
+        expected = torch.zeros_like(h)
+        for e in range(8):
+            tok, slot = torch.where(r.index == e)
+            if e in kept:
+                y = ref.expert_forward(layer, e, h[tok])
+            else:
+                all_tok = torch.where((r.index == e).any(-1))[0]
+                x_e = h[all_tok].double()
+                y_e = ref.expert_forward(layer, e, h[all_tok]).double()
+                tilt = fit_tilt(len(x_e), x_e.sum(0), y_e.sum(0), x_e.T @ x_e, x_e.T @ y_e, rank=rank)
+                y = tilt(h[tok].double()).float()
+            expected.index_add_(0, tok, y * r.weight[tok, slot, None])
+        apply_plan(model, plan, tensors)
+        with torch.no_grad():
+            got = getattr(ref.decoder_layers[layer], ref.layer(layer).block_attr)(h[None])[0]
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-3)
+
+
+def test_bad_prune_config_is_one_sentence():
+    with pytest.raises(MoECompressError, match="ratio"):
+        parse_config("prune", {"ratio": 1.5})
+    with pytest.raises(MoECompressError, match="Unknown method 'prun'; did you mean prune"):
+        get_method("prun")
