@@ -202,7 +202,8 @@ def _task_entry(name: str, results: dict, configs: dict, hib: dict, samples: lis
             flt = s.get("filter", "none")
             for m in s.get("metrics", []):
                 if m in s:
-                    rec[m if plain else f"{m},{flt}"] = _clean(float(s[m]) if isinstance(s[m], (int, float, bool)) else s[m])
+                    v = s[m]
+                    rec[m if plain else f"{m},{flt}"] = _clean(float(v) if isinstance(v, (int, float, bool)) else v)
             if output_type == "generate_until":
                 resp = s.get("filtered_resps")
                 rec["response"] = resp[0] if isinstance(resp, list) and resp else resp

@@ -199,8 +199,10 @@ def evaluate_stream(model, data, tokenizer=None, *, reference=None, window: int 
     for k in metrics:
         items[k] = [r[k] for r in recs]
     return {"output_type": "perplexity", "source": name if name is not None else info["source"],
-            **({"domain": info["domain"]} if info.get("domain") else {}), "window": window, "stride": min(stride or window, window - 1), "fingerprint": fp, "n": len(recs), "n_tokens": n,
-            "aggregate": aggregate, "higher_is_better": higher, "primary": "nll", "items": items}
+            **({"domain": info["domain"]} if info.get("domain") else {}),
+            "window": window, "stride": min(stride or window, window - 1), "fingerprint": fp,
+            "n": len(recs), "n_tokens": n, "aggregate": aggregate, "higher_is_better": higher, "primary": "nll",
+            "items": items}
 
 
 def kl_divergence(model, reference, data, tokenizer=None, **kwargs) -> float:

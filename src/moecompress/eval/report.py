@@ -471,7 +471,8 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
         m, nb = len(comparisons), settings["B"]
         if nb is not None and 2 * m / (nb + 1) > settings["alpha"]:
             out.append("")
-            out.append(f"**Warning:** with B = {nb} replicates the smallest bootstrap p is 2/(B+1) = {2 / (nb + 1):.4f}, "
+            out.append(f"**Warning:** with B = {nb} replicates the smallest bootstrap p is 2/(B+1) = "
+                       f"{2 / (nb + 1):.4f}, "
                        f"so after Holm over {m} comparisons no difference can reach α = {settings['alpha']}; re-run "
                        f"with B ≥ {min_replicates(m, settings['alpha'])}.")
     else:

@@ -73,7 +73,8 @@ def align(ids_a: Sequence, a: Sequence[float], ids_b: Sequence, b: Sequence[floa
     """Pair per-item values by item id; refuse arms that were not evaluated on the same items."""
     ids_a, ids_b = [str(i) for i in ids_a], [str(i) for i in ids_b]
     if len(ids_a) != len(a) or len(ids_b) != len(b):
-        raise MoECompressError(f"The per-item ids and values of {what} have different lengths; pass one value per item id.")
+        raise MoECompressError(f"The per-item ids and values of {what} have different lengths; pass one value "
+                               "per item id.")
     if len(set(ids_a)) != len(ids_a) or len(set(ids_b)) != len(ids_b):
         raise MoECompressError(f"Item ids of {what} repeat; pass one value per distinct item.")
     sa, sb = set(ids_a), set(ids_b)
