@@ -1,0 +1,74 @@
+"""``moecompress calibrate``: a thin shell over `moecompress.calibrate.calibrate`."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def calibrate_command(
+    model: str = typer.Argument(..., help="Checkpoint directory (safetensors) or hub id; streamed layer by layer."),
+    data: str = typer.Option(..., "--data", help="Data spec: c4:128, wikitext2:64, fineweb-edu:256, gsm8k:128, "
+                                                 "fixture-calib:64, file.txt, file.jsonl#text, mixtures a:64+b:64."),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per calibration sequence."),
+    out: str = typer.Option(..., "--out", help="Stats store directory to write."),
+    stats: str | None = typer.Option(None, "--stats", help="Comma-separated statistic names to gather."),
+    for_method: str | None = typer.Option(None, "--for-method", help="Gather what this method needs."),
+    offload_dir: str | None = typer.Option(None, "--offload-dir", help="Keep hidden states on disk here."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished layer."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only estimate memory, disk and time, then stop."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per batch."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32 or bfloat16."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration sequences."),
+    device: str | None = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: CUDA if present)."),
+    pad: bool = typer.Option(False, "--pad", help="Pad documents with a mask instead of packing them."),
+    chat_template: bool = typer.Option(False, "--chat-template", help="Render text with the tokenizer's chat "
+                                                                      "template (instruct models)."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer directory or id if the model "
+                                                                      "directory has none."),
+    moment_experts: str | None = typer.Option(None, "--moment-experts",
+                                                 help="Experts for input/cross moments: '0,3,5' or JSON "
+                                                      "{\"layer\": [ids]} (default: all)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing stats store."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
+) -> None:
+    """Gather per-expert statistics layer by layer into a stats store (streams the checkpoint)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..errors import MoECompressError
+    from . import calibrate
+
+    experts = None
+    if moment_experts:
+        try:
+            experts = json.loads(moment_experts) if moment_experts.strip().startswith("{") else \
+                [int(e) for e in moment_experts.split(",") if e.strip()]
+        except ValueError:
+            raise MoECompressError(f"--moment-experts '{moment_experts}' is neither '0,3,5' nor a JSON object "
+                                   "{\"layer\": [ids]}; fix it.") from None
+    console = Console()
+    result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
+                       offload_dir=offload_dir, resume=resume, dry_run=dry_run, batch_size=batch_size, dtype=dtype,
+                       seed=seed, device=device, padding=pad, chat_template=chat_template, tokenizer=tokenizer,
+                       moment_experts=experts, overwrite=overwrite, trust_remote_code=trust_remote_code)
+    if dry_run:
+        if as_json:
+            typer.echo(json.dumps(result.to_dict(), indent=2))
+        else:
+            table = Table(title="calibration dry run", show_header=False)
+            for k, v in result.rows():
+                table.add_row(k, v)
+            console.print(table)
+        if not result.fits:
+            raise MoECompressError(result.problem())
+        return
+    if as_json:
+        typer.echo(json.dumps({"out": str(result.path), **result.meta}, indent=2))
+        return
+    console.print(f"[bold]stats store[/] {result.path}")
+    console.print(result.describe())
+    console.print(f"statistics: {', '.join(result.names)}")
+    console.print(f"MoE layers: {result.layers}")

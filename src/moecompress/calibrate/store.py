@@ -1,0 +1,218 @@
+"""The stats store: safetensors + JSON, one tensor per (layer, statistic).
+
+Layout of ``DIR``::
+
+    stats.json              format, model (source, fingerprint, type, MoE layers, experts, top-k, router
+                            convention per layer), data (spec, seq_len, seed, packing, exact token count,
+                            sources with their domain, token fingerprint), statistics held, collector
+                            parameters, dtype, batch size, unreached experts, package versions
+    layer_XXXX.safetensors  one file per MoE layer; tensor names are the statistic names
+
+A run in progress keeps finished layers in a sibling ``.DIR.partial/`` (``run.json`` + the same
+``layer_XXXX.safetensors`` files), so a killed run resumes from its last finished layer and the
+finished files are moved, byte for byte, into the final directory, which appears only when the run
+completes (written atomically). One file per layer keeps memory flat however large the statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import MoECompressError
+
+FORMAT = "moecompress-stats/1"
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": FORMAT})
+    os.replace(tmp, path)
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    import safetensors
+    import transformers
+
+    from .. import __version__
+
+    return {"moecompress": __version__, "torch": torch.__version__.split("+")[0],
+            "transformers": transformers.__version__, "safetensors": safetensors.__version__,
+            "python": platform.python_version()}
+
+
+class StatsStore:
+    """Read access to a finished stats store: ``StatsStore.load(dir).get(layer, name)``."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = Path(path)
+        self.meta = meta
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path, model_fingerprint: str | None = None, data_spec: str | None = None) -> StatsStore:
+        """Open a store; with `model_fingerprint` / `data_spec` it refuses a store made from other inputs."""
+        path = Path(path)
+        meta_file = path / "stats.json"
+        if not meta_file.is_file():
+            raise MoECompressError(f"{path} is not a stats store (no stats.json); run "
+                                   "`moecompress calibrate` to create one.")
+        try:
+            meta = json.loads(meta_file.read_text())
+        except json.JSONDecodeError:
+            raise MoECompressError(f"{meta_file} is not valid JSON: the stats store is corrupted; re-run "
+                                   "calibration.") from None
+        if meta.get("format") != FORMAT:
+            raise MoECompressError(f"{path} holds stats format '{meta.get('format')}', not {FORMAT}; re-run "
+                                   "calibration with this version of moecompress.")
+        store = cls(path, meta)
+        store.check(model_fingerprint, data_spec)
+        return store
+
+    def check(self, model_fingerprint: str | None = None, data_spec: str | None = None) -> None:
+        """Refuse (one sentence) when the store was computed on another model or data spec."""
+        m, d = self.meta["model"], self.meta["data"]
+        if model_fingerprint is not None and m["fingerprint"] != model_fingerprint:
+            raise MoECompressError(f"The stats store {self.path} was computed on another model ({m['source']}); "
+                                   "re-run calibration for this model or pass the store made from it.")
+        if data_spec is not None and d["spec"] != data_spec:
+            raise MoECompressError(f"The stats store {self.path} was computed on data '{d['spec']}', not "
+                                   f"'{data_spec}'; re-run calibration with this data or pass --data {d['spec']}.")
+
+    def _file(self, layer: int) -> Path:
+        return self.path / f"layer_{layer:04d}.safetensors"
+
+    # ------------------------------------------------------------------ access
+    @property
+    def layers(self) -> list[int]:
+        return list(self.meta["layers"])
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.meta["stats"])
+
+    @property
+    def token_count(self) -> int:
+        return int(self.meta["data"]["tokens"])
+
+    @property
+    def data_spec(self) -> str:
+        return self.meta["data"]["spec"]
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.meta["model"]["fingerprint"]
+
+    @property
+    def seed(self) -> int:
+        return int(self.meta["data"]["seed"])
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.meta["stats"] for n in names)
+
+    def require(self, *names: str, method: str | None = None) -> None:
+        missing = [n for n in names if n not in self.meta["stats"]]
+        if missing:
+            hint = f"--for-method {method}" if method else f"--stats {','.join(missing)}"
+            raise MoECompressError(f"The stats store {self.path} lacks '{missing[0]}'; re-run moecompress calibrate "
+                                   f"with {hint}.")
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        """Statistic `name` of decoder layer `layer` (see docs/calibration.md for definitions and shapes)."""
+        if layer not in self.meta["layers"]:
+            raise MoECompressError(f"The stats store has no layer {layer}; its MoE layers are {self.layers}.")
+        self.require(name)
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self._file(layer)), framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception:
+            raise MoECompressError(f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
+                                   "re-run calibration.") from None
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        return {n: self.get(layer, n) for n in self.names}
+
+    def unreached(self) -> dict[int, list[int]]:
+        return {int(k): v for k, v in self.meta.get("unreached", {}).items()}
+
+    def describe(self) -> str:
+        """One line for reports: calibration domain, token count, seed."""
+        d = self.meta["data"]
+        domains = "; ".join(f"{s['term']}: {s['domain']}" for s in d.get("sources", []))
+        return f"calibration {d['spec']} ({domains}), {d['tokens']:,} tokens, seq_len {d['seq_len']}, seed {d['seed']}"
+
+
+def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict) -> StatsStore:
+    """Move the finished layer files of `partial` into a complete store at `out` (atomically)."""
+    from ..atomic import atomic_dir
+
+    with atomic_dir(out, overwrite=True) as tmp:
+        for i in layers:
+            os.replace(partial.dir / f"layer_{i:04d}.safetensors", Path(tmp) / f"layer_{i:04d}.safetensors")
+        _write_json(Path(tmp) / "stats.json", meta)
+    return StatsStore(Path(out), json.loads((Path(out) / "stats.json").read_text()))
+
+
+class PartialRun:
+    """The resumable state of a run in progress: ``.DIR.partial/`` beside the output."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.dir = self.out.parent / f".{self.out.name}.partial"
+
+    def start(self, identity: dict, resume: bool) -> list[int]:
+        """Begin (or, with resume, continue) a run; returns layers already finished."""
+        run = self.dir / "run.json"
+        if self.dir.exists() and resume and run.is_file():
+            old = json.loads(run.read_text())
+            for key, what in (("model_fingerprint", "another model"), ("data_fingerprint", "other data"),
+                              ("data_spec", "another data spec")):
+                if old["identity"].get(key) != identity.get(key):
+                    raise MoECompressError(f"The interrupted run in {self.dir} was made with {what} "
+                                           f"({old['identity'].get(key.replace('fingerprint', 'source'), key)}); "
+                                           "drop --resume to start over or pass its original inputs.")
+            if old["identity"] != identity:
+                diff = sorted(k for k in identity if old["identity"].get(k) != identity[k])
+                raise MoECompressError(f"The interrupted run in {self.dir} used different settings ({', '.join(diff)}); "
+                                       "drop --resume to start over or pass the same settings.")
+            return [i for i in old["finished"] if (self.dir / f"layer_{i:04d}.safetensors").is_file()]
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        _write_json(run, {"identity": identity, "finished": []})
+        return []
+
+    def save_layer(self, i: int, stats: dict[str, torch.Tensor]) -> None:
+        _save_tensors(self.dir / f"layer_{i:04d}.safetensors", stats)
+        run = json.loads((self.dir / "run.json").read_text())
+        run["finished"] = sorted(set(run["finished"]) | {i})
+        _write_json(self.dir / "run.json", run)
+
+    def load_layer(self, i: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.dir / f"layer_{i:04d}.safetensors"))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def load_stats(path, model_fingerprint: str | None = None, data_spec: str | None = None) -> StatsStore:
+    """`StatsStore.load` under a function name."""
+    return StatsStore.load(path, model_fingerprint, data_spec)

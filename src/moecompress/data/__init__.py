@@ -1,0 +1,19 @@
+"""Calibration and evaluation text: data specs, hub datasets, local files, packing and padding."""
+
+from .calibration import (
+    CalibrationData,
+    SourceInfo,
+    TokenStream,
+    encode_documents,
+    load_calibration,
+    load_tokenizer,
+    token_stream,
+)
+from .sources import FIXTURES, HUB_DATASETS, HubDataset
+from .spec import SourceSpec, parse_spec
+from .tokenizers import char_tokenizer
+
+__all__ = [
+    "FIXTURES", "HUB_DATASETS", "CalibrationData", "HubDataset", "SourceInfo", "SourceSpec", "TokenStream",
+    "char_tokenizer", "encode_documents", "load_calibration", "load_tokenizer", "parse_spec", "token_stream",
+]

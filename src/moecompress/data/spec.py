@@ -1,0 +1,91 @@
+"""Data spec strings: ``c4:128``, ``wikitext2@test``, ``path/to/file.jsonl#text:64``, ``a:64+b:64``.
+
+Grammar (one term per source, ``+`` between terms)::
+
+    spec  := term ('+' term)*
+    term  := source ['@' split] [':' count]
+    source:= hub name (c4, wikitext2, fineweb-edu, gsm8k) | fixture name (fixture-calib, fixture-heldout)
+           | path to a .txt / .jsonl / .json file, optionally '#field' for JSON records (default 'text')
+
+``count`` is a number of sequences of the requested length; without it a hub source gives 128
+and a file or fixture gives every sequence its text fills.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..errors import MoECompressError
+from .sources import FIXTURES, HUB_DATASETS
+
+_EXAMPLE = "e.g. c4:128, wikitext2:64, fixture-calib:32, path/to/file.txt or path/to/file.jsonl#text:64+gsm8k:64"
+_FILE_SUFFIXES = (".txt", ".jsonl", ".json")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One term of a data spec."""
+
+    term: str
+    kind: Literal["hub", "fixture", "file"]
+    name: str  # hub short name, fixture name or file path
+    field: str | None = None  # JSON records: the text field
+    split: str | None = None
+    count: int | None = None
+
+
+def _parse_term(term: str, spec: str) -> SourceSpec:
+    body, count = term, None
+    m = re.fullmatch(r"(.*?):(\d+)", body)
+    if m:
+        body, count = m.group(1), int(m.group(2))
+        if count <= 0:
+            raise MoECompressError(f"The data spec '{spec}' asks for {count} sequences from '{body}'; "
+                                   "ask for at least one.")
+    split = None
+    if "@" in body and not Path(body).exists():
+        body, split = body.rsplit("@", 1)
+        if not split:
+            raise MoECompressError(f"The data spec term '{term}' has an empty split after '@'; write e.g. "
+                                   "wikitext2@test.")
+    body = body.strip()
+    if not body:
+        raise MoECompressError(f"The data spec '{spec}' has an empty term; {_EXAMPLE}.")
+    key = body.lower()
+    if key in HUB_DATASETS:
+        return SourceSpec(term, "hub", key, None, split, count)
+    if key in FIXTURES:
+        return SourceSpec(term, "fixture", key, None, split, count)
+    path, field = body, None
+    if "#" in body and not Path(body).exists():
+        path, field = body.rsplit("#", 1)
+        field = field or None
+    p = Path(path).expanduser()
+    if p.suffix.lower() in _FILE_SUFFIXES or p.exists() or "/" in path:
+        if not p.is_file():
+            raise MoECompressError(f"The calibration file {path} does not exist; pass an existing .txt or .jsonl "
+                                   "file.")
+        if p.suffix.lower() not in _FILE_SUFFIXES:
+            raise MoECompressError(f"{path} is neither .txt, .jsonl nor .json; pass plain text (.txt) or JSON "
+                                   "records (.jsonl#field).")
+        if field and p.suffix.lower() == ".txt":
+            raise MoECompressError(f"'#{field}' only applies to JSON records, but {path} is plain text; drop "
+                                   f"'#{field}'.")
+        return SourceSpec(term, "file", str(p), field or ("text" if p.suffix.lower() != ".txt" else None),
+                          split, count)
+    known = ", ".join(list(HUB_DATASETS) + list(FIXTURES))
+    raise MoECompressError(f"Unknown dataset '{body}' in data spec '{spec}'; use one of {known} or a path to a "
+                           ".txt/.jsonl file.")
+
+
+def parse_spec(spec: str) -> list[SourceSpec]:
+    """Parse a data spec into its terms; a spec naming nothing is refused with one sentence."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise MoECompressError(f"The data spec is empty; name a dataset or file, {_EXAMPLE}.")
+    terms = [t.strip() for t in spec.split("+")]
+    if not any(terms) or any(not t for t in terms) or all(re.fullmatch(r"[:\d@#]*", t) for t in terms):
+        raise MoECompressError(f"The data spec '{spec}' names no dataset; {_EXAMPLE}.")
+    return [_parse_term(t, spec) for t in terms]

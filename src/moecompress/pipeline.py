@@ -1,0 +1,82 @@
+"""The verbs as Python functions: calibrate-if-needed → method → plan → export.
+
+    result = moecompress.compress("ckpt/", "prune", {"criterion": "reap", "ratio": 0.5},
+                                  calib="fixture-calib:64", out="out/")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import MoECompressError
+from .methods import MethodContext, get_method, parse_config
+from .models import MoEAdapter, load_model
+
+
+def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list[str], *, seq_len: int = 256,
+                        seed: int = 0, batch_size: int = 8, work_dir: str | os.PathLike | None = None,
+                        dtype: str = "auto", progress: bool = True, moment_experts=None):
+    """A StatsStore holding at least `needs`: an existing store directory, or a data spec to calibrate on.
+
+    A spec is calibrated into `work_dir/stats` (reused when a finished store with the same inputs
+    exists there). Returns None when the method needs no statistics and none was given.
+    """
+    from .calibrate import StatsStore, calibrate
+
+    if calib is None:
+        if needs:
+            raise MoECompressError("This method needs calibration statistics; pass --calib with a stats directory "
+                                   "from moecompress calibrate or a data spec such as fixture-calib:64.")
+        return None
+    if Path(calib).is_dir() and (Path(calib) / "stats.json").is_file():
+        store = StatsStore.load(calib)
+        store.require(*needs)
+        return store
+    out = Path(work_dir or ".") / "stats"
+    return calibrate(model, str(calib), seq_len=seq_len, out=out, stats=sorted(set(needs)), batch_size=batch_size,
+                     dtype=dtype, seed=seed, progress=progress, moment_experts=moment_experts, overwrite=True)
+
+
+def build_plan(adapter: MoEAdapter, method: str, params: dict[str, Any] | None, stats=None, seed: int = 0,
+               progress: bool = False):
+    """(plan, tensors) of `method` with `params` on an in-memory model."""
+    entry = get_method(method)
+    config = parse_config(method, params)
+    return entry.build(config, MethodContext(adapter, stats, seed, progress))
+
+
+def needs_for(method: str, params: dict[str, Any] | None) -> list[str]:
+    entry = get_method(method)
+    return entry.stats_for(parse_config(method, params))
+
+
+def choose_format(plan, requested: str = "auto") -> str:
+    """`hf` when a vanilla config can express the plan, else `compact` (or what was asked, if possible)."""
+    ok, why = plan.hf_expressible()
+    if requested == "auto":
+        return "hf" if ok else "compact"
+    if requested == "hf" and not ok:
+        raise MoECompressError(f"This plan cannot be a vanilla HF checkpoint ({why}); use --format compact.")
+    return requested
+
+
+def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
+             out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
+             dtype: str = "float32", overwrite: bool = False, progress: bool = True):
+    """Compress checkpoint `model` with `method` and write it to `out`; returns the ExportResult."""
+    from .api import export
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise MoECompressError(f"{out} already exists; choose another output path or pass --overwrite.")
+    needs = needs_for(method, params)
+    stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
+                                progress=progress)
+    adapter = MoEAdapter(load_model(model, dtype=dtype))
+    plan, tensors = build_plan(adapter, method, params, stats, seed, progress)
+    recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
+              "seq_len": seq_len, "seed": seed}
+    return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
+                  overwrite=overwrite)

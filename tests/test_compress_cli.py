@@ -1,0 +1,70 @@
+"""`moecompress compress` end to end on a tiny model: stats dir in, smaller checkpoint out."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moecompress.calibrate import calibrate
+from moecompress.cli import main
+from moecompress.data import CalibrationData
+from moecompress.testing import save_tiny
+
+
+def run_cli(args, capsys):
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compress")
+    path = save_tiny("qwen3_moe", root / "model", seed=1)
+    ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
+    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=root / "stats",
+              stats=["counts", "tokens", "reap", "out_mean", "out_var", "out_norm_sq_mean", "routing_mass"],
+              dtype="float32", progress=False)
+    return root, path
+
+
+def test_renorm_pruning_writes_a_vanilla_smaller_checkpoint(tiny, capsys):
+    root, path = tiny
+    out = root / "pruned"
+    code, stdout, err = run_cli(["compress", str(path), "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
+                                 "--gate", "renorm", "--calib", str(root / "stats"), "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "hf checkpoint" in stdout
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_experts == 4
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["method"] == "prune" and plan["params"]["criterion"] == "reap"
+    assert torch.isfinite(model(torch.randint(3, 96, (1, 8))).logits).all()
+
+
+def test_constant_operator_goes_compact(tiny, capsys):
+    root, path = tiny
+    out = root / "const"
+    code, stdout, err = run_cli(["compress", str(path), "--operator", "constant", "--criterion", "mone",
+                                 "--ratio", "0.25", "--calib", str(root / "stats"), "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "compact checkpoint" in stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ratio", "1.5"], "Recipe field 'ratio'"),
+    (["--param", "rank"], "is not key=value"),
+    (["--method", "prunee"], "Unknown method 'prunee'"),
+    (["--format", "hf", "--operator", "constant"], "use --format compact"),
+])
+def test_bad_input_is_one_sentence(tiny, capsys, args, message):
+    root, path = tiny
+    out = root / "bad"
+    code, _, err = run_cli(["compress", str(path), "--calib", str(root / "stats"), "--out", str(out), *args], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not out.exists()
