@@ -73,8 +73,13 @@ def demo() -> None:
 
 
 # -- verbs contributed by other modules register here, one line each ---------------------------
+from .compress_cli import compress_command; app.command("compress")(compress_command)  # noqa: E402,E702
+from .calibrate.cli import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
 from .eval.cli import eval_command; app.command("eval")(eval_command)  # noqa: E402,E702
 from .analysis_cli import analyze_command; app.command("analyze")(analyze_command)  # noqa: E402,E702
+from .distill.cli import dense_command; app.command("dense")(dense_command)  # noqa: E402,E702
+from .distill.cli import dense_sweep_command; app.command("dense-sweep")(dense_sweep_command)  # noqa: E402,E702
+from .distill.cli import distill_command; app.command("distill")(distill_command)  # noqa: E402,E702
 
 
 def main(argv: Optional[list[str]] = None) -> None:
