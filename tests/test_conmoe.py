@@ -314,3 +314,99 @@ def test_plan_is_deterministic_and_round_trips(qwen, tmp_path):
     back, tensors = CompressionPlan.load(tmp_path)
     assert back.to_json() == p1.to_json() and back.params["fusion"] == "arcee"
     assert math.isclose(back.logical_bytes(tensors).ratio, p1.logical_bytes(t1).ratio)
+
+
+def _safetensors_bytes(directory):
+    """Σ numel·element_size over every tensor of every shard (headers excluded)."""
+    from safetensors import safe_open
+
+    total, keys = 0, {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                t = h.get_tensor(k)
+                keys[k] = tuple(t.shape)
+                total += t.numel() * t.element_size()
+    return total, keys
+
+
+def test_compact_export_stores_a_shared_prototype_once_and_matches_the_materialized_checkpoint(tmp_path):
+    export_mod = pytest.importorskip("moecompress.export", reason="the plan developer's exporters are not installed")
+    from moecompress.api import export, load
+
+    model = tiny_model("qwen3_moe", seed=6, num_hidden_layers=2)
+    ad = MoEAdapter(model)
+    # plant a near-copy of layer 0's expert 5 in layer 1's slot 3, so the scope shares that prototype
+    ad.set_expert(1, 3, ad.get_expert(0, 5).map(lambda t: t * 1.0001))
+    model.save_pretrained(tmp_path / "src")
+    stats = synthetic_stats(model)
+    plan, tensors = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 2}), (ad, stats))
+    sc = plan.scopes[0]
+    assert sc.layers == [0, 1] and len(sc.stored) == 8
+    used_by = {j: {lp.layer for lp in plan.layers if j in lp.slots} for j in range(len(sc.stored))}
+    shared = [j for j, layers in used_by.items() if layers == {0, 1}]
+    assert shared, "some prototype serves slots of both layers"
+    assert plan.layer(1).slots[3] == plan.layer(0).slots[5]  # the planted pair shares one stored expert
+    compact = export(tmp_path / "src", plan, tmp_path / "compact", format="compact", tensors=tensors, quiet=True)
+    materialized = export(tmp_path / "src", plan, tmp_path / "mat", format="materialized", tensors=tensors,
+                          quiet=True)
+    info = plan.model
+    per_expert = info.layer(0).bytes_per_expert
+    stored_bytes, keys = _safetensors_bytes(tmp_path / "compact")
+    # each prototype once: other tensors + |stored| experts, although the layers use Σ_l |P_l| > |stored|
+    assert stored_bytes == info.other_bytes + len(sc.stored) * per_expert == plan.logical_bytes(tensors).total
+    per_layer_storage = sum(len(set(lp.slots)) for lp in plan.layers)
+    assert per_layer_storage > len(sc.stored)
+    assert stored_bytes < info.other_bytes + per_layer_storage * per_expert
+    assert stored_bytes < _safetensors_bytes(tmp_path / "mat")[0]
+    assert compact.weight_bytes < materialized.weight_bytes and materialized.evaluation_only
+    assert not any(".experts." in k for k in keys)  # no per-layer expert tensors in the compact checkpoint
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(9))
+    from transformers import AutoModelForCausalLM
+
+    loaded = load(tmp_path / "compact")
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "mat").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, full(ids).logits, atol=2e-5, rtol=1e-4)
+    assert export_mod is not None
+
+
+class _Store:
+    """The StatsStore read interface (`get(layer, name)`) over in-memory statistics."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def get(self, layer, name):
+        if name not in self.stats[layer]:
+            raise MoECompressError(f"The stats store lacks '{name}'; re-run moecompress calibrate.")
+        return self.stats[layer][name]
+
+
+def test_methods_take_a_method_context_with_a_stats_store(qwen):
+    from moecompress.methods.registry import MethodContext
+
+    model, stats = qwen
+    ad = MoEAdapter(model)
+    for name in ("conmoe", "conmoe-fixed-k", "conmoe-arcee", "m-smoe", "hc-smoe"):
+        entry = get_method(name)
+        cfg = parse_config(name, {"ratio": 0.25})
+        assert set(entry.stats_for(cfg)) <= set(stats[0])
+        a, ta = entry.build(cfg, MethodContext(adapter=ad, stats=_Store(stats)))
+        b, tb = entry.build(cfg, (ad, stats))
+        assert a.to_json() == b.to_json() and ta.keys() == tb.keys() and a.method == name
+
+
+def test_blockwise_scope_distance_equals_pairwise_distance(qwen, monkeypatch):
+    from moecompress.methods import conmoe
+    from moecompress.models import ExpertWeights
+    from moecompress.scoring.distance import pairwise_distance
+
+    model, _ = qwen
+    ad = MoEAdapter(model)
+    stacks = [ad.experts(i) for i in (0, 1, 2)]
+    direct = pairwise_distance(ExpertWeights.stack([ad.get_expert(i, e) for i in (0, 1, 2) for e in range(8)]))
+    monkeypatch.setattr(conmoe, "_DIRECT_LIMIT", 0)  # force the block-wise path (used for big experts)
+    blocked = scope_distance(stacks, chunk=5)
+    torch.testing.assert_close(blocked, direct, atol=1e-12, rtol=1e-12)
+    assert torch.equal(blocked, blocked.T)

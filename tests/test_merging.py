@@ -183,6 +183,27 @@ def test_router_merge_equals_a_standard_checkpoint_with_fewer_experts(model_type
         torch.testing.assert_close(runtime(_ids()).logits, reference(_ids()).logits, atol=2e-5, rtol=1e-4)
 
 
+def test_router_merge_exports_a_vanilla_checkpoint(tmp_path):
+    pytest.importorskip("moecompress.export", reason="the plan developer's exporters are not installed")
+    from transformers import AutoModelForCausalLM
+
+    from moecompress.api import apply_plan, export
+
+    counts = [5, 1, 4, 2, 3, 6, 2, 1]
+    model = tiny_model("olmoe", seed=4)
+    ad = MoEAdapter(model)
+    sim = torch.corrcoef(torch.randn(8, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
+                                               (ad, _stats(model, counts, corr=sim)))
+    install_merged_router(model, plan, tensors)
+    result = export(model, plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.num_experts == 4 and not result.evaluation_only
+    runtime = apply_plan(model, plan, tensors)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(_ids()).logits, runtime(_ids()).logits, atol=2e-5, rtol=1e-4)
+
+
 def test_router_merge_refuses_group_limited_routing_and_small_k():
     model = tiny_model("deepseek_v2", seed=0)
     ad = MoEAdapter(model)
