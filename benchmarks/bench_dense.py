@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""MoE → dense benchmark (issue 8): the pre-distillation sweep on both fixtures and a CPU distillation run.
+
+    OMP_WAIT_POLICY=PASSIVE nohup python benchmarks/bench_dense.py sweep > build/bench_dense/sweep.log 2>&1 &
+    OMP_WAIT_POLICY=PASSIVE nohup python benchmarks/bench_dense.py distill > build/bench_dense/distill.log 2>&1 &
+    python benchmarks/bench_dense.py report      # writes the "MoE to dense (issue 8)" section of BENCHMARKS.md
+
+sweep:   every criterion (7) × grouping (5) × scaling (uniform, proportional) × K (k, 2k, 4k, up to E) on
+         qwen3-moe-tiny and olmoe-tiny; held-out perplexity of each dense conversion before distillation
+         (calibration fixture-calib:32 × 256 tokens, first 16,384 tokens of fixture-heldout).
+distill: the best sweep configuration of one fixture exported as a dense checkpoint, then forward-KL
+         distillation from the MoE teacher on fixture-calib for a few hundred steps on CPU; held-out
+         perplexity and KL(teacher ‖ student) before and after, the validation curve PNG, bytes on disk and
+         decode tokens/s of teacher and student.
+Everything runs on one thread (the machine is shared); results land in build/bench_dense/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "bench_dense"
+FIXTURES = ("qwen3-moe-tiny", "olmoe-tiny")
+SECTION = "## MoE to dense (issue 8)"
+
+
+def _fixture(name: str) -> Path:
+    from moecompress.testing import fixture_dir
+
+    path = fixture_dir(name)
+    if not (path / "config.json").is_file():
+        sys.exit(f"fixture {name} is missing at {path}; build it with scripts/train_fixtures.py first")
+    return path
+
+
+def run_sweep(names, heldout_tokens: int) -> None:
+    from moecompress.distill.sweep import dense_sweep, write_sweep
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        t0 = time.time()
+        res = dense_sweep(str(_fixture(name)), "fixture-calib:32", "fixture-heldout", heldout_tokens=heldout_tokens,
+                          seq_len=256, window=256, progress=False)
+        write_sweep(res, OUT / f"sweep_{name}.md")
+        best = min(res["rows"], key=lambda r: r["ppl"])
+        print(f"{name}: {res['evaluations']} evaluations in {time.time() - t0:.0f} s; teacher {res['teacher_ppl']:.2f}, "
+              f"best {best}", flush=True)
+
+
+def _best(name: str) -> dict:
+    path = OUT / f"sweep_{name}.json"
+    if not path.is_file():
+        return {"criterion": "do-acp", "grouping": "rr", "scaling": "uniform", "K": None}
+    return min(json.loads(path.read_text())["rows"], key=lambda r: r["ppl"])
+
+
+def run_distill(name: str, steps: int, heldout_tokens: int) -> None:
+    from moecompress.distill import distill, export_dense
+    from moecompress.eval.metrics import evaluate_stream
+    from moecompress.methods.dense import DenseConfig
+    from moecompress.models import load_model
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    src = _fixture(name)
+    best = _best(name)
+    cfg = DenseConfig(criterion=best["criterion"], K=best["K"], grouping=best["grouping"], scaling=best["scaling"])
+    student_dir = OUT / f"student_{name}"
+    summary = export_dense(str(src), student_dir, cfg, calib="fixture-calib:32", seq_len=256, overwrite=True,
+                           progress=False)
+    from moecompress.data import load_tokenizer, token_stream
+
+    tok = load_tokenizer(str(src))
+    held = token_stream("fixture-heldout", tok).ids[:heldout_tokens]
+    teacher = load_model(str(src), dtype="float32")
+
+    def heldout(model) -> dict:
+        agg = evaluate_stream(model, held, reference=teacher, window=256, progress=False)["aggregate"]
+        return {"ppl": agg["ppl"], "kl": agg["kl"]}
+
+    before = heldout(load_model(str(student_dir), dtype="float32"))
+    seq, bs = 256, 8
+    run = OUT / f"distill_{name}"
+    t0 = time.time()
+    result = distill(str(src), str(student_dir), "fixture-calib", tokens=steps * seq * bs, out=run,
+                     eval_data="fixture-heldout", seq_len=seq, batch_size=bs, lr=5e-4, warmup=0.05,
+                     eval_every=max(steps // 10, 1), save_every=max(steps // 4, 1), val_tokens=4096,
+                     overwrite=True, progress=False)
+    wall = time.time() - t0
+    student = load_model(str(result.student_dir), dtype="float32")
+    after = heldout(student)
+    teacher_ppl = evaluate_stream(teacher, held, window=256, progress=False)["aggregate"]["ppl"]
+    speed = {}
+    try:
+        from moecompress.eval.bench import benchmark
+
+        for label, model, path in (("teacher", teacher, src), ("student", student, result.student_dir)):
+            b = benchmark(model, path, prompt_len=64, new_tokens=32, repeats=3)
+            speed[label] = {"disk_bytes": b["bytes"].get("disk"), "resident_bytes": b["bytes"]["resident"],
+                            "decode_tok_s": b["latency"]["decode_tok_s"], "prefill_tok_s": b["latency"]["prefill_tok_s"]}
+    except ImportError:
+        pass
+    out = {"fixture": name, "config": cfg.model_dump(), "export": summary, "steps": result.metrics["steps"],
+           "tokens": result.metrics["tokens"], "wall_s": round(wall, 1), "heldout_tokens": int(held.numel()),
+           "teacher_ppl": teacher_ppl, "before": before, "after": after, "val": result.metrics,
+           "curve": str(result.curve.relative_to(ROOT)), "speed": speed}
+    (OUT / f"distill_{name}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(json.dumps(out, indent=2, default=str), flush=True)
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.2f} MiB" if b else "–"
+
+
+def report() -> None:
+    parts = [SECTION, "",
+             "`benchmarks/bench_dense.py` (one CPU thread, shared 2-core machine). Pre-distillation: each "
+             "configuration converts every MoE layer (score → top-K → k groups → score-weighted merge → α-scaled "
+             "block concatenation) and is scored by held-out perplexity in place (`dense-sweep`). Calibration: "
+             "`fixture-calib:32` (32 × 256 tokens). Raw rows: `build/bench_dense/sweep_<fixture>.json`.", ""]
+    for name in FIXTURES:
+        md = OUT / f"sweep_{name}.md"
+        if md.is_file():
+            parts += [f"### Sweep: {name}", "", md.read_text().strip(), ""]
+    for name in FIXTURES:
+        js = OUT / f"distill_{name}.json"
+        if not js.is_file():
+            continue
+        d = json.loads(js.read_text())
+        c = d["config"]
+        parts += [f"### Distillation: {name}", "",
+                  f"Student: `{c['criterion']}` / `{c['grouping']}` / `{c['scaling']}` / K={c['K'] or 'top-k'} "
+                  f"(best of the sweep), written as {d['export']['student_class']} (FFN width "
+                  f"{d['export']['intermediate_size']}). Forward KL, T=1, {d['steps']} steps × 8 × 256 tokens "
+                  f"({d['tokens']:,} tokens of fixture-calib), lr 5e-4 cosine, {d['wall_s']:.0f} s on one CPU thread. "
+                  f"Held-out: first {d['heldout_tokens']:,} tokens of fixture-heldout, windows of 256.", "",
+                  "| model | held-out ppl | KL(teacher ‖ model) | bytes on disk | decode tok/s |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        sp = d.get("speed", {})
+        t, s = sp.get("teacher", {}), sp.get("student", {})
+        parts.append(f"| MoE teacher | {d['teacher_ppl']:.2f} | 0 | {_mib(t.get('disk_bytes'))} | "
+                     f"{t.get('decode_tok_s', 0) or 0:.0f} |")
+        parts.append(f"| dense student, before KD | {d['before']['ppl']:.2f} | {d['before']['kl']:.4f} | "
+                     f"{_mib(d['export'].get('bytes'))} | – |")
+        parts.append(f"| dense student, after KD | {d['after']['ppl']:.2f} | {d['after']['kl']:.4f} | "
+                     f"{_mib(s.get('disk_bytes'))} | {s.get('decode_tok_s', 0) or 0:.0f} |")
+        parts += ["", f"Validation curve: `{d['curve']}` (KD loss and KL vs step, student perplexity vs the "
+                  "teacher's).", ""]
+    text = "\n".join(parts).rstrip() + "\n"
+    bench = ROOT / "BENCHMARKS.md"
+    old = bench.read_text() if bench.is_file() else "# Benchmarks\n"
+    if SECTION in old:
+        pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
+        new = pattern.sub(lambda _: text.rstrip() + "\n", old, count=1)
+    else:
+        new = old.rstrip() + "\n\n" + text
+    bench.write_text(new)
+    print(f"updated {bench}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["sweep", "distill", "report", "all"])
+    ap.add_argument("--fixtures", default=",".join(FIXTURES))
+    ap.add_argument("--distill-fixture", default="qwen3-moe-tiny")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--heldout-tokens", type=int, default=16384)
+    a = ap.parse_args()
+    if a.what in ("sweep", "all"):
+        run_sweep(a.fixtures.split(","), a.heldout_tokens)
+    if a.what in ("distill", "all"):
+        run_distill(a.distill_fixture, a.steps, a.heldout_tokens)
+    if a.what in ("report", "all"):
+        report()
+
+
+if __name__ == "__main__":
+    main()

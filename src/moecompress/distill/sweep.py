@@ -1,0 +1,119 @@
+"""Pre-distillation sweep: held-out perplexity of the dense conversion over criterion × grouping × K × scaling.
+
+Each configuration runs in place (`methods.dense.dense_view`: the teacher with its MoE blocks
+replaced by the converted dense FFNs — the function the exported student computes, tested), so
+no checkpoint is written per configuration. With K = top-k every grouping is the identity (one
+expert per group), so those cells are computed once per criterion × scaling and shared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import MoECompressError
+from ..methods.dense import CRITERIA, GROUPINGS, DenseConfig, canonical, convert, dense_view
+from ..models import MoEAdapter
+from .dense_export import load_stats, student_target
+
+
+def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS, Ks=None,
+                scalings=("uniform", "proportional"), mass_scale: bool = False, seq_len: int = 256,
+                heldout_tokens: int | None = 16384, window: int = 256, progress: bool = True) -> dict:
+    """Perplexity of every configuration; returns {"rows": [...], "teacher_ppl", "top_k", "Ks", ...}."""
+    from ..eval.metrics import evaluate_stream
+    from ..models import load_model
+
+    source = None
+    if isinstance(model, (str, Path)):
+        source = str(model)
+        model = load_model(source, dtype="float32")
+    adapter = MoEAdapter(model)
+    tokenizer = None
+    if source is not None and Path(source).is_dir():
+        from ..data import load_tokenizer
+
+        tokenizer = load_tokenizer(source)
+    criteria = [canonical(c, CRITERIA, "criterion") for c in criteria]
+    groupings = [canonical(g, GROUPINGS, "grouping") for g in groupings]
+    k = min(adapter.top_k(i) for i in adapter.moe_layers)
+    E = min(adapter.num_experts(i) for i in adapter.moe_layers)
+    Ks = sorted(set(Ks or [k * m for m in (1, 2, 4, 8) if k * m <= E]))
+    if any(K < k or K > E for K in Ks):
+        raise MoECompressError(f"Every K must lie in {k}..{E} (top-k..experts); got {Ks}.")
+    stats, calib_info = load_stats(calib, model, tokenizer, seq_len=seq_len, gram=True, progress=progress)
+    if isinstance(heldout, torch.Tensor):
+        ids = heldout.reshape(-1).long()
+    else:
+        if tokenizer is None:
+            raise MoECompressError("The held-out text needs the model's tokenizer; pass a model directory with one.")
+        from ..data import token_stream
+
+        ids = token_stream(str(heldout), tokenizer).ids
+    if heldout_tokens is not None:
+        ids = ids[:heldout_tokens]
+
+    def ppl() -> float:
+        return evaluate_stream(model, ids, window=window, progress=False)["aggregate"]["ppl"]
+
+    t0 = time.time()
+    teacher_ppl = ppl()
+    rows, cache = [], {}
+    combos = list(itertools.product(criteria, groupings, scalings, Ks))
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=not progress) as bar:
+        job = bar.add_task("dense sweep", total=len(combos))
+        for crit, grp, scl, K in combos:
+            key = (crit, "-" if K == k else grp, scl, K)
+            if key not in cache:
+                cfg = DenseConfig(criterion=crit, K=K, grouping=grp, scaling=scl, mass_scale=mass_scale)
+                target = student_target(adapter, cfg)
+                conv = convert(adapter, stats, cfg, fold_shared=target.fold_shared, progress=False)
+                with torch.no_grad(), dense_view(adapter, conv):
+                    cache[key] = ppl()
+            rows.append({"criterion": crit, "grouping": grp, "scaling": scl, "K": K, "ppl": cache[key]})
+            bar.advance(job)
+    return {"model": source or getattr(model, "name_or_path", None), "model_type": adapter.model_type,
+            "top_k": k, "num_experts": E, "Ks": Ks, "teacher_ppl": teacher_ppl, "rows": rows,
+            "calibration": calib_info, "heldout_tokens": int(ids.numel()), "window": window,
+            "mass_scale": mass_scale, "evaluations": len(cache) + 1, "wall_s": round(time.time() - t0, 1)}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
+
+
+def sweep_markdown(result: dict) -> str:
+    """The paper's table layout: one row per criterion × grouping × scaling, one column per K, best K bold."""
+    Ks = result["Ks"]
+    by = {}
+    for r in result["rows"]:
+        by.setdefault((r["criterion"], r["grouping"], r["scaling"]), {})[r["K"]] = r["ppl"]
+    best = min(result["rows"], key=lambda r: r["ppl"])
+    lines = [f"Pre-distillation held-out perplexity, `{Path(str(result['model'])).name}` ({result['model_type']}, "
+             f"{result['num_experts']} experts, top-{result['top_k']}); MoE teacher: **{_fmt(result['teacher_ppl'])}**; "
+             f"{result['heldout_tokens']:,} held-out tokens, windows of {result['window']}. "
+             f"K = {result['top_k']} is pure pruning (every grouping identical). Bold: best K per row.",
+             "", "| criterion | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |",
+             "| --- | --- | --- | " + " | ".join("---:" for _ in Ks) + " |"]
+    for (c, g, s), vals in by.items():
+        kbest = min(vals, key=vals.get)
+        cells = [(f"**{_fmt(vals[K])}**" if K == kbest else _fmt(vals[K])) if K in vals else "–" for K in Ks]
+        lines.append(f"| {c} | {g} | {s} | " + " | ".join(cells) + " |")
+    lines += ["", f"Best: {best['criterion']} / {best['grouping']} / {best['scaling']} / K={best['K']}: "
+              f"{_fmt(best['ppl'])} ({result['evaluations']} evaluations, {result['wall_s']} s)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(result: dict, out: str | Path) -> Path:
+    """Write the markdown table to `out` and the raw rows to `out` with a .json suffix."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(sweep_markdown(result))
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return out
