@@ -1,0 +1,175 @@
+"""`export`: write a plan's result as a checkpoint, streaming one decoder layer at a time.
+
+For every decoder layer the source materialises the layer, the format turns its tensors into
+output tensors (the non-expert part at once; a scope's stored experts when the last layer of the
+scope has been read), the writer appends them to the current shard, and the layer is freed.
+Everything goes to a temporary sibling directory renamed on success (`atomic_dir`), so a crash
+leaves no output. Bytes on disk are measured and printed against the original.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from pydantic import BaseModel
+
+from .. import __version__
+from ..atomic import atomic_dir, dir_bytes
+from ..errors import MoECompressError
+from ..plan import PLAN_FILE, CompressionPlan
+from ..runtime import stored_weights
+from ..runtime.build import _complete_bias, runtime_layout
+from .formats import FORMATS
+from .source import open_source
+from .writer import ShardWriter
+
+MARKER_FILE = "moecompress.json"
+BASE_CONFIG_FILE = "base_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+class ExportResult(BaseModel):
+    """What an export wrote, and how big it really is."""
+
+    format: str
+    path: str
+    evaluation_only: bool
+    bytes_on_disk: int  # every file in the output directory
+    weight_bytes: int  # the *.safetensors files
+    original_bytes: int  # the source's weights (its safetensors files, or its tensors when in memory)
+    logical_bytes: int  # plan.logical_bytes(): stored experts + operators + everything else
+    shards: list[str]
+
+    @property
+    def ratio(self) -> float:
+        return self.weight_bytes / self.original_bytes if self.original_bytes else float("nan")
+
+    def describe(self) -> str:
+        from ..cli import _human
+
+        label = " (evaluation only: full size, NOT compressed)" if self.evaluation_only else ""
+        return (f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
+                f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)")
+
+
+def _weights_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def _write_recipe(tmp: Path, recipe) -> None:
+    if recipe is None:
+        return
+    if isinstance(recipe, (str, os.PathLike)) and Path(recipe).is_file():
+        shutil.copyfile(recipe, tmp / ("recipe" + (Path(recipe).suffix or ".yaml")))
+        return
+    if isinstance(recipe, Mapping) or isinstance(recipe, BaseModel):
+        import yaml
+
+        data = recipe.model_dump(mode="json") if isinstance(recipe, BaseModel) else dict(recipe)
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=True))
+        return
+    (tmp / "recipe.yaml").write_text(str(recipe))
+
+
+def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool) -> None:
+    from rich.progress import track
+
+    adapter = source.adapter
+    remaining = {sc.id: set(sc.layers) for sc in plan.scopes}
+    scope_of = {lp.layer: plan.scope(lp.scope) for lp in plan.layers}
+    buffered: dict[tuple[int, int], Any] = {}  # sources of cross-layer scopes read before the scope completes
+    n_layers = len(adapter.decoder_layers)
+    for i in track(range(n_layers), description=f"export {fmt.name}", disable=quiet, transient=True):
+        source.load_layer(i)
+        rel = source.layer_state(i)
+        if i not in adapter.layers:
+            writer.add_all(fmt.dense_layer(i, rel))
+            source.free_layer(i)
+            continue
+        layer = adapter.layer(i)
+        fmt.remember(i, layer)
+        exp_rel = fmt.expert_names[i][0] + "."
+        writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))
+        sc = scope_of[i]
+        remaining[sc.id].discard(i)
+        if remaining[sc.id]:
+            for s in sc.stored:
+                for l, e in s.sources:
+                    if l == i and (s.construction != "elementwise_merge"):
+                        buffered[(l, e)] = layer.storage.read(e).map(lambda t: t.detach().clone())
+        else:
+            def src(l, e, layer=layer, i=i):
+                return buffered[(l, e)] if l != i else layer.storage.read(e)
+
+            weights = [_complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
+                       for s in sc.stored]
+            writer.add_all(fmt.scope(sc, weights))
+            for key in [k for k in buffered if k[0] in sc.layers]:
+                del buffered[key]
+            del weights
+        source.free_layer(i)
+    writer.add_all(fmt.other(source.other_state()))
+
+
+def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
+           tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False,
+           max_shard_size: int | str = "5GB", quiet: bool = False) -> ExportResult:
+    """Write `plan` applied to `model_or_path` (an original model, or its checkpoint directory) to `out`.
+
+    format: ``compact`` (any plan; read with `moecompress.load`), ``hf`` (vanilla checkpoint when the
+    family's config can express the plan) or ``materialized`` (full size, evaluation only).
+    """
+    if format not in FORMATS:
+        raise MoECompressError(f"Unknown export format '{format}'; use one of {', '.join(FORMATS)}.")
+    source = open_source(model_or_path)
+    plan.check_model(source.adapter)
+    plan.check_tensors(tensors)
+    fmt = FORMATS[format](plan, tensors, source)
+    fmt.check()
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        writer = ShardWriter(tmp, max_shard_size)
+        _stream(source, plan, fmt, writer, quiet)
+        shards = writer.close()
+        config = fmt.output_config()
+        if format == "compact":
+            # no config.json on purpose: plain from_pretrained must not load a compact dir with random experts
+            (tmp / BASE_CONFIG_FILE).write_text(config.to_json_string(use_diff=False))
+        else:
+            config.save_pretrained(tmp)
+        (tmp / PLAN_FILE).write_text(plan.to_json())
+        _write_recipe(tmp, recipe)
+        if source.source_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (source.source_dir / name).is_file():
+                    shutil.copyfile(source.source_dir / name, tmp / name)
+        gen = source.generation_config()
+        if gen is not None and not (tmp / "generation_config.json").exists():
+            try:
+                gen.save_pretrained(tmp)
+            except Exception:  # a generation config that does not validate is not worth failing an export
+                pass
+        marker = {"format": format, "evaluation_only": fmt.evaluation_only, "moecompress_version": __version__,
+                  "plan_schema_version": plan.schema_version, "model_type": plan.model.model_type,
+                  "layout": runtime_layout(fmt.expert_names[min(fmt.expert_names)][2])}
+        if fmt.evaluation_only:
+            marker["note"] = "every original slot is filled: full size, for evaluation only, never a compressed model"
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        weight_bytes = _weights_bytes(tmp)
+        total = dir_bytes(tmp)
+    logical = plan.logical_bytes(tensors)
+    original = _weights_bytes(source.source_dir) if source.source_dir is not None else 0
+    result = ExportResult(format=format, path=str(out), evaluation_only=fmt.evaluation_only, bytes_on_disk=total,
+                          weight_bytes=weight_bytes, original_bytes=original or logical.original,
+                          logical_bytes=logical.total, shards=shards)
+    if not quiet:
+        from rich.console import Console
+
+        Console(stderr=True).print(result.describe(), highlight=False)
+    return result

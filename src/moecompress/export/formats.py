@@ -1,0 +1,194 @@
+"""What each output format writes for a layer, a completed scope, and the non-layer tensors.
+
+* ``hf``: vanilla checkpoint — kept experts and their router rows (bias, score-correction bias)
+  sliced, config's expert count updated, tensors in the family's on-disk naming (exactly what
+  `save_pretrained` writes), so plain transformers and vLLM load it.
+* ``compact``: the runtime's tensors — original non-expert weights under native names (routers
+  kept whole), each scope's stored experts once (``moecompress.scopes.<id>.*``), operators
+  (``<layer>.<block>.ops.*``); read back by `moecompress.load`.
+* ``materialized``: every original slot filled with what it computes (zeros for dropped slots),
+  full size, evaluation only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..errors import MoECompressError
+from ..models import ExpertWeights, MoELayer, skeleton
+from ..plan import CompressionPlan, Scope
+from ..runtime import StoredExperts, build_ops, native_tensors, runtime_layout
+
+SCOPE_PREFIX = "moecompress.scopes."
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def child_name(parent, child) -> str:
+    for name, mod in parent.named_modules():
+        if mod is child:
+            return name
+    raise MoECompressError("Cannot locate a MoE submodule by name; this architecture is not supported by the exporters.")
+
+
+def _revert(model, tensors: dict) -> dict:
+    """Native (fused) names -> the family's on-disk names, as save_pretrained does."""
+    if not tensors:
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
+
+
+class Format:
+    name = ""
+    evaluation_only = False
+
+    def __init__(self, plan: CompressionPlan, tensors, source):
+        self.plan, self.tensors, self.source = plan, tensors or {}, source
+        self.adapter = source.adapter
+        self.prefix = source.prefix
+        # layer -> (experts rel name, block rel name, handles, expert dtype), noted while the layer is loaded
+        self.expert_names: dict[int, tuple[str, str, MoELayer, torch.dtype]] = {}
+
+    def check(self) -> None:
+        pass
+
+    def output_config(self):
+        return self.source.config
+
+    def remember(self, i: int, layer: MoELayer) -> None:
+        decoder = self.adapter.decoder_layers[i]
+        self.expert_names[i] = (child_name(decoder, layer.storage.module), child_name(decoder, layer.block), layer,
+                                layer.storage.read(0).gate.dtype)
+
+    def full(self, i: int, rel: dict) -> dict:
+        return {f"{self.prefix}.{i}.{k}": v for k, v in rel.items()}
+
+    def finalize(self, tensors: dict) -> dict:
+        return tensors
+
+    def dense_layer(self, i: int, rel: dict) -> dict:
+        return self.finalize(self.full(i, rel))
+
+    def moe_layer(self, i: int, rel_nonexpert: dict, layer: MoELayer) -> dict:
+        return self.finalize(self.full(i, rel_nonexpert))
+
+    def scope(self, sc: Scope, weights: list[ExpertWeights]) -> dict:
+        raise NotImplementedError
+
+    def other(self, state: dict) -> dict:
+        return self.finalize(state)
+
+    def expert_tensors(self, i: int, experts: list[ExpertWeights]) -> dict:
+        """Experts of layer i in the layer's own storage layout and names (native)."""
+        exp_rel, _, layer, dtype = self.expert_names[i]
+        base = f"{self.prefix}.{i}.{exp_rel}"
+        if layer.storage.layout == "modulelist":
+            names = layer.storage.names
+            out = {}
+            for j, w in enumerate(experts):
+                for part in ("gate", "up", "down"):
+                    out[f"{base}.{j}.{names[part]}.weight"] = getattr(w, part).to(dtype)
+                    if getattr(w, f"{part}_bias") is not None:
+                        out[f"{base}.{j}.{names[part]}.bias"] = getattr(w, f"{part}_bias").to(dtype)
+            return out
+        t = native_tensors(experts, runtime_layout(layer), self.plan.model.layer(i).intermediate_size, dtype)
+        return {f"{base}.{k}": v for k, v in t.items()}
+
+
+class HFFormat(Format):
+    name = "hf"
+
+    def check(self) -> None:
+        ok, why = self.plan.hf_expressible()
+        if not ok:
+            raise MoECompressError(f"The 'hf' format cannot express this plan ({why}); export it with "
+                                   "format='compact' instead.")
+        self.kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in self.plan.layers}
+        self.k = len(next(iter(self.kept.values())))
+        config = copy.deepcopy(self.source.config)
+        d = config.to_dict()
+        for key in EXPERT_COUNT_KEYS:
+            if key in d:
+                setattr(config, key, self.k)
+        self.config = config
+        self.out_skeleton = skeleton(config)
+
+    def output_config(self):
+        return self.config
+
+    def finalize(self, tensors: dict) -> dict:
+        return _revert(self.out_skeleton, tensors)
+
+    def moe_layer(self, i, rel_nonexpert, layer):
+        router_rel = child_name(self.adapter.decoder_layers[i], layer.router) + "."
+        e = self.plan.model.layer(i).num_experts
+        idx = torch.tensor(self.kept[i], dtype=torch.long)
+        out = {}
+        for k, v in rel_nonexpert.items():
+            if k.startswith(router_rel) and v.dim() >= 1 and v.shape[0] == e:
+                v = v.index_select(0, idx.to(v.device))  # the deleted slots' router rows / biases
+            out[k] = v
+        return self.finalize(self.full(i, out))
+
+    def scope(self, sc, weights):
+        (i,) = sc.layers
+        lp = self.plan.layer(i)
+        ordered = [weights[lp.slots[e]] for e in self.kept[i]]
+        return self.finalize(self.expert_tensors(i, ordered))
+
+
+class MaterializedFormat(Format):
+    name = "materialized"
+    evaluation_only = True
+
+    def check(self) -> None:
+        for lp in self.plan.layers:
+            sc = self.plan.scope(lp.scope)
+            if lp.operators():
+                raise MoECompressError(f"The 'materialized' format cannot express the replacement operators of layer "
+                                       f"{lp.layer}; evaluate it with format='compact' or in memory (apply_plan).")
+            if lp.dropped() and lp.gate in ("renorm", "keep"):
+                raise MoECompressError(f"The 'materialized' format keeps the original router, so it cannot delete or "
+                                       f"mask the dropped slots of layer {lp.layer} (gate '{lp.gate}'); use "
+                                       "format='hf' or 'compact'.")
+            width = self.plan.model.layer(lp.layer).intermediate_size
+            if any(self.plan.stored_width(sc, s) != width for s in sc.stored):
+                raise MoECompressError(f"The 'materialized' format needs stored experts of the original width in layer "
+                                       f"{lp.layer}; use format='compact'.")
+
+    def finalize(self, tensors):
+        return _revert(self.source.model, tensors)
+
+    def scope(self, sc, weights):
+        out = {}
+        for i in sc.layers:
+            lp = self.plan.layer(i)
+            zero = weights[0].map(torch.zeros_like)
+            out.update(self.expert_tensors(i, [weights[t] if isinstance(t, int) else zero for t in lp.slots]))
+        return self.finalize(out)
+
+
+class CompactFormat(Format):
+    name = "compact"
+
+    def moe_layer(self, i, rel_nonexpert, layer):
+        out = self.full(i, rel_nonexpert)
+        lp = self.plan.layer(i)
+        _, block_rel, _, dtype = self.expert_names[i]
+        ops = build_ops(self.plan, lp, layer, self.tensors, dtype, "cpu")
+        if ops is not None:
+            for k, v in ops.state_dict().items():
+                out[f"{self.prefix}.{i}.{block_rel}.ops.{k}"] = v
+        return out
+
+    def scope(self, sc, weights):
+        _, _, layer, dtype = self.expert_names[sc.layers[0]]
+        stored = StoredExperts.from_weights(weights, runtime_layout(layer), layer.act,
+                                            width=self.plan.scope_width(sc), dtype=dtype)
+        return {f"{SCOPE_PREFIX}{sc.id}.{k}": v for k, v in stored.state_dict().items()}
+
+
+FORMATS = {f.name: f for f in (HFFormat, CompactFormat, MaterializedFormat)}

@@ -1,0 +1,132 @@
+"""Streaming, deterministic, sharded safetensors writer.
+
+Tensors are appended to a shard's data file the moment they are produced (nothing is buffered
+beyond the tensor in hand), so peak memory while exporting is one decoder layer, whatever the
+checkpoint size. A shard is closed when the next tensor would exceed `max_shard_bytes`; on
+`close()` each shard becomes ``[u64 header length][JSON header][data]`` (the safetensors format)
+and the set is named like `save_pretrained` does: ``model.safetensors`` alone, or
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+Same tensors in the same order -> byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+from ..errors import MoECompressError
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' / '500MB' / 1234 -> bytes (decimal units, like transformers)."""
+    if isinstance(size, int):
+        return size
+    s = str(size).strip().upper()
+    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
+                       ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+class ShardWriter:
+    """Append tensors to numbered shards in `directory`; `close()` finalises files and the index."""
+
+    def __init__(self, directory: str | os.PathLike, max_shard_bytes: int | str = "5GB", prefix: str = "model"):
+        self.dir = Path(directory)
+        self.max = parse_size(max_shard_bytes)
+        self.prefix = prefix
+        self.shards: list[dict] = []  # {"data": path, "entries": {name: (dtype, shape, start, end)}, "size": n}
+        self._file = None
+        self._names: set[str] = set()
+
+    def _open(self) -> None:
+        path = self.dir / f".{self.prefix}-shard{len(self.shards):05d}.data"
+        self._file = open(path, "wb")
+        self.shards.append({"data": path, "entries": {}, "size": 0})
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise MoECompressError(f"Tensor '{name}' was written twice; this is a bug in the exporter, please report it.")
+        if tensor.dtype not in _DTYPES:
+            raise MoECompressError(f"Tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot store.")
+        self._names.add(name)
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self._file is None or (self.shards[-1]["size"] and self.shards[-1]["size"] + nbytes > self.max):
+            self._close_data()
+            self._open()
+        shard = self.shards[-1]
+        start = shard["size"]
+        if nbytes:
+            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        shard["entries"][name] = (_DTYPES[t.dtype], list(t.shape), start, start + nbytes)
+        shard["size"] = start + nbytes
+
+    def add_all(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Append a batch (one layer, one scope, ...) in name order: the bytes never depend on dict order."""
+        for name, t in sorted(tensors.items()):
+            self.add(name, t)
+
+    def _close_data(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def close(self) -> list[str]:
+        """Finalise every shard (header + data) and the index; returns the shard file names."""
+        self._close_data()
+        if not self.shards:
+            self._open()
+            self._close_data()
+        n = len(self.shards)
+        names = ([f"{self.prefix}.safetensors"] if n == 1 else
+                 [f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        weight_map, total = {}, 0
+        for shard, fname in zip(self.shards, names):
+            header = {k: {"dtype": d, "shape": s, "data_offsets": [a, b]} for k, (d, s, a, b) in shard["entries"].items()}
+            header["__metadata__"] = {"format": "pt"}
+            raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment with spaces
+            with open(self.dir / fname, "wb") as out, open(shard["data"], "rb") as data:
+                out.write(struct.pack("<Q", len(raw)))
+                out.write(raw)
+                out.flush()
+                _copy(data, out, shard["size"])
+            shard["data"].unlink()
+            for k in shard["entries"]:
+                weight_map[k] = fname
+            total += shard["size"]
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return names
+
+
+def _copy(src, dst, size: int) -> None:
+    """Kernel-side copy when available (no user-space buffer), else a chunked copy."""
+    left, offset_in = size, 0
+    try:
+        while left > 0:
+            done = os.copy_file_range(src.fileno(), dst.fileno(), left, offset_in)
+            if done == 0:
+                break
+            left -= done
+            offset_in += done
+    except (AttributeError, OSError):
+        pass  # not supported here: finish with a plain copy from where the kernel copy stopped
+    if left > 0:
+        src.seek(offset_in)
+        shutil.copyfileobj(src, dst, 16 * 2**20)

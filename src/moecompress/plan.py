@@ -1,0 +1,617 @@
+"""`CompressionPlan`: the one interchange format between methods, the runtime and the exporters.
+
+A plan separates the two decisions every MoE compression method makes:
+
+1. **what is stored** — per *scope* (one MoE layer, or several neighbouring layers sharing a
+   pool), a list of stored experts, each with its sources ``[(layer, expert), ...]`` and how it
+   was built: ``copy`` (one source, verbatim), ``weighted_merge`` (parameter average
+   ``theta = sum_i w_i theta_i``, or merged tensors the method supplies), ``elementwise_merge``
+   (PuzzleMoE; tensors supplied by the method) or ``dense_group`` (the sources' neurons
+   concatenated, ``f(x) = sum_i w_i f_i(x)``);
+2. **what each original router slot computes** — per MoE layer, every slot maps to a stored
+   expert id (an int), a replacement operator (``constant`` mean output ``c``; ``tilt``
+   ``y = b + U (V^T x)`` of rank r; ``partial`` copy: a subset of an expert's neurons plus an
+   output bias) or ``"drop"``; and at what gate scale (``gate``):
+
+   * ``renorm``  — dropped slots are deleted from the router before any normalisation (what a
+     physically pruned standard checkpoint computes);
+   * ``keep``    — dropped slots stay in every normalisation but are never selected (trained scale);
+   * ``aggregate`` — the original router selects among all slots; the weights of selected slots
+     that map to the same stored expert are summed and the expert runs once (ConMoE);
+   * ``replace`` — the original top-k is unchanged; a slot computes its target times its gate
+     (``drop`` is the zero operator).
+
+Weights that are not copies of original experts (merged experts, operator parameters) travel
+beside the plan as ``PlanTensors = dict[str, Tensor]`` (``plan_tensors.safetensors``), keyed by
+the names the plan references, so ``plan.json`` stays small and byte-deterministic.
+Tensor keys under a reference ``p``: stored expert ``p.gate [I,H]``, ``p.up [I,H]``,
+``p.down [H,I]`` (+ ``p.gate_bias``, ``p.up_bias``, ``p.down_bias`` for biased families);
+constant ``p.value [H]``; tilt ``p.U [H,r]``, ``p.V [H,r]``, ``p.bias [H]``; partial
+``p.gate [w,H]``, ``p.up [w,H]``, ``p.down [H,w]``, ``p.bias [H]`` (+ ``p.gate_bias``/``p.up_bias``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import MoECompressError
+
+SCHEMA_VERSION = 1
+PLAN_FILE = "plan.json"
+TENSORS_FILE = "plan_tensors.safetensors"
+
+GateSemantics = Literal["renorm", "keep", "aggregate", "replace"]
+Construction = Literal["copy", "weighted_merge", "elementwise_merge", "dense_group"]
+PlanTensors = dict[str, torch.Tensor]
+
+_EXPERT_PARTS = ("gate", "up", "down")
+_EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------------------- model description
+class MoELayerInfo(_Strict):
+    """What the plan needs to know about one original MoE layer."""
+
+    layer: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    bytes_per_expert: int
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: Literal["max", "top2_sum"] = "max"
+    keep_equals_renorm: bool = False  # the router renormalises (or scores elementwise): keep == renorm
+    router: str = ""  # RouterSpec.describe(), for reports
+
+
+class ModelInfo(_Strict):
+    """The original model, as far as plans, byte accounting and validation need it."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    dtype: str  # dtype of the routed experts, e.g. "bfloat16"
+    expert_bias: bool = False  # experts carry biases (GPT-OSS)
+    layers: list[MoELayerInfo]
+    expert_bytes: int  # all routed experts of the original
+    other_bytes: int  # every other saved tensor: embeddings, attention, norms, routers, shared experts
+    source: str | None = None
+
+    def layer(self, i: int) -> MoELayerInfo:
+        for info in self.layers:
+            if info.layer == i:
+                return info
+        raise MoECompressError(f"Layer {i} is not a MoE layer of this {self.model_type} model; "
+                               f"MoE layers are {[x.layer for x in self.layers]}.")
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @classmethod
+    def from_model(cls, model_or_adapter, source: str | None = None) -> "ModelInfo":
+        from .models import MoEAdapter
+
+        adapter = model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
+        model = adapter.model
+        expert_params = set()
+        layers = []
+        dtype = None
+        for i in adapter.moe_layers:
+            layer = adapter.layer(i)
+            params = list(layer.storage.module.parameters())
+            expert_params.update(id(p) for p in params)
+            dtype = dtype or params[0].dtype
+            nbytes = sum(p.numel() * p.element_size() for p in params)
+            spec = layer.spec
+            layers.append(MoELayerInfo(
+                layer=i, num_experts=spec.num_experts, top_k=spec.top_k,
+                intermediate_size=layer.storage.intermediate_size, bytes_per_expert=nbytes // spec.num_experts,
+                n_group=spec.n_group, topk_group=spec.topk_group, group_score=spec.group_score,
+                keep_equals_renorm=bool(spec.norm_topk_prob or spec.topk_before_softmax or spec.scoring == "sigmoid"),
+                router=spec.describe(),
+            ))
+        other = 0
+        for p in model.parameters():  # deduplicated: tied embeddings count once, as on disk
+            if id(p) not in expert_params:
+                other += p.numel() * p.element_size()
+        for mod in model.modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is not None and name not in mod._non_persistent_buffers_set:
+                    other += b.numel() * b.element_size()
+        first = adapter.layer(adapter.moe_layers[0])
+        return cls(
+            model_type=adapter.model_type, hidden_size=adapter.hidden_size,
+            num_hidden_layers=len(adapter.decoder_layers), dtype=str(dtype).removeprefix("torch."),
+            expert_bias=first.storage.read(0).has_bias, layers=layers,
+            expert_bytes=sum(x.bytes_per_expert * x.num_experts for x in layers), other_bytes=other,
+            source=source if source is not None else (getattr(model, "name_or_path", None) or None),
+        )
+
+
+# ----------------------------------------------------------------------------- stored experts
+class StoredExpert(_Strict):
+    """One stored expert of a scope: where it comes from and how it was built."""
+
+    id: int
+    sources: list[tuple[int, int]]  # (layer, expert) of the original model
+    construction: Construction = "copy"
+    weights: list[float] | None = None  # weighted_merge / dense_group: one per source
+    tensor: str | None = None  # PlanTensors prefix when the method supplies the weights
+    intermediate_size: int | None = None  # width when it differs from the source layer's
+    nbytes: int | None = None  # stored bytes of packed (elementwise_merge) tensors when not at hand
+
+
+class Scope(_Strict):
+    """A pool of stored experts used by one layer, or shared by several (cross-layer consolidation)."""
+
+    id: str
+    layers: list[int]
+    stored: list[StoredExpert]
+
+
+# ----------------------------------------------------------------------------- operators
+class ConstantOp(_Strict):
+    """The slot outputs a constant vector c (e.g. the expert's mean output): y = g * c."""
+
+    op: Literal["constant"] = "constant"
+    tensor: str  # p.value [H]
+
+
+class TiltOp(_Strict):
+    """Low-rank affine map of the token: y = g * (b + U (V^T x)), U, V [H, r]."""
+
+    op: Literal["tilt"] = "tilt"
+    rank: int
+    tensor: str  # p.U, p.V [H, r]; p.bias [H]
+
+
+class PartialOp(_Strict):
+    """A subset of `width` neurons of an original expert plus an output bias."""
+
+    op: Literal["partial"] = "partial"
+    source: tuple[int, int]
+    width: int
+    tensor: str  # p.gate/p.up [w, H], p.down [H, w], p.bias [H]
+
+
+Operator = Annotated[Union[ConstantOp, TiltOp, PartialOp], Field(discriminator="op")]
+SlotTarget = Union[int, Literal["drop"], Operator]
+
+
+class LayerPlan(_Strict):
+    """What every original router slot of one MoE layer computes, and at what gate scale."""
+
+    layer: int
+    scope: str
+    gate: GateSemantics = "renorm"
+    slots: list[SlotTarget]
+
+    def stored_ids(self) -> list[int]:
+        return [s for s in self.slots if isinstance(s, int)]
+
+    def dropped(self) -> list[int]:
+        return [e for e, s in enumerate(self.slots) if s == "drop"]
+
+    def operators(self) -> list[tuple[int, Any]]:
+        return [(e, s) for e, s in enumerate(self.slots) if not isinstance(s, (int, str))]
+
+    def routable(self) -> list[bool]:
+        """Slots the router may still select: all of them unless the gate deletes or masks drops."""
+        if self.gate in ("renorm", "keep"):
+            return [s != "drop" for s in self.slots]
+        return [True] * len(self.slots)
+
+
+# ----------------------------------------------------------------------------- byte report
+class ByteReport(_Strict):
+    stored_experts: int
+    operators: int
+    other: int
+    total: int
+    original: int
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.original if self.original else float("nan")
+
+
+def _fail(msg: str):
+    raise MoECompressError(msg)
+
+
+# ----------------------------------------------------------------------------- the plan
+class CompressionPlan(_Strict):
+    """Per MoE layer (or scope): stored experts, the slot map and the gate semantics. See module doc."""
+
+    schema_version: int = SCHEMA_VERSION
+    model: ModelInfo
+    scopes: list[Scope]
+    layers: list[LayerPlan]
+    method: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    # ------------------------------------------------------------------ validation
+    @model_validator(mode="after")
+    def _validate(self) -> "CompressionPlan":
+        # MoECompressError is not a ValueError, so pydantic lets it through unchanged: one sentence.
+        self.check()
+        return self
+
+    def check(self) -> None:
+        """Raise MoECompressError (one sentence) if the plan is inconsistent or infeasible."""
+        if self.schema_version != SCHEMA_VERSION:
+            _fail(f"Plan schema version {self.schema_version} is not supported (this moecompress reads version "
+                  f"{SCHEMA_VERSION}); regenerate the plan with this version.")
+        info = {x.layer: x for x in self.model.layers}
+        seen = [lp.layer for lp in self.layers]
+        if len(set(seen)) != len(seen):
+            dup = sorted({x for x in seen if seen.count(x) > 1})
+            _fail(f"The plan lists MoE layer {dup[0]} twice; give each layer exactly one entry.")
+        if set(seen) != set(info):
+            missing, extra = sorted(set(info) - set(seen)), sorted(set(seen) - set(info))
+            if extra:
+                _fail(f"The plan has an entry for layer {extra[0]}, which is not a MoE layer of the model "
+                      f"(MoE layers: {sorted(info)}); remove it.")
+            _fail(f"The plan has no entry for MoE layer {missing[0]}; every MoE layer needs one "
+                  "(use the identity mapping for layers left untouched).")
+        scopes = {}
+        for sc in self.scopes:
+            if sc.id in scopes:
+                _fail(f"Scope id '{sc.id}' is used twice; scope ids must be unique.")
+            scopes[sc.id] = sc
+            if not sc.layers:
+                _fail(f"Scope '{sc.id}' covers no layers; list the layers that use it.")
+            if [s.id for s in sc.stored] != list(range(len(sc.stored))):
+                _fail(f"Stored experts of scope '{sc.id}' must have ids 0..{len(sc.stored) - 1} in order.")
+            for s in sc.stored:
+                self._check_stored(sc, s, info)
+        owner = {}
+        for sc in self.scopes:
+            for i in sc.layers:
+                if i in owner:
+                    _fail(f"Layer {i} belongs to scopes '{owner[i]}' and '{sc.id}'; a layer uses exactly one scope.")
+                owner[i] = sc.id
+        used: dict[str, set[int]] = {sc.id: set() for sc in self.scopes}
+        for lp in sorted(self.layers, key=lambda x: x.layer):
+            li = info[lp.layer]
+            if lp.scope not in scopes:
+                _fail(f"Layer {lp.layer} refers to scope '{lp.scope}', which the plan does not define.")
+            if owner.get(lp.layer) != lp.scope:
+                _fail(f"Layer {lp.layer} uses scope '{lp.scope}' but that scope does not list layer {lp.layer}; "
+                      "add the layer to the scope's layers.")
+            if len(lp.slots) != li.num_experts:
+                _fail(f"Layer {lp.layer} maps {len(lp.slots)} slots but the model has {li.num_experts} experts there; "
+                      "map every original slot (to a stored id, an operator or \"drop\").")
+            k_stored = len(scopes[lp.scope].stored)
+            for e, target in enumerate(lp.slots):
+                if isinstance(target, bool):
+                    _fail(f"Slot {e} of layer {lp.layer} is a boolean; use a stored id, an operator or \"drop\".")
+                if isinstance(target, int):
+                    if not 0 <= target < k_stored:
+                        _fail(f"Slot {e} of layer {lp.layer} maps to stored expert {target}, but scope "
+                              f"'{lp.scope}' stores only ids 0..{k_stored - 1}.")
+                    used[lp.scope].add(target)
+                elif not isinstance(target, str):
+                    self._check_operator(lp.layer, e, target, info)
+            self._check_routing(lp, li)
+        for sc in self.scopes:
+            unused = sorted(set(range(len(sc.stored))) - used[sc.id])
+            if unused:
+                _fail(f"Stored expert {unused[0]} of scope '{sc.id}' is never used by any slot; remove it "
+                      "(it would only cost bytes).")
+
+    def _check_stored(self, sc: Scope, s: StoredExpert, info: dict[int, MoELayerInfo]) -> None:
+        where = f"stored expert {s.id} of scope '{sc.id}'"
+        if not s.sources:
+            _fail(f"The {where} has no sources; list the (layer, expert) pairs it was built from.")
+        for layer, e in s.sources:
+            if layer not in info or not 0 <= e < info[layer].num_experts:
+                _fail(f"The {where} names source ({layer}, {e}), which is not an expert of the model.")
+            if layer not in sc.layers:
+                _fail(f"The {where} takes expert {e} of layer {layer}, outside the scope's layers {sc.layers}; "
+                      "add that layer to the scope.")
+        if s.construction == "copy":
+            if len(s.sources) != 1 or s.weights is not None:
+                _fail(f"The {where} is a copy, so it needs exactly one source and no weights.")
+        elif s.construction in ("weighted_merge", "dense_group"):
+            if s.weights is not None and len(s.weights) != len(s.sources):
+                _fail(f"The {where} has {len(s.weights)} weights for {len(s.sources)} sources; give one per source.")
+            if s.construction == "weighted_merge" and s.weights is None and s.tensor is None:
+                _fail(f"The {where} is a weighted merge without weights or tensors; give merge weights.")
+        elif s.tensor is None:
+            _fail(f"The {where} is an element-wise merge, so the method must supply its tensors (set 'tensor').")
+
+    def _check_operator(self, layer: int, e: int, op, info: dict[int, MoELayerInfo]) -> None:
+        h = self.model.hidden_size
+        if isinstance(op, TiltOp) and not 1 <= op.rank <= h:
+            _fail(f"The tilt operator of slot {e} in layer {layer} has rank {op.rank}; use 1..{h}.")
+        if isinstance(op, PartialOp):
+            sl, se = op.source
+            if sl not in info or not 0 <= se < info[sl].num_experts:
+                _fail(f"The partial copy of slot {e} in layer {layer} names source ({sl}, {se}), "
+                      "which is not an expert of the model.")
+            if not 1 <= op.width <= info[sl].intermediate_size:
+                _fail(f"The partial copy of slot {e} in layer {layer} keeps {op.width} neurons; "
+                      f"use 1..{info[sl].intermediate_size}.")
+
+    def _check_routing(self, lp: LayerPlan, li: MoELayerInfo) -> None:
+        routable = lp.routable()
+        n = sum(routable)
+        if n < li.top_k:
+            _fail(f"Layer {lp.layer} leaves {n} routable experts but the router selects top-{li.top_k}; "
+                  f"keep at least {li.top_k} slots or use gate 'replace'.")
+        if li.n_group > 1 and lp.gate in ("renorm", "keep"):
+            size = li.num_experts // li.n_group
+            counts = sorted(sum(routable[g * size:(g + 1) * size]) for g in range(li.n_group))
+            # a group with no routable expert scores -inf and is never chosen while enough live groups remain,
+            # so the worst case is the topk_group live groups holding the fewest experts
+            live = [c for c in counts if c >= (2 if li.group_score == "top2_sum" else 1)]
+            worst = sum(live[:li.topk_group])
+            if worst < li.top_k:
+                _fail(f"Layer {lp.layer} makes group-limited routing infeasible: the {li.topk_group} router groups "
+                      f"with fewest experts left hold {worst} < top-{li.top_k}; keep more experts in the groups "
+                      f"of {size}.")
+            if li.group_score == "top2_sum" and 1 in counts:
+                _fail(f"Layer {lp.layer} leaves a group with a single expert, but this router scores groups by the "
+                      "sum of their top two experts; keep zero or at least two experts in every group.")
+
+    def check_model(self, adapter) -> None:
+        """Refuse a plan made for a different model (one sentence)."""
+        m = self.model
+        if adapter.model_type != m.model_type or adapter.moe_layers != [x.layer for x in m.layers]:
+            _fail(f"This plan was made for a {m.model_type} model with MoE layers {[x.layer for x in m.layers]}, "
+                  f"but the model is {adapter.model_type} with MoE layers {adapter.moe_layers}; use a plan made "
+                  "for this model.")
+        for x in m.layers:
+            if adapter.num_experts(x.layer) != x.num_experts or adapter.intermediate_size(x.layer) != x.intermediate_size:
+                _fail(f"Layer {x.layer} of the model has {adapter.num_experts(x.layer)} experts of width "
+                      f"{adapter.intermediate_size(x.layer)}, the plan expects {x.num_experts} of width "
+                      f"{x.intermediate_size}; use a plan made for this model.")
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Every tensor the plan references is present with the right shape (one sentence if not)."""
+        tensors = tensors or {}
+        h = self.model.hidden_size
+        for sc in self.scopes:
+            for s in sc.stored:
+                if s.tensor is None:
+                    continue
+                if s.construction == "elementwise_merge" and f"{s.tensor}.gate" not in tensors:
+                    from .runtime.decoders import has_decoder
+
+                    if not any(k.startswith(s.tensor + ".") for k in tensors):
+                        _fail(f"The plan tensors lack '{s.tensor}.*' for stored expert {s.id} of scope '{sc.id}'; "
+                              "pass the tensors the method produced (plan_tensors.safetensors).")
+                    if not has_decoder(s.construction):
+                        _fail(f"Stored expert {s.id} of scope '{sc.id}' is packed but no decoder is registered "
+                              "for element-wise merges; import the PuzzleMoE method module first.")
+                    continue
+                width = self.stored_width(sc, s)
+                self._need(tensors, s.tensor, {"gate": (width, h), "up": (width, h), "down": (h, width)})
+        for lp in self.layers:
+            for e, op in lp.operators():
+                if isinstance(op, ConstantOp):
+                    self._need(tensors, op.tensor, {"value": (h,)})
+                elif isinstance(op, TiltOp):
+                    self._need(tensors, op.tensor, {"U": (h, op.rank), "V": (h, op.rank), "bias": (h,)})
+                else:
+                    self._need(tensors, op.tensor, {"gate": (op.width, h), "up": (op.width, h),
+                                                    "down": (h, op.width), "bias": (h,)})
+
+    @staticmethod
+    def _need(tensors, prefix: str, shapes: dict[str, tuple]) -> None:
+        for part, shape in shapes.items():
+            key = f"{prefix}.{part}"
+            if key not in tensors:
+                _fail(f"The plan tensors lack '{key}'; pass the tensors the method produced "
+                      "(plan_tensors.safetensors beside plan.json).")
+            if tuple(tensors[key].shape) != shape:
+                _fail(f"Plan tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}; "
+                      "the tensors do not belong to this plan.")
+
+    # ------------------------------------------------------------------ queries
+    def layer(self, i: int) -> LayerPlan:
+        for lp in self.layers:
+            if lp.layer == i:
+                return lp
+        raise MoECompressError(f"The plan has no entry for layer {i}.")
+
+    def scope(self, scope_id: str) -> Scope:
+        for sc in self.scopes:
+            if sc.id == scope_id:
+                return sc
+        raise MoECompressError(f"The plan has no scope '{scope_id}'.")
+
+    def scope_of(self, i: int) -> Scope:
+        return self.scope(self.layer(i).scope)
+
+    def stored_width(self, sc: Scope, s: StoredExpert) -> int:
+        if s.intermediate_size is not None:
+            return s.intermediate_size
+        widths = [self.model.layer(layer).intermediate_size for layer, _ in s.sources]
+        return sum(widths) if s.construction == "dense_group" else widths[0]
+
+    def scope_width(self, sc: Scope) -> int:
+        """Width of the scope's fused tensor: the widest stored expert (narrower ones are zero-padded)."""
+        return max(self.stored_width(sc, s) for s in sc.stored)
+
+    def hf_expressible(self) -> tuple[bool, str]:
+        """Can a vanilla config express this plan (sliced experts + router rows)? (answer, reason if not)."""
+        counts = set()
+        for lp in self.layers:
+            sc = self.scope(lp.scope)
+            li = self.model.layer(lp.layer)
+            if sc.layers != [lp.layer]:
+                return False, f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
+            if lp.operators():
+                return False, f"layer {lp.layer} has replacement operators"
+            if not (lp.gate == "renorm" or (lp.gate == "keep" and li.keep_equals_renorm) or not lp.dropped()):
+                return False, f"layer {lp.layer} uses gate '{lp.gate}', which a standard router cannot express"
+            ids = lp.stored_ids()
+            if len(set(ids)) != len(ids):
+                return False, f"layer {lp.layer} maps several slots to one stored expert"
+            if any(self.stored_width(sc, s) != li.intermediate_size for s in sc.stored):
+                return False, f"layer {lp.layer} stores an expert of a different width"
+            if li.n_group > 1:
+                size = li.num_experts // li.n_group
+                per_group = {sum(1 for e in range(g * size, (g + 1) * size) if lp.slots[e] != "drop")
+                             for g in range(li.n_group)}
+                if len(per_group) != 1:
+                    return False, f"layer {lp.layer} keeps unequal numbers of experts per router group"
+            counts.add(len(ids))
+        if len(counts) != 1:
+            return False, f"layers keep different numbers of experts ({sorted(counts)})"
+        return True, ""
+
+    def logical_bytes(self, tensors: Mapping[str, torch.Tensor] | None = None) -> ByteReport:
+        """Bytes the compressed model needs: stored experts + operator parameters + everything else.
+
+        Copies cost the original expert's bytes; dense merged experts and operators are stored in
+        the model's dtype (counted from shapes); packed element-wise merges count their tensors
+        (or their declared ``nbytes``). "Everything else" is the original's non-expert tensors.
+        """
+        el = self.model.element_size
+        h = self.model.hidden_size
+        bias = self.model.expert_bias
+        stored = 0
+        for sc in self.scopes:
+            for s in sc.stored:
+                if s.construction == "copy":
+                    stored += self.model.layer(s.sources[0][0]).bytes_per_expert
+                elif s.construction == "elementwise_merge" and (tensors is None or f"{s.tensor}.gate" not in tensors):
+                    if tensors is not None and any(k.startswith(f"{s.tensor}.") for k in tensors):
+                        stored += sum(t.numel() * t.element_size() for k, t in tensors.items()
+                                      if k.startswith(f"{s.tensor}."))
+                    elif s.nbytes is not None:
+                        stored += s.nbytes
+                    else:
+                        _fail(f"Stored expert {s.id} of scope '{sc.id}' is packed; pass its tensors or set nbytes "
+                              "to count its bytes.")
+                else:
+                    w = self.stored_width(sc, s)
+                    stored += (3 * w * h + (2 * w + h if bias else 0)) * el
+        ops = 0
+        for lp in self.layers:
+            for _, op in lp.operators():
+                if isinstance(op, ConstantOp):
+                    ops += h * el
+                elif isinstance(op, TiltOp):
+                    ops += (2 * h * op.rank + h) * el
+                else:
+                    ops += (3 * op.width * h + h + (2 * op.width if bias else 0)) * el
+        other = self.model.other_bytes
+        return ByteReport(stored_experts=stored, operators=ops, other=other, total=stored + ops + other,
+                          original=self.model.expert_bytes + other)
+
+    def summary(self) -> list[dict]:
+        """One row per MoE layer, for reports."""
+        rows = []
+        for lp in sorted(self.layers, key=lambda x: x.layer):
+            sc = self.scope(lp.scope)
+            rows.append(dict(layer=lp.layer, scope=sc.id, stored=len(sc.stored), gate=lp.gate,
+                             slots=len(lp.slots), to_stored=len(lp.stored_ids()), operators=len(lp.operators()),
+                             dropped=len(lp.dropped())))
+        return rows
+
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self) -> str:
+        """Deterministic JSON: sorted keys, no None fields; same plan -> same bytes."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "the plan") -> "CompressionPlan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MoECompressError(f"{where} is not valid JSON (line {exc.lineno}); regenerate or fix it.") from None
+        if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+            _fail(f"{where} has schema version {data.get('schema_version')}, but this moecompress reads version "
+                  f"{SCHEMA_VERSION}; regenerate the plan with this version.")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise MoECompressError(f"{where} is invalid at '{loc}': {err['msg']}; fix it (see docs/plan.md).") from None
+
+    def save(self, directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
+        """Write plan.json (+ plan_tensors.safetensors when tensors are given) into `directory`."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / PLAN_FILE).write_text(self.to_json())
+        if tensors:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())},
+                      str(d / TENSORS_FILE), metadata={"format": "pt"})
+        return d / PLAN_FILE
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> tuple["CompressionPlan", PlanTensors]:
+        """Read a plan (a plan.json file or a directory holding one) and its tensors if present."""
+        p = Path(path)
+        file = p / PLAN_FILE if p.is_dir() else p
+        if not file.is_file():
+            _fail(f"No plan at {path}: pass a plan.json file or a directory that holds one.")
+        plan = cls.from_json(file.read_text(), where=str(file))
+        tensors: PlanTensors = {}
+        tfile = file.parent / TENSORS_FILE
+        if tfile.is_file():
+            from safetensors.torch import load_file
+
+            try:
+                tensors = load_file(str(tfile))
+            except Exception:  # safetensors raises its own error types for truncated/garbled files
+                _fail(f"{tfile} is corrupted (not a readable safetensors file); regenerate the plan.")
+        return plan, tensors
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def identity(cls, model, method: str = "identity", source: str | None = None) -> "CompressionPlan":
+        """Every slot keeps its own expert (ratio 0)."""
+        info = ModelInfo.from_model(model, source)
+        return cls.prune(info, {x.layer: list(range(x.num_experts)) for x in info.layers}, method=method)
+
+    @classmethod
+    def prune(cls, model, keep: Mapping[int, Sequence[int]], gate: GateSemantics = "renorm",
+              method: str = "prune", params: dict | None = None, source: str | None = None) -> "CompressionPlan":
+        """Keep the listed experts of each layer (copies); every other slot is dropped, at gate `gate`."""
+        info = model if isinstance(model, ModelInfo) else ModelInfo.from_model(model, source)
+        scopes, layers = [], []
+        for li in info.layers:
+            kept = sorted(set(int(e) for e in keep.get(li.layer, range(li.num_experts))))
+            sid = f"layer{li.layer}"
+            scopes.append(Scope(id=sid, layers=[li.layer],
+                                stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(kept)]))
+            pos = {e: j for j, e in enumerate(kept)}
+            layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate,
+                                    slots=[pos.get(e, "drop") for e in range(li.num_experts)]))
+        return cls(model=info, scopes=scopes, layers=layers, method=method, params=params or {})
+
+    @classmethod
+    def remap(cls, model, assignment: Mapping[int, Sequence[int]], gate: GateSemantics = "aggregate",
+              method: str = "remap", params: dict | None = None, source: str | None = None) -> "CompressionPlan":
+        """Per layer, slot e computes original expert assignment[e] (a retained prototype), stored once."""
+        info = model if isinstance(model, ModelInfo) else ModelInfo.from_model(model, source)
+        scopes, layers = [], []
+        for li in info.layers:
+            assign = [int(a) for a in assignment.get(li.layer, range(li.num_experts))]
+            protos = sorted(set(assign))
+            sid = f"layer{li.layer}"
+            scopes.append(Scope(id=sid, layers=[li.layer],
+                                stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(protos)]))
+            pos = {e: j for j, e in enumerate(protos)}
+            layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate, slots=[pos[a] for a in assign]))
+        return cls(model=info, scopes=scopes, layers=layers, method=method, params=params or {})

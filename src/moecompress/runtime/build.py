@@ -1,0 +1,131 @@
+"""Building runtime modules from a plan: stored-expert weights, scopes, operators, blocks; `apply_plan`."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from ..errors import MoECompressError
+from ..models import ExpertWeights, MoEAdapter, MoELayer
+from ..plan import CompressionPlan, LayerPlan, Scope, StoredExpert
+from .block import CompressedMoEBlock
+from .decoders import get_decoder
+from .experts import Layout, StoredExperts
+from .operators import SlotOperators
+
+SourceFn = Callable[[int, int], ExpertWeights]  # (layer, expert) -> weights (documented orientation)
+
+
+def runtime_layout(layer: MoELayer) -> Layout:
+    """GPT-OSS keeps its transposed, interleaved, biased layout; every other storage runs fused."""
+    return "gpt_oss" if layer.storage.layout == "gpt_oss" else "fused"
+
+
+def _tensor_weights(tensors: Mapping[str, torch.Tensor], prefix: str) -> ExpertWeights:
+    get = lambda name: tensors.get(f"{prefix}.{name}")  # noqa: E731
+    return ExpertWeights(get("gate"), get("up"), get("down"), get("gate_bias"), get("up_bias"), get("down_bias"))
+
+
+def stored_weights(plan: CompressionPlan, sc: Scope, s: StoredExpert, source: SourceFn,
+                   tensors: Mapping[str, torch.Tensor] | None) -> ExpertWeights:
+    """The dense weights of stored expert `s` (documented orientation, float dtype of its source).
+
+    copy: theta = theta_src; weighted_merge without tensors: theta = sum_i w_i theta_i (M-SMoE style
+    parameter average); dense_group without tensors: neurons concatenated with down columns scaled
+    by w_i, so f(x) = sum_i w_i f_i(x); otherwise the method's tensors (decoded if packed).
+    """
+    tensors = tensors or {}
+    if s.construction == "copy":
+        return source(*s.sources[0])
+    if s.tensor is not None and f"{s.tensor}.gate" in tensors:
+        w = _tensor_weights(tensors, s.tensor)
+    elif s.construction == "elementwise_merge":
+        w = get_decoder("elementwise_merge")(tensors, s.tensor, s)
+    elif s.construction == "weighted_merge":
+        srcs = [source(*src) for src in s.sources]
+        acc = None
+        for wi, src in zip(s.weights, srcs):
+            term = src.map(lambda t, wi=wi: t.float() * wi)
+            acc = term if acc is None else ExpertWeights(**{k: v + getattr(term, k) for k, v in acc.tensors().items()})
+        w = acc.map(lambda t: t.to(srcs[0].gate.dtype))
+    else:  # dense_group: concatenate neurons
+        srcs = [source(*src) for src in s.sources]
+        ws = s.weights or [1.0] * len(srcs)
+        dt = srcs[0].gate.dtype
+        w = ExpertWeights(
+            torch.cat([x.gate for x in srcs]), torch.cat([x.up for x in srcs]),
+            torch.cat([(x.down.float() * wi).to(dt) for x, wi in zip(srcs, ws)], dim=1),
+            None if srcs[0].gate_bias is None else torch.cat([x.gate_bias for x in srcs]),
+            None if srcs[0].up_bias is None else torch.cat([x.up_bias for x in srcs]),
+            None if srcs[0].down_bias is None else sum((x.down_bias.float() * wi) for x, wi in zip(srcs, ws)).to(dt),
+        )
+    return w
+
+
+def _complete_bias(w: ExpertWeights, layout: Layout) -> ExpertWeights:
+    if layout != "gpt_oss" or w.gate_bias is not None and w.up_bias is not None and w.down_bias is not None:
+        return w
+    z = lambda n, ref: torch.zeros(n, dtype=ref.dtype, device=ref.device)  # noqa: E731
+    return ExpertWeights(w.gate, w.up, w.down,
+                         w.gate_bias if w.gate_bias is not None else z(w.gate.shape[0], w.gate),
+                         w.up_bias if w.up_bias is not None else z(w.up.shape[0], w.up),
+                         w.down_bias if w.down_bias is not None else z(w.down.shape[0], w.down))
+
+
+def build_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, source: SourceFn, tensors, config=None,
+                dtype=None, device=None) -> StoredExperts:
+    """The scope's stored experts in one fused tensor set (layout and activation of `layer`'s family)."""
+    layout = runtime_layout(layer)
+    ref = layer.storage.read(0).gate
+    dtype = dtype or ref.dtype
+    device = device if device is not None else ref.device
+    weights = []
+    for s in sc.stored:
+        w = _complete_bias(stored_weights(plan, sc, s, source, tensors), layout)
+        weights.append(w.map(lambda t: t.to(device=device, dtype=dtype)))
+    return StoredExperts.from_weights(weights, layout, layer.act, width=plan.scope_width(sc), dtype=dtype,
+                                      config=config)
+
+
+def empty_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, dtype, config=None) -> StoredExperts:
+    """A meta-device shell with the scope's shapes (filled later by a loader)."""
+    return StoredExperts(len(sc.stored), plan.model.hidden_size, plan.scope_width(sc), runtime_layout(layer),
+                         layer.act, dtype=dtype, device="meta", config=config)
+
+
+def build_ops(plan: CompressionPlan, lp: LayerPlan, layer: MoELayer, tensors, dtype, device,
+              fill: bool = True) -> SlotOperators | None:
+    if not lp.operators():
+        return None
+    ops = SlotOperators(lp, plan.model.hidden_size, layer.act, plan.model.expert_bias, dtype=dtype, device=device)
+    return ops.fill(tensors) if fill else ops
+
+
+def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None = None):
+    """Install a `CompressedMoEBlock` for every MoE layer of `model` (in place) and return the model.
+
+    The result is an ordinary PreTrainedModel: `generate`, lm-eval's HFLM and the exporters accept it.
+    Original experts are released scope by scope, so peak memory is the model plus one scope.
+    """
+    if any(isinstance(m, CompressedMoEBlock) for m in model.modules()):
+        raise MoECompressError("This model already runs a compression plan; apply plans to the original model "
+                               "(reload it) instead of stacking them.")
+    adapter = MoEAdapter(model)
+    plan.check_model(adapter)
+    plan.check_tensors(tensors)
+    source = lambda l, e: adapter.layer(l).storage.read(e)  # noqa: E731 - views; copied when fused
+    with torch.no_grad():
+        for sc in sorted(plan.scopes, key=lambda s: max(s.layers)):
+            first = adapter.layer(sc.layers[0])
+            stored = build_scope(plan, sc, first, source, tensors, config=model.config)
+            for i in sc.layers:
+                layer = adapter.layer(i)
+                lp = plan.layer(i)
+                dev = layer.router.weight.device
+                ops = build_ops(plan, lp, layer, tensors, stored.gate_up_proj.dtype, dev)
+                adapter.set_block(i, CompressedMoEBlock(layer, lp, stored, ops, adapter.returns_tuple))
+            for i in sc.layers:  # drop our last references to the original experts
+                adapter.layers.pop(i)
+    model._moecompress_plan = plan
+    return model
