@@ -203,21 +203,28 @@ _DIRECT_LIMIT = 1 << 26  # elements per projection below which the whole scope g
 def scope_distance(expert_stacks: list, eps: float = 1e-8, chunk: int = 16) -> torch.Tensor:
     """d over the concatenation of per-layer stacks ([E_l, ...] each), as `pairwise_distance` of the
     stacked scope, but in blocks of `chunk` experts (float64 per block) when the scope is large, so a
-    scope of big experts never needs a float64 copy of all its weights."""
-    stack = stack_scope(expert_stacks)
-    n = stack.gate.shape[0]
-    if stack.gate.numel() <= _DIRECT_LIMIT:
-        return pairwise_distance(stack, eps)
+    scope of big experts never needs a float64 (or even a concatenated) copy of all its weights."""
+    shapes = {tuple(st.gate.shape[1:]) for st in expert_stacks} | {tuple(st.down.shape[1:]) for st in expert_stacks}
+    if len(shapes) > 2:
+        raise MoECompressError("Layers in one consolidation scope have experts of different shapes; use scope_size 1.")
+    sizes = [st.gate.shape[0] for st in expert_stacks]
+    n = sum(sizes)
+    if sum(st.gate.numel() for st in expert_stacks) <= _DIRECT_LIMIT:
+        return pairwise_distance(stack_scope(expert_stacks), eps)
+    owner = [(j, e) for j, size in enumerate(sizes) for e in range(size)]
     total = torch.zeros(n, n, dtype=torch.float64)
-    for w in (stack.gate, stack.up, stack.down):
-        flat = w.reshape(n, -1)
-        norms = torch.stack([flat[i].double().norm() for i in range(n)])
+    for name in ("gate", "up", "down"):
+        flats = [getattr(st, name).reshape(st.gate.shape[0], -1) for st in expert_stacks]
+
+        def rows(lo: int, hi: int, flats=flats) -> torch.Tensor:
+            return torch.stack([flats[j][e] for j, e in owner[lo:hi]]).double()
+
+        norms = torch.stack([flats[j][e].double().norm() for j, e in owner])
         for i in range(0, n, chunk):
-            a = flat[i:i + chunk].double()
+            a = rows(i, min(n, i + chunk))
             for j in range(i, n, chunk):
-                b = a if j == i else flat[j:j + chunk].double()
-                diff = torch.cdist(a, b)
-                term = 2 * diff / (norms[i:i + chunk, None] + norms[None, j:j + chunk] + 2 * eps)
+                b = a if j == i else rows(j, min(n, j + chunk))
+                term = 2 * torch.cdist(a, b) / (norms[i:i + chunk, None] + norms[None, j:j + chunk] + 2 * eps)
                 total[i:i + chunk, j:j + chunk] += term
                 if j != i:
                     total[j:j + chunk, i:i + chunk] += term.T
