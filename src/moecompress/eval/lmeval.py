@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
 import math
 import os
 import re
@@ -139,6 +140,20 @@ def resolve_tasks(tasks, include_path=None, online: bool | None = None):
 
 
 @contextlib.contextmanager
+def _quiet_lm_eval(level: int = logging.ERROR):
+    """lm-eval warns on every run about in-memory models and custom datasets; keep errors only."""
+    names = ["lm_eval"] + [n for n in logging.root.manager.loggerDict if n.startswith("lm_eval.")]
+    old = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(level)
+    try:
+        yield
+    finally:
+        for n, lvl in old.items():
+            logging.getLogger(n).setLevel(lvl)
+
+
+@contextlib.contextmanager
 def _offline_env(active: bool):
     """Keep local-only runs off the network (lm-eval and datasets look at these variables)."""
     if not active:
@@ -244,8 +259,9 @@ def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: 
     lm_kwargs = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     if max_length is not None:
         lm_kwargs["max_length"] = max_length
-    lm = HFLM(**lm_kwargs)
-    with _offline_env(local_only):
+    with _quiet_lm_eval():
+        lm = HFLM(**lm_kwargs)
+    with _offline_env(local_only), _quiet_lm_eval():
         out = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, log_samples=True,
                               task_manager=manager, random_seed=seed, numpy_random_seed=seed,
                               torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=gen_kwargs,
