@@ -5,7 +5,8 @@
     OMP_WAIT_POLICY=PASSIVE nohup python benchmarks/bench_dense.py distill > build/bench_dense/distill.log 2>&1 &
     python benchmarks/bench_dense.py report      # writes the "MoE to dense (issue 8)" section of BENCHMARKS.md
 
-sweep:   every criterion (7) × grouping (5) × scaling (uniform, proportional) × K (k, 2k, 4k, up to E) on
+sweep:   every criterion (7) × grouping (5) × scaling (uniform, proportional, gate; plus uniform+mass and
+         proportional+mass for a router that does not renormalise) × K (k, 2k, 4k, up to E) on
          qwen3-moe-tiny and olmoe-tiny; held-out perplexity of each dense conversion before distillation
          (calibration fixture-calib:32 × 256 tokens, first 16,384 tokens of fixture-heldout).
 distill: the best sweep configuration of one fixture exported as a dense checkpoint, then forward-KL
@@ -29,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +54,14 @@ def run_sweep(names, heldout_tokens: int) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name in names:
         t0 = time.time()
+        from moecompress.models import load_config
+
+        cfg = load_config(str(_fixture(name)))
+        scalings = ["uniform", "proportional", "gate"]
+        if not getattr(cfg, "norm_topk_prob", True):  # a router that does not renormalise: also α·M̂
+            scalings += ["uniform+mass", "proportional+mass"]
         res = dense_sweep(str(_fixture(name)), "fixture-calib:32", "fixture-heldout", heldout_tokens=heldout_tokens,
-                          seq_len=256, window=256, progress=False)
+                          scalings=scalings, seq_len=256, window=256, progress=False)
         write_sweep(res, OUT / f"sweep_{name}.md")
         best = min(res["rows"], key=lambda r: r["ppl"])
         print(f"{name}: {res['evaluations']} evaluations in {time.time() - t0:.0f} s; teacher {res['teacher_ppl']:.2f}, "
@@ -163,7 +170,7 @@ def report() -> None:
     bench = ROOT / "BENCHMARKS.md"
     old = bench.read_text() if bench.is_file() else "# Benchmarks\n"
     if SECTION in old:
-        pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
+        pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.DOTALL)
         new = pattern.sub(lambda _: text.rstrip() + "\n", old, count=1)
     else:
         new = old.rstrip() + "\n\n" + text

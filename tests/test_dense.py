@@ -9,8 +9,18 @@ import torch
 
 from moecompress.errors import MoECompressError
 from moecompress.methods.dense import (
-    CRITERIA, GROUPINGS, SCALINGS, DenseConfig, average_linkage, collect_dense_stats, convert, convert_layer,
-    dense_view, group_experts, merge_group, select_experts,
+    CRITERIA,
+    GROUPINGS,
+    SCALINGS,
+    DenseConfig,
+    average_linkage,
+    collect_dense_stats,
+    convert,
+    convert_layer,
+    dense_view,
+    group_experts,
+    merge_group,
+    select_experts,
 )
 from moecompress.models import MoEAdapter, expert_apply
 from moecompress.testing import FAMILY_NAMES, fixture_dir, tiny_model
@@ -98,7 +108,7 @@ def test_identical_experts_make_the_dense_student_exact(family):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_student_attention_path_reproduces_the_teacher(family):
     """With every FFN output zero, student and teacher compute the same hidden states at every layer."""
-    model, stats, ids = _setup(family)
+    model, _, ids = _setup(family)
     student, _, target = _student(family, criterion="frequency")
     assert type(student).__name__ == EXPECTED[family]
     assert target.kind == ("moe" if family in ("olmoe", "gpt_oss") else "dense")
@@ -260,13 +270,13 @@ def test_cli_dense_and_sweep(tmp_path):
     assert (tmp_path / "dense" / "tokenizer.json").is_file() and "Qwen3ForCausalLM" in r.output
     r = CliRunner().invoke(app, ["dense-sweep", str(src), "--out", str(tmp_path / "sweep.md"), "--calib", f"{text}:4",
                                  "--heldout", str(text), "--criteria", "cp,do-acp", "--groupings", "rr,oc", "--K",
-                                 "2,4", "--scalings", "uniform", "--heldout-tokens", "512", "--window", "64",
+                                 "2,4", "--scalings", "uniform,uniform+mass", "--heldout-tokens", "512", "--window", "64",
                                  "--seq-len", "64"])
     assert r.exit_code == 0, r.output
     table = (tmp_path / "sweep.md").read_text()
     assert "| do-acp | oc | uniform |" in table and "K=4" in table
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
-    assert len(rows) == 8 and all(r["ppl"] > 0 for r in rows)
+    assert len(rows) == 16 and all(r["ppl"] > 0 for r in rows)
     # K = k: grouping is irrelevant, so rr and oc share one evaluation
     k2 = {(r["criterion"], r["grouping"]): r["ppl"] for r in rows if r["K"] == 2}
     assert k2[("cp", "rr")] == k2[("cp", "oc")]

@@ -4,7 +4,14 @@
 against the frozen MoE teacher (`trainer.py`, objectives in `kd.py`).
 """
 
-from .dense_export import DENSE_TARGETS, StudentTarget, build_student, export_dense, save_student, student_target
+from .dense_export import (
+    DENSE_TARGETS,
+    StudentTarget,
+    build_student,
+    export_dense,
+    save_student,
+    student_target,
+)
 from .kd import LOSSES, ExpandedMoEBlock, expanded_teacher, hidden_mse, kd_loss
 from .trainer import DistillConfig, DistillResult, distill, plot_curve
 

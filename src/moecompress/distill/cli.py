@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 
@@ -29,7 +27,7 @@ def dense_command(
     model: str = typer.Argument(..., help="MoE checkpoint directory or hub id."),
     out: str = typer.Option(..., "--out", "-o", help="Directory of the dense student checkpoint."),
     criterion: str = typer.Option("do-acp", help="frequency|pp|ps|cp|acp|do-cp|do-acp."),
-    K: Optional[int] = typer.Option(None, "--K", "-K", help="Experts kept per layer before grouping (default top-k)."),
+    K: int | None = typer.Option(None, "--K", "-K", help="Experts kept per layer before grouping (default top-k)."),
     grouping: str = typer.Option("rr", help="rr|wc|rc|ab|oc."),
     scaling: str = typer.Option("uniform", help="uniform|proportional|gate (down-projection scale α_g)."),
     mass_scale: bool = typer.Option(False, "--mass-scale", help="Scale α by the measured mean top-k routing mass."),
@@ -63,11 +61,12 @@ def dense_sweep_command(
     out: str = typer.Option("dense_sweep.md", "--out", "-o", help="Markdown table (raw rows beside it as .json)."),
     calib: str = typer.Option("fixture-calib:32", help="Calibration data spec or stats store directory."),
     heldout: str = typer.Option("fixture-heldout", help="Held-out text spec for perplexity."),
-    criteria: str = typer.Option(",".join(("frequency", "pp", "ps", "cp", "acp", "do-cp", "do-acp")),
+    criteria: str = typer.Option("frequency,pp,ps,cp,acp,do-cp,do-acp",
                                  help="Comma-separated criteria."),
     groupings: str = typer.Option("rr,wc,rc,ab,oc", help="Comma-separated groupings."),
     K: str = typer.Option("", "--K", "-K", help="Comma-separated K values (default k, 2k, 4k, 8k up to E)."),
-    scalings: str = typer.Option("uniform,proportional", help="Comma-separated scalings."),
+    scalings: str = typer.Option("uniform,proportional", help="Comma-separated scalings (uniform, proportional, "
+                                 "gate; '+mass' scales by the mean top-k routing mass, e.g. uniform+mass)."),
     mass_scale: bool = typer.Option(False, "--mass-scale", help="Scale α by the measured mean top-k routing mass."),
     heldout_tokens: int = typer.Option(16384, help="Held-out tokens scored per configuration."),
     window: int = typer.Option(256, help="Perplexity window."),
@@ -92,11 +91,11 @@ def distill_command(
     data: str = typer.Option(..., "--data", help="Training text spec (file, fixture name, hub dataset)."),
     tokens: int = typer.Option(..., "--tokens", help="Training tokens."),
     out: str = typer.Option(..., "--out", "-o", help="Run directory (checkpoints/, student/, curve.png, distill.json)."),
-    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Validation text spec (default: held out from --data)."),
+    eval_data: str | None = typer.Option(None, "--eval-data", help="Validation text spec (default: held out from --data)."),
     loss: str = typer.Option("forward_kl", help="forward_kl | reverse_kl | kl_hidden (logits KL + hidden MSE)."),
     temperature: float = typer.Option(1.0, help="KD temperature T."),
     hidden_weight: float = typer.Option(1.0, help="λ of the hidden-state MSE (kl_hidden)."),
-    expanded_top_k: Optional[int] = typer.Option(None, "--expanded-top-k", help="Teacher routes to k' > k experts."),
+    expanded_top_k: int | None = typer.Option(None, "--expanded-top-k", help="Teacher routes to k' > k experts."),
     seq_len: int = typer.Option(256, help="Tokens per training sequence."),
     batch_size: int = typer.Option(8, help="Sequences per device per step."),
     grad_accum: int = typer.Option(1, help="Gradient accumulation steps."),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..atomic import atomic_dir, dir_bytes
 from ..errors import MoECompressError

@@ -21,8 +21,8 @@ import contextlib
 from typing import Literal
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import MoECompressError
 from ..models import MoEAdapter

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoECompressError
-from ..methods.dense import CRITERIA, GROUPINGS, DenseConfig, canonical, convert, dense_view
+from ..methods.dense import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical, convert, dense_view
 from ..models import MoEAdapter
 from .dense_export import load_stats, student_target
 
@@ -24,7 +24,11 @@ from .dense_export import load_stats, student_target
 def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS, Ks=None,
                 scalings=("uniform", "proportional"), mass_scale: bool = False, seq_len: int = 256,
                 heldout_tokens: int | None = 16384, window: int = 256, progress: bool = True) -> dict:
-    """Perplexity of every configuration; returns {"rows": [...], "teacher_ppl", "top_k", "Ks", ...}."""
+    """Perplexity of every configuration; returns {"rows": [...], "teacher_ppl", "top_k", "Ks", ...}.
+
+    A scaling may carry "+mass" ("uniform+mass"): α_g scaled by the measured mean top-k routing mass
+    instead of the routed scaling factor (the option for routers that do not renormalise).
+    """
     from ..eval.metrics import evaluate_stream
     from ..models import load_model
 
@@ -40,6 +44,12 @@ def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS
         tokenizer = load_tokenizer(source)
     criteria = [canonical(c, CRITERIA, "criterion") for c in criteria]
     groupings = [canonical(g, GROUPINGS, "grouping") for g in groupings]
+    for scl in scalings:
+        base, _, extra = scl.partition("+")
+        canonical(base, SCALINGS, "scaling")
+        if extra not in ("", "mass"):
+            raise MoECompressError(f"Unknown scaling '{scl}'; use uniform, proportional or gate, optionally with "
+                                   "'+mass' (e.g. uniform+mass).")
     k = min(adapter.top_k(i) for i in adapter.moe_layers)
     E = min(adapter.num_experts(i) for i in adapter.moe_layers)
     Ks = sorted(set(Ks or [k * m for m in (1, 2, 4, 8) if k * m <= E]))
@@ -71,7 +81,9 @@ def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS
         for crit, grp, scl, K in combos:
             key = (crit, "-" if K == k else grp, scl, K)
             if key not in cache:
-                cfg = DenseConfig(criterion=crit, K=K, grouping=grp, scaling=scl, mass_scale=mass_scale)
+                base, _, extra = scl.partition("+")  # "uniform+mass": α scaled by the measured top-k mass
+                cfg = DenseConfig(criterion=crit, K=K, grouping=grp, scaling=canonical(base, SCALINGS, "scaling"),
+                                  mass_scale=mass_scale or extra == "mass")
                 target = student_target(adapter, cfg)
                 conv = convert(adapter, stats, cfg, fold_shared=target.fold_shared, progress=False)
                 with torch.no_grad(), dense_view(adapter, conv):
@@ -99,14 +111,25 @@ def sweep_markdown(result: dict) -> str:
              f"{result['num_experts']} experts, top-{result['top_k']}); MoE teacher: **{_fmt(result['teacher_ppl'])}**; "
              f"{result['heldout_tokens']:,} held-out tokens, windows of {result['window']}. "
              f"K = {result['top_k']} is pure pruning (every grouping identical). Bold: best K per row.",
-             "", "| criterion | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |",
-             "| --- | --- | --- | " + " | ".join("---:" for _ in Ks) + " |"]
+             "", "Best configuration per criterion:", "",
+             "| criterion | best grouping / scaling / K | ppl | pure pruning (K = k), best scaling |",
+             "| --- | --- | ---: | ---: |"]
+    for c in dict.fromkeys(r["criterion"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["criterion"] == c]
+        b = min(rows, key=lambda r: r["ppl"])
+        pure = [r["ppl"] for r in rows if r["K"] == result["top_k"]]
+        lines.append(f"| {c} | {b['grouping']} / {b['scaling']} / {b['K']} | {_fmt(b['ppl'])} | "
+                     f"{_fmt(min(pure)) if pure else '–'} |")
+    lines += ["", f"Best overall: {best['criterion']} / {best['grouping']} / {best['scaling']} / K={best['K']}: "
+              f"{_fmt(best['ppl'])} ({result['evaluations']} evaluations, {result['wall_s']} s).", "",
+              "<details><summary>All configurations</summary>", "",
+              "| criterion | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |",
+              "| --- | --- | --- | " + " | ".join("---:" for _ in Ks) + " |"]
     for (c, g, s), vals in by.items():
         kbest = min(vals, key=vals.get)
         cells = [(f"**{_fmt(vals[K])}**" if K == kbest else _fmt(vals[K])) if K in vals else "–" for K in Ks]
         lines.append(f"| {c} | {g} | {s} | " + " | ".join(cells) + " |")
-    lines += ["", f"Best: {best['criterion']} / {best['grouping']} / {best['scaling']} / K={best['K']}: "
-              f"{_fmt(best['ppl'])} ({result['evaluations']} evaluations, {result['wall_s']} s)."]
+    lines += ["", "</details>"]
     return "\n".join(lines) + "\n"
 
 

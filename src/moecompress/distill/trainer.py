@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
-from .kd import LOSSES, expanded_teacher, hidden_mse, kd_loss
+from .kd import expanded_teacher, hidden_mse, kd_loss
 
 STUDENT_DIR, CKPT_DIR, CURVE, REPORT = "student", "checkpoints", "curve.png", "distill.json"
 
@@ -273,10 +273,10 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     if len(train_set) == 0 or len(val_set) == 0:
         raise MoECompressError(f"The data gives {len(train_set)} training and {len(val_set)} validation blocks of "
                                f"{config.seq_len} tokens; pass more text or a smaller --seq-len.")
+    import dataclasses
+
     from transformers import TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
-
-    import dataclasses
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     ckpt_flag = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
 from ..errors import MoECompressError
 from ..models import ExpertActivation, ExpertWeights, MoEAdapter
@@ -301,7 +302,7 @@ def pad_ffn(w: ExpertWeights, width: int) -> ExpertWeights:
         raise MoECompressError(f"Cannot pad an FFN of width {w.gate.shape[0]} down to {width}.")
     if extra == 0:
         return w
-    z = lambda *s: torch.zeros(*s, dtype=w.gate.dtype)  # noqa: E731
+    z = lambda *s: torch.zeros(*s, dtype=w.gate.dtype)
     out = ExpertWeights(torch.cat([w.gate, z(extra, w.gate.shape[1])]), torch.cat([w.up, z(extra, w.up.shape[1])]),
                         torch.cat([w.down, z(w.down.shape[0], extra)], 1), w.gate_bias, w.up_bias, w.down_bias)
     if w.gate_bias is not None:
@@ -634,5 +635,5 @@ try:  # let `moecompress calibrate --for-method dense` gather exactly what this 
     from ..calibrate.registry import register_method_stats
 
     register_method_stats("dense", needs_stats())
-except Exception:  # the calibration engine is optional here; stats can also be collected directly
+except (ImportError, ValueError):  # the calibration engine is optional: stats can be collected directly
     pass
