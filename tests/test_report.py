@@ -90,9 +90,15 @@ def test_report_with_every_checklist_item(tmp_path):
     assert data["settings"]["B"] == 1920 and "Warning" not in text  # B >= 8 m / alpha for m = 12
 
 
-def test_too_few_replicates_are_flagged(tmp_path):
-    text = write_report(full_results(), tmp_path / "rep", B=300).read_text()
+def test_too_few_replicates_are_flagged():
+    from moecompress.eval.report import render_markdown
+    from moecompress.eval.schema import validate_results
+
+    res = validate_results(full_results())
+    comps = compare_arms(res, B=300)
+    text = render_markdown(res, comps, checklist(res), {}, {"B": 300, "seed": 0, "alpha": 0.05})
     assert "with B = 300 replicates" in text and "B ≥ 1920" in text
+    assert {c["verdict"] for c in comps} == {"not detectably different"}  # 12 * 2/301 > 0.05: nothing survives Holm
 
 
 def test_missing_items_are_listed_not_hidden(tmp_path):
