@@ -59,21 +59,10 @@ def inspect(
     console.print(sizes)
 
 
-@app.command()
-def demo() -> None:
-    """Offline end-to-end run on the shipped fixture (grows as methods land)."""
-    from .testing import fixture_dir
-
-    for name in ("qwen3-moe-tiny", "olmoe-tiny"):
-        path = fixture_dir(name)
-        if not (path / "config.json").exists():
-            raise MoECompressError(f"The fixture {name} is missing from {path}; reinstall moecompress from a full clone.")
-        console.rule(name)
-        inspect(str(path), as_json=False, trust_remote_code=False)
-
-
 # -- verbs contributed by other modules register here, one line each ---------------------------
 from .compress_cli import compress_command; app.command("compress")(compress_command)  # noqa: E402,E702
+from .compare_cli import compare_command; app.command("compare")(compare_command)  # noqa: E402,E702
+from .compare_cli import demo_command; app.command("demo")(demo_command)  # noqa: E402,E702
 from .calibrate.cli import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
 from .eval.cli import eval_command; app.command("eval")(eval_command)  # noqa: E402,E702
 from .analysis_cli import analyze_command; app.command("analyze")(analyze_command)  # noqa: E402,E702

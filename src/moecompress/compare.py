@@ -1,0 +1,198 @@
+"""`moecompress compare` and `moecompress demo`: several arms, one calibration, the same items, one report.
+
+For each arm: build the plan from the shared stats, export it in its format, load the export back
+(so what is evaluated is what was written), evaluate perplexity + KL to the original + lm-eval
+tasks on identical items, measure bytes and latency. Matched-storage RTN quantization baselines
+and the original model are arms too. `write_report` turns the results into report.md + PNGs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import MoECompressError
+from .recipe import Recipe
+
+console = Console(stderr=True)
+
+
+def resolve_model(model: str) -> str:
+    """`fixture:NAME` -> the shipped fixture directory; anything else unchanged."""
+    if model.startswith("fixture:"):
+        from .testing import fixture_dir
+
+        path = fixture_dir(model.split(":", 1)[1])
+        if not (path / "config.json").is_file():
+            raise MoECompressError(f"The fixture {model} is missing at {path}; use a full clone of moecompress.")
+        return str(path)
+    return model
+
+
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _evaluate(model, tokenizer, recipe: Recipe, reference, progress: bool) -> dict[str, dict]:
+    from .eval.runner import evaluate_model
+
+    ev = recipe.eval
+    tasks = ev.tasks if tokenizer is not None else []
+    return evaluate_model(model, tokenizer, tasks=tasks, ppl=ev.ppl, reference=reference, limit=ev.limit,
+                          num_fewshot=ev.num_fewshot, batch_size=ev.batch_size, window=ev.window,
+                          max_tokens=ev.max_tokens, progress=progress)
+
+
+def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
+    from .eval.bench import benchmark
+
+    if not recipe.eval.latency:
+        from .eval.bench import resident_bytes
+
+        return {"bytes": {"resident": resident_bytes(model)}}
+    return benchmark(model, path, prompt_len=64, new_tokens=16, batch_size=1, warmup=1, repeats=3)
+
+
+def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, progress: bool = True,
+                keep_checkpoints: bool = True) -> dict[str, Any]:
+    """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results."""
+    from .api import export, load
+    from .eval.quant import quantize_experts
+    from .eval.report import write_report
+    from .eval.runner import model_info, plan_arm_fields
+    from .models import MoEAdapter, load_model
+    from .pipeline import build_plan, choose_format, needs_for, resolve_calibration
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise MoECompressError(f"{out} already exists; choose another output directory or pass --overwrite.")
+    if out.exists():
+        shutil.rmtree(out)
+    work = out.parent / f".{out.name}.work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        model_path = resolve_model(recipe.model)
+        tokenizer = _tokenizer(model_path)
+        needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params)})
+        cal = recipe.calibration
+        t0 = time.perf_counter()
+        stats = resolve_calibration(model_path, cal.data, needs, seq_len=cal.seq_len, seed=cal.seed,
+                                    batch_size=cal.batch_size, work_dir=work, dtype="float32", progress=progress)
+        calib_seconds = time.perf_counter() - t0
+        reference = load_model(model_path, dtype="float32")
+        arms: list[dict[str, Any]] = []
+
+        console.print(f"[bold]original[/] {model_path}")
+        original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
+                        metrics=_evaluate(reference, tokenizer, recipe, reference, progress), **_latency(
+                            reference, model_path, recipe))
+        from .plan import CompressionPlan
+
+        original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
+        arms.append(original)
+
+        for arm in recipe.arms:
+            name = arm.display_name()
+            console.print(f"[bold]{name}[/] ({arm.method} {arm.params})")
+            adapter = MoEAdapter(load_model(model_path, dtype="float32"))
+            t1 = time.perf_counter()
+            plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
+            build_seconds = time.perf_counter() - t1
+            fmt = choose_format(plan, arm.format)
+            ckpt = out / "checkpoints" / name
+            result = export(model_path, plan, ckpt, format=fmt, tensors=tensors,
+                            recipe={"model": recipe.model, "method": arm.method, "params": arm.params})
+            del adapter
+            model = load(ckpt, dtype="float32")
+            entry = plan_arm_fields(plan)
+            entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
+                         kind="materialized" if result.evaluation_only else "compressed", export_format=fmt,
+                         path=str(ckpt), compress_seconds=round(build_seconds, 3),
+                         metrics=_evaluate(model, tokenizer, recipe, reference, progress))
+            entry.update(_latency(model, ckpt, recipe))
+            entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
+            arms.append(entry)
+            del model
+
+        for bits in recipe.eval.quant_baselines:
+            name = f"rtn-{bits}bit"
+            console.print(f"[bold]{name}[/] (matched-storage baseline)")
+            model = load_model(model_path, dtype="float32")
+            q = quantize_experts(model, bits=bits, progress=False)
+            arms.append(dict(name=name, method="rtn", kind="quant_baseline", params={"bits": bits, "group_size": 128},
+                             gate_semantics="n/a", export_format="in-memory",
+                             bytes={"model": q["model_bytes_after"] + _non_param_bytes(reference)},
+                             metrics=_evaluate(model, tokenizer, recipe, reference, progress),
+                             quant=q))
+            del model
+        results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
+                       calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
+                       settings={"seed": recipe.seed}, notes=_notes(recipe))
+        if not keep_checkpoints:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        write_report(results, out)
+        return results
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _non_param_bytes(model) -> int:
+    """Persistent buffers (counted in plan byte totals, not in parameter bytes)."""
+    n = 0
+    for mod in model.modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if name not in mod._non_persistent_buffers_set:
+                n += b.numel() * b.element_size()
+    return n
+
+
+def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    data = stats.meta.get("data", {})
+    domains = "; ".join(sorted({s.get("domain", "") for s in data.get("sources", []) if s.get("domain")}))
+    return dict(domain=domains or None, source=data.get("spec", cal.data), tokens=stats.token_count,
+                seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
+
+
+def _notes(recipe: Recipe) -> list[str]:
+    return [f"Every arm is evaluated on the same {recipe.eval.ppl} windows (window {recipe.eval.window}) and the "
+            f"same lm-eval documents (limit {recipe.eval.limit}); checkpoints were exported and loaded back "
+            "before evaluation."]
+
+
+def ranking_table(results: dict[str, Any]) -> Table:
+    """Arms ranked by KL to the original (lower is better), with bytes — the demo's summary."""
+    table = Table(title="arms ranked by KL to the original (same windows)")
+    for col in ("arm", "kind", "bytes", "KL", "ppl", "mc acc", "gen em"):
+        table.add_column(col, justify="left" if col in ("arm", "kind") else "right")
+    rows = []
+    for arm in results["arms"]:
+        ppl = next((v for k, v in arm["metrics"].items() if k.startswith("ppl:")), {})
+        agg = ppl.get("aggregate", {})
+        mc = arm["metrics"].get("fixture_mc", {}).get("aggregate", {}).get("acc")
+        gen = arm["metrics"].get("fixture_gen", {}).get("aggregate", {})
+        em = next((v for k, v in gen.items() if k.startswith("exact_match") and not k.endswith("stderr")), None)
+        b = arm["bytes"].get("model") or arm["bytes"].get("disk")
+        rows.append((agg.get("kl", float("nan")), arm["name"], arm["kind"], b, agg.get("ppl"), mc, em))
+    for kl, name, kind, b, ppl, mc, em in sorted(rows, key=lambda r: (r[0] if r[0] == r[0] else 1e9)):
+        from .cli import _human
+
+        table.add_row(name, kind, _human(b) if b else "-", f"{kl:.4f}", f"{ppl:.2f}" if ppl else "-",
+                      f"{mc:.3f}" if mc is not None else "-", f"{em:.3f}" if em is not None else "-")
+    return table
+

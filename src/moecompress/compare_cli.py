@@ -1,0 +1,55 @@
+"""`moecompress compare RECIPE...` and `moecompress demo`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def compare_command(
+    recipes: list[Path] = typer.Argument(..., help="YAML recipes (one arm each, or files with an 'arms' list)."),
+    out: Path = typer.Option(Path("runs/compare"), help="Report directory (report.md, PNGs, results.json)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing report directory."),
+    keep_checkpoints: bool = typer.Option(True, help="Keep each arm's exported checkpoint under OUT/checkpoints."),
+) -> None:
+    """Compress several arms from one calibration, evaluate all on the same items, write the report."""
+    from rich.console import Console
+
+    from .compare import ranking_table, run_compare
+    from .recipe import load_recipe, merge_recipes
+
+    recipe = merge_recipes([load_recipe(p) for p in recipes])
+    results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
+    console = Console()
+    console.print(ranking_table(results))
+    console.print(f"report: {out / 'report.md'}")
+
+
+def demo_command(
+    out: Path = typer.Option(Path("runs/demo"), help="Where the demo writes its report."),
+    full: bool = typer.Option(False, help="Every arm on both fixtures (slower)."),
+    overwrite: bool = typer.Option(True, help="Replace a previous demo report."),
+) -> None:
+    """Offline end to end on the shipped fixtures: calibrate once, compress, evaluate, rank, report."""
+    import time
+
+    from importlib import resources
+
+    from rich.console import Console
+
+    from .compare import ranking_table, run_compare
+    from .recipe import load_recipe
+
+    console = Console()
+    names = ["demo-full.yaml"] if full else ["demo.yaml"]
+    models = ["fixture:olmoe-tiny", "fixture:qwen3-moe-tiny"] if full else [None]
+    for name in names:
+        base = load_recipe(resources.files("moecompress") / "recipes" / name)
+        for model in models:
+            recipe = base if model is None else base.model_copy(update={"model": model})
+            target = out if len(models) == 1 else out / recipe.model.split(":")[-1]
+            t0 = time.perf_counter()
+            results = run_compare(recipe, target, overwrite=overwrite, keep_checkpoints=False)
+            console.print(ranking_table(results))
+            console.print(f"report: {target / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")

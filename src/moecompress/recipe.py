@@ -1,0 +1,137 @@
+"""YAML recipes: data describing one compression arm, or a file of several arms sharing settings.
+
+    model: path/or/hub-id
+    calibration: {data: fixture-calib:64, seq_len: 256, seed: 0}
+    eval: {ppl: fixture-heldout, tasks: [fixture_mc, fixture_gen], limit: 200}
+    name: reap-50-keep            # optional; derived from method + params otherwise
+    method: prune
+    params: {criterion: reap, ratio: 0.5, gate: keep}
+    format: auto                  # auto | hf | compact | packed | materialized
+
+A file may instead hold ``arms: [{name, method, params, format}, ...]`` beside the shared
+``model``/``calibration``/``eval`` keys.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import MoECompressError
+
+
+class CalibrationSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field("fixture-calib:64", description="data spec (or a stats directory)")
+    seq_len: int = Field(256, gt=0)
+    seed: int = 0
+    batch_size: int = Field(8, gt=0)
+
+
+class EvalSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ppl: str | None = Field("fixture-heldout", description="text spec for perplexity and KL")
+    window: int = Field(256, gt=1)
+    max_tokens: int | None = Field(16384, description="cap on perplexity tokens")
+    tasks: list[str] = Field(default_factory=lambda: ["fixture_mc", "fixture_gen"])
+    limit: int | None = Field(200, description="documents per lm-eval task")
+    num_fewshot: int | None = None
+    batch_size: int = 8
+    latency: bool = Field(True, description="measure prefill/decode tokens/s and peak memory")
+    quant_baselines: list[int] = Field(default_factory=lambda: [4, 3],
+                                       description="matched-storage RTN baselines on routed experts (bits)")
+
+
+class ArmSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    method: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    format: str = "auto"
+
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        p = self.params
+        bits = [self.method] + [str(p[k]) for k in ("criterion", "operator", "gate", "scope_size") if k in p]
+        if "ratio" in p:
+            bits.append(f"{round(100 * float(p['ratio']))}")
+        return "-".join(bits)
+
+
+class Recipe(BaseModel):
+    """Shared settings plus one or more arms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    arms: list[ArmSpec] = Field(default_factory=list)
+    seed: int = 0
+
+
+def _err(where: str, exc: ValidationError) -> MoECompressError:
+    e = exc.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "recipe"
+    return MoECompressError(f"{where}: field '{loc}' is invalid ({e['msg']}); fix the recipe.")
+
+
+def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
+    """A recipe dict (single-arm or multi-arm form) -> Recipe, with one-sentence errors."""
+    if not isinstance(data, dict):
+        raise MoECompressError(f"{where} must be a YAML mapping with model, method and params.")
+    data = dict(data)
+    single = {k: data.pop(k) for k in ("name", "method", "params", "format") if k in data}
+    if single:
+        if "method" not in single:
+            raise MoECompressError(f"{where}: field 'method' is missing; name the compression method.")
+        data.setdefault("arms", []).append(single)
+    try:
+        recipe = Recipe(**data)
+    except ValidationError as exc:
+        raise _err(where, exc) from None
+    from .methods import parse_config
+
+    for arm in recipe.arms:
+        try:
+            parse_config(arm.method, arm.params)
+        except MoECompressError as exc:
+            raise MoECompressError(f"{where}: {exc}") from None
+    return recipe
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise MoECompressError(f"No recipe at {path}; pass a YAML recipe file.")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise MoECompressError(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file.") from None
+    return parse_recipe(data, where=str(path))
+
+
+def merge_recipes(recipes: list[Recipe]) -> Recipe:
+    """One recipe with every arm; the shared settings must agree (one calibration serves all arms)."""
+    first = recipes[0]
+    for r in recipes[1:]:
+        for key in ("model", "calibration", "eval"):
+            if getattr(r, key) != getattr(first, key):
+                raise MoECompressError(f"The recipes disagree on '{key}'; arms compared together must share the "
+                                       "model, the calibration and the evaluation settings.")
+    arms = [a for r in recipes for a in r.arms]
+    names = [a.display_name() for a in arms]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise MoECompressError(f"Two arms are both named '{dup[0]}'; give them distinct 'name' fields.")
+    if not arms:
+        raise MoECompressError("The recipes define no arms; add 'method' and 'params' (or an 'arms' list).")
+    return first.model_copy(update={"arms": arms})

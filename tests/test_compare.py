@@ -1,0 +1,106 @@
+"""`moecompress compare`: arms from one calibration, evaluated on the same items, reported."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from moecompress.cli import main
+from moecompress.errors import MoECompressError
+from moecompress.recipe import load_recipe, merge_recipes, parse_recipe
+from moecompress.testing import fixture_dir, save_tiny
+
+
+def run_cli(args, capsys):
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A tiny random OLMoE with the shipped fixture tokenizer, so text specs and lm-eval tasks work."""
+    tok_dir = fixture_dir("olmoe-tiny")
+    if not (tok_dir / "tokenizer.json").is_file():
+        pytest.skip("fixture tokenizer not built")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    path = save_tiny("olmoe", tmp_path_factory.mktemp("cmp") / "model", seed=2, vocab_size=len(tok),
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    tok.save_pretrained(path)
+    return path
+
+
+def _recipe(tmp_path, model, arms, **eval_over):
+    ev = dict(ppl="fixture-heldout", window=64, max_tokens=512, tasks=["fixture_mc", "fixture_gen"], limit=4,
+              latency=False, quant_baselines=[4])
+    ev.update(eval_over)
+    files = []
+    for i, arm in enumerate(arms):
+        p = tmp_path / f"r{i}.yaml"
+        p.write_text(yaml.safe_dump(dict(model=str(model), calibration={"data": "fixture-calib:4", "seq_len": 64},
+                                         eval=ev, **arm)))
+        files.append(str(p))
+    return files
+
+
+def test_compare_two_recipes_writes_report_pngs_and_results(tiny_with_tokenizer, tmp_path, capsys):
+    files = _recipe(tmp_path, tiny_with_tokenizer, [
+        dict(method="prune", params=dict(criterion="reap", ratio=0.5, gate="keep")),
+        dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant")),
+    ])
+    out = tmp_path / "report"
+    code, stdout, err = run_cli(["compare", *files, "--out", str(out)], capsys)
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    names = [a["name"] for a in results["arms"]]
+    assert names == ["original", "prune-reap-keep-50", "prune-mone-constant-50", "rtn-4bit"]
+    original = results["arms"][0]
+    kl = original["metrics"]["ppl:fixture-heldout"]["aggregate"]["kl"]
+    assert abs(kl) < 1e-6  # the original against itself
+    ids = {a["name"]: a["metrics"]["fixture_mc"]["items"]["ids"] for a in results["arms"]}
+    assert len({tuple(v) for v in ids.values()}) == 1  # every arm on the same documents
+    pruned = results["arms"][1]
+    assert pruned["export_format"] == "compact" and pruned["bytes"]["model"] < original["bytes"]["model"]
+    report = (out / "report.md").read_text()
+    for item in ("router convention", "fixed mask", "generative", "calibration", "quantization"):
+        assert item in report.lower()
+    assert (out / "quality_vs_bytes.png").is_file()
+    assert not (tmp_path / ".report.work").exists()
+
+
+def test_recipes_must_share_model_and_calibration(tmp_path):
+    a = parse_recipe(dict(model="m1", method="prune", params={"ratio": 0.5}))
+    b = parse_recipe(dict(model="m2", method="prune", params={"ratio": 0.25}))
+    with pytest.raises(MoECompressError, match="disagree on 'model'"):
+        merge_recipes([a, b])
+
+
+@pytest.mark.parametrize("data, message", [
+    (dict(model="m", method="prune", params={"ratio": 2}), "field 'ratio'"),
+    (dict(model="m", params={"ratio": 0.5}), "field 'method' is missing"),
+    (dict(model="m", method="prune", eval={"window": "x"}), "field 'eval.window'"),
+    (dict(model="m", method="nosuch"), "Unknown method 'nosuch'"),
+])
+def test_invalid_recipe_points_at_the_field(data, message):
+    with pytest.raises(MoECompressError, match=message):
+        parse_recipe(data)
+
+
+def test_missing_recipe_file(tmp_path, capsys):
+    code, _, err = run_cli(["compare", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "No recipe at" in err and not (tmp_path / "o").exists()
+
+
+def test_shipped_demo_recipe_is_valid():
+    from importlib import resources
+
+    recipe = load_recipe(resources.files("moecompress") / "recipes" / "demo.yaml")
+    assert recipe.model.startswith("fixture:") and len(recipe.arms) >= 10
+    assert shutil.which("moecompress") is not None
