@@ -104,3 +104,14 @@ def test_shipped_demo_recipe_is_valid():
     recipe = load_recipe(resources.files("moecompress") / "recipes" / "demo.yaml")
     assert recipe.model.startswith("fixture:") and len(recipe.arms) >= 10
     assert shutil.which("moecompress") is not None
+
+
+def test_grid_holds_each_mask_fixed_and_pairs_against_constant():
+    from moecompress.grid_cli import grid_arms
+
+    arms, pairs = grid_arms(["mone"], ["reroute-keep", "tilt"], [0.5], rank=8)
+    assert [a.name for a in arms] == ["mone-50-constant", "mone-50-reroute-keep", "mone-50-tilt"]
+    assert pairs == [("mone-50-reroute-keep", "mone-50-constant"), ("mone-50-tilt", "mone-50-constant")]
+    assert {(a.params["criterion"], a.params["ratio"]) for a in arms} == {("mone", 0.5)}
+    with pytest.raises(MoECompressError, match="Unknown operator cell 'tilted'"):
+        grid_arms(["mone"], ["tilted"], [0.5], rank=8)

@@ -64,8 +64,11 @@ def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
 
 
 def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, progress: bool = True,
-                keep_checkpoints: bool = True) -> dict[str, Any]:
-    """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results."""
+                keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results.
+
+    `pairs` chooses the paired comparisons (default: every arm against the original).
+    """
     from .api import export, load
     from .eval.quant import quantize_experts
     from .eval.report import write_report
@@ -141,7 +144,7 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
                        settings={"seed": recipe.seed}, notes=_notes(recipe))
         if not keep_checkpoints:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        write_report(results, out)
+        write_report(results, out, pairs=pairs)
         return results
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
