@@ -319,3 +319,23 @@ def test_registry_plan_runs_in_the_runtime(family):
             want = model(ids).logits
         got = runtime.apply_plan(copy.deepcopy(model), plan, tensors)(ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_collector_matches_the_calibration_engine(tmp_path):
+    """`collect_dense_stats` and `moecompress calibrate --for-method dense` define the statistics alike,
+    so `--calib` can be a text spec or a stats store interchangeably."""
+    from moecompress.calibrate import calibrate
+    from moecompress.calibrate.store import load_stats
+    from moecompress.data import CalibrationData
+    from moecompress.distill.dense_export import _read_store
+
+    model = tiny_model("deepseek_v2", seed=3)
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.randint(3, 90, (4, 16), generator=torch.Generator().manual_seed(4))
+    calibrate(str(tmp_path / "m"), CalibrationData.from_tokens(ids), for_method="dense", out=tmp_path / "s",
+              dtype="float32", progress=False)
+    store, ours = load_stats(tmp_path / "s"), collect_dense_stats(model, ids, progress=False)
+    for i in store.layers:
+        for name in ("counts", "tokens", "routing_mass", "pp", "cp", "out_norm_sq_mean", "gram"):
+            torch.testing.assert_close(store.get(i, name).double(), ours[i][name].double(), atol=1e-6, rtol=1e-5)
+    assert sorted(_read_store(tmp_path / "s")[0]) == store.layers
