@@ -89,8 +89,12 @@ def test_killed_run_resumes_to_the_same_student(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         distill(teacher, fresh(), data, out=tmp_path / "cut", callbacks=[Kill()], **kw)
     assert not (tmp_path / "cut" / "student").exists()
+    partial = tmp_path / "cut" / "checkpoints" / "checkpoint-7"  # as if killed while saving step 7
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")
     resumed = distill(teacher, fresh(), data, out=tmp_path / "cut", **kw)
     assert resumed.metrics["resumed_from"].endswith("checkpoint-4") and resumed.metrics["steps"] == 8
+    assert not partial.exists()
     a = load_file(tmp_path / "full" / "student" / "model.safetensors")
     b = load_file(tmp_path / "cut" / "student" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -152,3 +156,37 @@ def test_cli_distill_bad_option(capsys):
               "--loss", "kl_sideways"])
     assert exc.value.code == 2
     assert "--loss is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigkilled_cli_run_resumes(tmp_path):
+    """`moecompress distill` killed with SIGKILL after its first checkpoint resumes from it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from moecompress.data import char_tokenizer
+
+    teacher, fresh = _pair()
+    for name, model in (("t", teacher), ("s", fresh())):
+        model.save_pretrained(tmp_path / name)
+        char_tokenizer().save_pretrained(tmp_path / name)
+    (tmp_path / "d.txt").write_text(" ".join(f"sentence {i} about foxes and dogs." for i in range(3000)))
+    cmd = [sys.executable, "-m", "moecompress.cli", "distill", "--teacher", str(tmp_path / "t"), "--student",
+           str(tmp_path / "s"), "--data", str(tmp_path / "d.txt"), "--tokens", str(40 * 8 * 32), "--seq-len", "32",
+           "--out", str(tmp_path / "run"), "--save-every", "5", "--eval-every", "20", "--lr", "1e-3"]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ck = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not any((p / "trainer_state.json").exists() for p in ck.glob("checkpoint-*")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "run" / "student").exists()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "run" / "distill.json").read_text())
+    assert report["metrics"]["resumed_from"] is not None and report["metrics"]["steps"] == 40

@@ -171,6 +171,23 @@ def _stream(data, tokenizer) -> torch.Tensor:
     return token_stream(str(data), tokenizer).ids
 
 
+def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
+    """The newest checkpoint whose save finished (trainer_state.json is written last); partial ones
+    left by a run killed while saving are removed so that checkpoint rotation never counts them."""
+    if not Path(ckpt_dir).is_dir():
+        return None
+    found = []
+    for p in Path(ckpt_dir).glob("checkpoint-*"):
+        step = p.name.split("-")[-1]
+        if p.is_dir() and step.isdigit():
+            found.append((int(step), p))
+    for _, p in sorted(found, reverse=True):
+        if (p / "trainer_state.json").is_file():
+            return str(p)
+        shutil.rmtree(p, ignore_errors=True)
+    return None
+
+
 def _teacher_ppl(trainer, data) -> float:
     """Teacher perplexity on the validation blocks (reference line of the curve)."""
     ce, n = 0.0, 0
@@ -276,7 +293,6 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     import dataclasses
 
     from transformers import TrainingArguments
-    from transformers.trainer_utils import get_last_checkpoint
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     ckpt_flag = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
@@ -305,7 +321,7 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     trainer = Trainer(model=student_model, args=args, train_dataset=train_set, eval_dataset=val_set,
                       data_collator=default_data_collator, teacher=teacher_model, kd=config,
                       callbacks=callbacks or [])
-    last = get_last_checkpoint(str(ckpt_dir)) if resume and ckpt_dir.is_dir() else None
+    last = last_complete_checkpoint(ckpt_dir) if resume else None
     t0 = time.time()
     trainer.train(resume_from_checkpoint=last)
     wall = time.time() - t0
