@@ -56,8 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 # difference is recorded in the manifest (the sha256 of each .deb is recorded).
 PACKAGES = {
     "python3.11-doc": "3.11.2-6+deb12u9",
-    "sword-text-web": None,  # version recorded in manifest
-    "dict-devil": None,
+    "sword-text-web": "426.0-1",
+    "dict-devil": "1.0-13.1",
 }
 
 DOC_SEP = "\n\n\n"
