@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompress.calibrate import (
+    COLLECTORS,
     STAT_PROVIDERS,
     SequentialRunner,
     StatsStore,
@@ -30,7 +31,8 @@ from moecompress.errors import MoECompressError
 from moecompress.models import MoEAdapter, load_model
 from moecompress.testing import FAMILY_NAMES, save_tiny
 
-ALL_STATS = sorted(STAT_PROVIDERS)
+# the engine's own collectors (method modules contribute more, tested where they live)
+ALL_STATS = sorted(s for s, c in STAT_PROVIDERS.items() if COLLECTORS[c].__module__.endswith("calibrate.collectors"))
 # shared experts (qwen2_moe, deepseek_*), dense first layer + group-limited routing (deepseek_*), sigmoid router
 # (deepseek_v3), biases + clamped SwiGLU + tuple block (gpt_oss), renormalised top-k (mixtral)
 STAT_FAMILIES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral")

@@ -215,16 +215,18 @@ class CheckpointReader:
         from safetensors import safe_open
 
         out: dict[str, torch.Tensor] = {}
-        with contextlib.ExitStack() as stack:
-            handles: dict[Path, object] = {}
+        for native in natives:
+            # handles live for one native tensor only: closing them unmaps the pages just copied out of the
+            # shard, so they leave the resident set before the next tensor is read
+            with contextlib.ExitStack() as stack:
+                handles: dict[Path, object] = {}
 
-            def read(key: str) -> torch.Tensor:
-                shard = self._key_file[key]
-                if shard not in handles:
-                    handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt"))
-                return handles[shard].get_slice(key)[...]
+                def read(key: str, handles=handles, stack=stack) -> torch.Tensor:
+                    shard = self._key_file[key]
+                    if shard not in handles:
+                        handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt"))
+                    return handles[shard].get_slice(key)[...]
 
-            for native in natives:
                 template, sources = self._targets[native]
                 if template is None:
                     out[native] = read(sources[0][0])
@@ -235,7 +237,7 @@ class CheckpointReader:
                 realized = conv.convert(native, model=self._skeleton, config=self.config)
                 for name, value in realized.items():
                     out[name] = value[0] if isinstance(value, list) else value
-        return out  # leaving the ExitStack closes the handles: their mapped pages leave RSS
+        return out
 
     def native_state(self, i: int) -> dict[str, torch.Tensor]:
         """Decoder layer i's tensors under native ``model.state_dict()`` names, in the on-disk dtype."""
