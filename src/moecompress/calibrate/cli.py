@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import typer
 
@@ -50,10 +51,19 @@ def calibrate_command(
             raise MoECompressError(f"--moment-experts '{moment_experts}' is neither '0,3,5' nor a JSON object "
                                    "{\"layer\": [ids]}; fix it.") from None
     console = Console()
-    result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
-                       offload_dir=offload_dir, resume=resume, dry_run=dry_run, batch_size=batch_size, dtype=dtype,
-                       seed=seed, device=device, padding=pad, chat_template=chat_template, tokenizer=tokenizer,
-                       moment_experts=experts, overwrite=overwrite, trust_remote_code=trust_remote_code)
+    try:
+        result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
+                           offload_dir=offload_dir, resume=resume, dry_run=dry_run, batch_size=batch_size,
+                           dtype=dtype, seed=seed, device=device, padding=pad, chat_template=chat_template,
+                           tokenizer=tokenizer, moment_experts=experts, overwrite=overwrite,
+                           trust_remote_code=trust_remote_code)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # under torchrun: leave cleanly
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 reports
     if dry_run:
         if as_json:
             typer.echo(json.dumps(result.to_dict(), indent=2))
