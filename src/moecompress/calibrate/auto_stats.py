@@ -1,0 +1,210 @@
+r"""Gate²-weighted statistics for the budget-optimal ``auto`` method (docs/auto.md).
+
+Notation as in collectors.py: N real tokens, T_e the tokens routed to expert e, g_e(t) the gate
+weight applied to e's output (routed scaling included), y = f_e(h_t), a = a_e(h_t) the intermediate
+activation, x = h_t the block input. Every statistic is a sum over tokens divided by N, so a
+candidate's loss computed from them is "per calibration token of the layer" and losses of all
+slots and layers add up on one scale.
+
+auto_output (routing + outputs):
+    auto_g2_e  = (1/N) Σ_{T_e} g²                        [E]
+    auto_g2_y_e  = (1/N) Σ_{T_e} g² y                    [E, H]
+    auto_g2_yy_e = (1/N) Σ_{T_e} g² ‖y‖²                 [E]
+auto_affine (routing + outputs): sufficient statistics of a gate²-weighted affine fit y ≈ b + M x
+    auto_g2_x_e  = (1/N) Σ_{T_e} g² x                    [E, H]
+    auto_g2_xx_e = (1/N) Σ_{T_e} g² x xᵀ                 [E, H, H]
+    auto_g2_xy_e = (1/N) Σ_{T_e} g² x yᵀ                 [E, H, H]  (rows: input dims)
+auto_mid (routing + intermediate): the same for the down projection's input (partial copies)
+    auto_g2_a_e  = (1/N) Σ_{T_e} g² a                    [E, I]
+    auto_g2_aa_e = (1/N) Σ_{T_e} g² a aᵀ                 [E, I, I]
+auto_substitute (all experts on every token):
+    auto_remap_{e,p} = (1/N) Σ_{T_e} g_e² ‖f_e − f_p‖²   [E, E]   (slot e served by expert p)
+    auto_reroute_keep_e / auto_reroute_renorm_e = (1/N) Σ_{t: e∈K(t)} ‖ŷ_t − y_t‖²   [E]
+        where y_t = Σ_{j∈K(t)} g_j(t) f_j(h_t) is the routed output and ŷ_t the routed output when
+        only e is removed from the router (``allowed`` mask = keep gate, ``present`` = renorm): the
+        exact error of the substituted experts' contribution for a single removal.
+auto_sample (routing): a uniform sample of S block inputs (priority sampling with a seeded generator,
+    deterministic for a given batch order), float32, rows ordered by their sampling key
+    auto_sample [S, H]   (S = min(N, 512) by default; collector parameter ``auto_sample``)
+In multi-process calibration the sample is rank 0's (samples are not summable); sums are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collectors import Collector, register_collector
+from .observe import Observation
+
+SAMPLE_SIZE = 512
+
+
+def _per_token(collector: Collector, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    n = collector.sums["tokens"].to(torch.float64).clamp(min=1)
+    return {name: collector.sums[name] / n for name in names}
+
+
+class _GateWeighted(Collector):
+    """Shared bookkeeping: the token count N and each expert's routed tokens with g²."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.zeros("tokens", 1, dtype=torch.int64)
+
+    def update(self, obs: Observation) -> None:
+        self.sums["tokens"] += obs.num_tokens
+        for e in range(self.E):
+            tok, _ = obs.routed(e)
+            if tok.numel():
+                g2 = obs.gate(e).to(torch.float64).square()
+                self.add(obs, e, tok, g2)
+
+    def add(self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def counts(self):
+        return None
+
+
+@register_collector
+class AutoOutputCollector(_GateWeighted):
+    name = "auto_output"
+    provides = ("auto_g2", "auto_g2_y", "auto_g2_yy")
+    needs = frozenset({"routing", "outputs"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.zeros("auto_g2", self.E)
+        self.zeros("auto_g2_y", self.E, self.H)
+        self.zeros("auto_g2_yy", self.E)
+
+    def add(self, obs, e, tok, g2):
+        y = obs.output(e).to(torch.float64)
+        s = self.sums
+        s["auto_g2"][e] += g2.sum()
+        s["auto_g2_y"][e] += g2 @ y
+        s["auto_g2_yy"][e] += g2 @ y.square().sum(-1)
+
+    def finalize(self):
+        return _per_token(self, self.provides)
+
+
+@register_collector
+class AutoAffineCollector(_GateWeighted):
+    name = "auto_affine"
+    provides = ("auto_g2_x", "auto_g2_xx", "auto_g2_xy")
+    needs = frozenset({"routing", "outputs"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.zeros("auto_g2_x", self.E, self.H)
+        self.zeros("auto_g2_xx", self.E, self.H, self.H)
+        self.zeros("auto_g2_xy", self.E, self.H, self.H)
+
+    def add(self, obs, e, tok, g2):
+        x = obs.x[tok].to(torch.float64)
+        y = obs.output(e).to(torch.float64)
+        xw = x * g2[:, None]
+        s = self.sums
+        s["auto_g2_x"][e] += xw.sum(0)
+        s["auto_g2_xx"][e] += xw.T @ x
+        s["auto_g2_xy"][e] += xw.T @ y
+
+    def finalize(self):
+        return _per_token(self, self.provides)
+
+
+@register_collector
+class AutoMidCollector(_GateWeighted):
+    name = "auto_mid"
+    provides = ("auto_g2_a", "auto_g2_aa")
+    needs = frozenset({"routing", "intermediate"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        i = self.adapter.intermediate_size(self.layer)
+        self.zeros("auto_g2_a", self.E, i)
+        self.zeros("auto_g2_aa", self.E, i, i)
+
+    def add(self, obs, e, tok, g2):
+        a = obs.intermediate(e).to(torch.float64)
+        aw = a * g2[:, None]
+        self.sums["auto_g2_a"][e] += aw.sum(0)
+        self.sums["auto_g2_aa"][e] += aw.T @ a
+
+    def finalize(self):
+        return _per_token(self, self.provides)
+
+
+@register_collector
+class AutoSubstituteCollector(Collector):
+    name = "auto_substitute"
+    provides = ("auto_remap", "auto_reroute_keep", "auto_reroute_renorm")
+    needs = frozenset({"routing", "all_outputs"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.zeros("tokens", 1, dtype=torch.int64)
+        self.zeros("auto_remap", self.E, self.E)
+        self.zeros("auto_reroute_keep", self.E)
+        self.zeros("auto_reroute_renorm", self.E)
+
+    def update(self, obs: Observation) -> None:
+        self.sums["tokens"] += obs.num_tokens
+
+    def update_all(self, obs: Observation, rows: slice, outputs: torch.Tensor) -> None:
+        idx, wt = obs.routing.index[rows], obs.routing.weight[rows].to(torch.float64)
+        f = outputs.permute(1, 0, 2).to(torch.float64)  # [c, E, H]
+        c, k = idx.shape
+        h = f.shape[-1]
+        picked = f.gather(1, idx[..., None].expand(c, k, h))  # [c, k, H]
+        y = (picked * wt[..., None]).sum(1)  # the routed output of every token
+        x = obs.x[rows]
+        s = self.sums
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            g2 = wt[tok, slot].square()
+            d2 = (f[tok] - f[tok, e][:, None, :]).square().sum(-1)  # [n, E] ‖f_p − f_e‖²
+            s["auto_remap"][e] += g2 @ d2
+            mask = torch.ones(self.E, dtype=torch.bool, device=idx.device)
+            mask[e] = False
+            for gate, kw in (("keep", "allowed"), ("renorm", "present")):
+                r = self.adapter.route(self.layer, x[tok], **{kw: mask})
+                ft = f[tok]
+                new = (ft.gather(1, r.index[..., None].expand(-1, -1, h)) * r.weight.to(torch.float64)[..., None]).sum(1)
+                s[f"auto_reroute_{gate}"][e] += (new - y[tok]).square().sum()
+
+    def finalize(self):
+        return _per_token(self, self.provides)
+
+    def counts(self):
+        return None
+
+
+@register_collector
+class AutoSampleCollector(Collector):
+    name = "auto_sample"
+    provides = ("auto_sample",)
+    needs = frozenset({"routing"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.size = int(self.params.get("auto_sample", SAMPLE_SIZE))
+        self.gen = torch.Generator().manual_seed(7919 + self.layer)
+        self.keys = torch.empty(0, dtype=torch.float64)
+        self.x = torch.empty(0, self.H, dtype=torch.float32)
+
+    def update(self, obs: Observation) -> None:
+        n = obs.num_tokens
+        if not n:
+            return
+        keys = torch.cat([self.keys, torch.rand(n, generator=self.gen, dtype=torch.float64)])
+        x = torch.cat([self.x, obs.x.detach().to("cpu", torch.float32)])
+        order = torch.argsort(keys)[: self.size]
+        self.keys, self.x = keys[order], x[order]
+
+    def finalize(self):
+        return {"auto_sample": self.x.clone()}
+
+    def counts(self):
+        return None

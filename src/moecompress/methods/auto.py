@@ -1,0 +1,591 @@
+"""`auto`: budget-optimal compression — per slot and per layer, the representation that loses least for
+the bytes it saves (issue 9; docs/auto.md).
+
+1. **Candidates** per slot (auto_estimate.py): keep (the expert's bytes), reroute (0 bytes; gate keep or
+   renorm), drop (0), constant (H values), tilt of rank r (2Hr + H), partial copy at a rank-r tilt's
+   parameter budget, remap to a kept prototype of the same layer (0 extra bytes), and (behind the
+   ``pair`` flag) PuzzleMoE element-wise pair merges. Each has a closed-form estimated loss L_e.
+2. **Layer modes**: a layer is either *reroute-style* (gate keep or renorm: removed slots are deleted
+   from / masked in the router; slots may be kept or remapped) or *replace-style* (gate replace: the
+   original top-k is unchanged and a removed slot computes its operator at its gate, or zero). Per
+   layer and mode a greedy walk from "keep everything" applies, step by step, the single-slot change
+   with the least added loss per byte saved (changes that save nothing but lower the loss first),
+   giving a frontier of layer states (bytes, loss).
+3. **Allocation** across layers (a multiple-choice knapsack): layer losses are scaled by the layer's
+   measured sensitivity s_l; a Lagrangian walk takes, over all layers, the frontier step with the
+   least loss per byte saved until the routed bytes fit the budget, then single-layer and two-layer
+   exchanges that lower the total loss within the budget are applied until none is left. Ties break
+   toward the lower layer / slot / candidate order, so the plan is deterministic.
+4. **Output**: an ordinary CompressionPlan (mixed per-slot representations + tensors) whose
+   ``params["auto"]`` holds the per-layer table: choices, bytes, estimated error and KL, the error
+   measured on a token sample, and the measured KL.
+
+Byte accounting (``accounting``): ``stored`` (default) counts what the compact checkpoint stores —
+the runtime pads a layer's tilts to its largest rank and partial copies to their largest width — so
+the budget holds for the plan's logical bytes and for the checkpoint's tensors; ``logical`` counts
+``CompressionPlan.logical_bytes`` only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..errors import MoECompressError
+from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
+from . import auto_estimate as est
+from .auto_estimate import Candidate, LayerMoments
+from .registry import MethodContext, register_method
+
+CandidateName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap", "pair"]
+ALL_CANDIDATES = ("reroute", "drop", "constant", "tilt", "partial", "remap")
+REPLACE_KINDS = frozenset({"keep", "drop", "constant", "tilt", "partial", "remap", "pair"})
+REROUTE_KINDS = frozenset({"keep", "reroute", "remap", "pair"})
+
+
+class AutoConfig(BaseModel):
+    """Budget-optimal mixed compression recipe."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget: float = Field(0.5, gt=0.0, le=1.0, description="routed-expert bytes kept, as a fraction of the original's")
+    budget_bytes: int | None = Field(None, gt=0, description="absolute budget: total model bytes (overrides budget)")
+    candidates: list[CandidateName] = Field(default_factory=lambda: list(ALL_CANDIDATES),
+                                            description="representations a removed slot may take (keep is implicit)")
+    ranks: list[int] = Field(default_factory=lambda: [8, 32], description="tilt ranks (and partial-copy budgets)")
+    gates: list[Literal["renorm", "keep"]] = Field(default_factory=lambda: ["renorm", "keep"],
+                                                   description="gate scales a reroute-style layer may use")
+    fit: Literal["weighted", "unweighted"] = Field("weighted", description="gate²-weighted operator fits, or "
+                                                   "exactly the prune method's operators")
+    ridge: float = Field(1e-3, ge=0.0, description="scale-free ridge of the tilt fits")
+    accounting: Literal["stored", "logical"] = Field("stored", description="bytes as the compact checkpoint "
+                                                     "stores them (padding included) or the plan's logical bytes")
+    sensitivity: Literal["probe", "noise", "uniform"] = Field(
+        "probe", description="per-layer KL per unit of estimated error: probe = measured KL of the layer's own "
+        "frontier state at the budget ratio / its estimated error; noise = KL per unit energy of Gaussian noise")
+    sensitivity_sequences: int = Field(8, ge=1, description="calibration sequences for sensitivity/measurement")
+    sensitivity_seq_len: int = Field(128, ge=8)
+    noise: float = Field(0.05, gt=0.0, description="sensitivity noise energy relative to the layer's output energy")
+    measure: bool = Field(True, description="measure each layer's KL and the whole plan's (a few forwards)")
+    pair_partners: int = Field(4, ge=1, description="nearest experts tried as PuzzleMoE partners")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if any(r < 1 for r in self.ranks):
+            raise ValueError("ranks must be positive (the constant is candidate 'constant')")
+        if "reroute" in self.candidates and not self.gates:
+            raise ValueError("reroute needs at least one gate")
+        return self
+
+
+def needs_stats(config: AutoConfig) -> list[str]:
+    c = set(config.candidates)
+    names = {"counts", "tokens", "auto_g2", "auto_g2_y", "auto_g2_yy", "auto_sample"}
+    if "tilt" in c:
+        names |= {"auto_g2_x", "auto_g2_xx", "auto_g2_xy"}
+        if config.fit == "unweighted":
+            names |= {"moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
+                      "cross_moment"}
+    if "constant" in c and config.fit == "unweighted":
+        names.add("out_mean")
+    if "partial" in c:
+        names |= {"auto_g2_a", "auto_g2_aa"}
+        if config.fit == "unweighted":
+            names |= {"mid_channel_norm", "mid_mean"}
+    if c & {"remap", "reroute"}:
+        names |= {"auto_remap", "auto_reroute_keep", "auto_reroute_renorm"}
+    if "pair" in c:
+        names |= {"in_channel_norm", "mid_channel_norm"}
+    return sorted(names)
+
+
+# ----------------------------------------------------------------------------- layer problem
+@dataclass
+class LayerProblem:
+    """Everything the solver knows about one MoE layer: per-slot candidates and the byte rules."""
+
+    layer: int
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    group_score: str
+    expert_bytes: int  # bytes of one kept expert
+    h: int
+    el: int
+    options: list[list[Candidate]]  # per slot, non-remap candidates (keep first)
+    remap: torch.Tensor | None  # [E, E] remap losses (slot, prototype) or None
+    stored: bool  # padded (compact) accounting
+
+    def routable_ok(self, routable: list[bool]) -> bool:
+        """The plan's own routing check for keep/renorm layers (plan._check_routing)."""
+        if sum(routable) < self.top_k:
+            return False
+        if self.n_group > 1:
+            size = self.num_experts // self.n_group
+            counts = sorted(sum(routable[g * size:(g + 1) * size]) for g in range(self.n_group))
+            live = [c for c in counts if c >= (2 if self.group_score == "top2_sum" else 1)]
+            if sum(live[:self.topk_group]) < self.top_k:
+                return False
+            if self.group_score == "top2_sum" and 1 in counts:
+                return False
+        return True
+
+    def bytes_of(self, choice: list[Candidate]) -> int:
+        keep = sum(1 for c in choice if c.kind == "keep")
+        if not self.stored:
+            return keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind != "keep")
+        total = keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind in ("constant", "pair"))
+        tilts = [c.param for c in choice if c.kind == "tilt"]
+        if tilts:
+            total += len(tilts) * (2 * self.h * max(tilts) + self.h) * self.el
+        parts = [c.param for c in choice if c.kind == "partial"]
+        if parts:
+            total += len(parts) * (3 * max(parts) * self.h + self.h) * self.el
+        return total
+
+
+@dataclass
+class LayerPoint:
+    """One state of a layer: its mode, per-slot choices, routed bytes and raw (unscaled) loss."""
+
+    mode: str  # "replace" or "reroute:<gate>"
+    choice: list[Candidate]
+    bytes: int
+    loss: float
+
+
+def _remap_to(prob: LayerProblem, e: int, kept: list[int], exclude: int = -1) -> Candidate | None:
+    """Slot e's best remap among the kept experts (lower index on ties), or None."""
+    if prob.remap is None:
+        return None
+    best = None
+    for p in kept:
+        if p == e or p == exclude:
+            continue
+        loss = float(prob.remap[e, p])
+        if best is None or loss < best.loss:
+            best = Candidate("remap", loss, p)
+    return best
+
+
+def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
+    """Greedy walk from all-keep: each step applies the change with the least added loss per byte saved.
+
+    A change of slot e to another candidate; if e stops being kept, the slots remapped to e move to
+    their best zero-byte alternative (another kept prototype, drop or reroute) within the same change.
+    Changes that save no bytes but lower the loss are applied first. Reroute-style layers keep the
+    router able to fill its top-k (and its group-limited selection).
+    """
+    kinds = REROUTE_KINDS if mode.startswith("reroute") else REPLACE_KINDS
+    opts = [[c for c in slot if c.kind in kinds] for slot in prob.options]
+    state = [slot[0] for slot in opts]  # keep
+    e_all = prob.num_experts
+    cur_bytes, cur_loss = prob.bytes_of(state), 0.0
+    points = [LayerPoint(mode, list(state), cur_bytes, 0.0)]
+    zero_kinds = [k for k in ("reroute", "drop") if k in kinds]
+    reroute_mode = mode.startswith("reroute")
+    group = prob.num_experts // prob.n_group if prob.n_group > 1 else prob.num_experts
+
+    def fallback(s: int, kept: list[int]) -> Candidate | None:
+        best = _remap_to(prob, s, kept) if any(c.kind == "remap" for c in opts[s]) else None
+        for c in opts[s]:
+            if c.kind in zero_kinds and (best is None or c.loss < best.loss):
+                best = c
+        return best
+
+    def change(state: list[Candidate], moves: dict[int, Candidate]) -> list[Candidate] | None:
+        """`state` with `moves` applied; slots remapped to an expert no longer kept fall back; None if infeasible."""
+        new = list(state)
+        for s, c in moves.items():
+            new[s] = c
+        kept = [i for i in range(e_all) if new[i].kind == "keep"]
+        if not kept:
+            return None  # the runtime needs one stored expert per layer
+        for s in range(e_all):
+            if new[s].kind == "remap" and new[s].param not in kept:
+                fb = fallback(s, kept)
+                if fb is None:
+                    return None
+                new[s] = fb
+        if reroute_mode and not prob.routable_ok([c.kind != "reroute" for c in new]):
+            return None
+        return new
+
+    while True:
+        kept = [i for i in range(e_all) if state[i].kind == "keep"]
+        best_improve, best_save = None, None
+        for e in range(e_all):
+            alts = [c for c in opts[e] if c.kind not in ("keep", "remap")]  # upgrades never save bytes
+            if any(c.kind == "remap" for c in opts[e]):
+                r = _remap_to(prob, e, kept)
+                if r is not None:
+                    alts.append(r)
+            for j, alt in enumerate(alts):
+                if alt.kind == state[e].kind and alt.param == state[e].param:
+                    continue
+                new = change(state, {e: alt})
+                if new is None and reroute_mode and alt.kind == "reroute" and prob.n_group > 1:
+                    # group-limited routers: reroute e's whole router group at once
+                    g0 = (e // group) * group
+                    moves = {s: next(c for c in opts[s] if c.kind == "reroute")
+                             for s in range(g0, g0 + group) if state[s].kind != "reroute"}
+                    new = change(state, moves)
+                if new is None:
+                    continue
+                nb = prob.bytes_of(new)
+                nl = sum(c.loss for c in new)
+                db, dl = nb - cur_bytes, nl - cur_loss
+                key_tail = (e, j)
+                if db <= 0 and dl < -1e-15 * (1 + abs(cur_loss)):
+                    cand = ((dl, db) + key_tail, new, nb, nl)
+                    if best_improve is None or cand[0] < best_improve[0]:
+                        best_improve = cand
+                elif db < 0:
+                    cand = ((dl / -db, dl) + key_tail, new, nb, nl)
+                    if best_save is None or cand[0] < best_save[0]:
+                        best_save = cand
+        chosen = best_improve or best_save
+        if chosen is None:
+            break
+        _, state, cur_bytes, cur_loss = chosen
+        if best_improve is None or cur_bytes < points[-1].bytes:
+            points.append(LayerPoint(mode, list(state), cur_bytes, cur_loss))
+        else:
+            points[-1] = LayerPoint(mode, list(state), cur_bytes, cur_loss)
+    return points
+
+
+def pareto(points: list[LayerPoint]) -> list[LayerPoint]:
+    """Points by increasing bytes with strictly decreasing loss (the efficient frontier)."""
+    order = sorted(range(len(points)), key=lambda k: (points[k].bytes, points[k].loss, k))
+    out: list[LayerPoint] = []
+    for k in order:
+        p = points[k]
+        if not out or p.loss < out[-1].loss:
+            if out and out[-1].bytes == p.bytes:
+                out[-1] = p
+            else:
+                out.append(p)
+    return out
+
+
+def _hull(front: list[LayerPoint], scale: float) -> list[int]:
+    """Indices of the lower convex hull of (bytes, scale·loss) over a Pareto front (increasing bytes)."""
+    hull: list[int] = []
+    for k, p in enumerate(front):
+        while len(hull) >= 2:
+            a, b = front[hull[-2]], front[hull[-1]]
+            # drop b if it lies on or above the segment a -> p
+            lhs = (b.loss - a.loss) * scale * (p.bytes - a.bytes)
+            rhs = (p.loss - a.loss) * scale * (b.bytes - a.bytes)
+            if lhs >= rhs:
+                hull.pop()
+            else:
+                break
+        hull.append(k)
+    return hull
+
+
+def allocate(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budget: int) -> dict[int, int]:
+    """Pick one Pareto point per layer minimising Σ_l scale_l·loss_l subject to Σ_l bytes_l ≤ budget.
+
+    Returns the chosen index into each layer's front. Lagrangian walk down the convex hulls, then
+    single-layer upgrades and two-layer exchanges that lower the total within the budget.
+    """
+    layers = sorted(fronts)
+    minimum = sum(fronts[l][0].bytes for l in layers)
+    if minimum > budget:
+        raise MoECompressError(f"The budget of {budget} routed-expert bytes is below the smallest reachable "
+                               f"({minimum}: every layer keeps what its router needs); raise the budget.")
+    hulls = {l: _hull(fronts[l], scale[l]) for l in layers}
+    pos = {l: len(hulls[l]) - 1 for l in layers}  # position on the hull; starts at the largest state
+    cur = {l: hulls[l][pos[l]] for l in layers}
+    total = sum(fronts[l][cur[l]].bytes for l in layers)
+    while total > budget:
+        best = None
+        for l in layers:
+            if pos[l] == 0:
+                continue
+            a, b = fronts[l][hulls[l][pos[l]]], fronts[l][hulls[l][pos[l] - 1]]
+            slope = (b.loss - a.loss) * scale[l] / (a.bytes - b.bytes)
+            if best is None or (slope, l) < best:
+                best = (slope, l)
+        l = best[1]
+        pos[l] -= 1
+        total -= fronts[l][cur[l]].bytes - fronts[l][hulls[l][pos[l]]].bytes
+        cur[l] = hulls[l][pos[l]]
+
+    def cost(l, k):
+        return fronts[l][k].loss * scale[l]
+
+    tol = 1e-12
+    while True:
+        best = None  # (gain, tie-break, changes)
+        for a in layers:
+            fa = fronts[a]
+            for k in range(len(fa)):
+                gain = cost(a, cur[a]) - cost(a, k)
+                if gain <= tol * (1 + abs(cost(a, cur[a]))):
+                    continue
+                extra = fa[k].bytes - fa[cur[a]].bytes
+                if total + extra <= budget:
+                    cand = (gain, (-a, -k), ((a, k),))
+                    if best is None or cand[:2] > best[:2]:
+                        best = cand
+                    continue
+                if k > cur[a] + 8:
+                    continue  # exchanges try the next few upgrades only
+                need = total + extra - budget
+                for b in layers:
+                    if b == a:
+                        continue
+                    fb = fronts[b]
+                    limit = fb[cur[b]].bytes - need
+                    q = bisect.bisect_right([p.bytes for p in fb], limit) - 1
+                    if q < 0:
+                        continue
+                    net = gain - (cost(b, q) - cost(b, cur[b]))
+                    if net > tol * (1 + abs(cost(a, cur[a]))):
+                        cand = (net, (-a, -k), ((a, k), (b, q)))
+                        if best is None or cand[:2] > best[:2]:
+                            best = cand
+        if best is None:
+            break
+        for l, k in best[2]:
+            total += fronts[l][k].bytes - fronts[l][cur[l]].bytes
+            cur[l] = k
+    return cur
+
+
+# ----------------------------------------------------------------------------- candidates of a model
+def _dtype_and_el(adapter, layer: int):
+    dtype = adapter.experts(layer).gate.dtype
+    return dtype, torch.empty((), dtype=dtype).element_size()
+
+
+def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, stored: bool,
+                  pair_fn=None) -> tuple[LayerProblem, LayerMoments]:
+    """Per-slot candidates of one layer, fitted and scored from the statistics."""
+    m = LayerMoments.load(stats, layer)
+    li = info.layer(layer)
+    h = adapter.hidden_size
+    dtype, el = _dtype_and_el(adapter, layer)
+    cands = set(config.candidates)
+    options: list[list[Candidate]] = []
+    for e in range(li.num_experts):
+        slot = [Candidate("keep", 0.0, 0, li.bytes_per_expert)]
+        if "reroute" in cands:
+            for gate in config.gates:
+                slot.append(Candidate("reroute", float(m.reroute[gate][e]), 0, 0, gate=gate))
+        if "drop" in cands:
+            slot.append(Candidate("drop", est.drop_loss(m, e)))
+        if "constant" in cands:
+            slot.append(est.constant_candidate(m, stats, e, config.fit, el, h, dtype))
+        for r in sorted(set(config.ranks)):
+            if "tilt" in cands:
+                c = est.tilt_candidate(m, stats, e, r, config.fit, config.ridge, el, h, dtype)
+                if c is not None:
+                    slot.append(c)
+            if "partial" in cands:
+                c = est.partial_candidate(m, stats, adapter, e, r, config.fit, el, h, dtype)
+                if c is not None and not any(o.kind == "partial" and o.param == c.param for o in slot):
+                    slot.append(c)
+        # an operator as large as the expert itself is never worth it
+        options.append([c for c in slot if c.kind == "keep" or c.bytes < li.bytes_per_expert])
+    remap = m.remap if "remap" in cands else None
+    prob = LayerProblem(layer, li.num_experts, li.top_k, li.n_group, li.topk_group, li.group_score,
+                        li.bytes_per_expert, h, el, options, remap, stored)
+    return prob, m
+
+
+def _mode_options(prob: LayerProblem, gate: str) -> LayerProblem:
+    """The problem restricted to one reroute gate (reroute candidates of other gates removed)."""
+    opts = [[c for c in slot if c.kind != "reroute" or c.gate == gate] for slot in prob.options]
+    return LayerProblem(**{**prob.__dict__, "options": opts})
+
+
+def layer_modes(config: AutoConfig, li) -> list[str]:
+    modes = []
+    if set(config.candidates) & {"drop", "constant", "tilt", "partial"} or not ("reroute" in config.candidates):
+        modes.append("replace")
+    if "reroute" in config.candidates:
+        gates = list(dict.fromkeys(config.gates))
+        if li.keep_equals_renorm:
+            gates = gates[:1]  # both gates compute the same on this router
+        modes += [f"reroute:{g}" for g in gates]
+    return modes
+
+
+def keep_point(prob: LayerProblem) -> LayerPoint:
+    """The untouched layer."""
+    state = [slot[0] for slot in prob.options]
+    return LayerPoint("replace", state, prob.bytes_of(state), 0.0)
+
+
+def probe_point(front: list[LayerPoint], target_bytes: float) -> LayerPoint | None:
+    """The frontier state used to probe a layer's sensitivity: the largest one within `target_bytes`
+    that loses something (else the cheapest that does); None when no state loses anything."""
+    lossy = [p for p in front if p.loss > 0]
+    if not lossy:
+        return None
+    within = [p for p in lossy if p.bytes <= target_bytes]
+    return within[-1] if within else lossy[0]
+
+
+# ----------------------------------------------------------------------------- plan
+def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str = "auto",
+                     params: dict | None = None) -> tuple[CompressionPlan, dict[str, torch.Tensor]]:
+    scopes, layers, tensors = [], [], {}
+    for li in info.layers:
+        pt = chosen[li.layer]
+        kept = [e for e, c in enumerate(pt.choice) if c.kind == "keep"]
+        pos = {e: j for j, e in enumerate(kept)}
+        slots = []
+        for e, c in enumerate(pt.choice):
+            if c.kind == "keep":
+                slots.append(pos[e])
+            elif c.kind == "remap":
+                slots.append(pos[c.param])
+            elif c.kind in ("drop", "reroute"):
+                slots.append("drop")
+            else:
+                slots.append(c.op)
+                tensors.update(c.tensors)
+        removed = len(kept) < li.num_experts
+        gate = "renorm" if not removed else ("replace" if pt.mode == "replace" else pt.mode.split(":")[1])
+        sid = f"layer{li.layer}"
+        scopes.append(Scope(id=sid, layers=[li.layer],
+                            stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(kept)]))
+        layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate, slots=slots))
+    plan = CompressionPlan(model=info, scopes=scopes, layers=layers, method=method, params=params or {})
+    return plan, tensors
+
+
+def _sig(x: float, digits: int = 6) -> float:
+    """x rounded to `digits` significant digits (stable JSON, decisions robust to last-bit noise)."""
+    return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+
+
+def routed_budget(config: AutoConfig, info: ModelInfo) -> int:
+    if config.budget_bytes is not None:
+        routed = config.budget_bytes - info.other_bytes
+        if routed <= 0:
+            raise MoECompressError(f"budget_bytes={config.budget_bytes} does not even hold the model's non-expert "
+                                   f"tensors ({info.other_bytes} bytes); raise it.")
+        return routed
+    return int(math.floor(config.budget * info.expert_bytes))
+
+
+def build_auto(config: AutoConfig, context: MethodContext):
+    """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the module doc."""
+    from rich.progress import track
+
+    adapter, stats = context.adapter, context.stats
+    if stats is None:
+        raise MoECompressError("The auto method needs calibration statistics; run moecompress calibrate "
+                               "--for-method auto first (or pass --calib SPEC).")
+    stats.require(*needs_stats(config), method="auto")
+    if "pair" in config.candidates:
+        raise MoECompressError("The 'pair' candidate needs the PuzzleMoE plan integration (a 'puzzle' method with "
+                               "packed stored experts), which this installation lacks; drop 'pair' from candidates.")
+    info = ModelInfo.from_model(adapter)
+    budget = routed_budget(config, info)
+    stored = config.accounting == "stored"
+    layers = adapter.moe_layers
+
+    if sum(li.bytes_per_expert * li.num_experts for li in info.layers) <= budget:
+        # everything fits: keep every expert (a zero-loss removal is still a change to the model)
+        plan = CompressionPlan.identity(adapter.model, method="auto")
+        params = config.model_dump()
+        params["auto"] = dict(budget_routed_bytes=budget, routed_bytes=info.expert_bytes,
+                              original_routed_bytes=info.expert_bytes, accounting=config.accounting, est_kl=0.0,
+                              layers=[dict(layer=i, gate="renorm", choices={"keep": adapter.num_experts(i)},
+                                           routed_bytes=info.layer(i).bytes_per_expert * adapter.num_experts(i),
+                                           est_error=0.0, est_kl=0.0) for i in layers])
+        return plan.model_copy(update={"params": params}), {}
+
+    fronts, moments, problems = {}, {}, {}
+    for i in track(layers, description="auto: candidates", disable=not context.progress, transient=True):
+        prob, m = layer_problem(config, adapter, stats, info, i, stored)
+        moments[i], problems[i] = m, prob
+        points = []
+        for mode in layer_modes(config, info.layer(i)):
+            p = _mode_options(prob, mode.split(":")[1]) if mode.startswith("reroute") else prob
+            points += layer_frontier(p, mode)
+        fronts[i] = pareto(points)
+
+    # sensitivity: a few forward passes, once
+    ids, ids_note, ref = None, None, None
+    if config.sensitivity != "uniform" or config.measure:
+        ids, ids_note = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
+                                            config.seed)
+        ref = est._logprobs(adapter.model, ids)
+    probes = {}
+    if config.sensitivity == "uniform":
+        raw = {i: 1.0 for i in layers}
+    else:
+        raw = est.layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
+        if config.sensitivity == "probe":
+            ratio = budget / info.expert_bytes
+            for i in layers:
+                pt = probe_point(fronts[i], ratio * problems[i].expert_bytes * problems[i].num_experts)
+                if pt is None:
+                    continue  # nothing to probe with: keep the noise sensitivity
+                single = {j: keep_point(problems[j]) for j in layers}
+                single[i] = pt
+                plan_i, tensors_i = plan_from_points(info, single)
+                with est.plan_installed(adapter, plan_i, tensors_i, [i]):
+                    kl = est.kl_to(ref, adapter.model, ids)
+                probes[i] = (pt.bytes, pt.loss, kl)
+                raw[i] = max(kl, 0.0) / pt.loss
+    sens = {i: _sig(raw[i], 4) for i in layers}
+    chosen_idx = allocate(fronts, sens, budget)
+    chosen = {i: fronts[i][chosen_idx[i]] for i in layers}
+    plan, tensors = plan_from_points(info, chosen)
+
+    # the per-layer table: what was chosen, estimated and measured
+    table = []
+    for i in layers:
+        pt = chosen[i]
+        hist: dict[str, int] = {}
+        for c in pt.choice:
+            hist[c.label] = hist.get(c.label, 0) + 1
+        row = dict(layer=i, gate=plan.layer(i).gate, choices=dict(sorted(hist.items())), routed_bytes=pt.bytes,
+                   est_error=_sig(pt.loss), sensitivity=sens[i], est_kl=_sig(pt.loss * sens[i]))
+        changed = any(c.kind != "keep" for c in pt.choice)
+        if changed and moments[i].sample is not None:
+            row["sample_error"] = _sig(est.sample_layer_error(adapter, plan, tensors, i, moments[i].sample))
+        if changed and config.measure:
+            with est.plan_installed(adapter, plan, tensors, [i]):
+                row["measured_kl"] = _sig(est.kl_to(ref, adapter.model, ids))
+        table.append(row)
+    summary = dict(budget_routed_bytes=budget, routed_bytes=sum(chosen[i].bytes for i in layers),
+                   original_routed_bytes=info.expert_bytes, accounting=config.accounting,
+                   est_kl=_sig(sum(chosen[i].loss * sens[i] for i in layers)), sensitivity_data=ids_note,
+                   layers=table)
+    if config.measure:
+        with est.plan_installed(adapter, plan, tensors, layers):
+            summary["measured_kl"] = _sig(est.kl_to(ref, adapter.model, ids))
+    params = config.model_dump()
+    params["auto"] = summary
+    plan = plan.model_copy(update={"params": params})
+    return plan, tensors
+
+
+register_method("auto", AutoConfig, build_auto, needs_stats, family="auto")
+
+
+def _register_stats():
+    from ..calibrate import register_method_stats
+
+    register_method_stats("auto", needs_stats(AutoConfig()))
+
+
+_register_stats()

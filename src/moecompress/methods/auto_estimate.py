@@ -1,0 +1,336 @@
+r"""Loss estimates for the budget-optimal ``auto`` method: per-slot candidates, their fits and losses.
+
+For slot e of MoE layer l and a replacement f̂ of expert e, the estimated loss is the gate²-weighted
+output error per calibration token of the layer (statistics of calibrate/auto_stats.py),
+
+    L_e(f̂) = (1/N) Σ_{t ∈ T_e} g_e(t)² ‖f_e(h_t) − f̂(h_t)‖²,
+
+in closed form from moments (no forward pass per candidate):
+
+* drop (zero operator):           L = S_yy
+* constant c:                     L = S_yy − 2cᵀs_y + w‖c‖²
+* affine b + M x (tilt, any fit): L = S_yy − 2bᵀs_y − 2 tr(M S_xy) + w‖b‖² + 2bᵀM s_x + tr(M S_xx Mᵀ)
+* partial copy (kept neurons S, rest R, bias b):
+                                  L = tr(D_R S_aa[R,R] D_Rᵀ) − 2bᵀ D_R s_a[R] + w‖b‖²
+* remap to stored expert p:       L = (1/N) Σ_{T_e} g_e² ‖f_e − f_p‖²          (auto_remap, exact)
+* reroute (keep / renorm gate):   L = (1/N) Σ_{t: e∈K(t)} ‖ŷ_t − y_t‖²        (auto_reroute_*, exact
+                                  for removing e alone; removals are summed, interactions ignored)
+
+with w = (1/N)Σ g², s_y = (1/N)Σ g² y, S_yy = (1/N)Σ g²‖y‖², s_x, S_xx, S_xy, s_a, S_aa likewise.
+Cross terms between two replaced slots of the same token are ignored (the layer error is taken
+as the sum of slot errors); `sample_layer_error` measures the real layer error of a whole layer
+plan on a uniform token sample, so the report shows how far the sum is from it.
+
+A layer's errors become a KL estimate through its sensitivity s_l (`layer_sensitivity`): the
+increase of KL(original ‖ perturbed) per unit of mean squared perturbation of the layer's MoE
+output, measured once with Gaussian noise of known energy (a few forward passes):
+
+    est_KL = Σ_l s_l · Σ_{e ∈ l} L_e(choice_e).
+
+Fits: ``weighted`` (default) fits each operator to minimise exactly this loss (gate²-weighted
+least squares / mean / centred neuron energy); ``unweighted`` builds the very operators of
+`methods.prune` (its tensors, bit for bit) and scores them with the same closed forms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..errors import MoECompressError
+from ..plan import ConstantOp, PartialOp, TiltOp
+from ..scoring import rank as rank_order
+from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+
+Fit = Literal["weighted", "unweighted"]
+
+
+# ----------------------------------------------------------------------------- per-layer statistics
+@dataclass
+class LayerMoments:
+    """Gate²-weighted statistics of one MoE layer (float64, per calibration token)."""
+
+    layer: int
+    w: torch.Tensor  # [E]
+    s_y: torch.Tensor  # [E, H]
+    s_yy: torch.Tensor  # [E]
+    s_x: torch.Tensor | None = None  # [E, H]
+    s_xx: torch.Tensor | None = None  # [E, H, H]
+    s_xy: torch.Tensor | None = None  # [E, H, H]
+    s_a: torch.Tensor | None = None  # [E, I]
+    s_aa: torch.Tensor | None = None  # [E, I, I]
+    remap: torch.Tensor | None = None  # [E, E]
+    reroute: dict[str, torch.Tensor] = field(default_factory=dict)  # gate -> [E]
+    sample: torch.Tensor | None = None  # [S, H] float32
+
+    @classmethod
+    def load(cls, stats, layer: int) -> "LayerMoments":
+        def get(name):
+            return stats.get(layer, name).double() if stats.has(name) else None
+
+        m = cls(layer, get("auto_g2"), get("auto_g2_y"), get("auto_g2_yy"), get("auto_g2_x"), get("auto_g2_xx"),
+                get("auto_g2_xy"), get("auto_g2_a"), get("auto_g2_aa"), get("auto_remap"))
+        for gate in ("keep", "renorm"):
+            t = get(f"auto_reroute_{gate}")
+            if t is not None:
+                m.reroute[gate] = t
+        if stats.has("auto_sample"):
+            m.sample = stats.get(layer, "auto_sample")
+        return m
+
+
+# ----------------------------------------------------------------------------- closed-form losses
+def drop_loss(m: LayerMoments, e: int) -> float:
+    return max(float(m.s_yy[e]), 0.0)
+
+
+def constant_loss(m: LayerMoments, e: int, c: torch.Tensor) -> float:
+    c = c.double()
+    return max(float(m.s_yy[e] - 2 * c @ m.s_y[e] + m.w[e] * (c @ c)), 0.0)
+
+
+def affine_loss(m: LayerMoments, e: int, b: torch.Tensor, mat: torch.Tensor) -> float:
+    """L for f̂(x) = b + M x (M [H_out, H_in])."""
+    b, mat = b.double(), mat.double()
+    val = (m.s_yy[e] - 2 * b @ m.s_y[e] - 2 * torch.trace(mat @ m.s_xy[e]) + m.w[e] * (b @ b)
+           + 2 * b @ (mat @ m.s_x[e]) + torch.trace(mat @ m.s_xx[e] @ mat.T))
+    return max(float(val), 0.0)
+
+
+def partial_loss(m: LayerMoments, e: int, down: torch.Tensor, kept: torch.Tensor, bias: torch.Tensor) -> float:
+    """L for a partial copy keeping neurons `kept` of expert e (down [H, I]) plus output bias."""
+    rest = torch.ones(down.shape[1], dtype=torch.bool)
+    rest[kept] = False
+    d = down.double()[:, rest]
+    b = bias.double()
+    val = (torch.trace(d @ m.s_aa[e][rest][:, rest] @ d.T) - 2 * b @ (d @ m.s_a[e][rest]) + m.w[e] * (b @ b))
+    return max(float(val), 0.0)
+
+
+# ----------------------------------------------------------------------------- candidates
+@dataclass
+class Candidate:
+    """One way to serve slot e: its estimated loss and what the plan needs to realise it.
+
+    kind: keep | drop | reroute | constant | tilt | partial | remap | pair;
+    param: tilt rank, partial width, remap prototype or pair partner (0 otherwise);
+    bytes: routed bytes it adds on its own (keep: the expert; pairs: half the packed pair).
+    """
+
+    kind: str
+    loss: float
+    param: int = 0
+    bytes: int = 0
+    op: object = None  # the plan operator (ConstantOp / TiltOp / PartialOp) for operator kinds
+    gate: str = ""  # reroute: the gate scale (keep / renorm)
+    tensors: dict = field(default_factory=dict)  # its plan tensors
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}{self.param}" if self.kind in ("tilt", "partial") else self.kind
+
+
+def _key(layer: int, e: int) -> str:
+    return f"layer{layer}.expert{e}"  # the same tensor names as methods.prune
+
+
+def constant_candidate(m: LayerMoments, stats, e: int, fit: Fit, el: int, h: int, dtype) -> Candidate:
+    if fit == "weighted":
+        w = float(m.w[e])
+        c = m.s_y[e] / w if w > 0 else torch.zeros_like(m.s_y[e])
+    else:
+        c = stats.get(m.layer, "out_mean")[e].double()
+    key = _key(m.layer, e)
+    value = c.to(dtype)
+    return Candidate("constant", constant_loss(m, e, value), 0, h * el, op=ConstantOp(tensor=key),
+                     tensors={f"{key}.value": value})
+
+
+def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: float, el: int, h: int,
+                   dtype) -> Candidate | None:
+    """Rank-r tilt of slot e (None when it would not be a tilt: no tokens reached the expert)."""
+    if fit == "weighted":
+        w = float(m.w[e])
+        tilt = fit_tilt(w, m.s_x[e], m.s_y[e], m.s_xx[e], m.s_xy[e], rank=min(rank, h), ridge=ridge)
+    else:
+        sel = stats.get(m.layer, "moment_experts").tolist()
+        if e not in sel:
+            return None
+        s = sel.index(e)
+        n = float(stats.get(m.layer, "moment_count")[s])
+        mom = lambda name: stats.get(m.layer, name)[s].double() * n  # noqa: E731  means -> sums
+        tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
+                        rank=min(rank, h), ridge=ridge)
+    if tilt.rank == 0:
+        return None
+    key = _key(m.layer, e)
+    u, v, b = tilt.B.to(dtype), tilt.A.T.contiguous().to(dtype), tilt.b.to(dtype)
+    loss = affine_loss(m, e, b, u.double() @ v.double().T)
+    return Candidate("tilt", loss, tilt.rank, (2 * h * tilt.rank + h) * el, op=TiltOp(rank=tilt.rank, tensor=key),
+                     tensors={f"{key}.U": u, f"{key}.V": v, f"{key}.bias": b})
+
+
+def partial_candidate(m: LayerMoments, stats, adapter, e: int, rank: int, fit: Fit, el: int, h: int,
+                      dtype) -> Candidate | None:
+    """Partial copy of slot e at the parameter budget of a rank-r tilt (None for biased experts)."""
+    w = adapter.get_expert(m.layer, e)
+    if w.has_bias:
+        return None
+    width = max(1, min(partial_copy_size(rank, h), w.down.shape[1]))
+    if fit == "weighted":
+        tot = float(m.w[e])
+        mean = m.s_a[e] / tot if tot > 0 else torch.zeros_like(m.s_a[e])
+        var = (m.s_aa[e].diagonal() / tot - mean.square()).clamp_min(0) if tot > 0 else torch.zeros_like(mean)
+        energy = var * w.down.double().square().sum(0)  # centred: the bias absorbs each neuron's mean
+        neurons = torch.tensor(sorted(rank_order(energy)[:width]))
+        rest = torch.ones(w.down.shape[1], dtype=torch.bool)
+        rest[neurons] = False
+        bias = w.down.double()[:, rest] @ mean[rest]
+    else:
+        count = float(stats.get(m.layer, "counts")[e])
+        energy = neuron_energy(stats.get(m.layer, "mid_channel_norm")[e].double().square(), count, w.down)
+        neurons = torch.tensor(sorted(rank_order(energy)[:width]))
+        bias = partial_copy_bias(stats.get(m.layer, "mid_mean")[e].double() * count, count, w.down, neurons)
+    key = _key(m.layer, e)
+    bias = bias.to(dtype)
+    tensors = {f"{key}.gate": w.gate[neurons].to(dtype), f"{key}.up": w.up[neurons].to(dtype),
+               f"{key}.down": w.down[:, neurons].to(dtype), f"{key}.bias": bias}
+    return Candidate("partial", partial_loss(m, e, w.down, neurons, bias), width, (3 * width * h + h) * el,
+                     op=PartialOp(source=(m.layer, e), width=width, tensor=key), tensors=tensors)
+
+
+# ----------------------------------------------------------------------------- calibration tokens
+def calibration_ids(stats, adapter, sequences: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, str]:
+    """Token ids [B, T] for the sensitivity passes: the calibration spec of `stats` re-tokenised with the
+    model's tokenizer when possible, else seeded random ids (and a note saying so)."""
+    spec = stats.meta.get("data", {}).get("spec", "") if stats is not None else ""
+    source = getattr(adapter.model, "name_or_path", "") or ""
+    if spec and not spec.startswith("tokens:") and source:
+        with contextlib.suppress(MoECompressError, OSError, ValueError):
+            from ..data import load_calibration, load_tokenizer
+
+            data = load_calibration(spec, load_tokenizer(str(source)), seq_len, seed)
+            ids = data.input_ids[:sequences]
+            return ids, f"{spec} (first {len(ids)} sequences of {seq_len} tokens)"
+    vocab = int(adapter.model.config.vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (sequences, seq_len), generator=gen)
+    return ids, f"random token ids ({sequences} x {seq_len}, seed {seed}): calibration spec '{spec}' not reloadable"
+
+
+# ----------------------------------------------------------------------------- KL measurements
+def _logprobs(model, ids: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(ids), batch):
+            logits = model(ids[s:s + batch].to(model.device)).logits
+            out.append(torch.log_softmax(logits.double(), -1).cpu())
+    return torch.cat(out)
+
+
+def kl_to(ref: torch.Tensor, model, ids: torch.Tensor) -> float:
+    """Mean over tokens of KL(original ‖ model) given the original's log-probs `ref`."""
+    lp = _logprobs(model, ids)
+    return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+
+@contextlib.contextmanager
+def perturbed(adapter, layer: int, fn):
+    """Temporarily replace layer `layer`'s MoE output o by fn(o) (a forward hook on its block)."""
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (fn(output[0]),) + tuple(output[1:])
+        return fn(output)
+
+    handle = adapter.layer(layer).block.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def output_energy(adapter, ids: torch.Tensor) -> dict[int, float]:
+    """Mean per-token ‖MoE block output‖² of every MoE layer on `ids`."""
+    acc: dict[int, list[float]] = {i: [0.0, 0] for i in adapter.moe_layers}
+
+    def make(i):
+        def fn(o):
+            acc[i][0] += float(o.double().square().sum())
+            acc[i][1] += o.numel() // o.shape[-1]
+            return o
+        return fn
+
+    with contextlib.ExitStack() as stack:
+        for i in adapter.moe_layers:
+            stack.enter_context(perturbed(adapter, i, make(i)))
+        _logprobs(adapter.model, ids)
+    return {i: a / max(n, 1) for i, (a, n) in acc.items()}
+
+
+def layer_sensitivity(adapter, ids: torch.Tensor, rel: float = 0.05, seeds: int = 2,
+                      ref: torch.Tensor | None = None) -> dict[int, float]:
+    """s_l = KL(original ‖ noisy) / ε_l for isotropic Gaussian noise of mean per-token energy ε_l added to
+    layer l's MoE output (ε_l = rel × mean ‖output‖²), averaged over `seeds` noise draws.
+
+    KL is quadratic in a small perturbation, so s_l is the KL cost per unit of squared output error:
+    the factor that turns the per-token errors L_e of layer l into a KL estimate.
+    """
+    model = adapter.model
+    ref = _logprobs(model, ids) if ref is None else ref
+    energy = output_energy(adapter, ids)
+    out = {}
+    for i in adapter.moe_layers:
+        eps = rel * energy[i]
+        if eps <= 0:
+            out[i] = 0.0
+            continue
+        total = 0.0
+        for s in range(seeds):
+            gen = torch.Generator().manual_seed(1000 * i + s)
+
+            def noisy(o, gen=gen, eps=eps):
+                noise = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype)
+                return o + noise * (eps / o.shape[-1]) ** 0.5
+
+            with perturbed(adapter, i, noisy):
+                total += kl_to(ref, model, ids)
+        out[i] = total / seeds / eps
+    return out
+
+
+@contextlib.contextmanager
+def plan_installed(adapter, plan, tensors, layers):
+    """Temporarily run `layers` of the in-memory model through the plan's runtime blocks (originals kept)."""
+    from ..runtime import CompressedMoEBlock, build_ops, build_scope
+
+    source = lambda l, e: adapter.layer(l).storage.read(e)  # noqa: E731
+    installed = []
+    try:
+        with torch.no_grad():
+            for i in layers:
+                lp = plan.layer(i)
+                sc = plan.scope(lp.scope)
+                layer = adapter.layer(i)
+                stored = build_scope(plan, sc, layer, source, tensors, config=adapter.model.config)
+                ops = build_ops(plan, lp, layer, tensors, stored.gate_up_proj.dtype, layer.router.weight.device)
+                adapter.set_block(i, CompressedMoEBlock(layer, lp, stored, ops, adapter.returns_tuple))
+                installed.append(i)
+        yield
+    finally:
+        for i in installed:
+            adapter.set_block(i, adapter.layer(i).block)
+
+
+def sample_layer_error(adapter, plan, tensors, layer: int, x: torch.Tensor) -> float:
+    """Mean over the sampled block inputs x of ‖ŷ − y‖²: the plan's real error in `layer` (all interactions)."""
+    x = x.to(adapter.layer(layer).router.weight.dtype)
+    with torch.no_grad():
+        ref = adapter.moe_forward(layer, x)
+        with plan_installed(adapter, plan, tensors, [layer]):
+            blk = adapter.decoder_layers[layer]
+            out = getattr(blk, adapter.layer(layer).block_attr)(x[None])
+            out = out[0] if isinstance(out, tuple) else out
+    return float((out.reshape(ref.shape).double() - ref.double()).square().sum(-1).mean())

@@ -1,0 +1,294 @@
+"""`auto`: gate²-weighted statistics equal a full-forward reference, closed-form losses equal direct
+evaluation, the solver meets the byte budget as the exporter measures it, a full budget is the
+identity, single-candidate runs reproduce the single methods, and the plan is deterministic."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moecompress.api import apply_plan, export, load
+from moecompress.calibrate import calibrate, stats_for_method
+from moecompress.data import CalibrationData
+from moecompress.errors import MoECompressError
+from moecompress.methods import MethodContext, get_method, parse_config
+from moecompress.methods import auto as A
+from moecompress.methods import auto_estimate as est
+from moecompress.methods import prune as P
+from moecompress.models import MoEAdapter, expert_apply, expert_intermediate, load_model
+from moecompress.plan import CompressionPlan, ModelInfo
+from moecompress.testing import save_tiny
+
+EXTRA = ["out_mean", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
+         "cross_moment", "mid_channel_norm", "mid_mean"]
+FAST = dict(sensitivity="uniform", measure=False)  # no forward passes: the solver and plan only
+
+
+def _setup(root, family, seed):
+    path = save_tiny(family, root / "model", seed=seed)
+    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
+    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats",
+                      stats=A.needs_stats(A.AutoConfig()) + EXTRA, batch_size=4, dtype="float32", progress=False)
+    model = load_model(str(path), dtype="float32")
+    adapter = MoEAdapter(model)
+    inputs = {}
+    hooks = [adapter.layer(i).block.register_forward_hook(
+        lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach()))
+        for i in adapter.moe_layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return path, store, adapter, inputs
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):  # softmax, top-k not renormalised: keep and renorm differ
+    return _setup(tmp_path_factory.mktemp("auto_olmoe"), "olmoe", 3)
+
+
+def _build(setup, **params):
+    _, store, adapter, _ = setup
+    config = parse_config("auto", params)
+    return get_method("auto").build(config, MethodContext(adapter, store))
+
+
+# ----------------------------------------------------------------------------- statistics
+@torch.no_grad()
+def test_gate_weighted_statistics_equal_full_forward_reference(olmoe):
+    _, store, adapter, inputs = olmoe
+    for i in adapter.moe_layers:
+        h = inputs[i]
+        n = len(h)
+        r = adapter.route(i, h)
+        e_all = adapter.num_experts(i)
+        f_all = torch.stack([adapter.expert_forward(i, e, h) for e in range(e_all)]).double()  # [E, N, H]
+        y_routed = sum(r.weight[:, j, None].double() * f_all[r.index[:, j], torch.arange(n)] for j in range(2))
+        for e in range(e_all):
+            tok, slot = torch.where(r.index == e)
+            g2 = r.weight[tok, slot].double().square()
+            x, y = h[tok].double(), f_all[e, tok]
+            a = expert_intermediate(adapter.get_expert(i, e), h[tok], adapter.layer(i).act).double()
+            get = lambda name: store.get(i, name)[e]  # noqa: E731
+            torch.testing.assert_close(float(get("auto_g2")), float(g2.sum() / n))
+            torch.testing.assert_close(get("auto_g2_y"), g2 @ y / n)
+            torch.testing.assert_close(float(get("auto_g2_yy")), float(g2 @ y.square().sum(-1) / n))
+            torch.testing.assert_close(get("auto_g2_xx"), (x * g2[:, None]).T @ x / n)
+            torch.testing.assert_close(get("auto_g2_xy"), (x * g2[:, None]).T @ y / n)
+            torch.testing.assert_close(get("auto_g2_aa"), (a * g2[:, None]).T @ a / n)
+            remap = torch.stack([g2 @ (f_all[p, tok] - y).square().sum(-1) / n for p in range(e_all)])
+            torch.testing.assert_close(get("auto_remap"), remap)
+            mask = torch.ones(e_all, dtype=torch.bool)
+            mask[e] = False
+            toks = torch.where((r.index == e).any(-1))[0]
+            for gate, kw in (("keep", "allowed"), ("renorm", "present")):
+                r2 = adapter.route(i, h[toks], **{kw: mask})
+                y2 = sum(r2.weight[:, j, None].double() * f_all[r2.index[:, j], toks] for j in range(2))
+                torch.testing.assert_close(float(get(f"auto_reroute_{gate}")),
+                                           float((y2 - y_routed[toks]).square().sum() / n))
+        assert store.get(i, "auto_sample").shape == (min(512, n), adapter.hidden_size)
+
+
+@torch.no_grad()
+def test_closed_form_losses_equal_direct_evaluation(olmoe):
+    _, store, adapter, inputs = olmoe
+    i = adapter.moe_layers[1]
+    h = inputs[i]
+    n = len(h)
+    r = adapter.route(i, h)
+    m = est.LayerMoments.load(store, i)
+    info = ModelInfo.from_model(adapter)
+    prob, _ = A.layer_problem(A.AutoConfig(ranks=[4, 8]), adapter, store, info, i, True)
+    checked = set()
+    for e in (0, 3, 5):
+        tok, slot = torch.where(r.index == e)
+        g2 = r.weight[tok, slot].double().square()
+        y = adapter.expert_forward(i, e, h[tok]).double()
+        for c in prob.options[e]:
+            x = h[tok].double()
+            if c.kind == "drop":
+                yhat = torch.zeros_like(y)
+            elif c.kind == "constant":
+                yhat = c.tensors[f"{c.op.tensor}.value"].double().expand_as(y)
+            elif c.kind == "tilt":
+                t = {k.rsplit(".", 1)[1]: v.double() for k, v in c.tensors.items()}
+                yhat = t["bias"] + (x @ t["V"]) @ t["U"].T
+            elif c.kind == "partial":
+                t = {k.rsplit(".", 1)[1]: v.double() for k, v in c.tensors.items()}
+                yhat = expert_intermediate(
+                    type(adapter.get_expert(i, e))(t["gate"], t["up"], t["down"]), x, adapter.layer(i).act) @ t["down"].T
+                yhat = yhat + t["bias"]
+            else:
+                continue
+            direct = float(g2 @ (y - yhat).square().sum(-1) / n)
+            assert c.loss == pytest.approx(direct, rel=1e-6, abs=1e-12), (e, c.label)
+            checked.add(c.kind)
+        # weighted fits minimise the weighted loss: a higher tilt rank never loses more
+        tilts = sorted((c.param, c.loss) for c in prob.options[e] if c.kind == "tilt")
+        assert all(b[1] <= a[1] + 1e-12 for a, b in zip(tilts, tilts[1:]))
+    assert checked == {"drop", "constant", "tilt", "partial"}
+    assert float(m.w.sum()) > 0
+
+
+# ----------------------------------------------------------------------------- budget and identity
+def test_budget_holds_as_the_exporter_measures_it(olmoe, tmp_path):
+    path, store, adapter, inputs = olmoe
+    plan, tensors = _build(olmoe, budget=0.45, ranks=[4, 8], **FAST)
+    info = plan.model
+    budget = int(0.45 * info.expert_bytes)
+    kinds = {k for row in plan.params["auto"]["layers"] for k in row["choices"]}
+    assert kinds - {"keep"}, "the plan should compress something"
+    result = export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+    assert result.logical_bytes <= info.other_bytes + budget
+    stored = 0
+    for f in (tmp_path / "c").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                t = fh.get_slice(k)
+                stored += torch.empty(0, dtype=getattr(torch, {"F32": "float32", "I64": "int64"}.get(
+                    t.get_dtype(), "float32"))).element_size() * int(torch.tensor(t.get_shape()).prod())
+    # the checkpoint stores exactly what the solver counted (padding included), within the budget
+    assert stored == info.other_bytes + plan.params["auto"]["routed_bytes"] <= info.other_bytes + budget
+    # absolute budget in total model bytes
+    plan2, tensors2 = _build(olmoe, budget_bytes=result.logical_bytes - 1000, ranks=[4, 8], **FAST)
+    assert plan2.logical_bytes(tensors2).total <= result.logical_bytes - 1000
+    # the compact checkpoint computes what the in-memory plan computes
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path / "c", dtype="float32")(ids).logits, ref(ids).logits)
+
+
+def test_full_budget_keeps_everything(olmoe):
+    path, _, _, _ = olmoe
+    plan, tensors = _build(olmoe, budget=1.0, **FAST)
+    assert tensors == {} and all(len(lp.stored_ids()) == len(lp.slots) for lp in plan.layers)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    base = load_model(str(path), dtype="float32")
+    with torch.no_grad():
+        expected = base(ids).logits
+        got = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)(ids).logits
+    assert torch.equal(got, expected)
+
+
+def test_budget_below_the_reachable_minimum_is_one_sentence(olmoe):
+    with pytest.raises(MoECompressError, match="below the smallest reachable"):
+        _build(olmoe, budget=0.05, candidates=["reroute"], **FAST)
+    with pytest.raises(MoECompressError, match="drop 'pair'"):
+        _build(olmoe, candidates=["pair"], **FAST)
+
+
+# ----------------------------------------------------------------------------- single-candidate runs
+def test_reroute_only_is_the_prune_plan_of_the_least_estimated_losses(olmoe):
+    """'Reproduces': with candidates=[reroute], gate keep, the plan IS CompressionPlan.prune(keep set, gate keep)
+    where the removed slots are the globally smallest estimated losses L_e^reroute-keep (uniform sensitivity),
+    as many as the budget forces out, never leaving a layer fewer than top-k experts."""
+    _, store, adapter, _ = olmoe
+    budget = 0.5
+    plan, tensors = _build(olmoe, budget=budget, candidates=["reroute"], gates=["keep"], **FAST)
+    info = plan.model
+    per = info.layers[0].bytes_per_expert
+    n_remove = -(-(info.expert_bytes - int(budget * info.expert_bytes)) // per)
+    losses = sorted((float(store.get(i, "auto_reroute_keep")[e]), i, e)
+                    for i in adapter.moe_layers for e in range(adapter.num_experts(i)))
+    removed = {i: [] for i in adapter.moe_layers}
+    for _, i, e in losses:
+        if sum(map(len, removed.values())) == n_remove:
+            break
+        if adapter.num_experts(i) - len(removed[i]) > adapter.top_k(i):
+            removed[i].append(e)
+    keep = {i: [e for e in range(adapter.num_experts(i)) if e not in removed[i]] for i in adapter.moe_layers}
+    expected = CompressionPlan.prune(info, keep, gate="keep", method="auto")
+    assert tensors == {}
+    assert [lp.model_dump() for lp in plan.layers] == [lp.model_dump() for lp in expected.layers]
+    assert plan.scopes == expected.scopes
+
+
+@pytest.mark.parametrize("operator", ["constant", "tilt", "partial"])
+def test_operator_only_reproduces_the_prune_operator(olmoe, operator, monkeypatch):
+    """'Reproduces': with candidates=[operator] and fit=unweighted, every slot the solver removes carries exactly the
+    operator `prune --operator X` builds for the same keep set (same slot map, gates, tensors bit for bit)."""
+    _, store, adapter, _ = olmoe
+    plan, tensors = _build(olmoe, budget=0.5, candidates=[operator], ranks=[4], fit="unweighted", **FAST)
+    keep = {lp.layer: [e for e, s in enumerate(lp.slots) if isinstance(s, int)] for lp in plan.layers}
+    assert any(len(v) < adapter.num_experts(i) for i, v in keep.items())
+    monkeypatch.setattr(P, "select_experts", lambda *a, **k: keep)
+    ref, ref_tensors = P.build_prune(P.PruneConfig(ratio=0.5, operator=operator, rank=4), MethodContext(adapter, store))
+    for lp, rp in zip(plan.layers, ref.layers):
+        assert lp.slots == rp.slots
+        if len(keep[lp.layer]) < len(lp.slots):
+            assert lp.gate == rp.gate == "replace"
+    assert plan.scopes == ref.scopes
+    assert sorted(tensors) == sorted(ref_tensors)
+    assert all(torch.equal(tensors[k], ref_tensors[k]) for k in tensors)
+
+
+def test_plan_is_deterministic_and_mixed(olmoe):
+    plan, tensors = _build(olmoe, budget=0.35, ranks=[4, 8], **FAST)
+    again, tensors2 = _build(olmoe, budget=0.35, ranks=[4, 8], **FAST)
+    assert plan.to_json() == again.to_json()
+    assert sorted(tensors) == sorted(tensors2) and all(torch.equal(tensors[k], tensors2[k]) for k in tensors)
+
+
+def test_measured_table_and_registration(olmoe):
+    plan, _ = _build(olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16)
+    table = plan.params["auto"]
+    assert table["measured_kl"] > 0 and table["est_kl"] > 0
+    for row in table["layers"]:
+        assert row["sensitivity"] > 0 and "sample_error" in row and "measured_kl" in row
+        # the sum of slot errors is close to the layer's real error on the token sample (cross terms small)
+        assert row["sample_error"] == pytest.approx(row["est_error"], rel=0.5)
+    assert get_method("auto").family == "auto"
+    assert {"auto_g2", "auto_remap", "auto_sample"} <= set(stats_for_method("auto"))
+
+
+# ----------------------------------------------------------------------------- solver pieces
+def test_allocation_matches_brute_force_on_small_instances():
+    rng = random.Random(0)
+    worse = 0
+    for trial in range(60):
+        fronts, scale = {}, {}
+        for layer in range(3):
+            pts, b, loss = [], rng.randint(0, 3), 10.0 * rng.random()
+            for _ in range(rng.randint(2, 6)):
+                pts.append(A.LayerPoint("replace", [], b, loss))
+                b += rng.randint(1, 5)
+                loss *= rng.random()
+            fronts[layer] = A.pareto(pts)
+            scale[layer] = 0.5 + rng.random()
+        lo = sum(f[0].bytes for f in fronts.values())
+        hi = sum(f[-1].bytes for f in fronts.values())
+        budget = rng.randint(lo, hi)
+        pick = A.allocate(fronts, scale, budget)
+        assert sum(fronts[l][k].bytes for l, k in pick.items()) <= budget
+        got = sum(fronts[l][k].loss * scale[l] for l, k in pick.items())
+        best = min(sum(fronts[l][k].loss * scale[l] for l, k in enumerate(c))
+                   for c in itertools.product(*(range(len(fronts[l])) for l in range(3)))
+                   if sum(fronts[l][k].bytes for l, k in enumerate(c)) <= budget)
+        assert got >= best - 1e-12
+        worse += got > best + 1e-12
+    assert worse <= 3  # a knapsack heuristic: optimal on (almost) every small instance
+
+
+@pytest.mark.skip(reason="PuzzleMoE pair candidates wait for the packed stored-expert integration (docs/auto.md)")
+def test_pair_decisions_are_joint_and_disjoint(olmoe):
+    plan, _ = _build(olmoe, budget=0.5, candidates=["pair", "reroute"], **FAST)
+    for sc in plan.scopes:
+        members = [e for s in sc.stored if s.construction == "elementwise_merge" for _, e in s.sources]
+        assert len(members) == len(set(members))
+
+
+def test_group_limited_router_stays_feasible(tmp_path):
+    path = save_tiny("deepseek_v3", tmp_path / "model", seed=1)
+    ids = torch.randint(3, 96, (4, 24), generator=torch.Generator().manual_seed(0))
+    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=tmp_path / "stats",
+                      stats=A.needs_stats(A.AutoConfig(candidates=["reroute", "remap"])), batch_size=4,
+                      dtype="float32", progress=False)
+    adapter = MoEAdapter(load_model(str(path), dtype="float32"))
+    config = parse_config("auto", dict(budget=0.3, candidates=["reroute", "remap"], **FAST))
+    plan, _ = get_method("auto").build(config, MethodContext(adapter, store))  # validated on construction
+    for lp in plan.layers:
+        assert lp.gate in ("renorm", "keep", "replace")
+        assert sum(lp.routable()) >= adapter.top_k(lp.layer)
