@@ -244,6 +244,22 @@ def test_kill_and_resume_is_byte_identical(models, tmp_path, family, offload):
     assert not (tmp_path / ".resumed.partial").exists()
 
 
+def test_resume_after_the_last_layer_only_writes_the_store(models, tmp_path):
+    data = _padded_data(seed=2)
+    full = calibrate(str(models["olmoe"]), data, out=tmp_path / "full", progress=False)
+
+    def kill(i, stats):
+        if i == full.layers[-1]:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(str(models["olmoe"]), data, out=tmp_path / "r", on_layer_end=kill, progress=False)
+    seen = []
+    resumed = calibrate(str(models["olmoe"]), data, out=tmp_path / "r", resume=True,
+                        on_layer_end=lambda i, s: seen.append(i), progress=False)
+    assert seen == [] and _files(resumed.path) == _files(full.path)
+
+
 def test_resume_refuses_a_partial_run_of_another_model(models, tmp_path):
     data = _padded_data()
 

@@ -40,7 +40,9 @@ def _identity(reader, fingerprint, calib, names, params, dtype, device, batch_si
 def _check_finite(layer: int, stats: dict[str, torch.Tensor]) -> None:
     for name, t in stats.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise RuntimeError(f"statistic {name} of layer {layer} is not finite (a collector bug)")
+            # collectors never divide by zero, so this is the model itself overflowing
+            raise MoECompressError(f"Statistic {name} of layer {layer} is not finite: the model's activations "
+                                   "overflowed in this dtype; re-run with --dtype float32.")
 
 
 def calibrate(
@@ -173,9 +175,11 @@ def calibrate(
     with _progress(progress and rank == 0) as bar:
         layers_task = bar.add_task("layers", total=last + 1, completed=start)
         batch_task = bar.add_task("batches", total=len(runner.batches))
-        restored = bool(done) and runner.restore(start - 1)
-        runner.embed(store_hidden=not restored)
-        if done and not restored:  # replay the finished prefix (forward only) to rebuild its outputs
+        todo = start <= last  # a run killed after its last layer only has the store left to write
+        restored = bool(done) and todo and runner.restore(start - 1)
+        if todo:
+            runner.embed(store_hidden=not restored)
+        if done and todo and not restored:  # replay the finished prefix (forward only) to rebuild its outputs
             for i in range(start):
                 bar.update(layers_task, description=f"replay layer {i}")
                 layer = runner.load_layer(i)
