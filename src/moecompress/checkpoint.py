@@ -183,6 +183,10 @@ class CheckpointReader:
         """A cheap identity of the weights (see `checkpoint_fingerprint`)."""
         return checkpoint_fingerprint(self.path)
 
+    def converts(self, i: int | None) -> bool:
+        """Does reading layer i (None: the rest) merge or reshape on-disk tensors (e.g. per-expert keys)?"""
+        return any(self._targets[n][0] is not None for n in self._by_layer.get(i, []))
+
     def layer_keys(self, i: int) -> list[str]:
         """On-disk keys that make up decoder layer i."""
         return [k for native in self._by_layer.get(i, []) for k, _ in self._targets[native][1]]
