@@ -8,7 +8,14 @@ import torch
 from moecompress.errors import MoECompressError
 from moecompress.models import MoEAdapter
 from moecompress.plan import (
-    CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp, Scope, StoredExpert, TiltOp,
+    CompressionPlan,
+    ConstantOp,
+    LayerPlan,
+    ModelInfo,
+    PartialOp,
+    Scope,
+    StoredExpert,
+    TiltOp,
 )
 from moecompress.testing import tiny_model
 

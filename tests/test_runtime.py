@@ -10,7 +10,14 @@ from moecompress import apply_plan
 from moecompress.errors import MoECompressError
 from moecompress.models import ExpertWeights, MoEAdapter, expert_apply
 from moecompress.plan import (
-    CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp, Scope, StoredExpert, TiltOp,
+    CompressionPlan,
+    ConstantOp,
+    LayerPlan,
+    ModelInfo,
+    PartialOp,
+    Scope,
+    StoredExpert,
+    TiltOp,
 )
 from moecompress.runtime import CompressedMoEBlock, StoredExperts, aggregate_slots, stored_weights
 from moecompress.testing import FAMILY_NAMES, tiny_config, tiny_model
@@ -186,7 +193,7 @@ def test_weighted_merge_and_dense_group_known_answers():
     info = ModelInfo.from_model(model)
     plan = CompressionPlan.identity(model)
     sc = plan.scopes[0]
-    src = lambda l, e: adapter.get_expert(l, e)  # noqa: E731
+    src = lambda l, e: adapter.get_expert(l, e)
     merge = StoredExpert(id=0, sources=[(0, 1), (0, 4)], construction="weighted_merge", weights=[0.25, 0.75])
     w = stored_weights(plan, sc, merge, src, None)
     for name, t in w.tensors().items():

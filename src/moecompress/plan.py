@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Sequence, Union
+from typing import Annotated, Any, Literal, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -99,7 +100,7 @@ class ModelInfo(_Strict):
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @classmethod
-    def from_model(cls, model_or_adapter, source: str | None = None) -> "ModelInfo":
+    def from_model(cls, model_or_adapter, source: str | None = None) -> ModelInfo:
         from .models import MoEAdapter
 
         adapter = model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
@@ -185,7 +186,7 @@ class PartialOp(_Strict):
     tensor: str  # p.gate/p.up [w, H], p.down [H, w], p.bias [H]
 
 
-Operator = Annotated[Union[ConstantOp, TiltOp, PartialOp], Field(discriminator="op")]
+Operator = Annotated[ConstantOp | TiltOp | PartialOp, Field(discriminator="op")]
 SlotTarget = Union[int, Literal["drop"], Operator]
 
 
@@ -243,7 +244,7 @@ class CompressionPlan(_Strict):
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="after")
-    def _validate(self) -> "CompressionPlan":
+    def _validate(self) -> CompressionPlan:
         # MoECompressError is not a ValueError, so pydantic lets it through unchanged: one sentence.
         self.check()
         return self
@@ -531,7 +532,7 @@ class CompressionPlan(_Strict):
         return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: str = "the plan") -> "CompressionPlan":
+    def from_json(cls, text: str, where: str = "the plan") -> CompressionPlan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -559,7 +560,7 @@ class CompressionPlan(_Strict):
         return d / PLAN_FILE
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> tuple["CompressionPlan", PlanTensors]:
+    def load(cls, path: str | os.PathLike) -> tuple[CompressionPlan, PlanTensors]:
         """Read a plan (a plan.json file or a directory holding one) and its tensors if present."""
         p = Path(path)
         file = p / PLAN_FILE if p.is_dir() else p
@@ -579,14 +580,14 @@ class CompressionPlan(_Strict):
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def identity(cls, model, method: str = "identity", source: str | None = None) -> "CompressionPlan":
+    def identity(cls, model, method: str = "identity", source: str | None = None) -> CompressionPlan:
         """Every slot keeps its own expert (ratio 0)."""
         info = ModelInfo.from_model(model, source)
         return cls.prune(info, {x.layer: list(range(x.num_experts)) for x in info.layers}, method=method)
 
     @classmethod
     def prune(cls, model, keep: Mapping[int, Sequence[int]], gate: GateSemantics = "renorm",
-              method: str = "prune", params: dict | None = None, source: str | None = None) -> "CompressionPlan":
+              method: str = "prune", params: dict | None = None, source: str | None = None) -> CompressionPlan:
         """Keep the listed experts of each layer (copies); every other slot is dropped, at gate `gate`."""
         info = model if isinstance(model, ModelInfo) else ModelInfo.from_model(model, source)
         scopes, layers = [], []
@@ -602,7 +603,7 @@ class CompressionPlan(_Strict):
 
     @classmethod
     def remap(cls, model, assignment: Mapping[int, Sequence[int]], gate: GateSemantics = "aggregate",
-              method: str = "remap", params: dict | None = None, source: str | None = None) -> "CompressionPlan":
+              method: str = "remap", params: dict | None = None, source: str | None = None) -> CompressionPlan:
         """Per layer, slot e computes original expert assignment[e] (a retained prototype), stored once."""
         info = model if isinstance(model, ModelInfo) else ModelInfo.from_model(model, source)
         scopes, layers = [], []

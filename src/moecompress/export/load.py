@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..errors import MoECompressError
 from ..models import MoEAdapter, parse_dtype
@@ -99,7 +99,7 @@ def _load_compact(d: Path, device_map, dtype, marker: dict):
     for shard in _shards(d):
         try:
             with safe_open(str(shard), framework="pt", device=device) as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
                     t = f.get_tensor(key)
                     if t.device.type == "cpu" and t.data_ptr() % 64:
                         # mmap-backed at an unaligned file offset: copy, so kernels (and results) match memory

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.nn as nn
+from torch import nn
 
 from ..errors import MoECompressError
 from ..models import MoEAdapter

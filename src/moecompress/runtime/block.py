@@ -19,8 +19,10 @@ block's state_dict names match the HF block's for everything but the routed expe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..models import MoELayer, route
 from ..plan import LayerPlan
@@ -77,26 +79,61 @@ class CompressedMoEBlock(nn.Module):
         routable = lp.routable()
         mask = None if all(routable) else torch.tensor(routable, dtype=torch.bool, device=dev)
         self.register_buffer("routable_mask", mask, persistent=False)
+        # renorm = the dropped rows deleted from the router: route over the kept rows only (cheaper than
+        # masking, and literally what a physically pruned router computes) whenever the kept slots still
+        # form equal router groups; otherwise route() applies the `present` mask
+        present, self._direct = None, False
+        if mask is not None and lp.gate == "renorm":
+            kept = [e for e, ok in enumerate(routable) if ok]
+            g = self.spec.n_group
+            size = self.spec.num_experts // g
+            counts = {sum(1 for e in kept if e // size == j) for j in range(g)}
+            if len(counts) == 1 and (self.spec.group_score != "top2_sum" or g == 1 or counts != {1}):
+                present = torch.tensor(kept, dtype=torch.long, device=dev)
+                self._kept_spec = replace(self.spec, num_experts=len(kept))
+                # pure pruning (kept slot j -> stored j): the small router's indices ARE the stored ids
+                self._direct = [lp.slots[e] for e in kept] == list(range(len(kept)))
+        self.register_buffer("kept_slots", present, persistent=False)
+        self._kept_cache: tuple = (None, None)  # (key, sliced router tensors), refreshed when the router changes
+        # can a selected slot land on no stored expert (operator, drop, or an aggregated duplicate)?
+        self._may_skip = lp.gate == "aggregate" or any(ok and not isinstance(t, int)
+                                                       for ok, t in zip(routable, lp.slots))
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_index}, gate={self.semantics}, slots={self.slot_to_stored.numel()}"
+
+    def _kept_router(self, *tensors):
+        """The kept rows of (weight, bias, correction bias), sliced once per router version/device."""
+        key = tuple(None if t is None else (t.data_ptr(), t._version, t.dtype) for t in tensors)
+        if self._kept_cache[0] != key or torch.is_grad_enabled():
+            sliced = tuple(None if t is None else t.index_select(0, self.kept_slots) for t in tensors)
+            if torch.is_grad_enabled():  # training the router: keep the graph, no cache
+                return sliced
+            self._kept_cache = (key, sliced)
+        return self._kept_cache[1]
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         router = getattr(self, self._router_name)
-        masks = {}
-        if self.routable_mask is not None:
-            masks["present" if self.semantics == "renorm" else "allowed"] = self.routable_mask
-        r = route(self.spec, x, router.weight, getattr(router, "bias", None),
-                  getattr(router, "e_score_correction_bias", None), **masks)
-        stored_idx = self.slot_to_stored[r.index]
+        bias, corr = getattr(router, "bias", None), getattr(router, "e_score_correction_bias", None)
+        if self.kept_slots is not None:
+            kept = self.kept_slots
+            r = route(self._kept_spec, x, *self._kept_router(router.weight, bias, corr))
+            index = kept[r.index]
+        else:
+            masks = {}
+            if self.routable_mask is not None:
+                masks["present" if self.semantics == "renorm" else "allowed"] = self.routable_mask
+            r = route(self.spec, x, router.weight, bias, corr, **masks)
+            index = r.index
+        stored_idx = r.index if self.kept_slots is not None and self._direct else self.slot_to_stored[index]
         weight = r.weight
         if self.semantics == "aggregate" and stored_idx.shape[1] > 1:
             stored_idx, weight = aggregate_slots(stored_idx, weight, self.stored.num_experts)
-        out = self.stored(x, stored_idx, weight)
+        out = self.stored(x, stored_idx, weight, self._may_skip)
         if self.ops is not None:
-            extra = self.ops(x, r.index, r.weight)
+            extra = self.ops(x, index, r.weight)
             if extra is not None:
                 out = out + extra
         if self._shared_name is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -23,7 +23,7 @@ def runtime_layout(layer: MoELayer) -> Layout:
 
 
 def _tensor_weights(tensors: Mapping[str, torch.Tensor], prefix: str) -> ExpertWeights:
-    get = lambda name: tensors.get(f"{prefix}.{name}")  # noqa: E731
+    get = lambda name: tensors.get(f"{prefix}.{name}")
     return ExpertWeights(get("gate"), get("up"), get("down"), get("gate_bias"), get("up_bias"), get("down_bias"))
 
 
@@ -66,7 +66,7 @@ def stored_weights(plan: CompressionPlan, sc: Scope, s: StoredExpert, source: So
 def _complete_bias(w: ExpertWeights, layout: Layout) -> ExpertWeights:
     if layout != "gpt_oss" or w.gate_bias is not None and w.up_bias is not None and w.down_bias is not None:
         return w
-    z = lambda n, ref: torch.zeros(n, dtype=ref.dtype, device=ref.device)  # noqa: E731
+    z = lambda n, ref: torch.zeros(n, dtype=ref.dtype, device=ref.device)
     return ExpertWeights(w.gate, w.up, w.down,
                          w.gate_bias if w.gate_bias is not None else z(w.gate.shape[0], w.gate),
                          w.up_bias if w.up_bias is not None else z(w.up.shape[0], w.up),
@@ -114,7 +114,7 @@ def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor]
     adapter = MoEAdapter(model)
     plan.check_model(adapter)
     plan.check_tensors(tensors)
-    source = lambda l, e: adapter.layer(l).storage.read(e)  # noqa: E731 - views; copied when fused
+    source = lambda l, e: adapter.layer(l).storage.read(e)
     with torch.no_grad():
         for sc in sorted(plan.scopes, key=lambda s: max(s.layers)):
             first = adapter.layer(sc.layers[0])

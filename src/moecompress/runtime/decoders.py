@@ -8,7 +8,7 @@ stored-expert tensor; tensors that are already dense (``prefix.gate/up/down``) n
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 _DECODERS: dict[str, Callable] = {}
 

@@ -18,12 +18,25 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from ..models import ExpertActivation, ExpertWeights
 
 Layout = Literal["fused", "gpt_oss"]
+
+
+_ACT_FNS: dict = {}
+
+
+def glu_activation(name: str):
+    """transformers' activation module for `name`, built once (ACT2FN[...] instantiates on every lookup)."""
+    fn = _ACT_FNS.get(name)
+    if fn is None:
+        from transformers.activations import ACT2FN
+
+        fn = _ACT_FNS[name] = ACT2FN[name]
+    return fn
 
 
 def _pad_rows(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -104,7 +117,7 @@ class StoredExperts(nn.Module):
 
     @classmethod
     def from_weights(cls, weights: list[ExpertWeights], layout: Layout, act: ExpertActivation, width=None,
-                     dtype=None, config=None) -> "StoredExperts":
+                     dtype=None, config=None) -> StoredExperts:
         tensors = native_tensors(weights, layout, width, dtype)
         first = tensors["gate_up_proj"]
         w = width or max(x.gate.shape[0] for x in weights)
@@ -125,13 +138,18 @@ class StoredExperts(nn.Module):
         if self.layout == "gpt_oss":
             return self.act(gate_up[..., ::2], gate_up[..., 1::2])
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.act(gate, up)
+        if self.act.kind != "glu":
+            return self.act(gate, up)
+        return glu_activation(self.act.act)(gate) * up  # = ExpertActivation, without its per-call lookup
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H]."""
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                may_skip: bool = True) -> torch.Tensor:
+        """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H].
+
+        may_skip=False promises that no index is the sentinel K (saves a host sync per call)."""
         if self.implementation == "eager":
             return self._eager(x, index, weight)
-        return self._grouped(x, index, weight)
+        return self._grouped(x, index, weight, may_skip)
 
     def _eager(self, x, index, weight):
         # mirrors transformers' eager experts loop (one matmul pair per stored expert hit)
@@ -156,16 +174,17 @@ class StoredExperts(nn.Module):
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    def _grouped(self, x, index, weight):
+    def _grouped(self, x, index, weight, may_skip=True):
         # mirrors transformers' grouped_mm_experts_forward, with sentinel pairs sorted to the tail and skipped
         n, k = index.shape
         k_total = self.num_experts
         flat_idx, flat_w = index.reshape(-1), weight.reshape(-1)
         ids, perm = torch.sort(flat_idx)
-        n_valid = int((flat_idx < k_total).sum())
+        n_valid = int((flat_idx < k_total).sum()) if may_skip else flat_idx.numel()
         out_pairs = None
         if n_valid:
-            perm, ids = perm[:n_valid], ids[:n_valid]
+            if may_skip:
+                perm, ids = perm[:n_valid], ids[:n_valid]
             xs = x[perm // k]
             hist_in = ids.float() if x.device.type in ("cpu", "mps") else ids.int()
             counts = torch.histc(hist_in, bins=k_total, min=0, max=k_total - 1)

@@ -15,11 +15,12 @@ Ranks and widths are zero-padded to the layer's maximum (padding contributes exa
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from ..models import ExpertActivation
 from ..plan import ConstantOp, LayerPlan, PartialOp, TiltOp
+from .experts import glu_activation
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -65,7 +66,7 @@ class SlotOperators(nn.Module):
                 self.part_up_bias = _param(torch.zeros(len(parts), w, **kw))
 
     @torch.no_grad()
-    def fill(self, tensors) -> "SlotOperators":
+    def fill(self, tensors) -> SlotOperators:
         """Copy the operators' parameters from PlanTensors (keys documented in plan.py)."""
         n_c, n_t = self.n_const, self.n_tilt
         for j, (_, op) in enumerate(self.order):
@@ -114,7 +115,8 @@ class SlotOperators(nn.Module):
                     q = j - n_c - n_t
                     gb = self.part_gate_bias[q] if hasattr(self, "part_gate_bias") else None
                     ub = self.part_up_bias[q] if hasattr(self, "part_up_bias") else None
-                    hmid = self.act(F.linear(xs, self.part_gate[q], gb), F.linear(xs, self.part_up[q], ub))
+                    g_pre, u_pre = F.linear(xs, self.part_gate[q], gb), F.linear(xs, self.part_up[q], ub)
+                    hmid = glu_activation(self.act.act)(g_pre) * u_pre if self.act.kind == "glu" else self.act(g_pre, u_pre)
                     y = F.linear(hmid, self.part_down[q], self.part_bias[q])
                 out.index_add_(0, tok, y * w[tok, pos, None])
         return out
