@@ -138,6 +138,16 @@ class MoEAdapter:
                 "this toolkit can read: it is a dense model or an unsupported MoE; pass a MoE checkpoint "
                 "(see docs/models.md)."
             )
+        if self.family is None:
+            # a verified router does not prove the block has nothing else in it (a post-norm, a custom
+            # activation, transposed expert storage): accept an auto-detected block only if we reproduce it
+            for i, layer in self.layers.items():
+                if layer.verified and not self._block_matches(i):
+                    raise MoECompressError(
+                        f"The MoE block of model_type '{self.model_type}' (layer {i}) computes something this "
+                        "toolkit cannot reproduce from its router and experts; it is unsupported for now "
+                        "(see docs/models.md)."
+                    )
 
     # ----------------------------------------------------------------- detection
     def _detect_layer(self, i: int, layer: nn.Module) -> MoELayer | None:
@@ -177,6 +187,32 @@ class MoEAdapter:
             f"The router of model_type '{self.model_type}' follows a convention this toolkit cannot reproduce; "
             "it is unsupported for now (see docs/models.md)."
         )
+
+    def _block_matches(self, i: int) -> bool:
+        """Does `moe_forward` reproduce the HF block on random tokens (median per-token relative error)?"""
+        layer = self.layers[i]
+        params = list(layer.block.parameters())
+        if any(p.is_meta for p in params):
+            return True  # offloaded (meta) weights cannot be run here; the router check stands alone
+        expert = next(layer.storage.module.parameters())
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        h = torch.randn(1, 16, self.hidden_size, generator=gen).to(expert.device, expert.dtype)
+        was_training = layer.block.training
+        layer.block.eval()  # training-mode blocks add jitter noise
+        try:
+            with torch.no_grad():
+                ref = layer.block(h)
+                ref = ref[0] if isinstance(ref, tuple) else ref
+                ours = self.moe_forward(i, h)
+        except Exception:  # a block that needs other inputs, or experts we misread: not reproducible
+            return False
+        finally:
+            layer.block.train(was_training)
+        if not isinstance(ref, torch.Tensor) or ours.shape != ref.shape:
+            return False
+        err = (ours.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-12)
+        tol = 1e-3 if expert.dtype in (torch.float32, torch.float64) else 5e-2
+        return err.median().item() <= tol
 
     # ----------------------------------------------------------------- structure
     @property

@@ -73,5 +73,8 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec("gpt_oss", _topk_then_softmax(bias=True), router_attr="router", block_returns_tuple=True),
         FamilySpec("granitemoe", _topk_then_softmax(bias=False), block_attrs=("block_sparse_moe",),
                    router_attr="router"),
+        # Beam: DeepSeek-V3 router, but routed_scaling_factor is applied by the block after the experts
+        # (the fallback rejects it because the HF router's weights are unscaled); equal to scaling the weights.
+        FamilySpec("beam", _deepseek_v3, router_attr="gate"),
     ]
 }
