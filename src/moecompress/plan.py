@@ -147,7 +147,7 @@ class StoredExpert(_Strict):
     id: int
     sources: list[tuple[int, int]]  # (layer, expert) of the original model
     construction: Construction = "copy"
-    weights: list[float] | None = None  # weighted_merge / dense_group: one per source
+    weights: list[float] | None = None  # weighted_merge / dense_group: one per source (used when tensor is None)
     tensor: str | None = None  # PlanTensors prefix when the method supplies the weights
     intermediate_size: int | None = None  # width when it differs from the source layer's
     nbytes: int | None = None  # stored bytes of packed (elementwise_merge) tensors when not at hand
@@ -326,7 +326,8 @@ class CompressionPlan(_Strict):
             if len(s.sources) != 1 or s.weights is not None:
                 _fail(f"The {where} is a copy, so it needs exactly one source and no weights.")
         elif s.construction in ("weighted_merge", "dense_group"):
-            if s.weights is not None and len(s.weights) != len(s.sources):
+            # with supplied tensors the weights are provenance only (e.g. one per group of sources)
+            if s.tensor is None and s.weights is not None and len(s.weights) != len(s.sources):
                 _fail(f"The {where} has {len(s.weights)} weights for {len(s.sources)} sources; give one per source.")
             if s.construction == "weighted_merge" and s.weights is None and s.tensor is None:
                 _fail(f"The {where} is a weighted merge without weights or tensors; give merge weights.")

@@ -53,11 +53,17 @@ class ExportResult(BaseModel):
         return self.weight_bytes / self.original_bytes if self.original_bytes else float("nan")
 
     def describe(self) -> str:
-        from ..cli import _human
-
         label = " (evaluation only: full size, NOT compressed)" if self.evaluation_only else ""
         return (f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
                 f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _weights_bytes(directory: Path) -> int:

@@ -85,7 +85,7 @@ class CheckpointSource(ModelSource):
         self.model = skeleton(self.config)
         self.adapter = MoEAdapter(self.model)
         self.prefix = layer_prefix(self.model, self.adapter.decoder_layers)
-        self.source_dir = Path(path)
+        self.source_dir = Path(self.reader.path)  # a hub id resolves to its local snapshot
 
     def load_layer(self, i: int) -> None:
         self.reader.load_layer(self.model, i, device="cpu")
@@ -105,13 +105,14 @@ class CheckpointSource(ModelSource):
 
 
 def open_source(model_or_path, streaming: bool = True):
-    """A `ModelSource` for a model, a `CheckpointSource` for a directory (or a loaded model as fallback)."""
+    """A `ModelSource` for a model, a `CheckpointSource` for a directory or hub id (or, without the
+    streaming reader, the loaded model)."""
     if isinstance(model_or_path, nn.Module):
         return ModelSource(model_or_path)
     from ..models import load_model, resolve_source
 
     src = resolve_source(model_or_path)
-    if streaming and Path(src).is_dir():
+    if streaming:  # a directory or a hub id (the reader resolves it to the local snapshot)
         try:
             from ..checkpoint import CheckpointReader
         except ImportError:
