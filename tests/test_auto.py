@@ -17,7 +17,7 @@ from moecompress.methods import MethodContext, get_method, parse_config
 from moecompress.methods import auto as A
 from moecompress.methods import auto_estimate as est
 from moecompress.methods import prune as P
-from moecompress.models import MoEAdapter, expert_apply, expert_intermediate, load_model
+from moecompress.models import MoEAdapter, expert_intermediate, load_model
 from moecompress.plan import CompressionPlan, ModelInfo
 from moecompress.testing import save_tiny
 
@@ -71,7 +71,9 @@ def test_gate_weighted_statistics_equal_full_forward_reference(olmoe):
             g2 = r.weight[tok, slot].double().square()
             x, y = h[tok].double(), f_all[e, tok]
             a = expert_intermediate(adapter.get_expert(i, e), h[tok], adapter.layer(i).act).double()
-            get = lambda name: store.get(i, name)[e]  # noqa: E731
+            def get(name, i=i, e=e):
+                return store.get(i, name)[e]
+
             torch.testing.assert_close(float(get("auto_g2")), float(g2.sum() / n))
             torch.testing.assert_close(get("auto_g2_y"), g2 @ y / n)
             torch.testing.assert_close(float(get("auto_g2_yy")), float(g2 @ y.square().sum(-1) / n))
@@ -127,14 +129,14 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
             checked.add(c.kind)
         # weighted fits minimise the weighted loss: a higher tilt rank never loses more
         tilts = sorted((c.param, c.loss) for c in prob.options[e] if c.kind == "tilt")
-        assert all(b[1] <= a[1] + 1e-12 for a, b in zip(tilts, tilts[1:]))
+        assert all(b[1] <= a[1] + 1e-12 for a, b in itertools.pairwise(tilts))
     assert checked == {"drop", "constant", "tilt", "partial"}
     assert float(m.w.sum()) > 0
 
 
 # ----------------------------------------------------------------------------- budget and identity
 def test_budget_holds_as_the_exporter_measures_it(olmoe, tmp_path):
-    path, store, adapter, inputs = olmoe
+    path = olmoe[0]
     plan, tensors = _build(olmoe, budget=0.45, ranks=[4, 8], **FAST)
     info = plan.model
     budget = int(0.45 * info.expert_bytes)
@@ -145,7 +147,7 @@ def test_budget_holds_as_the_exporter_measures_it(olmoe, tmp_path):
     stored = 0
     for f in (tmp_path / "c").glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
+            for k in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                 t = fh.get_slice(k)
                 stored += torch.empty(0, dtype=getattr(torch, {"F32": "float32", "I64": "int64"}.get(
                     t.get_dtype(), "float32"))).element_size() * int(torch.tensor(t.get_shape()).prod())

@@ -480,13 +480,79 @@ def routed_budget(config: AutoConfig, info: ModelInfo) -> int:
             raise MoECompressError(f"budget_bytes={config.budget_bytes} does not even hold the model's non-expert "
                                    f"tensors ({info.other_bytes} bytes); raise it.")
         return routed
-    return int(math.floor(config.budget * info.expert_bytes))
+    return math.floor(config.budget * info.expert_bytes)
+
+
+@dataclass
+class AutoSetup:
+    """Everything estimated once per model and calibration: candidates, frontiers, sensitivities."""
+
+    info: ModelInfo
+    budget: int  # routed bytes
+    problems: dict[int, LayerProblem]
+    moments: dict[int, LayerMoments]
+    fronts: dict[int, list[LayerPoint]]
+    sens: dict[int, float]  # s_l used by the allocation
+    noise_sens: dict[int, float]  # s_l from Gaussian noise (reported; the fallback of probe)
+    probes: dict[int, tuple[int, float, float]]  # layer -> (bytes, estimated error, measured KL) of the probe
+    ids: torch.Tensor | None  # calibration token ids of the sensitivity / measurement passes
+    ids_note: str | None
+    ref: torch.Tensor | None  # the original's log-probs on ids
+
+
+def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoSetup:
+    """Candidates and frontiers of every layer, and the per-layer sensitivities (a few forward passes)."""
+    from rich.progress import track
+
+    info = ModelInfo.from_model(adapter)
+    budget = routed_budget(config, info)
+    stored = config.accounting == "stored"
+    layers = adapter.moe_layers
+    fronts, moments, problems = {}, {}, {}
+    for i in track(layers, description="auto: candidates", disable=not progress, transient=True):
+        prob, m = layer_problem(config, adapter, stats, info, i, stored)
+        moments[i], problems[i] = m, prob
+        points = []
+        for mode in layer_modes(config, info.layer(i)):
+            p = _mode_options(prob, mode.split(":")[1]) if mode.startswith("reroute") else prob
+            points += layer_frontier(p, mode)
+        fronts[i] = pareto(points)
+
+    ids, ids_note, ref = None, None, None
+    if config.sensitivity != "uniform" or config.measure:
+        ids, ids_note = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
+                                            config.seed)
+        ref = est._logprobs(adapter.model, ids)
+    probes: dict[int, tuple[int, float, float]] = {}
+    noise = {i: 1.0 for i in layers}
+    if config.sensitivity != "uniform":
+        noise = est.layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
+    raw = dict(noise)
+    if config.sensitivity == "probe":
+        ratio = budget / info.expert_bytes
+        for i in layers:
+            pt = probe_point(fronts[i], ratio * problems[i].expert_bytes * problems[i].num_experts)
+            if pt is None:
+                continue  # nothing to probe with: keep the noise sensitivity
+            kl = measure_states(adapter, info, problems, {i: pt}, ids, ref)
+            probes[i] = (pt.bytes, pt.loss, kl)
+            raw[i] = max(kl, 0.0) / pt.loss
+    sens = {i: _sig(raw[i], 4) for i in layers}
+    return AutoSetup(info, budget, problems, moments, fronts, sens, {i: _sig(v, 4) for i, v in noise.items()},
+                     probes, ids, ids_note, ref)
+
+
+def measure_states(adapter, info: ModelInfo, problems: dict[int, LayerProblem], states: dict[int, LayerPoint],
+                   ids: torch.Tensor, ref: torch.Tensor) -> float:
+    """KL(original ‖ model with `states` in their layers, every other layer untouched) on `ids`."""
+    chosen = {j: states.get(j) or keep_point(problems[j]) for j in problems}
+    plan, tensors = plan_from_points(info, chosen)
+    with est.plan_installed(adapter, plan, tensors, sorted(states)):
+        return est.kl_to(ref, adapter.model, ids)
 
 
 def build_auto(config: AutoConfig, context: MethodContext):
     """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the module doc."""
-    from rich.progress import track
-
     adapter, stats = context.adapter, context.stats
     if stats is None:
         raise MoECompressError("The auto method needs calibration statistics; run moecompress calibrate "
@@ -497,7 +563,6 @@ def build_auto(config: AutoConfig, context: MethodContext):
                                "packed stored experts), which this installation lacks; drop 'pair' from candidates.")
     info = ModelInfo.from_model(adapter)
     budget = routed_budget(config, info)
-    stored = config.accounting == "stored"
     layers = adapter.moe_layers
 
     if sum(li.bytes_per_expert * li.num_experts for li in info.layers) <= budget:
@@ -511,41 +576,8 @@ def build_auto(config: AutoConfig, context: MethodContext):
                                            est_error=0.0, est_kl=0.0) for i in layers])
         return plan.model_copy(update={"params": params}), {}
 
-    fronts, moments, problems = {}, {}, {}
-    for i in track(layers, description="auto: candidates", disable=not context.progress, transient=True):
-        prob, m = layer_problem(config, adapter, stats, info, i, stored)
-        moments[i], problems[i] = m, prob
-        points = []
-        for mode in layer_modes(config, info.layer(i)):
-            p = _mode_options(prob, mode.split(":")[1]) if mode.startswith("reroute") else prob
-            points += layer_frontier(p, mode)
-        fronts[i] = pareto(points)
-
-    # sensitivity: a few forward passes, once
-    ids, ids_note, ref = None, None, None
-    if config.sensitivity != "uniform" or config.measure:
-        ids, ids_note = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
-                                            config.seed)
-        ref = est._logprobs(adapter.model, ids)
-    probes = {}
-    if config.sensitivity == "uniform":
-        raw = {i: 1.0 for i in layers}
-    else:
-        raw = est.layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
-        if config.sensitivity == "probe":
-            ratio = budget / info.expert_bytes
-            for i in layers:
-                pt = probe_point(fronts[i], ratio * problems[i].expert_bytes * problems[i].num_experts)
-                if pt is None:
-                    continue  # nothing to probe with: keep the noise sensitivity
-                single = {j: keep_point(problems[j]) for j in layers}
-                single[i] = pt
-                plan_i, tensors_i = plan_from_points(info, single)
-                with est.plan_installed(adapter, plan_i, tensors_i, [i]):
-                    kl = est.kl_to(ref, adapter.model, ids)
-                probes[i] = (pt.bytes, pt.loss, kl)
-                raw[i] = max(kl, 0.0) / pt.loss
-    sens = {i: _sig(raw[i], 4) for i in layers}
+    setup = prepare(config, adapter, stats, context.progress)
+    fronts, sens, moments, ids, ref = setup.fronts, setup.sens, setup.moments, setup.ids, setup.ref
     chosen_idx = allocate(fronts, sens, budget)
     chosen = {i: fronts[i][chosen_idx[i]] for i in layers}
     plan, tensors = plan_from_points(info, chosen)
@@ -558,7 +590,11 @@ def build_auto(config: AutoConfig, context: MethodContext):
         for c in pt.choice:
             hist[c.label] = hist.get(c.label, 0) + 1
         row = dict(layer=i, gate=plan.layer(i).gate, choices=dict(sorted(hist.items())), routed_bytes=pt.bytes,
-                   est_error=_sig(pt.loss), sensitivity=sens[i], est_kl=_sig(pt.loss * sens[i]))
+                   est_error=_sig(pt.loss), sensitivity=sens[i], noise_sensitivity=setup.noise_sens[i],
+                   est_kl=_sig(pt.loss * sens[i]))
+        if i in setup.probes:
+            b, err, kl = setup.probes[i]
+            row["probe"] = dict(bytes=b, est_error=_sig(err), measured_kl=_sig(kl))
         changed = any(c.kind != "keep" for c in pt.choice)
         if changed and moments[i].sample is not None:
             row["sample_error"] = _sig(est.sample_layer_error(adapter, plan, tensors, i, moments[i].sample))
@@ -568,7 +604,7 @@ def build_auto(config: AutoConfig, context: MethodContext):
         table.append(row)
     summary = dict(budget_routed_bytes=budget, routed_bytes=sum(chosen[i].bytes for i in layers),
                    original_routed_bytes=info.expert_bytes, accounting=config.accounting,
-                   est_kl=_sig(sum(chosen[i].loss * sens[i] for i in layers)), sensitivity_data=ids_note,
+                   est_kl=_sig(sum(chosen[i].loss * sens[i] for i in layers)), sensitivity_data=setup.ids_note,
                    layers=table)
     if config.measure:
         with est.plan_installed(adapter, plan, tensors, layers):

@@ -67,7 +67,7 @@ class LayerMoments:
     sample: torch.Tensor | None = None  # [S, H] float32
 
     @classmethod
-    def load(cls, stats, layer: int) -> "LayerMoments":
+    def load(cls, stats, layer: int) -> LayerMoments:
         def get(name):
             return stats.get(layer, name).double() if stats.has(name) else None
 
@@ -80,6 +80,28 @@ class LayerMoments:
         if stats.has("auto_sample"):
             m.sample = stats.get(layer, "auto_sample")
         return m
+
+
+def approximate_moments(stats, layer: int) -> LayerMoments:
+    """The cheaper approximation the estimator could use instead of gate²-weighted moments: the plain
+    moments over routed tokens (out_mean/out_var, moment_*) scaled by the mean g² of the expert's tokens,
+    i.e. E[g²·err] ≈ E[g²]·E[err]. Kept for measuring what weighting buys (benchmarks/bench_auto.py);
+    drop/constant/tilt losses only (no intermediate or substitute terms)."""
+    counts = stats.get(layer, "counts").double()
+    g2 = stats.get(layer, "auto_g2").double()  # (1/N) Σ g² = (|T_e|/N) · mean g² over T_e
+    mean, var = stats.get(layer, "out_mean").double(), stats.get(layer, "out_var").double()
+    m = LayerMoments(layer, g2, g2[:, None] * mean, g2 * (var.sum(-1) + mean.square().sum(-1)))
+    if stats.has("input_moment"):
+        sel = stats.get(layer, "moment_experts").tolist()
+        h = mean.shape[1]
+        m.s_x = torch.zeros(len(counts), h, dtype=torch.float64)
+        m.s_xx = torch.zeros(len(counts), h, h, dtype=torch.float64)
+        m.s_xy = torch.zeros(len(counts), h, h, dtype=torch.float64)
+        for k, e in enumerate(sel):
+            m.s_x[e] = g2[e] * stats.get(layer, "moment_in_mean")[k].double()
+            m.s_xx[e] = g2[e] * stats.get(layer, "input_moment")[k].double()
+            m.s_xy[e] = g2[e] * stats.get(layer, "cross_moment")[k].double()
+    return m
 
 
 # ----------------------------------------------------------------------------- closed-form losses
@@ -161,7 +183,7 @@ def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: f
             return None
         s = sel.index(e)
         n = float(stats.get(m.layer, "moment_count")[s])
-        mom = lambda name: stats.get(m.layer, name)[s].double() * n  # noqa: E731  means -> sums
+        mom = lambda name: stats.get(m.layer, name)[s].double() * n
         tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
                         rank=min(rank, h), ridge=ridge)
     if tilt.rank == 0:
@@ -306,7 +328,7 @@ def plan_installed(adapter, plan, tensors, layers):
     """Temporarily run `layers` of the in-memory model through the plan's runtime blocks (originals kept)."""
     from ..runtime import CompressedMoEBlock, build_ops, build_scope
 
-    source = lambda l, e: adapter.layer(l).storage.read(e)  # noqa: E731
+    source = lambda l, e: adapter.layer(l).storage.read(e)
     installed = []
     try:
         with torch.no_grad():
