@@ -113,10 +113,16 @@ def plot_analysis(res: CrossLayerAnalysis, path: str | os.PathLike) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with plt.rc_context():
+        return _plot(plt, res, path)
+
+
+def _plot(plt, res: CrossLayerAnalysis, path) -> Path:
     layers = res.moe_layers
     n = len(layers)
     mat = torch.tensor(res.heatmap, dtype=torch.float64).numpy() if n else None
     side = max(4.0, min(12.0, 0.35 * n + 2.5))
+    plt.rcParams.update({"font.size": max(10.0, min(16.0, 10.0 * side / 6.0))})  # legible at every size
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(2 * side + 1.5, side), gridspec_kw={"width_ratios": [1.15, 1]})
     im = ax.imshow(mat, cmap="viridis", vmin=0.0, vmax=1.0, origin="upper", aspect="equal")
     step = max(1, n // 16)
@@ -125,7 +131,7 @@ def plot_analysis(res: CrossLayerAnalysis, path: str | os.PathLike) -> Path:
     ax.set_yticks(ticks, [str(layers[i]) for i in ticks])
     ax.set_xlabel("nearest-neighbour layer")
     ax.set_ylabel("source layer")
-    ax.set_title(f"Nearest neighbour under d (scope {res.scope_size})")
+    ax.set_title(f"Source layer → nearest-neighbour layer\n(d within scopes of {res.scope_size} MoE layers)")
     if n <= 12:
         for i in range(n):
             for j in range(n):
@@ -141,10 +147,9 @@ def plot_analysis(res: CrossLayerAnalysis, path: str | os.PathLike) -> Path:
     bx.set_xlabel("MoE layer")
     bx.set_ylabel("cross-layer nearest-neighbour fraction")
     bx.axhline(res.overall_cross_fraction, color="black", linestyle="--", linewidth=1)
-    bx.set_title(f"Nearest neighbour in another layer (dashed: all layers, "
-                 f"{100 * res.overall_cross_fraction:.1f}%)")
+    bx.set_title(f"Nearest neighbour in another layer\n(dashed: all layers, {100 * res.overall_cross_fraction:.1f}%)")
     if res.model:
-        fig.suptitle(res.model, fontsize=10)
+        fig.suptitle(res.model)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)
