@@ -137,9 +137,9 @@ def calibrate(
                                "pass --overwrite to recompute it with these statistics or choose another --out.")
 
     double = transform is not None
-    from ..models import MoEAdapter, skeleton
+    from ..models import MoEAdapter
 
-    meta_adapter = MoEAdapter(skeleton(reader.config))
+    meta_adapter = MoEAdapter(reader._skeleton)  # the reader's own meta skeleton: structure only
     est = estimate(reader, calib, meta_adapter, dev, torch_dtype, batch_size, world, offload_dir,
                    out or Path.cwd() / "stats", classes, params, double)
     if dry_run:
