@@ -168,6 +168,23 @@ def test_every_statistic_equals_a_naive_reference(models, family, tmp_path):
     assert int(store.get(store.layers[0], "tokens")) == data.num_tokens
 
 
+def test_trained_fixture_from_text(tmp_path):
+    from moecompress.data import load_calibration, load_tokenizer
+    from moecompress.testing import fixture_dir
+
+    path = fixture_dir("qwen3-moe-tiny")
+    if not (path / "model.safetensors").is_file():
+        pytest.skip("the trained fixture is not built yet")
+    data = load_calibration("fixture-heldout:4", load_tokenizer(str(path)), 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnreachedExpertsWarning)  # 256 tokens leave some of 16 experts idle
+        store = calibrate(str(path), "fixture-heldout:4", seq_len=64, out=tmp_path / "s",
+                          stats=["reap", "out_var"], progress=False)
+    assert store.token_count == 256 and "fixture corpus" in store.describe()
+    ref = _reference(path, data)
+    _assert_stats_equal(store, {i: {k: ref[i][k] for k in ("counts", "pp", "cp", "reap", "out_var")} for i in ref})
+
+
 def test_routing_only_path_hooks_the_hf_block(models, tmp_path):
     data = _padded_data(seed=3)
     store = calibrate(str(models["olmoe"]), data, out=tmp_path / "s", batch_size=2, progress=False)
