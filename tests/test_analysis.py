@@ -87,3 +87,18 @@ def test_cli_writes_json_and_a_readable_png(tmp_path, capsys):
     assert code == 2
     code, _, err = _run(["analyze", str(tmp_path / "missing"), "--out", str(tmp_path / "y")], capsys)
     assert code == 2 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "olmoe-tiny"])
+def test_analysis_of_the_trained_fixtures(name, tmp_path):
+    from moecompress.analysis import write_analysis
+    from moecompress.testing import fixture_dir
+
+    path = fixture_dir(name)
+    if not (path / "model.safetensors").exists():
+        pytest.skip(f"fixture {name} is not built yet")
+    res = analyze_model(str(path), scope_size=4)
+    write_analysis(res, tmp_path / "out")
+    n = len(res.moe_layers)
+    assert len(res.heatmap) == n and 0.0 <= res.overall_cross_fraction <= 1.0
+    assert (tmp_path / "out" / "nn_heatmap.png").stat().st_size > 10_000
