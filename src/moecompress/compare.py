@@ -73,6 +73,7 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     from .eval.quant import quantize_experts
     from .eval.report import write_report
     from .eval.runner import model_info, plan_arm_fields
+    from .methods import get_method
     from .models import MoEAdapter, load_model
     from .pipeline import build_plan, choose_format, needs_for, resolve_calibration
 
@@ -108,6 +109,9 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
         for arm in recipe.arms:
             name = arm.display_name()
             console.print(f"[bold]{name}[/] ({arm.method} {arm.params})")
+            if get_method(arm.method).family == "dense":
+                arms.append(_dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress))
+                continue
             adapter = MoEAdapter(load_model(model_path, dtype="float32"))
             t1 = time.perf_counter()
             plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
@@ -151,6 +155,28 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress) -> dict[str, Any]:
+    """MoE → dense: the arm is the standard dense checkpoint itself, loaded with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from .distill.dense_export import export_dense
+    from .methods import parse_config
+
+    ckpt = out / "checkpoints" / name
+    t1 = time.perf_counter()
+    summary = export_dense(model_path, ckpt, parse_config(arm.method, arm.params), dtype="float32",
+                           calib={i: stats.layer(i) for i in stats.layers}, progress=progress)
+    seconds = time.perf_counter() - t1
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32").eval()
+    weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    entry = dict(name=name, method=arm.method, params=arm.params, kind="compressed", export_format="dense",
+                 gate_semantics="n/a (dense FFN)", operator=None, path=str(ckpt), compress_seconds=round(seconds, 3),
+                 student=summary.get("student_class"), metrics=_evaluate(model, tokenizer, recipe, reference, progress))
+    entry.update(_latency(model, ckpt, recipe))
+    entry["bytes"].update(model=weights, disk=summary["bytes"], weights=weights)
+    return entry
 
 
 def _non_param_bytes(model) -> int:
