@@ -53,12 +53,18 @@ def needs_for(method: str, params: dict[str, Any] | None) -> list[str]:
 
 
 def choose_format(plan, requested: str = "auto") -> str:
-    """`hf` when a vanilla config can express the plan, else `compact` (or what was asked, if possible)."""
+    """`packed` when the plan keeps PuzzleMoE packed merges, else `hf` when a vanilla config can express
+    it, else `compact` (or what was asked, if possible)."""
+    packed = plan.has_packed()
     ok, why = plan.hf_expressible()
     if requested == "auto":
-        return "hf" if ok else "compact"
+        return "packed" if packed else ("hf" if ok else "compact")
     if requested == "hf" and not ok:
-        raise MoECompressError(f"This plan cannot be a vanilla HF checkpoint ({why}); use --format compact.")
+        raise MoECompressError(f"This plan cannot be a vanilla HF checkpoint ({why}); use --format "
+                               f"{'packed' if packed else 'compact'}.")
+    if requested == "compact" and packed:
+        raise MoECompressError("This plan stores packed PuzzleMoE merges, which only the packed format holds; "
+                               "use --format packed (or auto).")
     return requested
 
 

@@ -151,6 +151,10 @@ class StoredExpert(_Strict):
     tensor: str | None = None  # PlanTensors prefix when the method supplies the weights
     intermediate_size: int | None = None  # width when it differs from the source layer's
     nbytes: int | None = None  # stored bytes of packed (elementwise_merge) tensors when not at hand
+    # PuzzleMoE packed layout of the tensors under `tensor` ("pair-bf16", "pair-q3-g128", "group3-bf16", ...;
+    # see moecompress.runtime.packed). A packed expert holds one reconstruction per source: a slot that maps
+    # to it computes the member whose source is (its layer, its slot) -- sources' order is the member order.
+    packing: str | None = None
 
 
 class Scope(_Strict):
@@ -302,6 +306,11 @@ class CompressionPlan(_Strict):
                     if not 0 <= target < k_stored:
                         _fail(f"Slot {e} of layer {lp.layer} maps to stored expert {target}, but scope "
                               f"'{lp.scope}' stores only ids 0..{k_stored - 1}.")
+                    packed = scopes[lp.scope].stored[target]
+                    if packed.packing is not None and (lp.layer, e) not in [tuple(x) for x in packed.sources]:
+                        _fail(f"Slot {e} of layer {lp.layer} maps to the packed stored expert {target} of scope "
+                              f"'{lp.scope}', which holds only its sources {[tuple(x) for x in packed.sources]}; "
+                              "a slot can only compute its own member of a packed merge.")
                     used[lp.scope].add(target)
                 elif not isinstance(target, str):
                     self._check_operator(lp.layer, e, target, info)
@@ -333,6 +342,16 @@ class CompressionPlan(_Strict):
                 _fail(f"The {where} is a weighted merge without weights or tensors; give merge weights.")
         elif s.tensor is None:
             _fail(f"The {where} is an element-wise merge, so the method must supply its tensors (set 'tensor').")
+        if s.packing is not None:
+            if s.construction != "elementwise_merge":
+                _fail(f"The {where} declares packing '{s.packing}' but is a {s.construction}; only element-wise "
+                      "merges are packed.")
+            from .runtime.packed import parse_packing
+
+            spec = parse_packing(s.packing)
+            if len(s.sources) != spec.members or len(set(s.sources)) != spec.members:
+                _fail(f"The {where} is packed as '{s.packing}' ({spec.members} members) but lists "
+                      f"{len(s.sources)} sources; give one distinct source per member.")
 
     def _check_operator(self, layer: int, e: int, op, info: dict[int, MoELayerInfo]) -> None:
         h = self.model.hidden_size
@@ -388,6 +407,11 @@ class CompressionPlan(_Strict):
         for sc in self.scopes:
             for s in sc.stored:
                 if s.tensor is None:
+                    continue
+                if s.packing is not None:
+                    from .runtime.packed import check_packed_tensors
+
+                    check_packed_tensors(self, sc, s, tensors)
                     continue
                 if s.construction == "elementwise_merge" and f"{s.tensor}.gate" not in tensors:
                     from .runtime.decoders import has_decoder
@@ -448,8 +472,14 @@ class CompressionPlan(_Strict):
         """Width of the scope's fused tensor: the widest stored expert (narrower ones are zero-padded)."""
         return max(self.stored_width(sc, s) for s in sc.stored)
 
+    def has_packed(self) -> bool:
+        """Does any stored expert keep PuzzleMoE packed tensors (so only the `packed` format can store it)?"""
+        return any(s.packing is not None for sc in self.scopes for s in sc.stored)
+
     def hf_expressible(self) -> tuple[bool, str]:
         """Can a vanilla config express this plan (sliced experts + router rows)? (answer, reason if not)."""
+        if self.has_packed():
+            return False, "it stores packed element-wise merges"
         counts = set()
         for lp in self.layers:
             sc = self.scope(lp.scope)
@@ -491,7 +521,8 @@ class CompressionPlan(_Strict):
             for s in sc.stored:
                 if s.construction == "copy":
                     stored += self.model.layer(s.sources[0][0]).bytes_per_expert
-                elif s.construction == "elementwise_merge" and (tensors is None or f"{s.tensor}.gate" not in tensors):
+                elif s.construction == "elementwise_merge" and (s.packing is not None or tensors is None
+                                                               or f"{s.tensor}.gate" not in tensors):
                     if tensors is not None and any(k.startswith(f"{s.tensor}.") for k in tensors):
                         stored += sum(t.numel() * t.element_size() for k, t in tensors.items()
                                       if k.startswith(f"{s.tensor}."))

@@ -115,7 +115,9 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
             def src(l, e, layer=layer, i=i):
                 return buffered[(l, e)] if l != i else layer.storage.read(e)
 
-            weights = [_complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
+            # packed (PuzzleMoE) stored experts stay packed: the format reads their tensors itself (None here)
+            weights = [None if s.packing is not None else
+                       _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
                        for s in sc.stored]
             writer.add_all(fmt.scope(sc, weights))
             for key in [k for k in buffered if k[0] in sc.layers]:
@@ -130,8 +132,10 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
            max_shard_size: int | str = "5GB", quiet: bool = False) -> ExportResult:
     """Write `plan` applied to `model_or_path` (an original model, or its checkpoint directory) to `out`.
 
-    format: ``compact`` (any plan; read with `moecompress.load`), ``hf`` (vanilla checkpoint when the
-    family's config can express the plan) or ``materialized`` (full size, evaluation only).
+    format: ``compact`` (any plan without packed experts; read with `moecompress.load`), ``packed``
+    (compact plus PuzzleMoE packed experts stored packed; read with `moecompress.load`), ``hf``
+    (vanilla checkpoint when the family's config can express the plan) or ``materialized`` (full
+    size, evaluation only).
     """
     if format not in FORMATS:
         raise MoECompressError(f"Unknown export format '{format}'; use one of {', '.join(FORMATS)}.")
@@ -145,7 +149,7 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
         _stream(source, plan, fmt, writer, quiet)
         shards = writer.close()
         config = fmt.output_config()
-        if format == "compact":
+        if format in ("compact", "packed"):
             # no config.json on purpose: plain from_pretrained must not load a compact dir with random experts
             (tmp / BASE_CONFIG_FILE).write_text(config.to_json_string(use_diff=False))
         else:

@@ -6,8 +6,11 @@
 * ``compact``: the runtime's tensors — original non-expert weights under native names (routers
   kept whole), each scope's stored experts once (``moecompress.scopes.<id>.*``), operators
   (``<layer>.<block>.ops.*``); read back by `moecompress.load`.
-* ``materialized``: every original slot filled with what it computes (zeros for dropped slots),
-  full size, evaluation only.
+* ``packed``: ``compact`` plus PuzzleMoE packed stored experts kept packed — a scope holding any is
+  written as the runtime's `PackedScopeExperts` state (``moecompress.scopes.<id>.dense.*`` fused
+  dense experts, ``moecompress.scopes.<id>.merged.s<k>.*`` each packed expert's tensors, once).
+* ``materialized``: every original slot filled with what it computes (zeros for dropped slots; a
+  slot of a packed merge gets its own member's decoded reconstruction), full size, evaluation only.
 """
 
 from __future__ import annotations
@@ -164,15 +167,39 @@ class MaterializedFormat(Format):
 
     def scope(self, sc, weights):
         out = {}
+        _, _, layer, dtype = self.expert_names[sc.layers[0]]
+        members = {}
+        for s in sc.stored:  # packed merges: one decoded reconstruction per member (source)
+            if s.packing is not None:
+                from ..runtime.build import _complete_bias
+                from ..runtime.packed import packed_member_weights
+
+                members[s.id] = {tuple(src): _complete_bias(w, runtime_layout(layer)) for src, w in zip(
+                    s.sources, packed_member_weights(self.plan, sc, s, self.tensors, layer.act, dtype))}
+        ref = next(w for w in weights if w is not None) if any(w is not None for w in weights) else \
+            next(iter(next(iter(members.values())).values()))
         for i in sc.layers:
             lp = self.plan.layer(i)
-            zero = weights[0].map(torch.zeros_like)
-            out.update(self.expert_tensors(i, [weights[t] if isinstance(t, int) else zero for t in lp.slots]))
+            zero = ref.map(torch.zeros_like)
+            row = []
+            for e, t in enumerate(lp.slots):
+                if not isinstance(t, int):
+                    row.append(zero)
+                elif t in members:
+                    row.append(members[t][(i, e)])
+                else:
+                    row.append(weights[t])
+            out.update(self.expert_tensors(i, row))
         return self.finalize(out)
 
 
 class CompactFormat(Format):
     name = "compact"
+
+    def check(self) -> None:
+        if self.plan.has_packed():
+            raise MoECompressError("This plan stores packed PuzzleMoE merges, which the 'compact' format cannot hold; "
+                                   "export it with format='packed'.")
 
     def moe_layer(self, i, rel_nonexpert, layer):
         out = self.full(i, rel_nonexpert)
@@ -191,4 +218,29 @@ class CompactFormat(Format):
         return {f"{SCOPE_PREFIX}{sc.id}.{k}": v for k, v in stored.state_dict().items()}
 
 
-FORMATS = {f.name: f for f in (HFFormat, CompactFormat, MaterializedFormat)}
+class PackedFormat(CompactFormat):
+    """`compact` plus packed PuzzleMoE merges: each packed tensor stored once, exactly as the runtime holds it."""
+
+    name = "packed"
+
+    def check(self) -> None:
+        pass
+
+    def scope(self, sc, weights):
+        if all(s.packing is None for s in sc.stored):
+            return super().scope(sc, weights)
+        from ..runtime.packed import PackedScopeExperts, module_for
+
+        _, _, layer, dtype = self.expert_names[sc.layers[0]]
+        dense_w = [w for w in weights if w is not None]
+        dense = StoredExperts.from_weights(dense_w, runtime_layout(layer), layer.act, width=self.plan.scope_width(sc),
+                                           dtype=dtype) if dense_w else None
+        merged = {s.id: module_for(self.plan, sc, s, self.tensors, layer.act, device="cpu")
+                  for s in sc.stored if s.packing is not None}
+        mod = PackedScopeExperts(dense, merged, [s.id for s in sc.stored if s.packing is None],
+                                 {s.id: [tuple(x) for x in s.sources] for s in sc.stored if s.packing is not None},
+                                 dtype)
+        return {f"{SCOPE_PREFIX}{sc.id}.{k}": v for k, v in mod.state_dict().items()}
+
+
+FORMATS = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat)}

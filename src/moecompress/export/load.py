@@ -104,15 +104,16 @@ def _load_compact(d: Path, device_map, dtype, marker: dict):
                     if t.device.type == "cpu" and t.data_ptr() % 64:
                         # mmap-backed at an unaligned file offset: copy, so kernels (and results) match memory
                         t = t.clone()
-                    if want is not None and t.is_floating_point():
+                    packed = ".merged." in key and key.startswith(SCOPE_PREFIX)
+                    if want is not None and t.is_floating_point() and not packed:  # packed tensors stay as stored
                         t = t.to(want)
                     if key.startswith(SCOPE_PREFIX):
-                        sid, _, pname = key[len(SCOPE_PREFIX):].rpartition(".")
-                        if sid not in scopes or pname not in scopes[sid]._parameters:
+                        rest = key[len(SCOPE_PREFIX):]
+                        sid = max((s for s in scopes if rest.startswith(s + ".")), key=len, default=None)
+                        if sid is None:
                             raise MoECompressError(f"{shard} holds tensor '{key}' for a scope the plan does not "
                                                    "define: the file is foreign or belongs to another plan; re-export.")
-                        _check_shape(scopes[sid]._parameters[pname], t, key, shard)
-                        scopes[sid]._parameters[pname] = nn.Parameter(t, requires_grad=False)
+                        _set_tensor(scopes[sid], rest[len(sid) + 1:], t, shard)
                     else:
                         _set_tensor(model, key, t, shard)
         except MoECompressError:
@@ -158,7 +159,7 @@ def load(path, device_map=None, dtype="auto"):
     if marker_file.is_file():
         marker = _read_json(marker_file, "moecompress marker")
         fmt = marker.get("format")
-        if fmt == "compact":
+        if fmt in ("compact", "packed"):
             return _load_compact(d, device_map, dtype, marker)
         if fmt not in ("hf", "materialized"):
             raise MoECompressError(f"{marker_file} names format '{fmt}', which this moecompress cannot read; "

@@ -6,7 +6,8 @@ For hidden states h (tokens x):
    `moecompress.models.route`, with the plan's gate semantics as masks: ``renorm`` -> dropped
    slots absent (deleted before normalisation); ``keep`` -> dropped slots not allowed (kept in
    the normalisation, never selected); ``aggregate`` / ``replace`` -> the original top-k;
-2. map each selected slot to its stored expert (``slot_to_stored``; K = not a stored expert);
+2. map each selected slot to its stored expert (``slot_to_stored``; K = not a stored expert; a packed
+   PuzzleMoE merge gives each of its members its own id, see runtime/packed.py);
    under ``aggregate`` the weights of selected slots sharing a stored expert are summed and the
    expert runs once per token (ConMoE): y = sum_s (sum_{p: slot_p -> s} g_p) f_s(x);
 3. the K stored experts run from one fused tensor set (`StoredExperts`), the replacement
@@ -74,7 +75,10 @@ class CompressedMoEBlock(nn.Module):
         w = layer.router.weight
         dev = None if w.is_meta else w.device
         k = stored.num_experts
-        s2s = torch.tensor([t if isinstance(t, int) else k for t in lp.slots], dtype=torch.long, device=dev)
+        # packed (PuzzleMoE) scopes give each (stored expert, member) its own target id
+        targets = stored.slot_targets(lp) if hasattr(stored, "slot_targets") else [
+            t if isinstance(t, int) else k for t in lp.slots]
+        s2s = torch.tensor(targets, dtype=torch.long, device=dev)
         self.register_buffer("slot_to_stored", s2s, persistent=False)
         routable = lp.routable()
         mask = None if all(routable) else torch.tensor(routable, dtype=torch.bool, device=dev)
@@ -92,7 +96,7 @@ class CompressedMoEBlock(nn.Module):
                 present = torch.tensor(kept, dtype=torch.long, device=dev)
                 self._kept_spec = replace(self.spec, num_experts=len(kept))
                 # pure pruning (kept slot j -> stored j): the small router's indices ARE the stored ids
-                self._direct = [lp.slots[e] for e in kept] == list(range(len(kept)))
+                self._direct = [targets[e] for e in kept] == list(range(len(kept)))
         self.register_buffer("kept_slots", present, persistent=False)
         self._kept_cache: tuple = (None, None)  # (key, sliced router tensors), refreshed when the router changes
         # can a selected slot land on no stored expert (operator, drop, or an aggregated duplicate)?

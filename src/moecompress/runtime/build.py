@@ -13,6 +13,7 @@ from .block import CompressedMoEBlock
 from .decoders import get_decoder
 from .experts import Layout, StoredExperts
 from .operators import SlotOperators
+from .packed import PackedScopeExperts, module_for
 
 SourceFn = Callable[[int, int], ExpertWeights]  # (layer, expert) -> weights (documented orientation)
 
@@ -38,6 +39,10 @@ def stored_weights(plan: CompressionPlan, sc: Scope, s: StoredExpert, source: So
     tensors = tensors or {}
     if s.construction == "copy":
         return source(*s.sources[0])
+    if s.packing is not None:
+        raise MoECompressError(f"Stored expert {s.id} of scope '{sc.id}' is packed ({s.packing}) and holds one "
+                               "reconstruction per source; decode its members with "
+                               "moecompress.runtime.packed.packed_member_weights.")
     if s.tensor is not None and f"{s.tensor}.gate" in tensors:
         w = _tensor_weights(tensors, s.tensor)
     elif s.construction == "elementwise_merge":
@@ -75,23 +80,45 @@ def _complete_bias(w: ExpertWeights, layout: Layout) -> ExpertWeights:
 
 def build_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, source: SourceFn, tensors, config=None,
                 dtype=None, device=None) -> StoredExperts:
-    """The scope's stored experts in one fused tensor set (layout and activation of `layer`'s family)."""
+    """The scope's stored experts in one fused tensor set (layout and activation of `layer`'s family).
+
+    A scope with packed (PuzzleMoE) stored experts becomes a `PackedScopeExperts`: its dense experts
+    fused as usual, each packed expert kept packed (decoded on the fly in every forward).
+    """
     layout = runtime_layout(layer)
     ref = layer.storage.read(0).gate
     dtype = dtype or ref.dtype
     device = device if device is not None else ref.device
-    weights = []
+    weights, merged = [], {}
     for s in sc.stored:
+        if s.packing is not None:
+            merged[s.id] = module_for(plan, sc, s, tensors or {}, layer.act, device=device)
+            continue
         w = _complete_bias(stored_weights(plan, sc, s, source, tensors), layout)
         weights.append(w.map(lambda t: t.to(device=device, dtype=dtype)))
-    return StoredExperts.from_weights(weights, layout, layer.act, width=plan.scope_width(sc), dtype=dtype,
-                                      config=config)
+    dense = StoredExperts.from_weights(weights, layout, layer.act, width=plan.scope_width(sc), dtype=dtype,
+                                       config=config) if weights else None
+    if not merged:
+        return dense
+    return PackedScopeExperts(dense, merged, [s.id for s in sc.stored if s.packing is None],
+                              {s.id: [tuple(x) for x in s.sources] for s in sc.stored if s.packing is not None}, dtype)
 
 
-def empty_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, dtype, config=None) -> StoredExperts:
+def empty_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, dtype, config=None):
     """A meta-device shell with the scope's shapes (filled later by a loader)."""
-    return StoredExperts(len(sc.stored), plan.model.hidden_size, plan.scope_width(sc), runtime_layout(layer),
-                         layer.act, dtype=dtype, device="meta", config=config)
+    dense_ids = [s.id for s in sc.stored if s.packing is None]
+    dense = StoredExperts(len(dense_ids), plan.model.hidden_size, plan.scope_width(sc), runtime_layout(layer),
+                          layer.act, dtype=dtype, device="meta", config=config) if dense_ids else None
+    if len(dense_ids) == len(sc.stored):
+        return dense
+    merged = {s.id: module_for(plan, sc, s, None, layer.act) for s in sc.stored if s.packing is not None}
+    return PackedScopeExperts(dense, merged, dense_ids,
+                              {s.id: [tuple(x) for x in s.sources] for s in sc.stored if s.packing is not None}, dtype)
+
+
+def scope_dtype(stored) -> torch.dtype:
+    """Compute dtype of a scope module (`StoredExperts` or `PackedScopeExperts`)."""
+    return stored.dtype if isinstance(stored, PackedScopeExperts) else stored.gate_up_proj.dtype
 
 
 def build_ops(plan: CompressionPlan, lp: LayerPlan, layer: MoELayer, tensors, dtype, device,
@@ -123,7 +150,7 @@ def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor]
                 layer = adapter.layer(i)
                 lp = plan.layer(i)
                 dev = layer.router.weight.device
-                ops = build_ops(plan, lp, layer, tensors, stored.gate_up_proj.dtype, dev)
+                ops = build_ops(plan, lp, layer, tensors, scope_dtype(stored), dev)
                 adapter.set_block(i, CompressedMoEBlock(layer, lp, stored, ops, adapter.returns_tuple))
             for i in sc.layers:  # drop our last references to the original experts
                 adapter.layers.pop(i)

@@ -1,0 +1,294 @@
+"""Issue 7 benchmark: what the bf16 exponent clamp changes, and the PuzzleMoE arms end to end.
+
+Two parts per fixture (qwen3-moe-tiny, olmoe-tiny; calibration `fixture-calib:64`, 64 × 256 tokens;
+perplexity / KL(original ‖ model) on `fixture-heldout`, windows of 256, the first 16384 tokens):
+
+* ``clamp`` — perplexity before/after the exponent clamp at 112 (values below 2^-15), in fp32 compute:
+  (a) every routed-expert weight rounded to bf16, then clamped by each underflow rule;
+  (b) the PuzzleMoE 50 % merge (seeded random pairs, activation saliency, τ = 0.4) reconstructed densely
+      from bf16 W_merged without the clamp, and with each rule (what packing stores);
+  plus how many values each clamp changes (`puzzle.clamp_report`).
+* ``compare`` — `moecompress.compare.run_compare` with the PuzzleMoE arms of the demo recipe
+  (puzzle-25, puzzle-50, puzzle-50-q3; plus puzzle-50-evolve and puzzle-75 = groups of 4) and the
+  matched-storage RTN 4/3-bit baselines, on a **bf16 copy** of the fixture (the shipped fixtures are
+  fp32; PuzzleMoE packs bf16 words, so bytes are only meaningful against a bf16 original): each arm is
+  built, exported (`packed`), loaded back and evaluated on identical windows and lm-eval items.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_puzzle.py --out build/bench_puzzle
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_puzzle.py --report build/bench_puzzle --write  # BENCHMARKS.md
+
+There is no GPU on the machine these numbers come from, so the Triton decode-GEMM table
+(`benchmarks/bench_puzzle_kernel.py`) is not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+SECTION = "## PuzzleMoE (issue 7)"
+EVAL = dict(ppl="fixture-heldout", window=256, max_tokens=16384)
+ARMS = [
+    dict(name="puzzle-25", method="puzzlemoe", params=dict(ratio=0.25)),
+    dict(name="puzzle-50", method="puzzlemoe", params=dict(ratio=0.5)),
+    dict(name="puzzle-50-q3", method="puzzlemoe", params=dict(ratio=0.5, quant_bits=3)),
+    dict(name="puzzle-50-evolve", method="puzzlemoe", params=dict(ratio=0.5, pairing="evolve")),
+    dict(name="puzzle-75", method="puzzlemoe", params=dict(ratio=0.75)),
+]
+RULES = ("nearest", "clamp", "flush")
+
+
+def _fixture_path(fixture: str) -> str:
+    from moecompress.testing import fixture_dir
+
+    return fixture if Path(fixture).is_dir() else str(fixture_dir(fixture))
+
+
+def _ppl(model, tokenizer, reference=None) -> dict:
+    from moecompress.eval.metrics import evaluate_stream
+
+    with torch.no_grad():
+        agg = evaluate_stream(model, EVAL["ppl"], tokenizer, reference=reference, window=EVAL["window"],
+                              max_tokens=EVAL["max_tokens"], progress=False)["aggregate"]
+    return {k: agg[k] for k in ("ppl", "kl") if k in agg}
+
+
+def _set_all(adapter, fn) -> None:
+    """Replace every routed expert weight w by fn(w) (biases untouched)."""
+    from moecompress.models import ExpertWeights
+
+    for i in adapter.moe_layers:
+        for e in range(adapter.num_experts(i)):
+            w = adapter.get_expert(i, e)
+            adapter.set_expert(i, e, ExpertWeights(fn(w.gate), fn(w.up), fn(w.down), w.gate_bias, w.up_bias,
+                                                   w.down_bias))
+
+
+# ----------------------------------------------------------------------------- part A: the clamp
+def run_clamp(fixture: str, out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from moecompress.methods.puzzle import _layer_seed, layer_norms
+    from moecompress.models import ExpertWeights, MoEAdapter, load_model
+    from moecompress.pipeline import resolve_calibration
+    from moecompress.puzzle import clamp_exponent, clamp_report, merge_expert_pair, random_pairing
+
+    path = _fixture_path(fixture)
+    tok = AutoTokenizer.from_pretrained(path)
+    stats = resolve_calibration(path, "fixture-calib:64", ["counts", "tokens", "in_channel_norm", "mid_channel_norm"],
+                                seq_len=256, seed=0, work_dir=out / f"calib-{Path(fixture).name}", dtype="float32",
+                                progress=False)
+    ref = load_model(path, dtype="float32")
+    rows = {"original fp32": _ppl(ref, tok, ref)}
+
+    bf = copy.deepcopy(ref)
+    _set_all(MoEAdapter(bf), lambda t: t.to(torch.bfloat16).float())
+    rows["experts bf16"] = _ppl(bf, tok, ref)
+    ad = MoEAdapter(ref)
+    weights = [t for i in ad.moe_layers for e in range(ad.num_experts(i))
+               for t in (ad.get_expert(i, e).gate, ad.get_expert(i, e).up, ad.get_expert(i, e).down)]
+    counts = {}
+    for rule in RULES:
+        m = copy.deepcopy(ref)
+        _set_all(MoEAdapter(m), lambda t, rule=rule: clamp_exponent(t.to(torch.bfloat16), rule).float())
+        rows[f"experts bf16 + clamp ({rule})"] = _ppl(m, tok, ref)
+        rows[f"experts bf16 + clamp ({rule})"]["kl_unclamped"] = _ppl(m, tok, bf)["kl"]  # KL(bf16 ‖ bf16+clamp)
+        del m
+        counts[f"experts ({rule})"] = clamp_report(weights, rule).to_dict()
+    del weights, bf
+
+    # PuzzleMoE 50 %: the method's pairs and norms, reconstructed densely with / without the clamp
+    merges = []
+    for i in ad.moe_layers:
+        e_count = ad.num_experts(i)
+        norms = layer_norms(stats, i, e_count)
+        for a, b in random_pairing(e_count, e_count // 2, seed=_layer_seed(0, i)):
+            merges.append((i, a, b, merge_expert_pair(ad.get_expert(i, a), ad.get_expert(i, b), norms[a], norms[b],
+                                                      0.4)))
+    w_merged = [t for *_, mg in merges for t in (mg.gate_up.w_merged, mg.down.w_merged)]
+    variants = {"puzzle-50, bf16 W_merged, no clamp": None, **{f"puzzle-50, clamp ({r})": r for r in RULES}}
+    unclamped = None
+    for name, rule in variants.items():
+        m = copy.deepcopy(ref)
+        madapter = MoEAdapter(m)
+        for i, a, b, mg in merges:
+            if rule is None:
+                bf_merge = replace(mg, gate_up=replace(mg.gate_up, w_merged=mg.gate_up.w_merged.bfloat16().float()),
+                                   down=replace(mg.down, w_merged=mg.down.w_merged.bfloat16().float()))
+            else:
+                bf_merge = mg.rounded(rule)
+            for e, w in zip((a, b), bf_merge.reconstruct(torch.float32)):
+                madapter.set_expert(i, e, ExpertWeights(w.gate, w.up, w.down))
+        rows[name] = _ppl(m, tok, ref)
+        if rule is None:
+            unclamped = m
+        else:
+            rows[name]["kl_unclamped"] = _ppl(m, tok, unclamped)["kl"]
+            counts[f"W_merged ({rule})"] = clamp_report(w_merged, rule).to_dict()
+    return dict(fixture=fixture, rows=rows, counts=counts)
+
+
+# ----------------------------------------------------------------------------- part B: arms
+def bf16_copy(fixture: str, out: Path) -> Path:
+    """The fixture saved in bfloat16 (with its tokenizer) — the original the packed bytes are measured against."""
+    from moecompress.export.core import TOKENIZER_FILES
+    from moecompress.models import load_model
+
+    src = Path(_fixture_path(fixture))
+    dest = out / f"{src.name}-bf16"
+    if not (dest / "config.json").is_file():
+        shutil.rmtree(dest, ignore_errors=True)
+        load_model(str(src), dtype="bfloat16").save_pretrained(dest)
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, dest / name)
+    return dest
+
+
+def run_compare_part(fixture: str, out: Path) -> dict:
+    from moecompress.compare import run_compare
+    from moecompress.recipe import parse_recipe
+
+    model = bf16_copy(fixture, out)
+    recipe = parse_recipe(dict(
+        model=str(model), calibration=dict(data="fixture-calib:64", seq_len=256, seed=0),
+        eval=dict(EVAL, tasks=["fixture_mc", "fixture_gen"], limit=100, latency=False, quant_baselines=[4, 3]),
+        arms=ARMS), where="bench_puzzle")
+    t0 = time.perf_counter()
+    res = run_compare(recipe, out / f"compare-{Path(fixture).name}", overwrite=True, progress=False)
+    seconds = time.perf_counter() - t0
+    stream = next(k for k in res["arms"][0]["metrics"] if k.startswith("ppl:"))
+    routed = None
+    table = []
+    for a in res["arms"]:
+        agg = a["metrics"][stream]["aggregate"]
+        mc = a["metrics"].get("fixture_mc", {}).get("aggregate", {}).get("acc")
+        gen = a["metrics"].get("fixture_gen", {}).get("aggregate", {})
+        em = next((v for k, v in gen.items() if k.startswith("exact_match") and not k.endswith("stderr")), None)
+        row = dict(name=a["name"], kind=a["kind"], bytes=a["bytes"].get("model"), weights=a["bytes"].get("weights"),
+                   ppl=agg.get("ppl"), kl=agg.get("kl"), mc=mc, gen=em, compress_seconds=a.get("compress_seconds"))
+        if a["kind"] == "compressed":
+            plan = json.loads((Path(a["path"]) / "plan.json").read_text())
+            info = plan["model"]
+            routed = info["expert_bytes"]
+            from moecompress.plan import CompressionPlan
+
+            p = CompressionPlan.from_json(json.dumps(plan))
+            stored = p.logical_bytes().stored_experts
+            row.update(routed_bytes=stored, routed_fraction=stored / routed,
+                       bits_per_weight=16 * stored / routed, clamp=plan["params"]["puzzle"]["clamp"],
+                       removed=plan["params"]["puzzle"]["removed_fraction"])
+        if a["kind"] == "quant_baseline":
+            q = a.get("quant", {})
+            row.update(bits_per_weight=q.get("bits_per_weight"), routed_bytes=q.get("routed_bytes_after"),
+                       routed_fraction=q.get("routed_bytes_after") / routed if routed else None)
+        table.append(row)
+    return dict(fixture=fixture, model=str(model), seconds=round(seconds, 1), arms=table, routed_bytes=routed,
+                calibration=res.get("calibration"))
+
+
+# ----------------------------------------------------------------------------- report
+def _f(x, nd=4):
+    if x is None:
+        return "—"
+    return f"{x:.{nd}g}" if isinstance(x, float) else str(x)
+
+
+def markdown(results: dict) -> str:
+    lines = [SECTION, "",
+             "Measured by `benchmarks/bench_puzzle.py` on the shared 2-core CPU box. Calibration `fixture-calib:64` "
+             "(64 × 256 tokens, per-expert input-channel norms); perplexity and KL(original ‖ model) on the first "
+             "16384 tokens of `fixture-heldout` (windows of 256).", ""]
+    for fixture, r in results.items():
+        lines += [f"### {fixture}", ""]
+        c = r.get("clamp")
+        if c:
+            base = c["rows"]["original fp32"]["ppl"]
+            lines += ["**What the bf16 exponent clamp changes** (exponent < 112, i.e. |w| < 2^-15 ≈ 3.05e-5; fp32 "
+                      "compute, KL against the fp32 original):", "",
+                      "| weights | ppl | Δ ppl vs fp32 | KL to fp32 original | Δ ppl from the clamp | "
+                      "KL(unclamped ‖ clamped) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+            prev = None
+            for name, v in c["rows"].items():
+                if "kl_unclamped" not in v:
+                    prev = v
+                    extra = "| | |"
+                else:
+                    extra = f"| {v['ppl'] - prev['ppl']:+.2e} | {v['kl_unclamped']:.2e} |"
+                lines.append(f"| {name} | {v['ppl']:.5f} | {v['ppl'] - base:+.5f} | {_f(v.get('kl'), 3)} {extra}")
+            lines += ["", "| clamp applied to | values | changed | changed fraction | to 0 | to 2^-15 | max abs change | "
+                      "Σ\\|Δw\\| / Σ\\|w\\| |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for name, v in c["counts"].items():
+                lines.append(f"| {name} | {v['total']:,} | {v['changed']:,} | {v['changed_fraction']:.2e} | "
+                             f"{v['to_zero']:,} | {v['to_min']:,} | {v['max_abs_change']:.2e} | "
+                             f"{v['relative_l1_change']:.2e} |")
+            lines.append("")
+        cp = r.get("compare")
+        if cp:
+            lines += [f"**Arms** (bf16 copy of the fixture; routed experts {cp['routed_bytes']:,} B; every arm exported "
+                      "as `packed`, loaded back, evaluated on the same windows; lm-eval `fixture_mc` / `fixture_gen`, "
+                      "100 items each; RTN rows are the matched-storage baselines, fake-quantized in memory):", "",
+                      "| arm | experts removed | routed bytes (fraction) | bits / weight | model bytes | weights on disk | "
+                      "ppl | KL | mc acc | gen em | compress s |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for a in cp["arms"]:
+                rb = (f"{a['routed_bytes']:,} ({a['routed_fraction']:.3f})" if a.get("routed_bytes") is not None
+                      else "—")
+                lines.append(f"| {a['name']} | {_f(a.get('removed'), 3)} | {rb} | {_f(a.get('bits_per_weight'), 4)} | "
+                             f"{_f(a['bytes'])} | {_f(a.get('weights'))} | {_f(a['ppl'])} | {_f(a['kl'], 3)} | "
+                             f"{_f(a['mc'], 3)} | {_f(a['gen'], 3)} | {_f(a.get('compress_seconds'))} |")
+            lines += ["", f"Whole comparison (calibration, 5 arms, 2 baselines, evaluation): {cp['seconds']} s.", ""]
+    lines += ["**GPU kernel table**: not measured — there is no GPU on the machine this benchmark ran on; "
+              "`benchmarks/bench_puzzle_kernel.py` writes it where CUDA and Triton exist (the kernel's correctness is "
+              "tested in Triton's CPU interpreter, see docs/puzzlemoe.md).", ""]
+    return "\n".join(lines) + "\n"
+
+
+def write_benchmarks(text: str, path: Path) -> None:
+    doc = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION in doc:
+        start = doc.index(SECTION)
+        nxt = doc.find("\n## ", start + len(SECTION))
+        doc = doc[:start] + text + (doc[nxt + 1:] if nxt >= 0 else "")
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    path.write_text(doc)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fixture", action="append", default=None)
+    ap.add_argument("--out", type=Path, default=Path("build/bench_puzzle"))
+    ap.add_argument("--part", choices=["all", "clamp", "compare"], default="all")
+    ap.add_argument("--report", type=Path, default=None, help="only render results-*.json files under this dir")
+    ap.add_argument("--write", action="store_true", help="update the BENCHMARKS.md section")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    out = args.report or args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report is None:
+        for fixture in args.fixture or ["qwen3-moe-tiny", "olmoe-tiny"]:
+            file = out / f"results-{Path(fixture).name}.json"
+            res = json.loads(file.read_text()) if file.exists() else {}
+            if args.part in ("all", "clamp"):
+                res["clamp"] = run_clamp(fixture, out)
+                file.write_text(json.dumps(res, indent=1))
+            if args.part in ("all", "compare"):
+                res["compare"] = run_compare_part(fixture, out)
+                file.write_text(json.dumps(res, indent=1))
+    results = {f.stem.removeprefix("results-"): json.loads(f.read_text()) for f in sorted(out.glob("results-*.json"))}
+    text = markdown(results)
+    print(text)
+    if args.write:
+        write_benchmarks(text, Path(__file__).resolve().parents[1] / "BENCHMARKS.md")
+
+
+if __name__ == "__main__":
+    main()
