@@ -1,0 +1,141 @@
+"""Fixture results for the method issues, through `moecompress compare` (one calibration, same items).
+
+Suites (each on both trained fixtures, 25 % and 50 % routed-expert reduction):
+
+* ``pruning`` (issue 10): the fixed-mask operator grid — criteria mone, reap, frequency × every operator
+  cell (constant, reroute keep/renorm, drop, tilt-32, partial, remap) — plus DO-ACP; every cell paired
+  against the constant operator on the same mask, Holm-corrected; compression wall time per arm
+  (calibration excluded).
+* ``consolidation`` (issue 6): ConMoE scope 1/2/4 (adaptive), the selection ablations and the
+  fusion diagnostics at scope 2, M-SMoE and HC-SMoE.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_methods.py pruning --out build/bench_pruning
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_methods.py consolidation --out build/bench_consolidation
+    python benchmarks/bench_methods.py pruning --out build/bench_pruning --write   # update BENCHMARKS.md
+
+Each run writes a full compare report (report.md, PNGs, results.json) per fixture under OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+FIXTURES = ("qwen3-moe-tiny", "olmoe-tiny")
+SECTIONS = {"pruning": "## Expert pruning: fixed-mask operator grid (issue 10)",
+            "consolidation": "## Consolidation and merging (issue 6)"}
+
+
+def pruning_arms():
+    from moecompress.grid_cli import grid_arms
+    from moecompress.recipe import ArmSpec
+
+    arms, pairs = grid_arms(["mone", "reap", "frequency"], ["reroute-keep", "reroute-renorm", "drop", "tilt",
+                                                              "partial", "remap"], [0.25, 0.5], rank=32)
+    for ratio in (0.25, 0.5):
+        arms.append(ArmSpec(name=f"do-acp-{round(100 * ratio)}-reroute-keep", method="prune",
+                            params=dict(criterion="do-acp", ratio=ratio, operator="reroute", gate="keep")))
+    return arms, pairs
+
+
+def consolidation_arms():
+    from moecompress.recipe import ArmSpec
+
+    arms = []
+    for ratio in (0.25, 0.5):
+        r = round(100 * ratio)
+        for scope in (1, 2, 4):
+            arms.append(ArmSpec(name=f"conmoe-s{scope}-{r}", method="conmoe", params=dict(ratio=ratio, scope_size=scope)))
+        for variant in ("conmoe-fixed-k", "conmoe-usage", "conmoe-reap", "conmoe-distance", "conmoe-average",
+                        "conmoe-arcee"):
+            arms.append(ArmSpec(name=f"{variant}-s2-{r}", method=variant, params=dict(ratio=ratio, scope_size=2)))
+        arms.append(ArmSpec(name=f"msmoe-{r}", method="m-smoe", params=dict(ratio=ratio)))
+        arms.append(ArmSpec(name=f"hcsmoe-{r}", method="hc-smoe", params=dict(ratio=ratio)))
+        arms.append(ArmSpec(name=f"reap-keep-{r}", method="prune",
+                            params=dict(criterion="reap", ratio=ratio, operator="reroute", gate="keep")))
+    return arms, None
+
+
+def run(suite: str, out: Path) -> None:
+    from moecompress.compare import run_compare
+    from moecompress.recipe import CalibrationSpec, EvalSpec, Recipe
+
+    arms, pairs = pruning_arms() if suite == "pruning" else consolidation_arms()
+    for fixture in FIXTURES:
+        recipe = Recipe(model=f"fixture:{fixture}", calibration=CalibrationSpec(data="fixture-calib:64", seq_len=256),
+                        eval=EvalSpec(ppl="fixture-heldout", window=256, max_tokens=8192, tasks=["fixture_mc"],
+                                      limit=200, latency=False, quant_baselines=[]), arms=arms)
+        t0 = time.perf_counter()
+        run_compare(recipe, out / fixture, overwrite=True, progress=False, keep_checkpoints=False, pairs=pairs)
+        (out / fixture / "wall.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+
+
+def _row(arm: dict, verdicts: dict) -> list[str]:
+    ppl = next(v for k, v in arm["metrics"].items() if k.startswith("ppl:"))["aggregate"]
+    mc = arm["metrics"].get("fixture_mc", {}).get("aggregate", {}).get("acc")
+    mb = arm["bytes"].get("model", 0) / 2**20
+    v = verdicts.get(arm["name"], "")
+    return [arm["name"], f"{mb:.2f}", f"{ppl['kl']:.4f}", f"{ppl['ppl']:.2f}", f"{mc:.3f}" if mc is not None else "-",
+            f"{arm.get('compress_seconds', 0):.2f}" if arm["kind"] != "original" else "-", v]
+
+
+def table(results: dict) -> str:
+    verdicts = {}
+    for c in results.get("comparisons", []):
+        if c["task"].startswith("ppl:"):
+            who = {"A better": f"{c['a']} better", "B better": f"{c['b']} better"}.get(c["verdict"], c["verdict"])
+            verdicts[c["a"]] = f"vs {c['b']}: {who} (ΔNLL {c['delta']:+.4f}, Holm p {c['p_adjusted']:.3g})"
+    head = ["arm", "MiB", "KL", "ppl", "mc acc", "compress s", "paired KL/NLL verdict (Holm)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    arms = sorted(results["arms"], key=lambda a: next(v for k, v in a["metrics"].items()
+                                                      if k.startswith("ppl:"))["aggregate"]["kl"])
+    lines += ["| " + " | ".join(_row(a, verdicts)) + " |" for a in arms]
+    return "\n".join(lines)
+
+
+def write(suite: str, out: Path, bench_md: Path = Path("BENCHMARKS.md")) -> None:
+    title = SECTIONS[suite]
+    parts = [title, "",
+             f"Command: `OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_methods.py {suite} --out {out}` "
+             f"(then `--write`). Machine: {platform.machine()} 2-core CPU shared with other jobs, float32, "
+             f"{time.strftime('%Y-%m-%d')}. Calibration fixture-calib:64 × 256 tokens; evaluation on the same "
+             "fixture-heldout windows (8,192 tokens, window 256) and 200 fixture_mc items for every arm. "
+             "Sizes are the plan's logical bytes (= compact/hf bytes on disk within 1 %); KL = mean KL(original ‖ arm) "
+             "per token. Full reports with intervals: `OUT/<fixture>/report.md`.", ""]
+    for fixture in FIXTURES:
+        res_file = out / fixture / "results.json"
+        if not res_file.is_file():
+            parts += [f"### {fixture}", "", "not run", ""]
+            continue
+        results = json.loads(res_file.read_text())
+        wall = json.loads((out / fixture / "wall.json").read_text())["seconds"] if (out / fixture / "wall.json").is_file() else 0
+        parts += [f"### {fixture} (suite wall time {wall / 60:.1f} min)", "", table(results), ""]
+    text = bench_md.read_text() if bench_md.is_file() else "# Benchmarks\n"
+    section = "\n".join(parts).rstrip() + "\n"
+    if title in text:
+        start = text.index(title)
+        nxt = text.find("\n## ", start + len(title))
+        text = text[:start] + section + (text[nxt + 1:] if nxt != -1 else "")
+        if nxt != -1 and not section.endswith("\n\n"):
+            text = text.replace(section, section + "\n", 1)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    bench_md.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", choices=sorted(SECTIONS))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--write", action="store_true", help="only render BENCHMARKS.md from an earlier run")
+    args = parser.parse_args()
+    if not args.write:
+        run(args.suite, args.out)
+    write(args.suite, args.out)
+
+
+if __name__ == "__main__":
+    main()
