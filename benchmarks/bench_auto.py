@@ -159,13 +159,14 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
 # ----------------------------------------------------------------------------- part B: arms
 def matched_ratio(info, level: int, op_elems: int) -> float:
     """The smallest uniform reduction whose plan (K kept experts + (E − K) operators of `op_elems` values per
-    layer) fits in `level` % of the routed bytes: a byte-matched single-method arm (equal or fewer bytes)."""
+    layer) fits in `level` % of the routed bytes: a byte-matched single-method arm (equal or fewer bytes; when
+    even K = top-k does not fit, K = top-k, the fewest bytes the method allows)."""
     li = info.layers[0]
     e, b = li.num_experts, li.bytes_per_expert
     op = op_elems * info.element_size
     budget = (level * e * b) // 100
-    k = max(kk for kk in range(li.top_k, e + 1) if kk * b + (e - kk) * op <= budget)
-    return 1 - k / e
+    fits = [kk for kk in range(li.top_k, e + 1) if kk * b + (e - kk) * op <= budget]
+    return 1 - (max(fits) if fits else li.top_k) / e  # prune keeps at least top-k: then the fewest bytes it allows
 
 
 def arms_for(level: int, with_puzzle: bool, info) -> list[dict]:
@@ -195,7 +196,13 @@ def arms_for(level: int, with_puzzle: bool, info) -> list[dict]:
         if abs(m - ratio) > 1e-9:
             arms.append(dict(name=f"{name}-{level}m", method="prune", params=dict(params, ratio=m)))
     if with_puzzle:
-        arms.append(dict(name=f"puzzle-{level}", method="puzzle", params=dict(ratio=ratio)))
+        # a packed pair stores one 16-bit word per weight for both experts: pairs·pair_bytes + rest·B fits the level
+        li = info.layers[0]
+        e, b = li.num_experts, li.bytes_per_expert
+        pair = 2 * b * 2 // (2 * info.element_size)  # bytes of one packed pair
+        n = next(n for n in range(e // 2 + 1) if (e - 2 * n) * b + n * pair <= level * e * b // 100) \
+            if any((e - 2 * n) * b + n * pair <= level * e * b // 100 for n in range(e // 2 + 1)) else e // 2
+        arms.append(dict(name=f"puzzlemoe-{level}m", method="puzzlemoe", params=dict(ratio=n / e)))
     return arms
 
 
@@ -210,12 +217,26 @@ def run_compare_part(fixture: str, out: Path, max_tokens: int = 16384) -> dict:
     from moecompress.testing import fixture_dir
 
     _load_builtin_methods()
-    puzzle = "puzzle" in METHODS
+    puzzle = "puzzlemoe" in METHODS
     path = fixture if Path(fixture).is_dir() else str(fixture_dir(fixture))
     info = ModelInfo.from_model(load_model(path, dtype="float32"))
     arms = arms_for(50, puzzle, info) + arms_for(25, puzzle, info)
+    # one calibration for every arm, kept beside the results (reruns reuse it); every arm's plan is built
+    # once before the long run so that a bad arm fails in seconds, not after an hour of evaluation
+    from moecompress.calibrate import calibrate
+    from moecompress.models import MoEAdapter
+    from moecompress.pipeline import build_plan, needs_for
+
+    needs = sorted({n for a in arms for n in needs_for(a["method"], a["params"])})
+    stats_dir = out / f"stats-compare-{Path(fixture).name}"
+    store = calibrate(path, "fixture-calib:64", seq_len=256, out=stats_dir, stats=needs, batch_size=8,
+                      dtype="float32", progress=False)
+    for a in arms:
+        if a["method"] != "auto":
+            build_plan(MoEAdapter(load_model(path, dtype="float32")), a["method"], a["params"], store)
     recipe = parse_recipe(dict(
-        model=fixture if Path(fixture).is_dir() else f"fixture:{fixture}", calibration=dict(data="fixture-calib:64", seq_len=256, seed=0),
+        model=fixture if Path(fixture).is_dir() else f"fixture:{fixture}",
+        calibration=dict(data=str(stats_dir), seq_len=256, seed=0),
         eval=dict(ppl="fixture-heldout", window=256, max_tokens=max_tokens, tasks=[], latency=False,
                   quant_baselines=[]),
         arms=arms), where="bench_auto")

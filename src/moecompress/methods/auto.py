@@ -3,8 +3,9 @@ the bytes it saves (issue 9; docs/auto.md).
 
 1. **Candidates** per slot (auto_estimate.py): keep (the expert's bytes), reroute (0 bytes; gate keep or
    renorm), drop (0), constant (H values), tilt of rank r (2Hr + H), partial copy at a rank-r tilt's
-   parameter budget, remap to a kept prototype of the same layer (0 extra bytes), and (behind the
-   ``pair`` flag) PuzzleMoE element-wise pair merges. Each has a closed-form estimated loss L_e.
+   parameter budget, remap to a kept prototype of the same layer (0 extra bytes), and PuzzleMoE packed
+   pairs (both slots decided jointly). Each has an estimated loss L_e: closed forms from gate²-weighted
+   moments, exact substitution errors, and for pairs a token-sample estimate.
 2. **Layer modes**: a layer is either *reroute-style* (gate keep or renorm: removed slots are deleted
    from / masked in the router; slots may be kept or remapped) or *replace-style* (gate replace: the
    original top-k is unchanged and a removed slot computes its operator at its gate, or zero). Per
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -43,7 +44,7 @@ from .auto_estimate import Candidate, LayerMoments
 from .registry import MethodContext, register_method
 
 CandidateName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap", "pair"]
-ALL_CANDIDATES = ("reroute", "drop", "constant", "tilt", "partial", "remap")
+ALL_CANDIDATES = ("reroute", "drop", "constant", "tilt", "partial", "remap", "pair")
 REPLACE_KINDS = frozenset({"keep", "drop", "constant", "tilt", "partial", "remap", "pair"})
 REROUTE_KINDS = frozenset({"keep", "reroute", "remap", "pair"})
 
@@ -101,7 +102,7 @@ def needs_stats(config: AutoConfig) -> list[str]:
     if c & {"remap", "reroute"}:
         names |= {"auto_remap", "auto_reroute_keep", "auto_reroute_renorm"}
     if "pair" in c:
-        names |= {"in_channel_norm", "mid_channel_norm"}
+        names |= {"in_channel_norm", "mid_channel_norm"}  # PuzzleMoE saliency
     return sorted(names)
 
 
@@ -122,6 +123,7 @@ class LayerProblem:
     options: list[list[Candidate]]  # per slot, non-remap candidates (keep first)
     remap: torch.Tensor | None  # [E, E] remap losses (slot, prototype) or None
     stored: bool  # padded (compact) accounting
+    pairs: list = field(default_factory=list)  # PuzzleMoE packed-pair candidates (auto_estimate.PairRef)
 
     def routable_ok(self, routable: list[bool]) -> bool:
         """The plan's own routing check for keep/renorm layers (plan._check_routing)."""
@@ -206,7 +208,7 @@ def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
         for s, c in moves.items():
             new[s] = c
         kept = [i for i in range(e_all) if new[i].kind == "keep"]
-        if not kept:
+        if not kept and not any(c.kind == "pair" for c in new):
             return None  # the runtime needs one stored expert per layer
         for s in range(e_all):
             if new[s].kind == "remap" and new[s].param not in kept:
@@ -218,11 +220,21 @@ def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
             return None
         return new
 
+    pair_moves = []  # (i, j, Candidate for i, Candidate for j): both slots decided jointly
+    if "pair" in kinds:
+        for ref in prob.pairs:
+            i, j = ref.members
+            pair_moves.append((i, j, Candidate("pair", ref.losses[0], j, ref.nbytes // 2, op=ref),
+                               Candidate("pair", ref.losses[1], i, ref.nbytes - ref.nbytes // 2, op=ref)))
+
     while True:
         kept = [i for i in range(e_all) if state[i].kind == "keep"]
         best_improve, best_save = None, None
+        moves: list[tuple[tuple, dict[int, Candidate]]] = []
         for e in range(e_all):
-            alts = [c for c in opts[e] if c.kind not in ("keep", "remap")]  # upgrades never save bytes
+            if state[e].kind == "pair":
+                continue  # a packed pair is final for both of its slots
+            alts = [c for c in opts[e] if c.kind not in ("keep", "remap", "pair")]  # upgrades never save bytes
             if any(c.kind == "remap" for c in opts[e]):
                 r = _remap_to(prob, e, kept)
                 if r is not None:
@@ -230,27 +242,32 @@ def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
             for j, alt in enumerate(alts):
                 if alt.kind == state[e].kind and alt.param == state[e].param:
                     continue
-                new = change(state, {e: alt})
-                if new is None and reroute_mode and alt.kind == "reroute" and prob.n_group > 1:
-                    # group-limited routers: reroute e's whole router group at once
-                    g0 = (e // group) * group
-                    moves = {s: next(c for c in opts[s] if c.kind == "reroute")
-                             for s in range(g0, g0 + group) if state[s].kind != "reroute"}
-                    new = change(state, moves)
-                if new is None:
-                    continue
-                nb = prob.bytes_of(new)
-                nl = sum(c.loss for c in new)
-                db, dl = nb - cur_bytes, nl - cur_loss
-                key_tail = (e, j)
-                if db <= 0 and dl < -1e-15 * (1 + abs(cur_loss)):
-                    cand = ((dl, db) + key_tail, new, nb, nl)
-                    if best_improve is None or cand[0] < best_improve[0]:
-                        best_improve = cand
-                elif db < 0:
-                    cand = ((dl / -db, dl) + key_tail, new, nb, nl)
-                    if best_save is None or cand[0] < best_save[0]:
-                        best_save = cand
+                moves.append(((e, j), {e: alt}))
+        for k, (i, j, ci, cj) in enumerate(pair_moves):
+            if state[i].kind == "keep" and state[j].kind == "keep":
+                moves.append(((i, len(opts[i]) + k), {i: ci, j: cj}))
+        for key_tail, move in moves:
+            new = change(state, move)
+            (e, alt) = next(iter(move.items()))
+            if new is None and reroute_mode and alt.kind == "reroute" and prob.n_group > 1:
+                # group-limited routers: reroute e's whole router group at once
+                g0 = (e // group) * group
+                grp = {s: next(c for c in opts[s] if c.kind == "reroute")
+                       for s in range(g0, g0 + group) if state[s].kind not in ("reroute", "pair")}
+                new = change(state, grp)
+            if new is None:
+                continue
+            nb = prob.bytes_of(new)
+            nl = sum(c.loss for c in new)
+            db, dl = nb - cur_bytes, nl - cur_loss
+            if db <= 0 and dl < -1e-15 * (1 + abs(cur_loss)):
+                cand = ((dl, db) + key_tail, new, nb, nl)
+                if best_improve is None or cand[0] < best_improve[0]:
+                    best_improve = cand
+            elif db < 0:
+                cand = ((dl / -db, dl) + key_tail, new, nb, nl)
+                if best_save is None or cand[0] < best_save[0]:
+                    best_save = cand
         chosen = best_improve or best_save
         if chosen is None:
             break
@@ -400,8 +417,10 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
         # an operator as large as the expert itself is never worth it
         options.append([c for c in slot if c.kind == "keep" or c.bytes < li.bytes_per_expert])
     remap = m.remap if "remap" in cands else None
+    pairs = est.pair_options(adapter, stats, m, config.pair_partners) if "pair" in cands else []
+    pairs = [p for p in pairs if p.nbytes < 2 * li.bytes_per_expert]
     prob = LayerProblem(layer, li.num_experts, li.top_k, li.n_group, li.topk_group, li.group_score,
-                        li.bytes_per_expert, h, el, options, remap, stored)
+                        li.bytes_per_expert, h, el, options, remap, stored, pairs)
     return prob, m
 
 
@@ -413,7 +432,7 @@ def _mode_options(prob: LayerProblem, gate: str) -> LayerProblem:
 
 def layer_modes(config: AutoConfig, li) -> list[str]:
     modes = []
-    if set(config.candidates) & {"drop", "constant", "tilt", "partial"} or not ("reroute" in config.candidates):
+    if set(config.candidates) & {"drop", "constant", "tilt", "partial", "pair"} or "reroute" not in config.candidates:
         modes.append("replace")
     if "reroute" in config.candidates:
         gates = list(dict.fromkeys(config.gates))
@@ -445,11 +464,26 @@ def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str
     scopes, layers, tensors = [], [], {}
     for li in info.layers:
         pt = chosen[li.layer]
+        # stored experts in order of their smallest original expert: kept copies and packed pairs
+        entries = sorted({(e,) if c.kind == "keep" else tuple(sorted((e, c.param)))
+                          for e, c in enumerate(pt.choice) if c.kind in ("keep", "pair")})
         kept = [e for e, c in enumerate(pt.choice) if c.kind == "keep"]
-        pos = {e: j for j, e in enumerate(kept)}
+        pos = {}
+        stored = []
+        for j, entry in enumerate(entries):
+            if len(entry) == 1:
+                stored.append(StoredExpert(id=j, sources=[(li.layer, entry[0])]))
+            else:
+                ref = pt.choice[entry[0]].op
+                merge = ref.merge()
+                prefix = f"layer{li.layer}.merge{entry[0]}"
+                stored.append(merge.stored_expert(j, prefix))
+                tensors.update(merge.tensors(prefix))
+            for e in entry:
+                pos[e] = j
         slots = []
         for e, c in enumerate(pt.choice):
-            if c.kind == "keep":
+            if c.kind in ("keep", "pair"):
                 slots.append(pos[e])
             elif c.kind == "remap":
                 slots.append(pos[c.param])
@@ -461,8 +495,7 @@ def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str
         removed = len(kept) < li.num_experts
         gate = "renorm" if not removed else ("replace" if pt.mode == "replace" else pt.mode.split(":")[1])
         sid = f"layer{li.layer}"
-        scopes.append(Scope(id=sid, layers=[li.layer],
-                            stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(kept)]))
+        scopes.append(Scope(id=sid, layers=[li.layer], stored=stored))
         layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate, slots=slots))
     plan = CompressionPlan(model=info, scopes=scopes, layers=layers, method=method, params=params or {})
     return plan, tensors
@@ -558,9 +591,6 @@ def build_auto(config: AutoConfig, context: MethodContext):
         raise MoECompressError("The auto method needs calibration statistics; run moecompress calibrate "
                                "--for-method auto first (or pass --calib SPEC).")
     stats.require(*needs_stats(config), method="auto")
-    if "pair" in config.candidates:
-        raise MoECompressError("The 'pair' candidate needs the PuzzleMoE plan integration (a 'puzzle' method with "
-                               "packed stored experts), which this installation lacks; drop 'pair' from candidates.")
     info = ModelInfo.from_model(adapter)
     budget = routed_budget(config, info)
     layers = adapter.moe_layers

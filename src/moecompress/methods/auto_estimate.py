@@ -224,6 +224,79 @@ def partial_candidate(m: LayerMoments, stats, adapter, e: int, rank: int, fit: F
                      op=PartialOp(source=(m.layer, e), width=width, tensor=key), tensors=tensors)
 
 
+@dataclass
+class PairRef:
+    """A PuzzleMoE packed pair (i, j) of one layer as a joint candidate of its two slots.
+
+    nbytes: what the plan stores for the pair (packed words + biases); losses: the sample estimates of
+    L_i and L_j; `merge()` rebuilds the `MergeCandidate` (tensors) when the plan needs it.
+    """
+
+    layer: int
+    members: tuple[int, int]
+    nbytes: int
+    losses: tuple[float, float]
+    kwargs: dict = field(default_factory=dict, repr=False)
+    adapter: object = field(default=None, repr=False)
+    _merge: object = field(default=None, repr=False)
+
+    def merge(self):
+        if self._merge is None:
+            from .puzzle import pair_candidate
+
+            self._merge = pair_candidate(self.adapter, self.layer, *self.members, **self.kwargs)
+        return self._merge
+
+
+def pair_options(adapter, stats, m: LayerMoments, partners: int) -> list[PairRef]:
+    """Packed-pair candidates of a layer: each expert with its `partners` nearest experts (normalised parameter
+    distance), losses estimated on the layer's uniform token sample (``auto_sample``, S tokens):
+
+        L_i ≈ (1/S) Σ_{t ∈ sample, i ∈ K(t)} g_i(t)² ‖f_i(h_t) − f̂_i(h_t)‖²,
+
+    an unbiased Monte-Carlo estimate of the closed-form quantity, f̂_i the pair's packed reconstruction of i
+    run by the PuzzleMoE runtime (`MergeCandidate.forward`)."""
+    from ..scoring.distance import pairwise_distance
+    from .puzzle import layer_norms, pair_candidate
+
+    layer = m.layer
+    if m.sample is None:
+        raise MoECompressError("Pair candidates are estimated on a token sample; re-run calibration with the "
+                               "'auto_sample' statistic (--for-method auto).")
+    e_all = adapter.num_experts(layer)
+    dist = pairwise_distance(adapter.experts(layer))
+    pairs = set()
+    for i in range(e_all):
+        order = sorted((float(dist[i, j]), j) for j in range(e_all) if j != i)
+        for _, j in order[:partners]:
+            pairs.add((min(i, j), max(i, j)))
+    norms = layer_norms(stats, layer, e_all)
+    experts = {e: adapter.get_expert(layer, e) for e in range(e_all)}
+    ref_w = adapter.experts(layer).gate
+    x = m.sample.to(ref_w.device, ref_w.dtype)
+    n = len(x)
+    with torch.no_grad():
+        r = adapter.route(layer, x)
+        routed = {}
+        for e in range(e_all):
+            tok, slot = torch.where(r.index == e)
+            routed[e] = (tok, r.weight[tok, slot].double().square(),
+                         adapter.expert_forward(layer, e, x[tok]).double() if len(tok) else None)
+        out = []
+        for i, j in sorted(pairs):
+            kwargs = dict(norms=norms, experts=experts)
+            c = pair_candidate(adapter, layer, i, j, **kwargs)
+            xs = [x[routed[e][0]] if len(routed[e][0]) else None for e in (i, j)]
+            ys = c.forward(xs)
+            losses = []
+            for e, yhat in zip((i, j), ys):
+                tok, g2, y = routed[e]
+                losses.append(0.0 if y is None else float(g2 @ (y - yhat.double()).square().sum(-1)) / n)
+            out.append(PairRef(layer, (i, j), int(c.nbytes), (losses[0], losses[1]), dict(norms=norms),
+                               adapter))
+    return out
+
+
 # ----------------------------------------------------------------------------- calibration tokens
 def calibration_ids(stats, adapter, sequences: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, str]:
     """Token ids [B, T] for the sensitivity passes: the calibration spec of `stats` re-tokenised with the
@@ -327,6 +400,7 @@ def layer_sensitivity(adapter, ids: torch.Tensor, rel: float = 0.05, seeds: int 
 def plan_installed(adapter, plan, tensors, layers):
     """Temporarily run `layers` of the in-memory model through the plan's runtime blocks (originals kept)."""
     from ..runtime import CompressedMoEBlock, build_ops, build_scope
+    from ..runtime.build import scope_dtype
 
     source = lambda l, e: adapter.layer(l).storage.read(e)
     installed = []
@@ -337,7 +411,7 @@ def plan_installed(adapter, plan, tensors, layers):
                 sc = plan.scope(lp.scope)
                 layer = adapter.layer(i)
                 stored = build_scope(plan, sc, layer, source, tensors, config=adapter.model.config)
-                ops = build_ops(plan, lp, layer, tensors, stored.gate_up_proj.dtype, layer.router.weight.device)
+                ops = build_ops(plan, lp, layer, tensors, scope_dtype(stored), layer.router.weight.device)
                 adapter.set_block(i, CompressedMoEBlock(layer, lp, stored, ops, adapter.returns_tuple))
                 installed.append(i)
         yield
