@@ -231,7 +231,12 @@ def plot_curve(history: list[dict], path: Path, teacher_ppl: float | None = None
     b.set_ylabel("validation perplexity")
     ppl = [ev[s]["eval_ppl"] for s in steps] + ([teacher_ppl] if teacher_ppl else [])
     if max(ppl) / max(min(ppl), 1e-9) > 5:  # log scale only when the curve spans a wide range
+        from matplotlib.ticker import FuncFormatter
+
         b.set_yscale("log")
+        b.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        # minor ticks labelled at 2·10^n, 3·10^n, 5·10^n only, so labels never crowd
+        b.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "235" else ""))
     b.set_title("held-out perplexity")
     b.legend()
     b.grid(alpha=0.3, which="both")
