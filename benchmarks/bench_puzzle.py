@@ -165,33 +165,54 @@ def run_compare_part(fixture: str, out: Path) -> dict:
     res = run_compare(recipe, out / f"compare-{Path(fixture).name}", overwrite=True, progress=False)
     seconds = time.perf_counter() - t0
     stream = next(k for k in res["arms"][0]["metrics"] if k.startswith("ppl:"))
-    routed = None
+    n_params = _expert_params(model)
+    routed = 2 * n_params  # the bf16 original's routed-expert bytes
+    original_disk = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     table = []
     for a in res["arms"]:
         agg = a["metrics"][stream]["aggregate"]
         mc = a["metrics"].get("fixture_mc", {}).get("aggregate", {}).get("acc")
         gen = a["metrics"].get("fixture_gen", {}).get("aggregate", {})
         em = next((v for k, v in gen.items() if k.startswith("exact_match") and not k.endswith("stderr")), None)
-        row = dict(name=a["name"], kind=a["kind"], bytes=a["bytes"].get("model"), weights=a["bytes"].get("weights"),
-                   ppl=agg.get("ppl"), kl=agg.get("kl"), mc=mc, gen=em, compress_seconds=a.get("compress_seconds"))
-        if a["kind"] == "compressed":
-            plan = json.loads((Path(a["path"]) / "plan.json").read_text())
-            info = plan["model"]
-            routed = info["expert_bytes"]
-            from moecompress.plan import CompressionPlan
-
-            p = CompressionPlan.from_json(json.dumps(plan))
-            stored = p.logical_bytes().stored_experts
-            row.update(routed_bytes=stored, routed_fraction=stored / routed,
-                       bits_per_weight=16 * stored / routed, clamp=plan["params"]["puzzle"]["clamp"],
-                       removed=plan["params"]["puzzle"]["removed_fraction"])
-        if a["kind"] == "quant_baseline":
+        row = dict(name=a["name"], kind=a["kind"], ppl=agg.get("ppl"), kl=agg.get("kl"), mc=mc, gen=em,
+                   compress_seconds=a.get("compress_seconds"))
+        if a["kind"] == "original":
+            row.update(routed_bytes=routed, routed_fraction=1.0, bits_per_weight=16.0, disk=original_disk)
+        elif a["kind"] == "compressed":
+            ckpt = Path(a["path"])
+            plan = json.loads((ckpt / "plan.json").read_text())
+            on_disk = _scope_bytes(ckpt)  # the routed experts as the packed checkpoint stores them
+            row.update(routed_bytes=on_disk, routed_fraction=on_disk / routed, bits_per_weight=8 * on_disk / n_params,
+                       disk=a["bytes"].get("weights"), clamp=plan["params"]["puzzle"]["clamp"],
+                       removed=plan["params"]["puzzle"]["removed_fraction"], format=a.get("export_format"))
+        elif a["kind"] == "quant_baseline":
             q = a.get("quant", {})
             row.update(bits_per_weight=q.get("bits_per_weight"), routed_bytes=q.get("routed_bytes_after"),
-                       routed_fraction=q.get("routed_bytes_after") / routed if routed else None)
+                       routed_fraction=q.get("routed_bytes_after") / routed)
         table.append(row)
     return dict(fixture=fixture, model=str(model), seconds=round(seconds, 1), arms=table, routed_bytes=routed,
-                calibration=res.get("calibration"))
+                original_disk=original_disk, calibration=res.get("calibration"))
+
+
+def _expert_params(model_dir: Path) -> int:
+    from moecompress.models import MoEAdapter, load_model
+
+    ad = MoEAdapter(load_model(str(model_dir), dtype="bfloat16"))
+    return sum(t.numel() for i in ad.moe_layers for t in (ad.experts(i).gate, ad.experts(i).up, ad.experts(i).down))
+
+
+def _scope_bytes(ckpt: Path) -> int:
+    """Bytes of the stored-expert tensors (``moecompress.scopes.*``) in a compact/packed checkpoint."""
+    import struct
+
+    total = 0
+    for f in ckpt.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        head = json.loads(raw[8:8 + n])
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items()
+                     if k.startswith("moecompress.scopes."))
+    return total
 
 
 # ----------------------------------------------------------------------------- report
@@ -229,26 +250,49 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {name} | {v['total']:,} | {v['changed']:,} | {v['changed_fraction']:.2e} | "
                              f"{v['to_zero']:,} | {v['to_min']:,} | {v['max_abs_change']:.2e} | "
                              f"{v['relative_l1_change']:.2e} |")
+            clamped = [v for v in c["rows"].values() if "kl_unclamped" in v]
+            worst_kl = max(v["kl_unclamped"] for v in clamped)
+            lines += ["", f"Reading: the clamp touches {c['counts']['experts (nearest)']['changed_fraction']:.1e} of the "
+                      f"expert weights and {c['counts']['W_merged (nearest)']['changed_fraction']:.1e} of the merged "
+                      f"magnitudes (a merged magnitude is the mean of two or the more salient one, so fewer tiny values survive); every rule changes the model by at "
+                      f"most KL {worst_kl:.1e} nats/token against its unclamped bf16 twin, "
+                      f"{c['rows']['experts bf16']['kl'] / worst_kl:,.0f}× less than bf16 rounding of the experts "
+                      f"costs (KL {c['rows']['experts bf16']['kl']:.1e}), and perplexity moves by at most "
+                      f"{max(abs(v['ppl'] - b['ppl']) for v, b in _pairs(c['rows'])):.1e}."]
             lines.append("")
         cp = r.get("compare")
         if cp:
-            lines += [f"**Arms** (bf16 copy of the fixture; routed experts {cp['routed_bytes']:,} B; every arm exported "
-                      "as `packed`, loaded back, evaluated on the same windows; lm-eval `fixture_mc` / `fixture_gen`, "
-                      "100 items each; RTN rows are the matched-storage baselines, fake-quantized in memory):", "",
-                      "| arm | experts removed | routed bytes (fraction) | bits / weight | model bytes | weights on disk | "
+            lines += [f"**Arms** (a bf16 copy of the fixture: routed experts {cp['routed_bytes']:,} B, checkpoint "
+                      f"{cp['original_disk']:,} B; every PuzzleMoE arm exported as `packed`, loaded back and evaluated "
+                      "on the same windows, KL against the bf16 original; lm-eval `fixture_mc` / `fixture_gen`, 100 "
+                      "items each; routed bytes = the `moecompress.scopes.*` tensors in the checkpoint; RTN rows are "
+                      "the matched-storage baselines, fake-quantized in memory, sized as codes + scales; compress s = "
+                      "the method's wall time to build the plan and its packed tensors, export excluded):", "",
+                      "| arm | experts removed | routed bytes (fraction of bf16) | bits / weight | checkpoint bytes | "
                       "ppl | KL | mc acc | gen em | compress s |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for a in cp["arms"]:
                 rb = (f"{a['routed_bytes']:,} ({a['routed_fraction']:.3f})" if a.get("routed_bytes") is not None
                       else "—")
+                disk = f"{a['disk']:,}" if a.get("disk") else "—"
                 lines.append(f"| {a['name']} | {_f(a.get('removed'), 3)} | {rb} | {_f(a.get('bits_per_weight'), 4)} | "
-                             f"{_f(a['bytes'])} | {_f(a.get('weights'))} | {_f(a['ppl'])} | {_f(a['kl'], 3)} | "
+                             f"{disk} | {_f(a['ppl'])} | {_f(a['kl'], 3)} | "
                              f"{_f(a['mc'], 3)} | {_f(a['gen'], 3)} | {_f(a.get('compress_seconds'))} |")
             lines += ["", f"Whole comparison (calibration, 5 arms, 2 baselines, evaluation): {cp['seconds']} s.", ""]
     lines += ["**GPU kernel table**: not measured — there is no GPU on the machine this benchmark ran on; "
               "`benchmarks/bench_puzzle_kernel.py` writes it where CUDA and Triton exist (the kernel's correctness is "
               "tested in Triton's CPU interpreter, see docs/puzzlemoe.md).", ""]
     return "\n".join(lines) + "\n"
+
+
+def _pairs(rows: dict):
+    """(clamped row, its unclamped twin) for every clamped row, in table order."""
+    prev = None
+    for v in rows.values():
+        if "kl_unclamped" in v:
+            yield v, prev
+        else:
+            prev = v
 
 
 def write_benchmarks(text: str, path: Path) -> None:
