@@ -77,3 +77,8 @@ def test_console_script_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moecompress.cli", "inspect", str(tmp_path / "x")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") <= 3
+
+
+def test_missing_argument_is_a_usage_error_not_a_traceback(capsys):
+    code, _, err = run_cli(["compress"], capsys)
+    assert code == 2 and "Missing argument" in err and "Traceback" not in err

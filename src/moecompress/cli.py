@@ -83,15 +83,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
         sys.exit(code or 0)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
+    except Exception as exc:  # usage errors (missing argument, bad option) arrive here in non-standalone mode
+        for click in _click_modules():
+            if isinstance(exc, click.ClickException):
+                exc.show()
+                sys.exit(2)
+            if isinstance(exc, click.exceptions.Abort):
+                sys.exit(130)
         raise
+
+
+def _click_modules():
+    """Typer >= 0.20 vendors its own click (`typer._click`); older ones use click itself."""
+    mods = []
+    for name in ("typer._click", "click"):
+        try:
+            mods.append(__import__(name, fromlist=["exceptions"]))
+        except ImportError:
+            pass
+    return mods
 
 
 if __name__ == "__main__":
