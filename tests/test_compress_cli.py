@@ -68,3 +68,32 @@ def test_bad_input_is_one_sentence(tiny, capsys, args, message):
     code, _, err = run_cli(["compress", str(path), "--calib", str(root / "stats"), "--out", str(out), *args], capsys)
     assert code == 2 and message in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_router_merge_through_compress_routes_with_merged_rows(tmp_path, capsys):
+    """M-SMoE with merged router rows: the exported vanilla checkpoint routes with the merged rows."""
+    from moecompress.methods import MethodContext, get_method, parse_config
+    from moecompress.methods.merging import install_merged_router
+    from moecompress.models import MoEAdapter, load_model
+    from moecompress.api import apply_plan
+
+    path = save_tiny("qwen3_moe", tmp_path / "m", seed=4)
+    ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
+    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=tmp_path / "s",
+              stats=["counts", "tokens", "router_logit_corr"], dtype="float32", progress=False)
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["compress", str(path), "--method", "m-smoe", "--ratio", "0.5", "--param", "router=merge",
+                            "--calib", str(tmp_path / "s"), "--out", str(out)], capsys)
+    assert code == 0, err
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    # reference: the same plan applied in memory after installing the merged router rows
+    from moecompress.calibrate import StatsStore
+
+    adapter = MoEAdapter(load_model(str(path), dtype="float32"))
+    plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
+                                               MethodContext(adapter, StatsStore.load(tmp_path / "s")))
+    install_merged_router(adapter, plan, tensors)
+    ref = apply_plan(adapter.model, plan, tensors)
+    x = torch.randint(3, 96, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x).logits, ref(x).logits, atol=1e-5, rtol=1e-4)

@@ -75,7 +75,7 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     from .eval.runner import model_info, plan_arm_fields
     from .methods import get_method
     from .models import MoEAdapter, load_model
-    from .pipeline import build_plan, choose_format, needs_for, resolve_calibration
+    from .pipeline import build_plan, choose_format, export_source, needs_for, resolve_calibration
 
     out = Path(out)
     if out.exists() and not overwrite:
@@ -118,7 +118,7 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
             build_seconds = time.perf_counter() - t1
             fmt = choose_format(plan, arm.format)
             ckpt = out / "checkpoints" / name
-            result = export(model_path, plan, ckpt, format=fmt, tensors=tensors,
+            result = export(export_source(model_path, adapter, plan, tensors), plan, ckpt, format=fmt, tensors=tensors,
                             recipe={"model": recipe.model, "method": arm.method, "params": arm.params})
             del adapter
             model = load(ckpt, dtype="float32")

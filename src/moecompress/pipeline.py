@@ -68,6 +68,17 @@ def choose_format(plan, requested: str = "auto") -> str:
     return requested
 
 
+def export_source(model_path: str, adapter: MoEAdapter, plan, tensors):
+    """What to export from: the checkpoint path (streamed layer by layer), or the in-memory model when
+    the plan also changes weights outside the experts (merged router rows of M-SMoE/HC-SMoE `router: merge`)."""
+    if any(k.startswith("router.") for k in tensors or {}):
+        from .methods.merging import install_merged_router
+
+        install_merged_router(adapter, plan, tensors)
+        return adapter.model
+    return model_path
+
+
 def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
              out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
              dtype: str = "float32", overwrite: bool = False, progress: bool = True):
@@ -84,5 +95,5 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     plan, tensors = build_plan(adapter, method, params, stats, seed, progress)
     recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
               "seq_len": seq_len, "seed": seed}
-    return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
-                  overwrite=overwrite)
+    return export(export_source(model, adapter, plan, tensors), plan, out, format=choose_format(plan, format),
+                  tensors=tensors, recipe=recipe, overwrite=overwrite)
