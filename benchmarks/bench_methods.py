@@ -59,12 +59,12 @@ def consolidation_arms():
     return arms, None
 
 
-def run(suite: str, out: Path) -> None:
+def run(suite: str, out: Path, fixtures=FIXTURES) -> None:
     from moecompress.compare import run_compare
     from moecompress.recipe import CalibrationSpec, EvalSpec, Recipe
 
     arms, pairs = pruning_arms() if suite == "pruning" else consolidation_arms()
-    for fixture in FIXTURES:
+    for fixture in fixtures:
         recipe = Recipe(model=f"fixture:{fixture}", calibration=CalibrationSpec(data="fixture-calib:64", seq_len=256),
                         eval=EvalSpec(ppl="fixture-heldout", window=256, max_tokens=8192, tasks=["fixture_mc"],
                                       limit=200, latency=False, quant_baselines=[]), arms=arms)
@@ -131,9 +131,10 @@ def main() -> None:
     parser.add_argument("suite", choices=sorted(SECTIONS))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--write", action="store_true", help="only render BENCHMARKS.md from an earlier run")
+    parser.add_argument("--fixtures", default=",".join(FIXTURES), help="comma-separated fixtures to run")
     args = parser.parse_args()
     if not args.write:
-        run(args.suite, args.out)
+        run(args.suite, args.out, tuple(args.fixtures.split(",")))
     write(args.suite, args.out)
 
 
