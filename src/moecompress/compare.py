@@ -201,7 +201,10 @@ def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:
 def _notes(recipe: Recipe) -> list[str]:
     return [f"Every arm is evaluated on the same {recipe.eval.ppl} windows (window {recipe.eval.window}) and the "
             f"same lm-eval documents (limit {recipe.eval.limit}); checkpoints were exported and loaded back "
-            "before evaluation."]
+            "before evaluation.",
+            "Latency and memory are measured arm after arm, not interleaved: on a shared machine they drift with "
+            "the load, so read them as indicative; benchmarks/bench_runtime_speed.py measures runtime speed side "
+            "by side with repeats."]
 
 
 def ranking_table(results: dict[str, Any]) -> Table:
