@@ -16,7 +16,7 @@ from moecompress.testing import save_tiny
 
 STATS = ["counts", "tokens", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_sq_mean", "out_mean", "out_var",
          "gram", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
-         "cross_moment", "mid_channel_norm", "mid_mean"]
+         "cross_moment", "mid_channel_norm", "mid_mean", "remap_error"]
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +84,12 @@ def test_selection_budget(setup, criterion):
     assert keep == again
 
 
-@pytest.mark.parametrize("operator", ["reroute", "drop", "constant", "tilt", "partial", "remap"])
+@pytest.mark.parametrize("operator", ["reroute", "drop", "constant", "tilt", "partial", "remap", "remap-functional"])
 def test_every_operator_builds_a_runnable_plan(setup, operator):
     path, store, adapter, inputs = setup
-    config = parse_config("prune", dict(criterion="reap", ratio=0.5, operator=operator, rank=4))
+    extra = {"remap": "functional"} if operator == "remap-functional" else {}
+    operator = operator.split("-")[0]
+    config = parse_config("prune", dict(criterion="reap", ratio=0.5, operator=operator, rank=4, **extra))
     plan, tensors = get_method("prune").build(config, MethodContext(adapter, store))
     plan.check_tensors(tensors)
     model = load_model(str(path), dtype="float32")
@@ -133,3 +135,45 @@ def test_bad_prune_config_is_one_sentence():
         parse_config("prune", {"ratio": 1.5})
     with pytest.raises(MoECompressError, match="Unknown method 'prun'; did you mean prune"):
         get_method("prun")
+
+
+def test_functional_remap_picks_best_output_match_when_folds_agree():
+    from moecompress.methods.prune import remap_target
+
+    distance = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.4, 0.5]]).repeat(6, 1)
+    err = torch.ones(2, 6, 6)
+    err[:, 0, 3] = 0.1  # both folds prefer expert 3 for removed slot 0
+    assert remap_target(0, [1, 2, 3, 4, 5], distance) == 1  # nearest
+    assert remap_target(0, [1, 2, 3, 4, 5], distance, err) == 3
+    err[1, 0, 3], err[1, 0, 2] = 1.0, 0.05  # folds disagree: fall back to nearest
+    assert remap_target(0, [1, 2, 3, 4, 5], distance, err) == 1
+    err[:, 0, 5] = 0.0  # expert 5 is not among the 4 nearest: never chosen
+    err[1, 0, 2], err[1, 0, 3] = 1.0, 0.1
+    assert remap_target(0, [1, 2, 3, 4, 5], distance, err) == 3
+
+
+def test_remap_error_statistic_equals_direct_computation(tmp_path):
+    path = save_tiny("olmoe", tmp_path / "m", seed=5)
+    ids = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(1))
+    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=12, out=tmp_path / "s",
+                      stats=["remap_error"], batch_size=4, dtype="float32", progress=False)
+    model = load_model(str(path), dtype="float32")
+    adapter = MoEAdapter(model)
+    layer = adapter.moe_layers[0]
+    captured = {}
+    hook = adapter.layer(layer).block.register_forward_hook(
+        lambda m, a, o: captured.__setitem__("h", a[0].reshape(-1, a[0].shape[-1]).detach()))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    h = captured["h"]
+    r = adapter.route(layer, h)
+    outs = torch.stack([adapter.expert_forward(layer, p, h) for p in range(8)]).double()
+    parity = torch.arange(len(h)) % 2
+    got = store.get(layer, "remap_error")
+    for e in range(8):
+        for k in (0, 1):
+            toks = (r.index == e).any(-1) & (parity == k)
+            if toks.any():
+                ref = (outs[:, toks] - outs[e, toks]).square().sum(-1).mean(-1)
+                torch.testing.assert_close(got[k, e], ref, atol=1e-6, rtol=1e-5)

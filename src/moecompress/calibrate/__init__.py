@@ -1,6 +1,7 @@
 """Calibration: stream a checkpoint layer by layer over calibration text and gather per-expert statistics."""
 
 from . import intermediate as _intermediate  # noqa: F401  (registers the mid_mean collector)
+from . import remap as _remap  # noqa: F401  (registers the remap_error collector)
 from . import auto_stats as _auto_stats  # noqa: F401  (registers the auto method's collectors)
 from .api import UnreachedExpertsWarning, calibrate
 from .collectors import COLLECTORS, STAT_PROVIDERS, Collector, collectors_for, register_collector

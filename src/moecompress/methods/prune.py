@@ -48,6 +48,9 @@ class PruneConfig(BaseModel):
     budget: Literal["uniform", "nonuniform"] = Field("uniform", description="per-layer or global budget")
     operator: OperatorName = Field("reroute", description="what a removed slot computes")
     gate: Literal["keep", "renorm"] = Field("keep", description="gate scale when rerouting")
+    remap: Literal["nearest", "functional"] = Field(
+        "nearest", description="remap target: nearest by parameter distance, or functional (best output match "
+        "among the 4 nearest, accepted only when two calibration folds agree, else nearest)")
     rank: int = Field(32, ge=0, description="tilt rank (0 = MoNE's constant); also sets the partial-copy budget")
     ridge: float = Field(1e-3, ge=0.0, description="scale-free ridge of the tilt fit")
     protect_super_experts: bool = Field(True, description="never prune experts with extreme output norms")
@@ -55,7 +58,8 @@ class PruneConfig(BaseModel):
 
 
 def needs_stats(config: PruneConfig) -> list[str]:
-    return sorted(set(CRITERION_STATS[config.criterion]) | set(OPERATOR_STATS[config.operator])
+    functional = {"remap_error"} if config.operator == "remap" and config.remap == "functional" else set()
+    return sorted(set(CRITERION_STATS[config.criterion]) | set(OPERATOR_STATS[config.operator]) | functional
                   | ({"out_norm_sq_mean"} if config.protect_super_experts else set()))
 
 
@@ -150,7 +154,8 @@ def _operator_for(config: PruneConfig, adapter, stats, layer: int, e: int, kept:
     if config.operator == "drop":
         return "drop"
     if config.operator == "remap":
-        return kept.index(min(kept, key=lambda p: (float(distance[e, p]), p)))
+        return kept.index(remap_target(e, kept, distance,
+                                       stats.get(layer, "remap_error") if config.remap == "functional" else None))
     if config.operator == "constant" or (config.operator == "tilt" and config.rank == 0):
         tensors[f"{key}.value"] = _get(stats, layer, "out_mean")[e].to(dtype)
         return ConstantOp(tensor=key)
@@ -183,6 +188,22 @@ def _operator_for(config: PruneConfig, adapter, stats, layer: int, e: int, kept:
                     f"{key}.down": w.down[:, neurons].to(dtype),
                     f"{key}.bias": partial_copy_bias(mid_sum, count, w.down, neurons).to(dtype)})
     return PartialOp(source=(layer, e), width=width, tensor=key)
+
+
+def remap_target(e: int, kept: list[int], distance: torch.Tensor, fold_error: torch.Tensor | None = None,
+                 candidates: int = 4) -> int:
+    """The retained expert a removed slot e maps to.
+
+    nearest: argmin over kept p of the normalised parameter distance d(e, p). functional (fold_error
+    [2, E, E] = mean ‖f_e − f_p‖² on e's routed tokens of each fold): among the `candidates` nearest,
+    the one with the smallest output error — accepted only when both folds pick it, else nearest.
+    """
+    by_distance = sorted(kept, key=lambda p: (float(distance[e, p]), p))
+    if fold_error is None:
+        return by_distance[0]
+    pool = by_distance[:candidates]
+    picks = {min(pool, key=lambda p: (float(fold_error[k, e, p]), p)) for k in (0, 1)}
+    return picks.pop() if len(picks) == 1 else by_distance[0]
 
 
 def build_prune(config: PruneConfig, context: MethodContext):
