@@ -9,7 +9,7 @@ import torch
 from moecompress.analysis import analyze_model, nearest_neighbours
 from moecompress.models import ExpertWeights, MoEAdapter
 from moecompress.scoring.distance import pairwise_distance
-from moecompress.testing import save_tiny, tiny_model
+from moecompress.testing import run_cli, save_tiny, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +58,10 @@ def test_a_planted_copy_is_found_in_the_neighbouring_layer():
     assert idx == [-1]
 
 
-def _run(args, capsys):
-    from moecompress.cli import main
-
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_writes_json_and_a_readable_png(tmp_path, capsys):
     src = save_tiny("qwen3_moe", tmp_path / "m", seed=1, num_hidden_layers=4)
     out = tmp_path / "an"
-    code, text, _ = _run(["analyze", str(src), "--scope", "2", "--out", str(out)], capsys)
+    code, text, _ = run_cli(["analyze", str(src), "--scope", "2", "--out", str(out)], capsys)
     assert code == 0 and "cross-layer" in text
     data = json.loads((out / "analysis.json").read_text())
     assert data["scope_size"] == 2 and len(data["neighbours"]) == 32 and len(data["heatmap"]) == 4
@@ -81,11 +69,11 @@ def test_cli_writes_json_and_a_readable_png(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width >= 800 and height >= 400
-    code, _, err = _run(["analyze", str(src), "--scope", "2", "--out", str(out)], capsys)
+    code, _, err = run_cli(["analyze", str(src), "--scope", "2", "--out", str(out)], capsys)
     assert code == 2 and "already exists" in err  # one sentence, exit 2
-    code, _, _ = _run(["analyze", str(src), "--scope", "0", "--out", str(tmp_path / "x")], capsys)
+    code, _, _ = run_cli(["analyze", str(src), "--scope", "0", "--out", str(tmp_path / "x")], capsys)
     assert code == 2
-    code, _, err = _run(["analyze", str(tmp_path / "missing"), "--out", str(tmp_path / "y")], capsys)
+    code, _, err = run_cli(["analyze", str(tmp_path / "missing"), "--out", str(tmp_path / "y")], capsys)
     assert code == 2 and "Traceback" not in err
 
 

@@ -6,18 +6,7 @@ import sys
 
 import pytest
 
-from moecompress.cli import main
-from moecompress.testing import FAMILY_NAMES, fixture_dir, save_tiny
-
-
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from moecompress.testing import FAMILY_NAMES, fixture_dir, run_cli, save_tiny
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

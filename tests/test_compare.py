@@ -6,20 +6,9 @@ import shutil
 import pytest
 import yaml
 
-from moecompress.cli import main
 from moecompress.errors import MoECompressError
 from moecompress.recipe import load_recipe, merge_recipes, parse_recipe
-from moecompress.testing import fixture_dir, save_tiny
-
-
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from moecompress.testing import fixture_dir, run_cli, save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moecompress.calibrate import calibrate
-from moecompress.cli import main
 from moecompress.data import CalibrationData
-from moecompress.testing import save_tiny
-
-
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from moecompress.testing import run_cli, save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -76,3 +76,16 @@ def save_tiny(model_type: str, path: str | Path, seed: int = 0, **overrides) -> 
 def fixture_dir(name: str) -> Path:
     """Path of a shipped trained fixture ('qwen3-moe-tiny' or 'olmoe-tiny')."""
     return Path(__file__).parent / "fixtures" / name
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run `moecompress ARGS` in-process; (exit code, stdout, stderr) captured by pytest's capsys."""
+    from .cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
