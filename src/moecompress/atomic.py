@@ -36,3 +36,12 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False):
 def dir_bytes(path: str | os.PathLike) -> int:
     """Bytes on disk of every regular file under `path`."""
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KB' (binary units), for the sizes every verb prints."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

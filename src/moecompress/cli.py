@@ -12,19 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import MoECompressError
+from .atomic import human_bytes as _human
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compress trained Mixture-of-Experts language models after training.")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @app.command()

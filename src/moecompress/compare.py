@@ -222,7 +222,7 @@ def ranking_table(results: dict[str, Any]) -> Table:
         b = arm["bytes"].get("model") or arm["bytes"].get("disk")
         rows.append((agg.get("kl", float("nan")), arm["name"], arm["kind"], b, agg.get("ppl"), mc, em))
     for kl, name, kind, b, ppl, mc, em in sorted(rows, key=lambda r: (r[0] if r[0] == r[0] else 1e9)):
-        from .cli import _human
+        from .atomic import human_bytes as _human
 
         table.add_row(name, kind, _human(b) if b else "-", f"{kl:.4f}", f"{ppl:.2f}" if ppl else "-",
                       f"{mc:.3f}" if mc is not None else "-", f"{em:.3f}" if em is not None else "-")

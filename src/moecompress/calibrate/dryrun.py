@@ -19,16 +19,10 @@ from pathlib import Path
 import torch
 
 from ..errors import MoECompressError
+from ..atomic import human_bytes as _human
 
 _DISK_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from .. import __version__
 from ..atomic import atomic_dir, dir_bytes
+from ..atomic import human_bytes as _human
 from ..errors import MoECompressError
 from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import stored_weights
@@ -57,13 +58,6 @@ class ExportResult(BaseModel):
         return (f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
                 f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)")
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _weights_bytes(directory: Path) -> int:
