@@ -32,6 +32,18 @@ from pathlib import Path
 import torch
 
 SECTION = "## Budget-optimal auto (issue 9)"
+
+
+def calibrated(path: str, out: Path, stats: list[str]):
+    """A stats store on fixture-calib:64 holding `stats` (reused when an earlier run already holds them)."""
+    from moecompress.calibrate import StatsStore, calibrate
+
+    if (out / "stats.json").is_file():
+        store = StatsStore.load(out)
+        if store.has(*stats):
+            return store
+    return calibrate(path, "fixture-calib:64", seq_len=256, out=out, stats=stats, batch_size=8, dtype="float32",
+                     progress=False, overwrite=True)
 EXTRA_STATS = ["out_mean", "out_var", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean",
                "input_moment", "cross_moment"]
 
@@ -55,7 +67,6 @@ def _stream_ids(stream) -> torch.Tensor:
 # ----------------------------------------------------------------------------- part A: estimator ranking
 def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int = 8, seq_len: int = 256,
                  seed: int = 0) -> dict:
-    from moecompress.calibrate import calibrate
     from moecompress.data import load_tokenizer
     from moecompress.data.calibration import token_stream
     from moecompress.methods import auto as A
@@ -66,8 +77,7 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
     path = fixture if Path(fixture).is_dir() else str(fixture_dir(fixture))
     tok = load_tokenizer(path)
     t0 = time.perf_counter()
-    store = calibrate(path, "fixture-calib:64", seq_len=256, out=out / f"stats-{fixture}",
-                      stats=A.needs_stats(A.AutoConfig()) + EXTRA_STATS, batch_size=8, dtype="float32", progress=False)
+    store = calibrated(path, out / f"stats-{Path(fixture).name}", A.needs_stats(A.AutoConfig()) + EXTRA_STATS)
     calib_s = time.perf_counter() - t0
     stream = _stream_ids(token_stream("fixture-heldout", tok))
     n = len(stream) // seq_len
@@ -80,8 +90,10 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
     setup = A.prepare(config, adapter, store)
     prepare_s = time.perf_counter() - t0
     info, problems = setup.info, setup.problems
-    ref = est._logprobs(adapter.model, held)
-    measure = lambda states: A.measure_states(adapter, info, problems, states, held, ref)  # noqa: E731
+    held_ref = est._logprobs(adapter.model, held)
+
+    def measure(states):
+        return A.measure_states(adapter, info, problems, states, held, held_ref)
 
     # (a) single-slot changes
     rng = random.Random(seed)
@@ -111,6 +123,14 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
                         t = {k.rsplit(".", 1)[1]: v.double() for k, v in c.tensors.items()}
                         row["approx_error"] = est.affine_loss(approx, e, t["bias"], t["U"] @ t["V"].T)
                 rows.append(row)
+            # PuzzleMoE: the pair of e with its nearest partner (both slots change)
+            for pref in [p for p in prob.pairs if e in p.members][:1]:
+                i_, j_ = pref.members
+                choice = list(A.keep_point(prob).choice)
+                choice[i_] = A.Candidate("pair", pref.losses[0], j_, pref.nbytes // 2, op=pref)
+                choice[j_] = A.Candidate("pair", pref.losses[1], i_, pref.nbytes - pref.nbytes // 2, op=pref)
+                pt = A.LayerPoint("replace", choice, prob.bytes_of(choice), sum(pref.losses))
+                rows.append(dict(layer=i, slot=e, kind="pair", est_error=sum(pref.losses), kl=measure({i: pt})))
     # (b) whole-layer frontier states: about five per layer, spread over the bytes
     layer_rows = []
     for i, front in setup.fronts.items():
@@ -223,14 +243,12 @@ def run_compare_part(fixture: str, out: Path, max_tokens: int = 16384) -> dict:
     arms = arms_for(50, puzzle, info) + arms_for(25, puzzle, info)
     # one calibration for every arm, kept beside the results (reruns reuse it); every arm's plan is built
     # once before the long run so that a bad arm fails in seconds, not after an hour of evaluation
-    from moecompress.calibrate import calibrate
     from moecompress.models import MoEAdapter
     from moecompress.pipeline import build_plan, needs_for
 
     needs = sorted({n for a in arms for n in needs_for(a["method"], a["params"])})
     stats_dir = out / f"stats-compare-{Path(fixture).name}"
-    store = calibrate(path, "fixture-calib:64", seq_len=256, out=stats_dir, stats=needs, batch_size=8,
-                      dtype="float32", progress=False)
+    store = calibrated(path, stats_dir, needs)
     for a in arms:
         if a["method"] != "auto":
             build_plan(MoEAdapter(load_model(path, dtype="float32")), a["method"], a["params"], store)

@@ -106,7 +106,7 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
     r = adapter.route(i, h)
     m = est.LayerMoments.load(store, i)
     info = ModelInfo.from_model(adapter)
-    prob, _ = A.layer_problem(A.AutoConfig(ranks=[4, 8]), adapter, store, info, i, True)
+    prob, _ = A.layer_problem(A.AutoConfig(ranks=[4, 8], cross_fit=False), adapter, store, info, i, True)
     checked = set()
     for e in (0, 3, 5):
         tok, slot = torch.where(r.index == e)
@@ -136,6 +136,30 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
         assert all(b[1] <= a[1] + 1e-12 for a, b in itertools.pairwise(tilts))
     assert checked == {"drop", "constant", "tilt", "partial"}
     assert float(m.w.sum()) > 0
+
+
+@torch.no_grad()
+def test_cross_fitted_losses_score_each_fold_with_the_other_folds_fit(olmoe):
+    """Fold 1 = every second calibration batch (batch size 4: sequences 4..7 here); a constant fitted on one fold
+    (its gate²-weighted mean) is scored on the other, and the two halves add up."""
+    _, store, adapter, inputs = olmoe
+    i = adapter.moe_layers[0]
+    h = inputs[i]
+    n = len(h)
+    fold1 = torch.arange(n) >= n // 2
+    r = adapter.route(i, h)
+    m = est.LayerMoments.load(store, i)
+    for e in (1, 6):
+        tok, slot = torch.where(r.index == e)
+        g2 = r.weight[tok, slot].double().square()
+        y = adapter.expert_forward(i, e, h[tok]).double()
+        f1 = fold1[tok]
+        torch.testing.assert_close(m.fold1.s_y[e], g2[f1] @ y[f1] / n)
+        means = [(g2[f] @ y[f]) / g2[f].sum() for f in (~f1, f1)]
+        direct = sum(float(g2[f] @ (y[f] - means[1 - k]).square().sum(-1)) / n for k, f in enumerate((~f1, f1)))
+        c = est.constant_candidate(m, store, e, "weighted", 4, adapter.hidden_size, torch.float32, cross_fit=True)
+        assert c.loss == pytest.approx(direct, rel=1e-9)
+        assert c.loss >= est.constant_loss(m, e, c.tensors[f"layer{i}.expert{e}.value"]) - 1e-12  # out of sample
 
 
 # ----------------------------------------------------------------------------- budget and identity
@@ -236,11 +260,13 @@ def test_plan_is_deterministic_and_mixed(olmoe):
 
 
 def test_measured_table_and_registration(olmoe):
-    plan, _ = _build(olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16)
+    # in-sample losses here (cross_fit off), so that the additive estimate and the sample error measure one thing
+    plan, _ = _build(olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16, cross_fit=False)
     table = plan.params["auto"]
     assert table["measured_kl"] > 0 and table["est_kl"] > 0
     for row in table["layers"]:
         assert row["sensitivity"] > 0 and "sample_error" in row and "measured_kl" in row
+        assert all(v > 0 for v in row["kind_sensitivity"].values())
         # the sum of slot errors is close to the layer's real error on the token sample (cross terms small)
         assert row["sample_error"] == pytest.approx(row["est_error"], rel=0.5)
     assert get_method("auto").family == "auto"

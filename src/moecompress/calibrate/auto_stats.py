@@ -23,6 +23,9 @@ auto_substitute (all experts on every token):
         where y_t = Σ_{j∈K(t)} g_j(t) f_j(h_t) is the routed output and ŷ_t the routed output when
         only e is removed from the router (``allowed`` mask = keep gate, ``present`` = renorm): the
         exact error of the substituted experts' contribution for a single removal.
+Every auto_output / auto_affine / auto_mid statistic X also comes as X_f1: the same sum over the
+tokens of every second calibration batch (fold 1; fold 0 = X − X_f1), still divided by the total N,
+so an operator fitted on one fold can be scored on the other (cross-fitted losses, docs/auto.md).
 auto_sample (routing): a uniform sample of S block inputs (priority sampling with a seeded generator,
     deterministic for a given batch order), float32, rows ordered by their sampling key
     auto_sample [S, H]   (S = min(N, 512) by default; collector parameter ``auto_sample``)
@@ -45,21 +48,40 @@ def _per_token(collector: Collector, names: tuple[str, ...]) -> dict[str, torch.
 
 
 class _GateWeighted(Collector):
-    """Shared bookkeeping: the token count N and each expert's routed tokens with g²."""
+    """Shared bookkeeping: the token count N, each expert's routed tokens with g², and the fold-1 copies."""
+
+    base: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.base:
+            cls.provides = cls.base + tuple(f"{n}_f1" for n in cls.base)
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.zeros("tokens", 1, dtype=torch.int64)
+        self.batches = 0
+
+    def zeros(self, name, *shape, dtype=torch.float64):
+        t = super().zeros(name, *shape, dtype=dtype)
+        if name in self.base:
+            super().zeros(f"{name}_f1", *shape, dtype=dtype)
+        return t
 
     def update(self, obs: Observation) -> None:
         self.sums["tokens"] += obs.num_tokens
+        fold = self.batches % 2
+        self.batches += 1
         for e in range(self.E):
             tok, _ = obs.routed(e)
             if tok.numel():
                 g2 = obs.gate(e).to(torch.float64).square()
-                self.add(obs, e, tok, g2)
+                for name, value in self.add(obs, e, tok, g2).items():
+                    self.sums[name][e] += value
+                    if fold:
+                        self.sums[f"{name}_f1"][e] += value
 
-    def add(self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor) -> None:  # pragma: no cover
+    def add(self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor) -> dict:  # pragma: no cover
         raise NotImplementedError
 
     def counts(self):
@@ -69,7 +91,7 @@ class _GateWeighted(Collector):
 @register_collector
 class AutoOutputCollector(_GateWeighted):
     name = "auto_output"
-    provides = ("auto_g2", "auto_g2_y", "auto_g2_yy")
+    base = ("auto_g2", "auto_g2_y", "auto_g2_yy")
     needs = frozenset({"routing", "outputs"})
 
     def __init__(self, *a, **k):
@@ -80,10 +102,7 @@ class AutoOutputCollector(_GateWeighted):
 
     def add(self, obs, e, tok, g2):
         y = obs.output(e).to(torch.float64)
-        s = self.sums
-        s["auto_g2"][e] += g2.sum()
-        s["auto_g2_y"][e] += g2 @ y
-        s["auto_g2_yy"][e] += g2 @ y.square().sum(-1)
+        return {"auto_g2": g2.sum(), "auto_g2_y": g2 @ y, "auto_g2_yy": g2 @ y.square().sum(-1)}
 
     def finalize(self):
         return _per_token(self, self.provides)
@@ -92,7 +111,7 @@ class AutoOutputCollector(_GateWeighted):
 @register_collector
 class AutoAffineCollector(_GateWeighted):
     name = "auto_affine"
-    provides = ("auto_g2_x", "auto_g2_xx", "auto_g2_xy")
+    base = ("auto_g2_x", "auto_g2_xx", "auto_g2_xy")
     needs = frozenset({"routing", "outputs"})
 
     def __init__(self, *a, **k):
@@ -105,10 +124,7 @@ class AutoAffineCollector(_GateWeighted):
         x = obs.x[tok].to(torch.float64)
         y = obs.output(e).to(torch.float64)
         xw = x * g2[:, None]
-        s = self.sums
-        s["auto_g2_x"][e] += xw.sum(0)
-        s["auto_g2_xx"][e] += xw.T @ x
-        s["auto_g2_xy"][e] += xw.T @ y
+        return {"auto_g2_x": xw.sum(0), "auto_g2_xx": xw.T @ x, "auto_g2_xy": xw.T @ y}
 
     def finalize(self):
         return _per_token(self, self.provides)
@@ -117,7 +133,7 @@ class AutoAffineCollector(_GateWeighted):
 @register_collector
 class AutoMidCollector(_GateWeighted):
     name = "auto_mid"
-    provides = ("auto_g2_a", "auto_g2_aa")
+    base = ("auto_g2_a", "auto_g2_aa")
     needs = frozenset({"routing", "intermediate"})
 
     def __init__(self, *a, **k):
@@ -129,8 +145,7 @@ class AutoMidCollector(_GateWeighted):
     def add(self, obs, e, tok, g2):
         a = obs.intermediate(e).to(torch.float64)
         aw = a * g2[:, None]
-        self.sums["auto_g2_a"][e] += aw.sum(0)
-        self.sums["auto_g2_aa"][e] += aw.T @ a
+        return {"auto_g2_a": aw.sum(0), "auto_g2_aa": aw.T @ a}
 
     def finalize(self):
         return _per_token(self, self.provides)

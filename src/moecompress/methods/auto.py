@@ -64,16 +64,20 @@ class AutoConfig(BaseModel):
     fit: Literal["weighted", "unweighted"] = Field("weighted", description="gate²-weighted operator fits, or "
                                                    "exactly the prune method's operators")
     ridge: float = Field(1e-3, ge=0.0, description="scale-free ridge of the tilt fits")
+    cross_fit: bool = Field(True, description="score fitted operators out of sample: fit on one half of the "
+                                              "calibration batches, score on the other (weighted fits)")
     accounting: Literal["stored", "logical"] = Field("stored", description="bytes as the compact checkpoint "
                                                      "stores them (padding included) or the plan's logical bytes")
-    sensitivity: Literal["probe", "noise", "uniform"] = Field(
-        "probe", description="per-layer KL per unit of estimated error: probe = measured KL of the layer's own "
-        "frontier state at the budget ratio / its estimated error; noise = KL per unit energy of Gaussian noise")
+    sensitivity: Literal["kind", "probe", "noise", "uniform"] = Field(
+        "kind", description="KL per unit of estimated error: kind = per layer and representation (probe of the "
+        "layer compressed with that representation alone at the budget ratio); probe = per layer (the layer's own "
+        "frontier state at the budget ratio); noise = per layer, Gaussian noise of known energy; uniform = 1")
     sensitivity_sequences: int = Field(8, ge=1, description="calibration sequences for sensitivity/measurement")
     sensitivity_seq_len: int = Field(128, ge=8)
     noise: float = Field(0.05, gt=0.0, description="sensitivity noise energy relative to the layer's output energy")
     measure: bool = Field(True, description="measure each layer's KL and the whole plan's (a few forwards)")
-    pair_partners: int = Field(4, ge=1, description="nearest experts tried as PuzzleMoE partners")
+    pair_partners: int | None = Field(None, ge=1, description="nearest experts tried as PuzzleMoE partners "
+                                                           "(None: every other expert up to 32 experts, else 8)")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -103,6 +107,8 @@ def needs_stats(config: AutoConfig) -> list[str]:
         names |= {"auto_remap", "auto_reroute_keep", "auto_reroute_renorm"}
     if "pair" in c:
         names |= {"in_channel_norm", "mid_channel_norm"}  # PuzzleMoE saliency
+    if config.cross_fit and config.fit == "weighted" and c & {"constant", "tilt", "partial"}:
+        names |= {f"{n}_f1" for n in names if n.startswith("auto_g2")}
     return sorted(names)
 
 
@@ -124,6 +130,7 @@ class LayerProblem:
     remap: torch.Tensor | None  # [E, E] remap losses (slot, prototype) or None
     stored: bool  # padded (compact) accounting
     pairs: list = field(default_factory=list)  # PuzzleMoE packed-pair candidates (auto_estimate.PairRef)
+    remap_scale: float | None = None  # per-kind sensitivity applied to remap losses (raw errors stay in `remap`)
 
     def routable_ok(self, routable: list[bool]) -> bool:
         """The plan's own routing check for keep/renorm layers (plan._check_routing)."""
@@ -168,22 +175,25 @@ def _remap_to(prob: LayerProblem, e: int, kept: list[int], exclude: int = -1) ->
     if prob.remap is None:
         return None
     best = None
+    scale = prob.remap_scale
     for p in kept:
         if p == e or p == exclude:
             continue
-        loss = float(prob.remap[e, p])
+        err = float(prob.remap[e, p])
+        loss = err if scale is None else err * scale
         if best is None or loss < best.loss:
-            best = Candidate("remap", loss, p)
+            best = Candidate("remap", loss, p, raw=None if scale is None else err)
     return best
 
 
-def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
+def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> list[LayerPoint]:
     """Greedy walk from all-keep: each step applies the change with the least added loss per byte saved.
 
     A change of slot e to another candidate; if e stops being kept, the slots remapped to e move to
     their best zero-byte alternative (another kept prototype, drop or reroute) within the same change.
     Changes that save no bytes but lower the loss are applied first. Reroute-style layers keep the
-    router able to fill its top-k (and its group-limited selection).
+    router able to fill its top-k (and its group-limited selection). With `pairs_first`, pair changes are
+    taken before any other while one is possible (used with the pairs of a least-loss matching).
     """
     kinds = REROUTE_KINDS if mode.startswith("reroute") else REPLACE_KINDS
     opts = [[c for c in slot if c.kind in kinds] for slot in prob.options]
@@ -224,8 +234,11 @@ def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
     if "pair" in kinds:
         for ref in prob.pairs:
             i, j = ref.members
-            pair_moves.append((i, j, Candidate("pair", ref.losses[0], j, ref.nbytes // 2, op=ref),
-                               Candidate("pair", ref.losses[1], i, ref.nbytes - ref.nbytes // 2, op=ref)))
+            sc = 1.0 if ref.scale is None else ref.scale
+            pair_moves.append((i, j, Candidate("pair", ref.losses[0] * sc, j, ref.nbytes // 2, op=ref,
+                                               raw=None if ref.scale is None else ref.losses[0]),
+                               Candidate("pair", ref.losses[1] * sc, i, ref.nbytes - ref.nbytes // 2, op=ref,
+                                         raw=None if ref.scale is None else ref.losses[1])))
 
     while True:
         kept = [i for i in range(e_all) if state[i].kind == "keep"]
@@ -243,9 +256,9 @@ def layer_frontier(prob: LayerProblem, mode: str) -> list[LayerPoint]:
                 if alt.kind == state[e].kind and alt.param == state[e].param:
                     continue
                 moves.append(((e, j), {e: alt}))
-        for k, (i, j, ci, cj) in enumerate(pair_moves):
-            if state[i].kind == "keep" and state[j].kind == "keep":
-                moves.append(((i, len(opts[i]) + k), {i: ci, j: cj}))
+        pm = [((i, len(opts[i]) + k), {i: ci, j: cj}) for k, (i, j, ci, cj) in enumerate(pair_moves)
+              if state[i].kind == "keep" and state[j].kind == "keep"]
+        moves = pm if pairs_first and pm else moves + pm
         for key_tail, move in moves:
             new = change(state, move)
             (e, alt) = next(iter(move.items()))
@@ -404,20 +417,21 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
         if "drop" in cands:
             slot.append(Candidate("drop", est.drop_loss(m, e)))
         if "constant" in cands:
-            slot.append(est.constant_candidate(m, stats, e, config.fit, el, h, dtype))
+            slot.append(est.constant_candidate(m, stats, e, config.fit, el, h, dtype, config.cross_fit))
         for r in sorted(set(config.ranks)):
             if "tilt" in cands:
-                c = est.tilt_candidate(m, stats, e, r, config.fit, config.ridge, el, h, dtype)
+                c = est.tilt_candidate(m, stats, e, r, config.fit, config.ridge, el, h, dtype, config.cross_fit)
                 if c is not None:
                     slot.append(c)
             if "partial" in cands:
-                c = est.partial_candidate(m, stats, adapter, e, r, config.fit, el, h, dtype)
+                c = est.partial_candidate(m, stats, adapter, e, r, config.fit, el, h, dtype, config.cross_fit)
                 if c is not None and not any(o.kind == "partial" and o.param == c.param for o in slot):
                     slot.append(c)
         # an operator as large as the expert itself is never worth it
         options.append([c for c in slot if c.kind == "keep" or c.bytes < li.bytes_per_expert])
     remap = m.remap if "remap" in cands else None
-    pairs = est.pair_options(adapter, stats, m, config.pair_partners) if "pair" in cands else []
+    partners = config.pair_partners or (li.num_experts - 1 if li.num_experts <= 32 else 8)
+    pairs = est.pair_options(adapter, stats, m, partners) if "pair" in cands else []
     pairs = [p for p in pairs if p.nbytes < 2 * li.bytes_per_expert]
     prob = LayerProblem(layer, li.num_experts, li.top_k, li.n_group, li.topk_group, li.group_score,
                         li.bytes_per_expert, h, el, options, remap, stored, pairs)
@@ -531,10 +545,56 @@ class AutoSetup:
     ids: torch.Tensor | None  # calibration token ids of the sensitivity / measurement passes
     ids_note: str | None
     ref: torch.Tensor | None  # the original's log-probs on ids
+    kind_sens: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> kind -> s_{l,k}
+
+
+def min_loss_matching(pairs: list) -> list:
+    """Disjoint pairs of maximum cardinality with the least total estimated loss (Edmonds' blossom algorithm,
+    networkx). Pairing greedily by loss leaves the last experts with bad partners; a matching does not."""
+    if not pairs:
+        return []
+    try:
+        import networkx as nx
+    except ImportError:  # pragma: no cover - networkx comes with torch
+        return pairs
+    g = nx.Graph()
+    for ref in sorted(pairs, key=lambda r: r.members):
+        g.add_edge(*ref.members, weight=-(ref.losses[0] + ref.losses[1]))
+    chosen = {tuple(sorted(e)) for e in nx.max_weight_matching(g, maxcardinality=True)}
+    return [r for r in pairs if r.members in chosen]
+
+
+def layer_front(prob: LayerProblem, config: AutoConfig, li) -> list[LayerPoint]:
+    """The Pareto front of a layer's states over every mode it may take. With pair candidates the greedy walk
+    runs twice — over every candidate pair and over the pairs of a least-loss matching only — and the
+    states of both walks compete on the front."""
+    points = []
+    matched = min_loss_matching(prob.pairs)
+    for mode in layer_modes(config, li):
+        p = _mode_options(prob, mode.split(":")[1]) if mode.startswith("reroute") else prob
+        points += layer_frontier(p, mode)
+        if matched:
+            points += layer_frontier(LayerProblem(**{**p.__dict__, "pairs": matched}), mode, pairs_first=True)
+    return pareto(points)
+
+
+def kinds_of(prob: LayerProblem) -> list[str]:
+    keys = {c.kind_key for slot in prob.options for c in slot[1:]}
+    keys |= {"remap"} if prob.remap is not None else set()
+    keys |= {"pair"} if prob.pairs else set()
+    return sorted(keys)
+
+
+def restrict(prob: LayerProblem, kind: str) -> tuple[LayerProblem, str]:
+    """The layer's problem with only `kind` besides keep, and the mode it runs in."""
+    opts = [[slot[0]] + [c for c in slot[1:] if c.kind_key == kind] for slot in prob.options]
+    sub = LayerProblem(**{**prob.__dict__, "options": opts, "remap": prob.remap if kind == "remap" else None,
+                          "pairs": min_loss_matching(prob.pairs) if kind == "pair" else []})
+    return sub, (kind if kind.startswith("reroute") else "replace")
 
 
 def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoSetup:
-    """Candidates and frontiers of every layer, and the per-layer sensitivities (a few forward passes)."""
+    """Candidates and frontiers of every layer, and the sensitivities (a few forward passes)."""
     from rich.progress import track
 
     info = ModelInfo.from_model(adapter)
@@ -545,11 +605,8 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoS
     for i in track(layers, description="auto: candidates", disable=not progress, transient=True):
         prob, m = layer_problem(config, adapter, stats, info, i, stored)
         moments[i], problems[i] = m, prob
-        points = []
-        for mode in layer_modes(config, info.layer(i)):
-            p = _mode_options(prob, mode.split(":")[1]) if mode.startswith("reroute") else prob
-            points += layer_frontier(p, mode)
-        fronts[i] = pareto(points)
+        if config.sensitivity != "kind":
+            fronts[i] = layer_front(prob, config, info.layer(i))
 
     ids, ids_note, ref = None, None, None
     if config.sensitivity != "uniform" or config.measure:
@@ -557,12 +614,13 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoS
                                             config.seed)
         ref = est._logprobs(adapter.model, ids)
     probes: dict[int, tuple[int, float, float]] = {}
+    kind_sens: dict[int, dict[str, float]] = {}
     noise = {i: 1.0 for i in layers}
     if config.sensitivity != "uniform":
         noise = est.layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
+    ratio = budget / info.expert_bytes
     if config.sensitivity == "probe":
-        ratio = budget / info.expert_bytes
         for i in layers:
             pt = probe_point(fronts[i], ratio * problems[i].expert_bytes * problems[i].num_experts)
             if pt is None:
@@ -570,9 +628,41 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoS
             kl = measure_states(adapter, info, problems, {i: pt}, ids, ref)
             probes[i] = (pt.bytes, pt.loss, kl)
             raw[i] = max(kl, 0.0) / pt.loss
+    if config.sensitivity == "kind":
+        # s_{l,k}: KL per unit of estimated error of representation k in layer l, probed with the layer
+        # compressed by k alone at the budget ratio; every candidate's loss becomes s_{l,k}·L_e (KL units)
+        for i in track(layers, description="auto: sensitivities", disable=not progress, transient=True):
+            prob = problems[i]
+            target = ratio * prob.expert_bytes * prob.num_experts
+            found = {}
+            for kind in kinds_of(prob):
+                sub, mode = restrict(prob, kind)
+                pt = probe_point(pareto(layer_frontier(sub, mode)), target)
+                if pt is None:
+                    continue
+                kl = measure_states(adapter, info, problems, {i: pt}, ids, ref)
+                if kl > 0:
+                    found[kind] = _sig(kl / pt.loss, 4)
+            fallback = sorted(found.values())[len(found) // 2] if found else _sig(noise[i], 4)
+            kind_sens[i] = {k: found.get(k, fallback) for k in kinds_of(prob)}
+            _apply_kind_scale(prob, kind_sens[i])
+            fronts[i] = layer_front(prob, config, info.layer(i))
+            raw[i] = 1.0
     sens = {i: _sig(raw[i], 4) for i in layers}
     return AutoSetup(info, budget, problems, moments, fronts, sens, {i: _sig(v, 4) for i, v in noise.items()},
-                     probes, ids, ids_note, ref)
+                     probes, ids, ids_note, ref, kind_sens)
+
+
+def _apply_kind_scale(prob: LayerProblem, scale: dict[str, float]) -> None:
+    """Losses in KL units: every candidate's loss becomes s_{l,kind}·L_e (its raw error kept in `raw`)."""
+    for slot in prob.options:
+        for c in slot[1:]:
+            c.raw = c.error
+            c.loss = c.raw * scale[c.kind_key]
+    if prob.remap is not None:
+        prob.remap_scale = scale["remap"]
+    for ref in prob.pairs:
+        ref.scale = scale["pair"]
 
 
 def measure_states(adapter, info: ModelInfo, problems: dict[int, LayerProblem], states: dict[int, LayerPoint],
@@ -620,8 +710,10 @@ def build_auto(config: AutoConfig, context: MethodContext):
         for c in pt.choice:
             hist[c.label] = hist.get(c.label, 0) + 1
         row = dict(layer=i, gate=plan.layer(i).gate, choices=dict(sorted(hist.items())), routed_bytes=pt.bytes,
-                   est_error=_sig(pt.loss), sensitivity=sens[i], noise_sensitivity=setup.noise_sens[i],
-                   est_kl=_sig(pt.loss * sens[i]))
+                   est_error=_sig(sum(c.error for c in pt.choice)), sensitivity=sens[i],
+                   noise_sensitivity=setup.noise_sens[i], est_kl=_sig(pt.loss * sens[i]))
+        if i in setup.kind_sens:
+            row["kind_sensitivity"] = setup.kind_sens[i]
         if i in setup.probes:
             b, err, kl = setup.probes[i]
             row["probe"] = dict(bytes=b, est_error=_sig(err), measured_kl=_sig(kl))

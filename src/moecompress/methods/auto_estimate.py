@@ -65,21 +65,34 @@ class LayerMoments:
     remap: torch.Tensor | None = None  # [E, E]
     reroute: dict[str, torch.Tensor] = field(default_factory=dict)  # gate -> [E]
     sample: torch.Tensor | None = None  # [S, H] float32
+    fold1: LayerMoments | None = None  # the moment sums over fold 1 only (same 1/N scale)
+
+    _MOMENTS = ("w", "s_y", "s_yy", "s_x", "s_xx", "s_xy", "s_a", "s_aa")
+    _NAMES = ("auto_g2", "auto_g2_y", "auto_g2_yy", "auto_g2_x", "auto_g2_xx", "auto_g2_xy", "auto_g2_a", "auto_g2_aa")
 
     @classmethod
     def load(cls, stats, layer: int) -> LayerMoments:
         def get(name):
             return stats.get(layer, name).double() if stats.has(name) else None
 
-        m = cls(layer, get("auto_g2"), get("auto_g2_y"), get("auto_g2_yy"), get("auto_g2_x"), get("auto_g2_xx"),
-                get("auto_g2_xy"), get("auto_g2_a"), get("auto_g2_aa"), get("auto_remap"))
+        m = cls(layer, *(get(n) for n in cls._NAMES), get("auto_remap"))
         for gate in ("keep", "renorm"):
             t = get(f"auto_reroute_{gate}")
             if t is not None:
                 m.reroute[gate] = t
         if stats.has("auto_sample"):
             m.sample = stats.get(layer, "auto_sample")
+        if stats.has("auto_g2_f1"):
+            m.fold1 = cls(layer, *(get(f"{n}_f1") if get(n) is not None else None for n in cls._NAMES))
         return m
+
+    def folds(self) -> tuple[LayerMoments, LayerMoments] | None:
+        """(fold 0, fold 1) moments, or None without fold statistics."""
+        if self.fold1 is None:
+            return None
+        f0 = LayerMoments(self.layer, *(None if getattr(self, k) is None else getattr(self, k) - getattr(self.fold1, k)
+                                        for k in self._MOMENTS))
+        return f0, self.fold1
 
 
 def approximate_moments(stats, layer: int) -> LayerMoments:
@@ -149,6 +162,17 @@ class Candidate:
     op: object = None  # the plan operator (ConstantOp / TiltOp / PartialOp) for operator kinds
     gate: str = ""  # reroute: the gate scale (keep / renorm)
     tensors: dict = field(default_factory=dict)  # its plan tensors
+    raw: float | None = None  # the unscaled estimated error when `loss` carries a per-kind sensitivity
+
+    @property
+    def error(self) -> float:
+        """The estimated output error L_e (unscaled)."""
+        return self.loss if self.raw is None else self.raw
+
+    @property
+    def kind_key(self) -> str:
+        """What a per-kind sensitivity is keyed by: the kind, reroutes by gate."""
+        return f"reroute:{self.gate}" if self.kind == "reroute" else self.kind
 
     @property
     def label(self) -> str:
@@ -159,58 +183,88 @@ def _key(layer: int, e: int) -> str:
     return f"layer{layer}.expert{e}"  # the same tensor names as methods.prune
 
 
-def constant_candidate(m: LayerMoments, stats, e: int, fit: Fit, el: int, h: int, dtype) -> Candidate:
-    if fit == "weighted":
-        w = float(m.w[e])
-        c = m.s_y[e] / w if w > 0 else torch.zeros_like(m.s_y[e])
-    else:
-        c = stats.get(m.layer, "out_mean")[e].double()
+def _cross_fitted(m: LayerMoments, e: int, fit, loss) -> float | None:
+    """L_cv = L_fold1(fit on fold 0) + L_fold0(fit on fold 1): an out-of-sample loss of a fitted operator
+    (each half scored by an operator that never saw it; moments share the 1/N scale, so the two add up to
+    a per-token loss over all N tokens). None without fold statistics."""
+    folds = m.folds()
+    if folds is None:
+        return None
+    f0, f1 = folds
+    return loss(f1, e, fit(f0, e)) + loss(f0, e, fit(f1, e))
+
+
+def _weighted_constant(m: LayerMoments, e: int) -> torch.Tensor:
+    w = float(m.w[e])
+    return m.s_y[e] / w if w > 0 else torch.zeros_like(m.s_y[e])
+
+
+def constant_candidate(m: LayerMoments, stats, e: int, fit: Fit, el: int, h: int, dtype,
+                       cross_fit: bool = False) -> Candidate:
+    c = _weighted_constant(m, e) if fit == "weighted" else stats.get(m.layer, "out_mean")[e].double()
     key = _key(m.layer, e)
     value = c.to(dtype)
-    return Candidate("constant", constant_loss(m, e, value), 0, h * el, op=ConstantOp(tensor=key),
-                     tensors={f"{key}.value": value})
+    loss = constant_loss(m, e, value)
+    if cross_fit and fit == "weighted":
+        loss = _cross_fitted(m, e, _weighted_constant, constant_loss) if m.fold1 is not None else loss
+    return Candidate("constant", loss, 0, h * el, op=ConstantOp(tensor=key), tensors={f"{key}.value": value})
+
+
+def _weighted_tilt(m: LayerMoments, e: int, rank: int, ridge: float):
+    return fit_tilt(float(m.w[e]), m.s_x[e], m.s_y[e], m.s_xx[e], m.s_xy[e], rank=rank, ridge=ridge)
+
+
+def _tilt_loss(m: LayerMoments, e: int, tilt) -> float:
+    return affine_loss(m, e, tilt.b, tilt.B @ tilt.A)
 
 
 def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: float, el: int, h: int,
-                   dtype) -> Candidate | None:
+                   dtype, cross_fit: bool = False) -> Candidate | None:
     """Rank-r tilt of slot e (None when it would not be a tilt: no tokens reached the expert)."""
+    rank = min(rank, h)
     if fit == "weighted":
-        w = float(m.w[e])
-        tilt = fit_tilt(w, m.s_x[e], m.s_y[e], m.s_xx[e], m.s_xy[e], rank=min(rank, h), ridge=ridge)
+        tilt = _weighted_tilt(m, e, rank, ridge)
     else:
         sel = stats.get(m.layer, "moment_experts").tolist()
         if e not in sel:
             return None
         s = sel.index(e)
         n = float(stats.get(m.layer, "moment_count")[s])
-        mom = lambda name: stats.get(m.layer, name)[s].double() * n
+        mom = lambda name: stats.get(m.layer, name)[s].double() * n  # means -> sums
         tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
-                        rank=min(rank, h), ridge=ridge)
+                        rank=rank, ridge=ridge)
     if tilt.rank == 0:
         return None
     key = _key(m.layer, e)
     u, v, b = tilt.B.to(dtype), tilt.A.T.contiguous().to(dtype), tilt.b.to(dtype)
     loss = affine_loss(m, e, b, u.double() @ v.double().T)
+    if cross_fit and fit == "weighted" and m.fold1 is not None:
+        loss = _cross_fitted(m, e, lambda f, e_: _weighted_tilt(f, e_, rank, ridge), _tilt_loss)
     return Candidate("tilt", loss, tilt.rank, (2 * h * tilt.rank + h) * el, op=TiltOp(rank=tilt.rank, tensor=key),
                      tensors={f"{key}.U": u, f"{key}.V": v, f"{key}.bias": b})
 
 
+def _weighted_partial(m: LayerMoments, e: int, down: torch.Tensor, width: int):
+    """Neurons with the largest centred weighted energy Var_w(a_j)·‖d_j‖² and the bias D_R·E_w[a_R]."""
+    tot = float(m.w[e])
+    mean = m.s_a[e] / tot if tot > 0 else torch.zeros_like(m.s_a[e])
+    var = (m.s_aa[e].diagonal() / tot - mean.square()).clamp_min(0) if tot > 0 else torch.zeros_like(mean)
+    energy = var * down.double().square().sum(0)  # centred: the bias absorbs each neuron's mean
+    neurons = torch.tensor(sorted(rank_order(energy)[:width]))
+    rest = torch.ones(down.shape[1], dtype=torch.bool)
+    rest[neurons] = False
+    return neurons, down.double()[:, rest] @ mean[rest]
+
+
 def partial_candidate(m: LayerMoments, stats, adapter, e: int, rank: int, fit: Fit, el: int, h: int,
-                      dtype) -> Candidate | None:
+                      dtype, cross_fit: bool = False) -> Candidate | None:
     """Partial copy of slot e at the parameter budget of a rank-r tilt (None for biased experts)."""
     w = adapter.get_expert(m.layer, e)
     if w.has_bias:
         return None
     width = max(1, min(partial_copy_size(rank, h), w.down.shape[1]))
     if fit == "weighted":
-        tot = float(m.w[e])
-        mean = m.s_a[e] / tot if tot > 0 else torch.zeros_like(m.s_a[e])
-        var = (m.s_aa[e].diagonal() / tot - mean.square()).clamp_min(0) if tot > 0 else torch.zeros_like(mean)
-        energy = var * w.down.double().square().sum(0)  # centred: the bias absorbs each neuron's mean
-        neurons = torch.tensor(sorted(rank_order(energy)[:width]))
-        rest = torch.ones(w.down.shape[1], dtype=torch.bool)
-        rest[neurons] = False
-        bias = w.down.double()[:, rest] @ mean[rest]
+        neurons, bias = _weighted_partial(m, e, w.down, width)
     else:
         count = float(stats.get(m.layer, "counts")[e])
         energy = neuron_energy(stats.get(m.layer, "mid_channel_norm")[e].double().square(), count, w.down)
@@ -220,7 +274,11 @@ def partial_candidate(m: LayerMoments, stats, adapter, e: int, rank: int, fit: F
     bias = bias.to(dtype)
     tensors = {f"{key}.gate": w.gate[neurons].to(dtype), f"{key}.up": w.up[neurons].to(dtype),
                f"{key}.down": w.down[:, neurons].to(dtype), f"{key}.bias": bias}
-    return Candidate("partial", partial_loss(m, e, w.down, neurons, bias), width, (3 * width * h + h) * el,
+    loss = partial_loss(m, e, w.down, neurons, bias)
+    if cross_fit and fit == "weighted" and m.fold1 is not None:
+        loss = _cross_fitted(m, e, lambda f, e_: _weighted_partial(f, e_, w.down, width),
+                             lambda f, e_, nb: partial_loss(f, e_, w.down, nb[0], nb[1]))
+    return Candidate("partial", loss, width, (3 * width * h + h) * el,
                      op=PartialOp(source=(m.layer, e), width=width, tensor=key), tensors=tensors)
 
 
@@ -238,6 +296,7 @@ class PairRef:
     losses: tuple[float, float]
     kwargs: dict = field(default_factory=dict, repr=False)
     adapter: object = field(default=None, repr=False)
+    scale: float | None = None  # per-kind sensitivity applied to the losses in the solver
     _merge: object = field(default=None, repr=False)
 
     def merge(self):
@@ -248,7 +307,7 @@ class PairRef:
         return self._merge
 
 
-def pair_options(adapter, stats, m: LayerMoments, partners: int) -> list[PairRef]:
+def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | None = None) -> list[PairRef]:
     """Packed-pair candidates of a layer: each expert with its `partners` nearest experts (normalised parameter
     distance), losses estimated on the layer's uniform token sample (``auto_sample``, S tokens):
 
@@ -264,12 +323,13 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int) -> list[PairRef
         raise MoECompressError("Pair candidates are estimated on a token sample; re-run calibration with the "
                                "'auto_sample' statistic (--for-method auto).")
     e_all = adapter.num_experts(layer)
-    dist = pairwise_distance(adapter.experts(layer))
-    pairs = set()
-    for i in range(e_all):
-        order = sorted((float(dist[i, j]), j) for j in range(e_all) if j != i)
-        for _, j in order[:partners]:
-            pairs.add((min(i, j), max(i, j)))
+    if pairs is None:
+        dist = pairwise_distance(adapter.experts(layer))
+        pairs = set()
+        for i in range(e_all):
+            order = sorted((float(dist[i, j]), j) for j in range(e_all) if j != i)
+            for _, j in order[:partners]:
+                pairs.add((min(i, j), max(i, j)))
     norms = layer_norms(stats, layer, e_all)
     experts = {e: adapter.get_expert(layer, e) for e in range(e_all)}
     ref_w = adapter.experts(layer).gate
