@@ -85,20 +85,21 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
     held = torch.stack([stream[k * step * seq_len:(k * step + 1) * seq_len] for k in range(min(windows, n))])
 
     adapter = MoEAdapter(load_model(path, dtype="float32"))
-    config = A.AutoConfig(budget=0.5)
     t0 = time.perf_counter()
-    setup = A.prepare(config, adapter, store)
+    setup = A.prepare(A.AutoConfig(budget=0.5), adapter, store)  # the default: per-(layer, kind) sensitivity
     prepare_s = time.perf_counter() - t0
+    lay = A.prepare(A.AutoConfig(budget=0.5, sensitivity="probe"), adapter, store)  # per-layer probe (+ noise)
     info, problems = setup.info, setup.problems
     held_ref = est._logprobs(adapter.model, held)
 
     def measure(states):
         return A.measure_states(adapter, info, problems, states, held, held_ref)
 
-    # (a) single-slot changes
+    # (a) single-slot changes: every candidate of a sample of slots, the pair of each with its nearest partner
     rng = random.Random(seed)
     rows = []
     for i, prob in problems.items():
+        m = setup.moments[i]
         approx = est.approximate_moments(store, i)
         kept_all = list(range(prob.num_experts))
         for e in sorted(rng.sample(kept_all, min(slots_per_layer, prob.num_experts))):
@@ -107,72 +108,73 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
             if r is not None:
                 cands.append(r)
             for c in cands:
-                state = A.keep_point(prob)
-                choice = list(state.choice)
+                choice = list(A.keep_point(prob).choice)
                 choice[e] = c
                 mode = f"reroute:{c.gate}" if c.kind == "reroute" else "replace"
                 pt = A.LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)
-                row = dict(layer=i, slot=e, kind=c.label + (f"-{c.gate}" if c.gate else ""), est_error=c.loss,
-                           kl=measure({i: pt}))
-                if c.kind in ("drop", "constant", "tilt"):
+                row = dict(layer=i, slot=e, kind=c.label + (f"-{c.gate}" if c.gate else ""), error=c.error,
+                           kind_kl=c.loss, kl=measure({i: pt}))
+                if c.kind in ("drop", "constant", "tilt"):  # in-sample, gate²-weighted vs mean-g² approximation
                     if c.kind == "drop":
-                        row["approx_error"] = est.drop_loss(approx, e)
+                        row["insample"], row["approx"] = est.drop_loss(m, e), est.drop_loss(approx, e)
                     elif c.kind == "constant":
-                        row["approx_error"] = est.constant_loss(approx, e, next(iter(c.tensors.values())))
+                        v = next(iter(c.tensors.values()))
+                        row["insample"], row["approx"] = est.constant_loss(m, e, v), est.constant_loss(approx, e, v)
                     else:
                         t = {k.rsplit(".", 1)[1]: v.double() for k, v in c.tensors.items()}
-                        row["approx_error"] = est.affine_loss(approx, e, t["bias"], t["U"] @ t["V"].T)
+                        mat = t["U"] @ t["V"].T
+                        row["insample"] = est.affine_loss(m, e, t["bias"], mat)
+                        row["approx"] = est.affine_loss(approx, e, t["bias"], mat)
                 rows.append(row)
-            # PuzzleMoE: the pair of e with its nearest partner (both slots change)
             for pref in [p for p in prob.pairs if e in p.members][:1]:
-                i_, j_ = pref.members
+                a, b = pref.members
                 choice = list(A.keep_point(prob).choice)
-                choice[i_] = A.Candidate("pair", pref.losses[0], j_, pref.nbytes // 2, op=pref)
-                choice[j_] = A.Candidate("pair", pref.losses[1], i_, pref.nbytes - pref.nbytes // 2, op=pref)
+                choice[a] = A.Candidate("pair", pref.losses[0], b, pref.nbytes // 2, op=pref)
+                choice[b] = A.Candidate("pair", pref.losses[1], a, pref.nbytes - pref.nbytes // 2, op=pref)
                 pt = A.LayerPoint("replace", choice, prob.bytes_of(choice), sum(pref.losses))
-                rows.append(dict(layer=i, slot=e, kind="pair", est_error=sum(pref.losses), kl=measure({i: pt})))
+                rows.append(dict(layer=i, slot=e, kind="pair", error=sum(pref.losses),
+                                 kind_kl=sum(pref.losses) * pref.scale, kl=measure({i: pt})))
     # (b) whole-layer frontier states: about five per layer, spread over the bytes
     layer_rows = []
     for i, front in setup.fronts.items():
         lossy = [p for p in front if p.loss > 0]
         for k in sorted({round(x * (len(lossy) - 1) / 4) for x in range(5)}) if lossy else []:
             pt = lossy[k]
-            layer_rows.append(dict(layer=i, bytes=pt.bytes, est_error=pt.loss, kl=measure({i: pt})))
-    # (c) whole plans
+            layer_rows.append(dict(layer=i, bytes=pt.bytes, error=sum(c.error for c in pt.choice), kind_kl=pt.loss,
+                                   kl=measure({i: pt})))
+    # (c) whole plans at several budgets, allocated with each sensitivity
     plan_rows = []
     for budget in (0.25, 0.35, 0.5, 0.65, 0.8):
         b = int(budget * info.expert_bytes)
-        for sens_name, sens in (("probe", setup.sens), ("noise", setup.noise_sens)):
-            idx = A.allocate(setup.fronts, sens, b)
-            states = {i: setup.fronts[i][k] for i, k in idx.items()}
-            plan_rows.append(dict(budget=budget, sensitivity=sens_name,
-                                  est_kl=sum(states[i].loss * setup.sens[i] for i in states),
-                                  est_kl_noise=sum(states[i].loss * setup.noise_sens[i] for i in states),
-                                  kl=measure(states)))
+        for name, su in (("kind", setup), ("probe", lay)):
+            idx = A.allocate(su.fronts, su.sens, b)
+            states = {i: su.fronts[i][k] for i, k in idx.items()}
+            plan_rows.append(dict(budget=budget, sensitivity=name, est_kl=sum(states[i].loss * su.sens[i]
+                                                                             for i in states), kl=measure(states)))
 
-    def corr(rows, scale, key="est_error"):
-        return spearman([r[key] * scale[r["layer"]] for r in rows], [r["kl"] for r in rows])
+    def rho(rows, key, scale=None):
+        return spearman([r[key] * (1.0 if scale is None else scale[r["layer"]]) for r in rows],
+                        [r["kl"] for r in rows])
 
-    uniform = {i: 1.0 for i in problems}
-    within = []
-    for i in problems:
-        sub = [r for r in rows if r["layer"] == i]
-        within.append(spearman([r["est_error"] for r in sub], [r["kl"] for r in sub]))
-    sub = [r for r in rows if "approx_error" in r]
+    within = [rho([r for r in rows if r["layer"] == i], "kind_kl") for i in problems]
+    sub = [r for r in rows if "approx" in r]
     result = dict(
         fixture=fixture, calib_seconds=round(calib_s, 1), prepare_seconds=round(prepare_s, 1),
         heldout=f"fixture-heldout, {len(held)} windows x {seq_len} tokens", n_single=len(rows),
-        sensitivity={str(i): dict(probe=setup.sens[i], noise=setup.noise_sens[i]) for i in problems},
-        spearman_single=dict(probe=corr(rows, setup.sens), noise=corr(rows, setup.noise_sens),
-                             uniform=corr(rows, uniform), within_layer_mean=sum(within) / len(within)),
-        spearman_weighting=dict(n=len(sub), weighted=corr(sub, setup.sens),
-                                approx=corr(sub, setup.sens, "approx_error")),
-        spearman_layer_states=dict(n=len(layer_rows), probe=corr(layer_rows, setup.sens),
-                                   noise=corr(layer_rows, setup.noise_sens), uniform=corr(layer_rows, uniform)),
+        sensitivity={str(i): dict(kind=setup.kind_sens[i], probe=lay.sens[i], noise=lay.noise_sens[i])
+                     for i in problems},
+        spearman_single=dict(kind=rho(rows, "kind_kl"), probe=rho(rows, "error", lay.sens),
+                             noise=rho(rows, "error", lay.noise_sens), uniform=rho(rows, "error"),
+                             within_layer_mean=sum(within) / len(within)),
+        spearman_weighting=dict(n=len(sub), cross_fitted=rho(sub, "error", lay.sens),
+                                weighted=rho(sub, "insample", lay.sens), approx=rho(sub, "approx", lay.sens)),
+        spearman_layer_states=dict(n=len(layer_rows), kind=rho(layer_rows, "kind_kl"),
+                                   probe=rho(layer_rows, "error", lay.sens),
+                                   noise=rho(layer_rows, "error", lay.noise_sens), uniform=rho(layer_rows, "error")),
         plans=plan_rows, single=rows, layer_states=layer_rows,
     )
-    probe_plans = [r for r in plan_rows if r["sensitivity"] == "probe"]
-    result["spearman_plans"] = spearman([r["est_kl"] for r in probe_plans], [r["kl"] for r in probe_plans])
+    kind_plans = [r for r in plan_rows if r["sensitivity"] == "kind"]
+    result["spearman_plans"] = spearman([r["est_kl"] for r in kind_plans], [r["kl"] for r in kind_plans])
     return result
 
 
@@ -309,21 +311,25 @@ def markdown(results: dict) -> str:
         sp = r.get("spearman")
         if sp:
             s1, sw, sl = sp["spearman_single"], sp["spearman_weighting"], sp["spearman_layer_states"]
-            lines += [f"**Estimator ranking** (Spearman ρ of estimated vs measured KL, {sp['heldout']}):", "",
-                      "| what is ranked | n | probe sensitivity (default) | noise sensitivity | none |",
-                      "| --- | ---: | ---: | ---: | ---: |",
-                      f"| single-slot candidates (all layers) | {sp['n_single']} | {_f(s1['probe'], 3)} | "
-                      f"{_f(s1['noise'], 3)} | {_f(s1['uniform'], 3)} |",
-                      f"| whole-layer frontier states | {sl['n']} | {_f(sl['probe'], 3)} | {_f(sl['noise'], 3)} | "
-                      f"{_f(sl['uniform'], 3)} |", "",
-                      f"Within a layer (sensitivity cancels) the mean ρ is {_f(s1['within_layer_mean'], 3)}. "
-                      f"Gate²-weighted moments vs the mean-g² × unweighted approximation on {sw['n']} "
-                      f"drop/constant/tilt candidates: ρ = {_f(sw['weighted'], 3)} vs {_f(sw['approx'], 3)}. "
-                      f"Whole auto plans at budgets 0.25–0.8: ρ = {_f(sp['spearman_plans'], 3)}.", "",
-                      "| budget | est. KL (probe) | est. KL (noise) | measured KL |", "| ---: | ---: | ---: | ---: |"]
-            for p in sp["plans"]:
-                if p["sensitivity"] == "probe":
-                    lines.append(f"| {p['budget']} | {_f(p['est_kl'])} | {_f(p['est_kl_noise'])} | {_f(p['kl'])} |")
+            lines += [f"**Estimator ranking** — Spearman ρ of estimated vs measured KL to the original on "
+                      f"{sp['heldout']} (held out from calibration):", "",
+                      "| what is ranked | n | per-(layer, kind) probe (default) | per-layer probe | per-layer noise "
+                      "| none |", "| --- | ---: | ---: | ---: | ---: | ---: |",
+                      f"| single-slot candidates, all layers and kinds | {sp['n_single']} | {_f(s1['kind'], 3)} | "
+                      f"{_f(s1['probe'], 3)} | {_f(s1['noise'], 3)} | {_f(s1['uniform'], 3)} |",
+                      f"| whole-layer frontier states | {sl['n']} | {_f(sl['kind'], 3)} | {_f(sl['probe'], 3)} | "
+                      f"{_f(sl['noise'], 3)} | {_f(sl['uniform'], 3)} |", "",
+                      f"Within a layer the mean ρ is {_f(s1['within_layer_mean'], 3)}. On the {sw['n']} "
+                      f"drop/constant/tilt candidates (per-layer probe scale): cross-fitted gate²-weighted losses "
+                      f"ρ = {_f(sw['cross_fitted'], 3)}, in-sample gate²-weighted {_f(sw['weighted'], 3)}, in-sample "
+                      f"mean-g² × unweighted approximation {_f(sw['approx'], 3)}. Whole auto plans at budgets "
+                      f"0.25–0.8: ρ = {_f(sp['spearman_plans'], 3)}.", "",
+                      "| budget | est. KL (kind) | measured KL (kind) | est. KL (layer probe) | measured KL (layer "
+                      "probe) |", "| ---: | ---: | ---: | ---: | ---: |"]
+            by = {(p["budget"], p["sensitivity"]): p for p in sp["plans"]}
+            for bud in sorted({p["budget"] for p in sp["plans"]}):
+                k, q = by[(bud, "kind")], by[(bud, "probe")]
+                lines.append(f"| {bud} | {_f(k['est_kl'])} | {_f(k['kl'])} | {_f(q['est_kl'])} | {_f(q['kl'])} |")
             lines.append("")
         cp = r.get("compare")
         if cp:
