@@ -104,3 +104,20 @@ def test_grid_holds_each_mask_fixed_and_pairs_against_constant():
     assert {(a.params["criterion"], a.params["ratio"]) for a in arms} == {("mone", 0.5)}
     with pytest.raises(MoECompressError, match="Unknown operator cell 'tilted'"):
         grid_arms(["mone"], ["tilted"], [0.5], rank=8)
+
+
+def test_dense_arm_before_and_after_distillation(tiny_with_tokenizer, tmp_path, capsys):
+    dense = dict(method="dense", params=dict(criterion="frequency", grouping="rr", scaling="uniform"))
+    files = _recipe(tmp_path, tiny_with_tokenizer, [
+        dict(name="dense", **dense),
+        dict(name="dense-kd", distill=dict(tokens=512, seq_len=64, batch_size=2, eval_every=2, save_every=2,
+                                           lr=1e-3, data="fixture-calib"), **dense),
+    ], tasks=[], quant_baselines=[])
+    out = tmp_path / "report"
+    code, _, err = run_cli(["compare", *files, "--out", str(out)], capsys)
+    assert code == 0, err
+    arms = {a["name"]: a for a in json.loads((out / "results.json").read_text())["arms"]}
+    assert arms["dense"]["export_format"] == "dense" and arms["dense"].get("distilled") is None
+    assert arms["dense-kd"]["distilled"]["tokens"] == 512
+    assert arms["dense"]["bytes"]["model"] < arms["original"]["bytes"]["model"]
+    assert not (out / ".distill").exists()

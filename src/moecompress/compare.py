@@ -169,11 +169,25 @@ def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, 
     summary = export_dense(model_path, ckpt, parse_config(arm.method, arm.params), dtype="float32",
                            calib={i: stats.layer(i) for i in stats.layers}, progress=progress)
     seconds = time.perf_counter() - t1
+    distilled = None
+    if arm.distill:
+        from .distill.trainer import distill
+
+        settings = dict(arm.distill)
+        data = settings.pop("data", "fixture-calib")
+        run = distill(model_path, ckpt, data, out=out / ".distill" / name, teacher_dtype="float32", progress=progress,
+                      **settings)
+        shutil.rmtree(ckpt)
+        shutil.copytree(run.student_dir, ckpt)
+        shutil.rmtree(out / ".distill", ignore_errors=True)
+        distilled = dict(run.metrics, data=data, **settings)
+        seconds = time.perf_counter() - t1
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32").eval()
     weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     entry = dict(name=name, method=arm.method, params=arm.params, kind="compressed", export_format="dense",
                  gate_semantics="n/a (dense FFN)", operator=None, path=str(ckpt), compress_seconds=round(seconds, 3),
-                 student=summary.get("student_class"), metrics=_evaluate(model, tokenizer, recipe, reference, progress))
+                 student=summary.get("student_class"), distilled=distilled,
+                 metrics=_evaluate(model, tokenizer, recipe, reference, progress))
     entry.update(_latency(model, ckpt, recipe))
     entry["bytes"].update(model=weights, disk=summary["bytes"], weights=weights)
     return entry

@@ -55,6 +55,9 @@ class ArmSpec(BaseModel):
     method: str
     params: dict[str, Any] = Field(default_factory=dict)
     format: str = "auto"
+    distill: dict[str, Any] | None = Field(
+        None, description="dense arms only: knowledge-distillation settings (moecompress.distill.DistillConfig, "
+        "e.g. {tokens: 65536, data: fixture-calib}) applied to the student before evaluation")
 
     def display_name(self) -> str:
         if self.name:
@@ -89,7 +92,7 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
     if not isinstance(data, dict):
         raise MoECompressError(f"{where} must be a YAML mapping with model, method and params.")
     data = dict(data)
-    single = {k: data.pop(k) for k in ("name", "method", "params", "format") if k in data}
+    single = {k: data.pop(k) for k in ("name", "method", "params", "format", "distill") if k in data}
     if single:
         if "method" not in single:
             raise MoECompressError(f"{where}: field 'method' is missing; name the compression method.")
