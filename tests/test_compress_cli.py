@@ -50,6 +50,7 @@ def test_constant_operator_goes_compact(tiny, capsys):
     (["--param", "rank"], "is not key=value"),
     (["--method", "prunee"], "Unknown method 'prunee'"),
     (["--format", "hf", "--operator", "constant"], "use --format compact"),
+    (["--method", "auto", "--budget", "1.5"], "Recipe field 'budget'"),
 ])
 def test_bad_input_is_one_sentence(tiny, capsys, args, message):
     root, path = tiny

@@ -33,6 +33,7 @@ def compress_command(
     operator: Optional[str] = typer.Option(None, help="Replacement operator (prune)."),
     rank: Optional[int] = typer.Option(None, help="Tilt rank / partial-copy budget (prune)."),
     gate: Optional[str] = typer.Option(None, help="keep | renorm (prune, reroute)."),
+    budget: Optional[float] = typer.Option(None, help="Routed-expert bytes kept, as a fraction (auto)."),
     param: list[str] = typer.Option([], help="Any other method parameter as key=value (repeatable)."),
     recipe: Optional[Path] = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
     format: str = typer.Option("auto", help="auto | hf | compact | packed | materialized."),
@@ -53,7 +54,7 @@ def compress_command(
         data = yaml.safe_load(recipe.read_text()) or {}
         method = data.get("method", method)
         params.update(data.get("params") or {})
-    given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate)
+    given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget)
     params.update({k: v for k, v in given.items() if v is not None})
     params.update(parse_params(param))
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
