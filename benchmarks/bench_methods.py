@@ -113,17 +113,9 @@ def write(suite: str, out: Path, bench_md: Path = Path("BENCHMARKS.md")) -> None
         results = json.loads(res_file.read_text())
         wall = json.loads((out / fixture / "wall.json").read_text())["seconds"] if (out / fixture / "wall.json").is_file() else 0
         parts += [f"### {fixture} (suite wall time {wall / 60:.1f} min)", "", table(results), ""]
-    text = bench_md.read_text() if bench_md.is_file() else "# Benchmarks\n"
-    section = "\n".join(parts).rstrip() + "\n"
-    if title in text:
-        start = text.index(title)
-        nxt = text.find("\n## ", start + len(title))
-        text = text[:start] + section + (text[nxt + 1:] if nxt != -1 else "")
-        if nxt != -1 and not section.endswith("\n\n"):
-            text = text.replace(section, section + "\n", 1)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    bench_md.write_text(text)
+    from _bench_md import write_section
+
+    write_section(title, "\n".join(parts), bench_md)
 
 
 def main() -> None:

@@ -309,14 +309,9 @@ def _pairs(rows: dict):
 
 
 def write_benchmarks(text: str, path: Path) -> None:
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION in doc:
-        start = doc.index(SECTION)
-        nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + (doc[nxt + 1:] if nxt >= 0 else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    path.write_text(doc)
+    from _bench_md import write_section
+
+    write_section(SECTION, text, path)
 
 
 def main():
