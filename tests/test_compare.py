@@ -92,6 +92,12 @@ def test_shipped_demo_recipe_is_valid():
 
     recipe = load_recipe(resources.files("moecompress") / "recipes" / "demo.yaml")
     assert recipe.model.startswith("fixture:") and len(recipe.arms) >= 10
+    from moecompress.methods import get_method
+
+    families = {get_method(a.method).family for a in recipe.arms}
+    assert families == {"prune", "consolidate", "merge", "elementwise", "dense", "auto"}
+    full = load_recipe(resources.files("moecompress") / "recipes" / "demo-full.yaml")
+    assert {a.display_name() for a in recipe.arms} < {a.display_name() for a in full.arms}
     assert shutil.which("moecompress") is not None
 
 
