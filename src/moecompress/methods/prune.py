@@ -110,9 +110,9 @@ def select_experts(config: PruneConfig, adapter, stats) -> dict[int, list[int]]:
         keep = {}
         for i in adapter.moe_layers:
             counts = _get(stats, i, "counts")
-            base = g_cp = _get(stats, i, "cp")
-            if config.criterion == "do-acp":
-                base = C.acp(g_cp * counts, counts, _get(stats, i, "out_norm_sq_mean") * counts)
+            cp = _get(stats, i, "cp")
+            base = C.acp(cp * counts, counts, _get(stats, i, "out_norm_sq_mean") * counts) \
+                if config.criterion == "do-acp" else cp
             k = num_kept(len(counts), config.ratio)
             chosen = greedy_doptimal(doptimal_kernel(base, _get(stats, i, "gram")), k)
             keep[i] = _with_protected(sorted(chosen), protected.get(i), base)
