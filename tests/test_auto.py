@@ -21,7 +21,7 @@ from moecompress.methods import prune as P
 from moecompress.models import MoEAdapter, expert_intermediate, load_model
 from moecompress.pipeline import choose_format
 from moecompress.plan import CompressionPlan, ModelInfo
-from moecompress.testing import save_tiny
+from moecompress.testing import calibrated_tiny, save_tiny
 
 EXTRA = ["out_mean", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
          "cross_moment", "mid_channel_norm", "mid_mean"]
@@ -31,21 +31,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 
 def _setup(root, family, seed):
-    path = save_tiny(family, root / "model", seed=seed)
-    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
-    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats",
-                      stats=A.needs_stats(A.AutoConfig()) + EXTRA, batch_size=4, dtype="float32", progress=False)
-    model = load_model(str(path), dtype="float32")
-    adapter = MoEAdapter(model)
-    inputs = {}
-    hooks = [adapter.layer(i).block.register_forward_hook(
-        lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach()))
-        for i in adapter.moe_layers]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    return path, store, adapter, inputs
+    return calibrated_tiny(root, family, seed, A.needs_stats(A.AutoConfig()) + EXTRA)
 
 
 @pytest.fixture(scope="module")

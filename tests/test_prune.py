@@ -12,7 +12,7 @@ from moecompress.methods.operators import fit_tilt
 from moecompress.methods.prune import PruneConfig, build_prune, layer_scores, select_experts
 from moecompress.models import MoEAdapter, load_model
 from moecompress.scoring import criteria as C
-from moecompress.testing import save_tiny
+from moecompress.testing import block_inputs, calibrated_tiny, save_tiny
 
 STATS = ["counts", "tokens", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_sq_mean", "out_mean", "out_var",
          "gram", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
@@ -21,24 +21,8 @@ STATS = ["counts", "tokens", "routing_mass", "pp", "cp", "reap", "ean", "out_nor
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prune")
-    path = save_tiny("olmoe", root / "model", seed=3)
-    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
-    data = CalibrationData.from_tokens(ids)
-    store = calibrate(str(path), data, seq_len=24, out=root / "stats", stats=STATS, batch_size=4, dtype="float32",
-                      progress=False)
-    model = load_model(str(path), dtype="float32")
-    adapter = MoEAdapter(model)
-    # reference: every MoE block's input on the same tokens, from a full forward with hooks
-    inputs = {}
-    hooks = [adapter.layer(i).block.register_forward_hook(
-        lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach()))
-        for i in adapter.moe_layers]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    return path, store, adapter, inputs
+    """Tiny OLMoE, its stats, and (reference) every MoE block's input on the calibration tokens."""
+    return calibrated_tiny(tmp_path_factory.mktemp("prune"), "olmoe", seed=3, stats=STATS)
 
 
 def _reference_scores(adapter, layer, h):
@@ -160,13 +144,7 @@ def test_remap_error_statistic_equals_direct_computation(tmp_path):
     model = load_model(str(path), dtype="float32")
     adapter = MoEAdapter(model)
     layer = adapter.moe_layers[0]
-    captured = {}
-    hook = adapter.layer(layer).block.register_forward_hook(
-        lambda m, a, o: captured.__setitem__("h", a[0].reshape(-1, a[0].shape[-1]).detach()))
-    with torch.no_grad():
-        model(ids)
-    hook.remove()
-    h = captured["h"]
+    h = block_inputs(adapter, ids)[layer]
     r = adapter.route(layer, h)
     outs = torch.stack([adapter.expert_forward(layer, p, h) for p in range(8)]).double()
     parity = torch.arange(len(h)) % 2

@@ -89,3 +89,33 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def block_inputs(adapter, ids) -> dict:
+    """{MoE layer: its block's input [N, H]} from one full forward of `adapter.model` on token ids."""
+    inputs = {}
+    hooks = [adapter.layer(i).block.register_forward_hook(
+        lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach()))
+        for i in adapter.moe_layers]
+    try:
+        with torch.no_grad():
+            adapter.model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs
+
+
+def calibrated_tiny(root: str | Path, model_type: str, seed: int, stats: list[str]):
+    """A saved tiny model calibrated on 8 x 24 seeded random tokens: (path, store, adapter, block inputs)."""
+    from .calibrate import calibrate
+    from .data import CalibrationData
+    from .models import MoEAdapter, load_model
+
+    root = Path(root)
+    path = save_tiny(model_type, root / "model", seed=seed)
+    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
+    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats", stats=stats,
+                      batch_size=4, dtype="float32", progress=False)
+    adapter = MoEAdapter(load_model(str(path), dtype="float32"))
+    return path, store, adapter, block_inputs(adapter, ids)
