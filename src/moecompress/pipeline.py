@@ -47,9 +47,30 @@ def build_plan(adapter: MoEAdapter, method: str, params: dict[str, Any] | None, 
     return entry.build(config, MethodContext(adapter, stats, seed, progress))
 
 
-def needs_for(method: str, params: dict[str, Any] | None) -> list[str]:
+def needs_for(method: str, params: dict[str, Any] | None, quant: dict[str, Any] | None = None) -> list[str]:
+    """Statistics `method` (and the quantization stage, when asked) read."""
+    from .methods.quantize import quant_stats
+
     entry = get_method(method)
-    return entry.stats_for(parse_config(method, params))
+    return sorted(set(entry.stats_for(parse_config(method, params))) | set(quant_stats(quant_config(quant))))
+
+
+def quant_config(quant: dict[str, Any] | str | None):
+    """A recipe's ``quant:`` field (``w4g128`` or ``{quant: w4g128, algo: gptq, weighting: gate2}``) validated."""
+    if quant is None:
+        return None
+    return parse_config("quant", {"quant": quant} if isinstance(quant, str) else quant)
+
+
+def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bool = False):
+    """Quantize the stored experts of (plan, tensors) when a ``quant`` setting is given."""
+    config = quant_config(quant)
+    if config is None:
+        return plan, tensors
+    from .methods.quantize import quantize_plan
+
+    source = lambda l, e: adapter.layer(l).storage.read(e)
+    return quantize_plan(plan, tensors, source, config, stats, progress)
 
 
 def choose_format(plan, requested: str = "auto") -> str:
@@ -81,19 +102,22 @@ def export_source(model_path: str, adapter: MoEAdapter, plan, tensors):
 
 def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
              out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
-             dtype: str = "float32", overwrite: bool = False, progress: bool = True):
-    """Compress checkpoint `model` with `method` and write it to `out`; returns the ExportResult."""
+             dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None):
+    """Compress checkpoint `model` with `method` and write it to `out`; returns the ExportResult.
+
+    quant: optional weight quantization of every stored expert the method keeps (`quant_config`)."""
     from .api import export
 
     out = Path(out)
     if out.exists() and not overwrite:
         raise MoECompressError(f"{out} already exists; choose another output path or pass --overwrite.")
-    needs = needs_for(method, params)
+    needs = needs_for(method, params, quant)
     stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
                                 progress=progress)
     adapter = MoEAdapter(load_model(model, dtype=dtype))
     plan, tensors = build_plan(adapter, method, params, stats, seed, progress)
+    plan, tensors = quantize(adapter, plan, tensors, quant, stats, progress)
     recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
-              "seq_len": seq_len, "seed": seed}
+              "seq_len": seq_len, "seed": seed, "quant": quant}
     return export(export_source(model, adapter, plan, tensors), plan, out, format=choose_format(plan, format),
                   tensors=tensors, recipe=recipe, overwrite=overwrite)

@@ -28,6 +28,13 @@ Tensor keys under a reference ``p``: stored expert ``p.gate [I,H]``, ``p.up [I,H
 ``p.down [H,I]`` (+ ``p.gate_bias``, ``p.up_bias``, ``p.down_bias`` for biased families);
 constant ``p.value [H]``; tilt ``p.U [H,r]``, ``p.V [H,r]``, ``p.bias [H]``; partial
 ``p.gate [w,H]``, ``p.up [w,H]``, ``p.down [H,w]``, ``p.bias [H]`` (+ ``p.gate_bias``/``p.up_bias``).
+
+Every stored expert also has a precision (``quant``): ``None`` keeps the model's 16-bit (or float32)
+weights; a `QuantSpec` stores gate/up/down as integer codes on a group-wise grid, under
+``p.{gate,up,down}.weight_packed`` (int32 words), ``.weight_scale``, ``.weight_shape`` (+
+``.weight_zero_point`` when asymmetric) -- compressed-tensors' ``pack-quantized`` names -- with any
+biases left in the model's dtype (``p.gate_bias`` ...). Structure and bits compose in one plan and
+one byte count (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import MoECompressError
+from .quant.spec import QuantSpec
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -155,6 +163,8 @@ class StoredExpert(_Strict):
     # see moecompress.runtime.packed). A packed expert holds one reconstruction per source: a slot that maps
     # to it computes the member whose source is (its layer, its slot) -- sources' order is the member order.
     packing: str | None = None
+    # integer weights (tensors under `tensor`: p.{gate,up,down}.weight_packed/...); None = the model's dtype
+    quant: QuantSpec | None = None
 
 
 class Scope(_Strict):
@@ -342,6 +352,11 @@ class CompressionPlan(_Strict):
                 _fail(f"The {where} is a weighted merge without weights or tensors; give merge weights.")
         elif s.tensor is None:
             _fail(f"The {where} is an element-wise merge, so the method must supply its tensors (set 'tensor').")
+        if s.quant is not None:
+            if s.packing is not None:
+                _fail(f"The {where} is packed as '{s.packing}', which carries its own precision; drop its 'quant'.")
+            if s.tensor is None:
+                _fail(f"The {where} is quantized, so its integer tensors must be supplied (set 'tensor').")
         if s.packing is not None:
             if s.construction != "elementwise_merge":
                 _fail(f"The {where} declares packing '{s.packing}' but is a {s.construction}; only element-wise "
@@ -408,6 +423,9 @@ class CompressionPlan(_Strict):
             for s in sc.stored:
                 if s.tensor is None:
                     continue
+                if s.quant is not None:
+                    self._need_quant(tensors, s.tensor, s.quant, self.expert_shapes(sc, s))
+                    continue
                 if s.packing is not None:
                     from .runtime.packed import check_packed_tensors
 
@@ -423,8 +441,7 @@ class CompressionPlan(_Strict):
                         _fail(f"Stored expert {s.id} of scope '{sc.id}' is packed but no decoder is registered "
                               "for element-wise merges; import the PuzzleMoE method module first.")
                     continue
-                width = self.stored_width(sc, s)
-                self._need(tensors, s.tensor, {"gate": (width, h), "up": (width, h), "down": (h, width)})
+                self._need(tensors, s.tensor, self.expert_shapes(sc, s))
         for lp in self.layers:
             for e, op in lp.operators():
                 if isinstance(op, ConstantOp):
@@ -446,7 +463,29 @@ class CompressionPlan(_Strict):
                 _fail(f"Plan tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}; "
                       "the tensors do not belong to this plan.")
 
+    @staticmethod
+    def _need_quant(tensors, prefix: str, spec: QuantSpec, shapes: dict[str, tuple]) -> None:
+        for part, shape in shapes.items():
+            key = f"{prefix}.{part}"
+            for suffix in ("weight_packed", "weight_scale", "weight_shape") + (() if spec.symmetric
+                                                                              else ("weight_zero_point",)):
+                if f"{key}.{suffix}" not in tensors:
+                    _fail(f"The plan tensors lack '{key}.{suffix}' of a {spec.name()} stored expert; pass the "
+                          "tensors the quantization produced (plan_tensors.safetensors beside plan.json).")
+            if tuple(int(x) for x in tensors[f"{key}.weight_shape"].tolist()) != shape:
+                _fail(f"Plan tensor '{key}' is quantized with shape {tuple(tensors[f'{key}.weight_shape'].tolist())}, "
+                      f"expected {shape}; the tensors do not belong to this plan.")
+
     # ------------------------------------------------------------------ queries
+    def expert_shapes(self, sc: Scope, s: StoredExpert) -> dict[str, tuple[int, int]]:
+        """[out, in] of the stored expert's gate, up and down projections."""
+        w, h = self.stored_width(sc, s), self.model.hidden_size
+        return {"gate": (w, h), "up": (w, h), "down": (h, w)}
+
+    def quant_specs(self) -> set:
+        """The precisions of the stored experts (None = the model's dtype)."""
+        return {s.quant for sc in self.scopes for s in sc.stored}
+
     def layer(self, i: int) -> LayerPlan:
         for lp in self.layers:
             if lp.layer == i:
@@ -480,6 +519,8 @@ class CompressionPlan(_Strict):
         """Can a vanilla config express this plan (sliced experts + router rows)? (answer, reason if not)."""
         if self.has_packed():
             return False, "it stores packed element-wise merges"
+        if len(self.quant_specs()) > 1:
+            return False, "its stored experts have different precisions"
         counts = set()
         for lp in self.layers:
             sc = self.scope(lp.scope)
@@ -519,7 +560,11 @@ class CompressionPlan(_Strict):
         stored = 0
         for sc in self.scopes:
             for s in sc.stored:
-                if s.construction == "copy":
+                if s.quant is not None:
+                    shapes = self.expert_shapes(sc, s)
+                    stored += sum(s.quant.tensor_bytes(*shape) for shape in shapes.values())
+                    stored += (2 * shapes["gate"][0] + h) * el if bias else 0
+                elif s.construction == "copy":
                     stored += self.model.layer(s.sources[0][0]).bytes_per_expert
                 elif s.construction == "elementwise_merge" and (s.packing is not None or tensors is None
                                                                or f"{s.tensor}.gate" not in tensors):

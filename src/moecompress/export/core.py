@@ -109,8 +109,8 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
             def src(l, e, layer=layer, i=i):
                 return buffered[(l, e)] if l != i else layer.storage.read(e)
 
-            # packed (PuzzleMoE) stored experts stay packed: the format reads their tensors itself (None here)
-            weights = [None if s.packing is not None else
+            # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
+            weights = [None if s.packing is not None or s.quant is not None else
                        _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
                        for s in sc.stored]
             writer.add_all(fmt.scope(sc, weights))

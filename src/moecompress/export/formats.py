@@ -22,7 +22,8 @@ import torch
 from ..errors import MoECompressError
 from ..models import ExpertWeights, MoELayer, skeleton
 from ..plan import CompressionPlan, Scope
-from ..runtime import StoredExperts, build_ops, native_tensors, runtime_layout
+from ..runtime import build_ops, native_tensors, runtime_layout
+from ..runtime.build import _complete_bias, scope_from_weights, stored_weights
 
 SCOPE_PREFIX = "moecompress.scopes."
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -116,8 +117,13 @@ class HFFormat(Format):
         for key in EXPERT_COUNT_KEYS:
             if key in d:
                 setattr(config, key, self.k)
+        self.out_skeleton = skeleton(config)  # before quantization_config: on-disk names of the dense experts
+        (self.quant,) = self.plan.quant_specs()  # hf_expressible: one precision for every stored expert
+        if self.quant is not None:
+            from .ct import quantization_config
+
+            config.quantization_config = quantization_config(self.quant)
         self.config = config
-        self.out_skeleton = skeleton(config)
 
     def output_config(self):
         return self.config
@@ -140,7 +146,16 @@ class HFFormat(Format):
         (i,) = sc.layers
         lp = self.plan.layer(i)
         ordered = [weights[lp.slots[e]] for e in self.kept[i]]
-        return self.finalize(self.expert_tensors(i, ordered))
+        if self.quant is None:
+            return self.finalize(self.expert_tensors(i, ordered))
+        from .ct import per_expert_quantized
+
+        stored = [sc.stored[lp.slots[e]] for e in self.kept[i]]
+        ordered = [_complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
+                   for s, layer in ((s, self.expert_names[i][2]) for s in stored)]
+        packed = [{part: {k.rsplit(".", 1)[1]: v for k, v in self.tensors.items()
+                          if k.startswith(f"{s.tensor}.{part}.")} for part in ("gate", "up", "down")} for s in stored]
+        return per_expert_quantized(self.finalize(self.expert_tensors(i, ordered)), packed, self.plan.model.model_type)
 
 
 class MaterializedFormat(Format):
@@ -168,6 +183,8 @@ class MaterializedFormat(Format):
     def scope(self, sc, weights):
         out = {}
         _, _, layer, dtype = self.expert_names[sc.layers[0]]
+        weights = [_complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
+                   if s.quant is not None else w for s, w in zip(sc.stored, weights)]
         members = {}
         for s in sc.stored:  # packed merges: one decoded reconstruction per member (source)
             if s.packing is not None:
@@ -213,8 +230,7 @@ class CompactFormat(Format):
 
     def scope(self, sc, weights):
         _, _, layer, dtype = self.expert_names[sc.layers[0]]
-        stored = StoredExperts.from_weights(weights, runtime_layout(layer), layer.act,
-                                            width=self.plan.scope_width(sc), dtype=dtype)
+        stored = scope_from_weights(self.plan, sc, layer, weights, self.tensors, dtype)
         return {f"{SCOPE_PREFIX}{sc.id}.{k}": v for k, v in stored.state_dict().items()}
 
 
@@ -225,22 +241,6 @@ class PackedFormat(CompactFormat):
 
     def check(self) -> None:
         pass
-
-    def scope(self, sc, weights):
-        if all(s.packing is None for s in sc.stored):
-            return super().scope(sc, weights)
-        from ..runtime.packed import PackedScopeExperts, module_for
-
-        _, _, layer, dtype = self.expert_names[sc.layers[0]]
-        dense_w = [w for w in weights if w is not None]
-        dense = StoredExperts.from_weights(dense_w, runtime_layout(layer), layer.act, width=self.plan.scope_width(sc),
-                                           dtype=dtype) if dense_w else None
-        merged = {s.id: module_for(self.plan, sc, s, self.tensors, layer.act, device="cpu")
-                  for s in sc.stored if s.packing is not None}
-        mod = PackedScopeExperts(dense, merged, [s.id for s in sc.stored if s.packing is None],
-                                 {s.id: [tuple(x) for x in s.sources] for s in sc.stored if s.packing is not None},
-                                 dtype)
-        return {f"{SCOPE_PREFIX}{sc.id}.{k}": v for k, v in mod.state_dict().items()}
 
 
 FORMATS = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat)}

@@ -104,7 +104,8 @@ def _load_compact(d: Path, device_map, dtype, marker: dict):
                     if t.device.type == "cpu" and t.data_ptr() % 64:
                         # mmap-backed at an unaligned file offset: copy, so kernels (and results) match memory
                         t = t.clone()
-                    packed = ".merged." in key and key.startswith(SCOPE_PREFIX)
+                    # PuzzleMoE packed words and quantized scales stay exactly as stored
+                    packed = (".merged." in key or "_weight_" in key) and key.startswith(SCOPE_PREFIX)
                     if want is not None and t.is_floating_point() and not packed:  # packed tensors stay as stored
                         t = t.to(want)
                     if key.startswith(SCOPE_PREFIX):

@@ -81,7 +81,7 @@ def _load_builtin_methods() -> None:
     """Import the method modules so that they register themselves (ignoring ones not yet present)."""
     import importlib
 
-    for mod in ("prune", "conmoe", "merging", "puzzle", "dense", "auto"):
+    for mod in ("prune", "conmoe", "merging", "puzzle", "dense", "auto", "quantize"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as exc:

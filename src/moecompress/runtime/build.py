@@ -14,6 +14,7 @@ from .decoders import get_decoder
 from .experts import Layout, StoredExperts
 from .operators import SlotOperators
 from .packed import PackedScopeExperts, module_for
+from .quantized import QuantizedStoredExperts, StoredExpertSlot, packed_shapes, slot_tensor_names
 
 SourceFn = Callable[[int, int], ExpertWeights]  # (layer, expert) -> weights (documented orientation)
 
@@ -37,6 +38,8 @@ def stored_weights(plan: CompressionPlan, sc: Scope, s: StoredExpert, source: So
     by w_i, so f(x) = sum_i w_i f_i(x); otherwise the method's tensors (decoded if packed).
     """
     tensors = tensors or {}
+    if s.quant is not None:
+        return quantized_slot(plan, sc, s, tensors).weights(torch.bfloat16)
     if s.construction == "copy":
         return source(*s.sources[0])
     if s.packing is not None:
@@ -68,6 +71,25 @@ def stored_weights(plan: CompressionPlan, sc: Scope, s: StoredExpert, source: So
     return w
 
 
+def quantized_slot(plan: CompressionPlan, sc: Scope, s: StoredExpert, tensors) -> StoredExpertSlot:
+    """The runtime slot of quantized stored expert `s` from the plan tensors under its prefix."""
+    names = slot_tensor_names(s.quant, plan.model.expert_bias)
+    return StoredExpertSlot.from_tensors(s.quant, {n: tensors[f"{s.tensor}.{n}"] for n in names})
+
+
+def empty_slot(plan: CompressionPlan, sc: Scope, s: StoredExpert, dtype) -> StoredExpertSlot:
+    """A meta-device slot with the shapes and dtypes stored expert `s` is saved with (filled by a loader)."""
+    shapes = plan.expert_shapes(sc, s)
+    if s.quant is None:
+        tensors = {p: torch.empty(shape, dtype=dtype, device="meta") for p, shape in shapes.items()}
+    else:
+        tensors = {f"{p}.{k}": torch.empty(shape_, dtype=dt, device="meta")
+                   for p, shape in shapes.items() for k, (shape_, dt) in packed_shapes(s.quant, *shape).items()}
+    if plan.model.expert_bias:
+        tensors.update({f"{p}_bias": torch.empty(shapes[p][0], dtype=dtype, device="meta") for p in shapes})
+    return StoredExpertSlot.from_tensors(s.quant, tensors)
+
+
 def _complete_bias(w: ExpertWeights, layout: Layout) -> ExpertWeights:
     if layout != "gpt_oss" or w.gate_bias is not None and w.up_bias is not None and w.down_bias is not None:
         return w
@@ -83,32 +105,55 @@ def build_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, source: Sourc
     """The scope's stored experts in one fused tensor set (layout and activation of `layer`'s family).
 
     A scope with packed (PuzzleMoE) stored experts becomes a `PackedScopeExperts`: its dense experts
-    fused as usual, each packed expert kept packed (decoded on the fly in every forward).
+    fused as usual, each packed expert kept packed (decoded on the fly in every forward). A scope with
+    quantized stored experts keeps their integer codes (`QuantizedStoredExperts`).
     """
-    layout = runtime_layout(layer)
     ref = layer.storage.read(0).gate
     dtype = dtype or ref.dtype
     device = device if device is not None else ref.device
-    weights, merged = [], {}
-    for s in sc.stored:
+    weights = [None if s.packing is not None or s.quant is not None else
+               _complete_bias(stored_weights(plan, sc, s, source, tensors), runtime_layout(layer))
+               for s in sc.stored]
+    return scope_from_weights(plan, sc, layer, weights, tensors, dtype, device, config)
+
+
+def scope_from_weights(plan: CompressionPlan, sc: Scope, layer: MoELayer, weights: list[ExpertWeights | None],
+                       tensors, dtype, device="cpu", config=None):
+    """The runtime module of scope `sc` from its dense stored experts' weights (None for packed or quantized
+    experts, which come from the plan `tensors`)."""
+    layout = runtime_layout(layer)
+    tensors = tensors or {}
+    dense, slots, merged = [], [], {}
+    for s, w in zip(sc.stored, weights):
         if s.packing is not None:
-            merged[s.id] = module_for(plan, sc, s, tensors or {}, layer.act, device=device)
-            continue
-        w = _complete_bias(stored_weights(plan, sc, s, source, tensors), layout)
-        weights.append(w.map(lambda t: t.to(device=device, dtype=dtype)))
-    dense = StoredExperts.from_weights(weights, layout, layer.act, width=plan.scope_width(sc), dtype=dtype,
-                                       config=config) if weights else None
+            merged[s.id] = module_for(plan, sc, s, tensors, layer.act, device=device)
+        elif s.quant is not None:
+            slots.append(quantized_slot(plan, sc, s, tensors).to(device))
+        else:
+            dense.append(w.map(lambda t: t.to(device=device, dtype=dtype)))
+            slots.append(StoredExpertSlot.from_tensors(None, dense[-1].tensors()))
+    if any(slot.spec is not None for slot in slots):
+        fused = QuantizedStoredExperts(slots, plan.model.hidden_size, plan.scope_width(sc), layout, layer.act, dtype,
+                                       config=config)
+    else:
+        fused = StoredExperts.from_weights(dense, layout, layer.act, width=plan.scope_width(sc), dtype=dtype,
+                                           config=config) if dense else None
     if not merged:
-        return dense
-    return PackedScopeExperts(dense, merged, [s.id for s in sc.stored if s.packing is None],
+        return fused
+    return PackedScopeExperts(fused, merged, [s.id for s in sc.stored if s.packing is None],
                               {s.id: [tuple(x) for x in s.sources] for s in sc.stored if s.packing is not None}, dtype)
 
 
 def empty_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, dtype, config=None):
     """A meta-device shell with the scope's shapes (filled later by a loader)."""
     dense_ids = [s.id for s in sc.stored if s.packing is None]
-    dense = StoredExperts(len(dense_ids), plan.model.hidden_size, plan.scope_width(sc), runtime_layout(layer),
-                          layer.act, dtype=dtype, device="meta", config=config) if dense_ids else None
+    if any(s.quant is not None for s in sc.stored):
+        slots = [empty_slot(plan, sc, s, dtype) for s in sc.stored if s.packing is None]
+        dense = QuantizedStoredExperts(slots, plan.model.hidden_size, plan.scope_width(sc), runtime_layout(layer),
+                                       layer.act, dtype, config=config)
+    else:
+        dense = StoredExperts(len(dense_ids), plan.model.hidden_size, plan.scope_width(sc), runtime_layout(layer),
+                              layer.act, dtype=dtype, device="meta", config=config) if dense_ids else None
     if len(dense_ids) == len(sc.stored):
         return dense
     merged = {s.id: module_for(plan, sc, s, None, layer.act) for s in sc.stored if s.packing is not None}
@@ -118,7 +163,7 @@ def empty_scope(plan: CompressionPlan, sc: Scope, layer: MoELayer, dtype, config
 
 def scope_dtype(stored) -> torch.dtype:
     """Compute dtype of a scope module (`StoredExperts` or `PackedScopeExperts`)."""
-    return stored.dtype if isinstance(stored, PackedScopeExperts) else stored.gate_up_proj.dtype
+    return stored.dtype if isinstance(stored, (PackedScopeExperts, QuantizedStoredExperts)) else stored.gate_up_proj.dtype
 
 
 def build_ops(plan: CompressionPlan, lp: LayerPlan, layer: MoELayer, tensors, dtype, device,

@@ -147,11 +147,16 @@ class StoredExperts(nn.Module):
         """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H].
 
         may_skip=False promises that no index is the sentinel K (saves a host sync per call)."""
+        w = self.fused()
         if self.implementation == "eager":
-            return self._eager(x, index, weight)
-        return self._grouped(x, index, weight, may_skip)
+            return self._eager(x, index, weight, w)
+        return self._grouped(x, index, weight, w, may_skip)
 
-    def _eager(self, x, index, weight):
+    def fused(self) -> dict[str, torch.Tensor]:
+        """The fused tensors a forward multiplies with (quantized scopes dequantize them here)."""
+        return {name: t for name, t in self._parameters.items() if t is not None}
+
+    def _eager(self, x, index, weight, w):
         # mirrors transformers' eager experts loop (one matmul pair per stored expert hit)
         out = torch.zeros_like(x)
         k_total = self.num_experts
@@ -165,16 +170,16 @@ class StoredExperts(nn.Module):
             pos, tok = torch.where(mask[s])
             cur = x[tok]
             if self.layout == "gpt_oss":
-                h = self._apply_gate(cur @ self.gate_up_proj[s] + self.gate_up_proj_bias[s])
-                y = h @ self.down_proj[s] + self.down_proj_bias[s]
+                h = self._apply_gate(cur @ w["gate_up_proj"][s] + w["gate_up_proj_bias"][s])
+                y = h @ w["down_proj"][s] + w["down_proj_bias"][s]
             else:
-                h = self._apply_gate(F.linear(cur, self.gate_up_proj[s]))
-                y = F.linear(h, self.down_proj[s])
+                h = self._apply_gate(F.linear(cur, w["gate_up_proj"][s]))
+                y = F.linear(h, w["down_proj"][s])
             y = y * weight[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    def _grouped(self, x, index, weight, may_skip=True):
+    def _grouped(self, x, index, weight, w, may_skip=True):
         # mirrors transformers' grouped_mm_experts_forward, with sentinel pairs sorted to the tail and skipped
         n, k = index.shape
         k_total = self.num_experts
@@ -189,11 +194,11 @@ class StoredExperts(nn.Module):
             hist_in = ids.float() if x.device.type in ("cpu", "mps") else ids.int()
             counts = torch.histc(hist_in, bins=k_total, min=0, max=k_total - 1)
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            bias1 = self.gate_up_proj_bias[ids] if self.has_bias else None
-            proj = _grouped_linear(xs, self.gate_up_proj, offsets, bias=bias1, is_transposed=self.is_transposed)
+            bias1 = w["gate_up_proj_bias"][ids] if self.has_bias else None
+            proj = _grouped_linear(xs, w["gate_up_proj"], offsets, bias=bias1, is_transposed=self.is_transposed)
             proj = self._apply_gate(proj)
-            bias2 = self.down_proj_bias[ids] if self.has_bias else None
-            proj = _grouped_linear(proj, self.down_proj, offsets, bias=bias2, is_transposed=self.is_transposed)
+            bias2 = w["down_proj_bias"][ids] if self.has_bias else None
+            proj = _grouped_linear(proj, w["down_proj"], offsets, bias=bias2, is_transposed=self.is_transposed)
             weighted = proj * flat_w[perm].unsqueeze(-1)
             out_pairs = weighted.new_zeros(n * k, x.shape[-1])
             out_pairs[perm] = weighted

@@ -1,0 +1,56 @@
+"""The `hf` format of a quantized plan: a compressed-tensors ``pack-quantized`` checkpoint.
+
+This is what llm-compressor writes for MoE models and what transformers (with compressed-tensors
+installed) and vLLM load (../shared/notes/compressed-tensors-moe.md): the experts are saved per
+expert as 2-D weights under the family's on-disk names, each ``...experts.E.{gate,up,down}_proj.weight``
+replaced by ``weight_packed`` (int32), ``weight_scale`` (bf16), ``weight_shape`` (int64 [2]) and, when
+asymmetric, ``weight_zero_point``; every other tensor stays as it was; ``config.json`` carries a
+``quantization_config`` whose one config group targets the routed experts' projections.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import MoECompressError
+from ..quant.spec import QuantSpec
+
+EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+_PER_EXPERT = re.compile(r"^(?P<base>.*\.experts\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj)\.weight$")
+
+
+def quantization_config(spec: QuantSpec) -> dict:
+    """The checkpoint's ``quantization_config``, built by compressed-tensors itself."""
+    from compressed_tensors import __version__ as ct_version
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=[EXPERT_TARGET], weights=spec.quantization_args())
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                            quantization_status="compressed", ignore=["lm_head"])
+    data = qc.model_dump(mode="json")
+    data["quant_method"] = "compressed-tensors"
+    data.setdefault("version", ct_version)
+    return data
+
+
+def per_expert_quantized(dense_named: dict[str, torch.Tensor], packed: list[dict[str, dict[str, torch.Tensor]]],
+                         where: str) -> dict[str, torch.Tensor]:
+    """Swap the per-expert dense weights that `save_pretrained` would write for their packed tensors.
+
+    dense_named: the layer's experts in on-disk naming (``...experts.E.gate_proj.weight`` ...);
+    packed[E][part]: the pack-quantized tensors of expert E's projection.
+    """
+    out = {}
+    for name, t in dense_named.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            if name.endswith("_proj") or ".experts." in name and not name.endswith("bias"):
+                raise MoECompressError(f"The {where} family stores its experts fused on disk ('{name}'), which the "
+                                       "compressed-tensors format cannot hold quantized; use --format compact.")
+            out[name] = t
+            continue
+        for key, value in packed[int(m["e"])][m["part"]].items():
+            out[f"{m['base']}.{key}"] = value
+    return out

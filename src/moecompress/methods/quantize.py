@@ -1,0 +1,138 @@
+"""Quantization as a plan stage: give every stored expert of any plan an integer precision.
+
+`quantize_plan(plan, tensors, source, spec, stats)` takes the output of any method (or the identity
+plan: the `quant` method, the pure-quantization reference) and replaces each stored expert's weights
+by integer codes on `spec`'s grid (docs/quantization.md), computed by round-to-nearest or by GPTQ.
+
+GPTQ minimises ‖(W − Q) X‖² over the tokens the stored expert computes, i.e. the objective
+tr((W − Q) H (W − Q)ᵀ) with H = Σ_t x_t x_tᵀ (Frantar et al. 2023, eq. 1–2). The tokens a stored
+expert computes are those routed to the slots that map to it, so
+
+    H_in(s)  = Σ_{(l, e) → s} hessian_in[l][e]      (gate and up projections: the block input)
+    H_mid(s) = Σ_{(l, e) → s} hessian_mid[l][e]     (down projection: the intermediate activation)
+
+H_in is exact for any stored expert (its input is the block input whatever expert computes it). H_mid
+is exact for a copy that only its own slot uses; for a merged or shared prototype it is the sources'
+intermediate activations standing in for the prototype's own (an approximation, stated in the docs).
+With ``weighting="gate2"`` each token counts g_e(t)², the weighting the toolkit's other losses use.
+A stored expert whose width differs from its sources' (dense groups) quantizes its down projection by
+round-to-nearest. PuzzleMoE packed experts keep their own packed precision.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import MoECompressError
+from ..plan import CompressionPlan, PlanTensors, Scope
+from ..quant import gptq, rtn
+from ..quant.spec import QuantSpec
+from ..runtime.build import stored_weights
+from .registry import MethodContext, register_method
+
+Weighting = Literal["uniform", "gate2"]
+_HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
+
+
+class QuantConfig(BaseModel):
+    """Weight quantization of the stored experts: a spec such as ``w4g128`` and an algorithm."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    quant: str = Field("w4g128", description="bits, group size and symmetry: w{2,3,4,8}g{32,64,128} or w{b}c "
+                       "(per channel); an 'a' suffix makes it asymmetric")
+    algo: Literal["gptq", "rtn"] = Field("gptq", description="GPTQ from calibration Hessians, or round-to-nearest")
+    weighting: Weighting = Field("uniform", description="GPTQ Hessian: every routed token, or gate²-weighted")
+
+    @field_validator("quant")
+    @classmethod
+    def _spec(cls, v: str) -> str:
+        QuantSpec.parse(v)  # one sentence on a bad spec
+        return v
+
+    def spec(self) -> QuantSpec:
+        return QuantSpec.parse(self.quant, algo=self.algo)
+
+
+def quant_stats(config: QuantConfig | None) -> list[str]:
+    """Statistics quantization reads: the per-expert Hessians for GPTQ, nothing for round-to-nearest."""
+    if config is None or config.algo == "rtn":
+        return []
+    return ["counts", "tokens", *_HESSIANS[config.weighting]]
+
+
+def _slots_of(plan: CompressionPlan, sc: Scope) -> dict[int, list[tuple[int, int]]]:
+    """Stored id -> the original (layer, slot) pairs that compute with it."""
+    out: dict[int, list[tuple[int, int]]] = {s.id: [] for s in sc.stored}
+    for lp in plan.layers:
+        if lp.scope == sc.id:
+            for e, t in enumerate(lp.slots):
+                if isinstance(t, int):
+                    out[t].append((lp.layer, e))
+    return out
+
+
+def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch.Tensor | None:
+    """Σ of the slots' Hessians (float64), or None when their width does not match `size`."""
+    total = None
+    for layer, e in slots:
+        h = stats.get(layer, name)[e].double()
+        if h.shape != (size, size):
+            return None
+        total = h if total is None else total + h
+    return total
+
+
+def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, config: QuantConfig,
+                  stats=None, progress: bool = False) -> tuple[CompressionPlan, PlanTensors]:
+    """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
+
+    source(layer, expert) -> ExpertWeights of the original model (as for `stored_weights`).
+    """
+    from rich.progress import track
+
+    spec = config.spec()
+    if spec.algo == "gptq" and stats is None:
+        raise MoECompressError("GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
+                               "or use --quant-algo rtn.")
+    h_in_name, h_mid_name = _HESSIANS[config.weighting]
+    if stats is not None and spec.algo == "gptq":
+        stats.require(h_in_name, h_mid_name, method="quant")
+    plan = plan.model_copy(deep=True)
+    out = dict(tensors or {})
+    todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None]
+    for sc, s in track(todo, description=f"quantize {spec.name()} ({spec.algo})", disable=not progress,
+                       transient=True):
+        w = stored_weights(plan, sc, s, source, out)
+        slots = _slots_of(plan, sc)[s.id]
+        hin = hmid = None
+        if spec.algo == "gptq":
+            hin = _hessian(stats, h_in_name, slots, w.gate.shape[1])
+            hmid = _hessian(stats, h_mid_name, slots, w.down.shape[1])
+        prefix = s.tensor or f"q.{sc.id}.{s.id}"
+        for key in [k for k in out if k.startswith(prefix + ".")]:
+            del out[key]
+        for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
+            weight = getattr(w, part).float()
+            q = gptq(weight, h, spec) if h is not None else rtn(weight, spec)
+            out.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
+            bias = getattr(w, f"{part}_bias")
+            if bias is not None:
+                out[f"{prefix}.{part}_bias"] = bias.detach().clone()
+        s.tensor, s.quant = prefix, spec
+    plan.params = {**plan.params, "quant": config.model_dump()}
+    plan.check_tensors(out)
+    return plan, out
+
+
+def build_quant(config: QuantConfig, ctx: MethodContext):
+    """The pure-quantization reference arm: the identity plan, every expert quantized."""
+    plan = CompressionPlan.identity(ctx.adapter, method="quant")
+    source = lambda l, e: ctx.adapter.layer(l).storage.read(e)
+    return quantize_plan(plan, {}, source, config, ctx.stats, ctx.progress)
+
+
+register_method("quant", QuantConfig, build_quant, quant_stats, family="quant")

@@ -1,0 +1,168 @@
+"""Quantization as a plan precision: bytes, runtime, compact and compressed-tensors exports, composition."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moecompress.api import export, load
+from moecompress.errors import MoECompressError
+from moecompress.methods.quantize import QuantConfig, quantize_plan
+from moecompress.models import MoEAdapter, load_model
+from moecompress.pipeline import build_plan
+from moecompress.plan import CompressionPlan
+from moecompress.runtime import apply_plan
+from moecompress.testing import calibrated_tiny, run_cli, save_tiny, tiny_model
+
+IDS = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _source(adapter):
+    return lambda l, e: adapter.layer(l).storage.read(e)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+def _routed_weight_bytes(path) -> int:
+    """Bytes of the routed-expert tensors in an export's safetensors (quantized codes and scales included)."""
+    total = 0
+    for shard in path.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                if ".experts." in key or key.startswith("moecompress.scopes."):
+                    t = f.get_tensor(key)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    return calibrated_tiny(tmp_path_factory.mktemp("qplan"), "qwen3_moe", 0,
+                           ["counts", "tokens", "reap", "hessian_in", "hessian_mid"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny("qwen3_moe", tmp_path_factory.mktemp("qtiny") / "model")
+    return path, MoEAdapter(load_model(str(path), dtype="float32"))
+
+
+@pytest.mark.parametrize("spec", ["w4c", "w3c", "w2c", "w8ca"])
+def test_quant_method_bytes_and_compact_roundtrip(tmp_path, calibrated, spec):
+    path, store, adapter, _ = calibrated
+    plan, tensors = build_plan(adapter, "quant", {"quant": spec, "algo": "gptq"}, store)
+    assert all(s.quant is not None and s.quant.name() == spec for sc in plan.scopes for s in sc.stored)
+    res = export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+    # the plan's byte count is the stored bytes: codes, scales (and zero points) only
+    stored = plan.logical_bytes(tensors).stored_experts
+    assert abs(_routed_weight_bytes(tmp_path / "c") - stored) <= 0.01 * stored
+    assert res.weight_bytes < res.original_bytes
+    model = load(tmp_path / "c")
+    runtime = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
+    assert torch.equal(_logits(model), _logits(runtime))
+
+
+def test_gptq_beats_rtn_on_the_calibration_tokens(calibrated):
+    path, store, adapter, _ = calibrated
+    ref = _logits(load_model(str(path), dtype="float32"))
+    kl = {}
+    for algo in ("rtn", "gptq"):
+        plan, tensors = build_plan(adapter, "quant", {"quant": "w2c", "algo": algo}, store)
+        out = _logits(apply_plan(load_model(str(path), dtype="float32"), plan, tensors))
+        kl[algo] = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                              reduction="batchmean").item()
+    assert 0 < kl["gptq"] < kl["rtn"]
+
+
+def test_hf_export_is_compressed_tensors_and_loads(tmp_path, calibrated):
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer, convert_checkpoint
+
+    path, store, adapter, _ = calibrated
+    plan, tensors = build_plan(adapter, "prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"}, store)
+    plan, tensors = quantize_plan(plan, tensors, _source(adapter), QuantConfig(quant="w4c"), store)
+    assert plan.hf_expressible()[0]
+    export(str(path), plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.endswith("experts.0.gate_proj.weight_packed") for k in keys)
+    assert not any(".experts." in k and k.endswith("proj.weight") for k in keys)
+    # compressed-tensors' own decompression equals the runtime's dequantized weights
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "dq"),
+                       converter=CompressedTensorsDequantizer(str(tmp_path / "hf"), dtype=torch.bfloat16),
+                       max_workers=1, device="cpu")
+    runtime = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
+    rt = MoEAdapter(runtime)
+    with safe_open(str(tmp_path / "dq" / "model.safetensors"), "pt") as f:
+        for i in rt.moe_layers:
+            stored = rt.layer(i).block.stored.fused()
+            lp = plan.layer(i)
+            for j, e in enumerate([e for e, t in enumerate(lp.slots) if isinstance(t, int)]):
+                k = lp.slots[e]
+                gate = f.get_tensor(f"model.layers.{i}.mlp.experts.{j}.gate_proj.weight")
+                down = f.get_tensor(f"model.layers.{i}.mlp.experts.{j}.down_proj.weight")
+                width = gate.shape[0]
+                assert torch.equal(gate.float(), stored["gate_up_proj"][k][:width].float())
+                assert torch.equal(down.float(), stored["down_proj"][k].float())
+    # plain transformers (with compressed-tensors) loads it and computes what the runtime computes
+    hf = load_model(str(tmp_path / "hf"), dtype="float32")
+    torch.testing.assert_close(_logits(hf), _logits(runtime), rtol=1e-4, atol=1e-4)
+
+
+def test_composed_plans_reload_equal(tmp_path, tiny):
+    path, adapter = tiny
+    plan, tensors = build_plan(adapter, "m-smoe", {"ratio": 0.5}, _merging_store(tmp_path, path))
+    plan, tensors = quantize_plan(plan, tensors, _source(adapter), QuantConfig(quant="w3c", algo="rtn"))
+    export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+    runtime = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
+    assert torch.equal(_logits(load(tmp_path / "c")), _logits(runtime))
+
+
+def _merging_store(tmp_path, path):
+    from moecompress.calibrate import calibrate
+    from moecompress.data import CalibrationData
+    from moecompress.pipeline import needs_for
+
+    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
+    return calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=tmp_path / "ms",
+                     stats=needs_for("m-smoe", {"ratio": 0.5}), batch_size=4, dtype="float32", progress=False)
+
+
+def test_quantized_scope_stays_packed_in_memory(tiny):
+    path, adapter = tiny
+    plan, tensors = build_plan(adapter, "quant", {"quant": "w4c", "algo": "rtn"}, None)
+    model = apply_plan(load_model(str(path), dtype="bfloat16"), plan, tensors)
+    rt = MoEAdapter(model)
+    resident = sum(rt.layer(i).block.stored.resident_bytes() for i in rt.moe_layers)
+    assert resident == plan.logical_bytes(tensors).stored_experts
+    bf16_bytes = 2 * plan.model.expert_bytes // plan.model.element_size
+    assert resident < 0.4 * bf16_bytes  # 4 bits + a bf16 scale per 32 weights, vs 16 bits
+
+
+def test_bad_quant_spec_is_one_sentence(tmp_path, capsys):
+    path = save_tiny("olmoe", tmp_path / "m")
+    code, out, err = run_cli(["compress", str(path), "--method", "quant", "--param", "quant=w5g7",
+                              "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "Traceback" not in err and "w5g7" in err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(MoECompressError, match="w4g100"):
+        QuantConfig(quant="w4g100")
+
+
+def test_gpt_oss_quantized_compact_roundtrip(tmp_path):
+    model = tiny_model("gpt_oss")
+    model.save_pretrained(tmp_path / "m")
+    adapter = MoEAdapter(load_model(str(tmp_path / "m"), dtype="float32"))
+    plan, tensors = quantize_plan(CompressionPlan.identity(adapter), {}, _source(adapter),
+                                  QuantConfig(quant="w4c", algo="rtn"))
+    export(str(tmp_path / "m"), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+    runtime = apply_plan(load_model(str(tmp_path / "m"), dtype="float32"), plan, tensors)
+    assert torch.equal(_logits(load(tmp_path / "c")), _logits(runtime))
