@@ -132,7 +132,7 @@ def test_method_registry_asks_for_hessians():
 def test_hessian_layers_subset_and_dry_run_bytes(tmp_path):
     path = save_tiny("olmoe", tmp_path / "model", seed=3)
     data = CalibrationData.from_tokens(_ids())
-    kw = dict(seq_len=20, batch_size=4, dtype="float32", progress=False)
+    kw = {"seq_len": 20, "batch_size": 4, "dtype": "float32", "progress": False}
     E, H, I, L = 8, 32, 16, 2
     base = calibrate(str(path), data, out=tmp_path / "d0", stats=["counts"], dry_run=True, **kw)
     full = calibrate(str(path), data, out=tmp_path / "d1", stats=["hessian_in"], dry_run=True, **kw)

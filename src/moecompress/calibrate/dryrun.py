@@ -5,8 +5,8 @@ pages and the copy — or x 3.5 when per-expert keys are stacked and concatenate
 x bytes, twice when layer transforms need a second pass) + one batch's working set + the collectors'
 float64 accumulators of one layer, twice (sums and finalized copies; the GPTQ Hessians alone are
 E x (H^2 + I^2) x 8 bytes). Disk: two activation buffers with --offload-dir, plus the statistics of
-every MoE layer (each collector's `stat_bytes`). Time: a one-layer probe (load the first MoE layer, push one batch through it with and
-without the collectors) scaled by layer bytes and batch counts.
+every MoE layer (each collector's `stat_bytes`). Time: a one-layer probe (load the first MoE layer,
+push one batch through it with and without the collectors) scaled by layer bytes and batch counts.
 """
 
 from __future__ import annotations

@@ -59,9 +59,9 @@ class _HessianBase(Collector):
         super().__init__(*a, **k)
         self.I = self.adapter.intermediate_size(self.layer)
         self.active = _hessian_layers(self)
-        E = self.E if self.active else 0
-        self.zeros("in", E, self.H, self.H)
-        self.zeros("mid", E, self.I, self.I)
+        if self.active:  # an excluded layer holds no sums, so nothing is all-reduced for it
+            self.zeros("in", self.E, self.H, self.H)
+            self.zeros("mid", self.E, self.I, self.I)
 
     def update(self, obs: Observation) -> None:
         if not self.active:
@@ -81,6 +81,9 @@ class _HessianBase(Collector):
 
     def finalize(self) -> dict[str, torch.Tensor]:
         name_in, name_mid = self.provides
+        if not self.active:
+            return {name_in: torch.zeros(0, self.H, self.H, dtype=self.stored_dtype),
+                    name_mid: torch.zeros(0, self.I, self.I, dtype=self.stored_dtype)}
         return {name_in: self.sums["in"].to(self.stored_dtype), name_mid: self.sums["mid"].to(self.stored_dtype)}
 
     def stat_bytes(self) -> int:
