@@ -3,16 +3,18 @@
 from . import intermediate as _intermediate  # noqa: F401  (registers the mid_mean collector)
 from . import remap as _remap  # noqa: F401  (registers the remap_error collector)
 from . import auto_stats as _auto_stats  # noqa: F401  (registers the auto method's collectors)
+from . import hessian as _hessian  # noqa: F401  (registers the GPTQ Hessian collectors)
 from .api import UnreachedExpertsWarning, calibrate
 from .collectors import COLLECTORS, STAT_PROVIDERS, Collector, collectors_for, register_collector
 from .dryrun import ResourceEstimate
 from .observe import Observation
 from .registry import DEFAULT_STATS, known_methods, register_method_stats, resolve_stats, stats_for_method
 from .runner import SequentialRunner
+from .hessian import union_hessian
 from .store import StatsStore
 
 __all__ = [
     "COLLECTORS", "DEFAULT_STATS", "STAT_PROVIDERS", "Collector", "Observation", "ResourceEstimate",
     "SequentialRunner", "StatsStore", "UnreachedExpertsWarning", "calibrate", "collectors_for", "known_methods",
-    "register_collector", "register_method_stats", "resolve_stats", "stats_for_method",
+    "register_collector", "register_method_stats", "resolve_stats", "stats_for_method", "union_hessian",
 ]

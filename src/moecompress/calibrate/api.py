@@ -37,6 +37,15 @@ def _identity(reader, fingerprint, calib, names, params, dtype, device, batch_si
             "device": torch.device(device).type, "batch_size": batch_size}, default=str))
 
 
+def _layer_ids(spec) -> list[int]:
+    """'0,1,2' or an iterable of ints -> sorted unique layer ids (one sentence for anything else)."""
+    try:
+        items = spec.split(",") if isinstance(spec, str) else list(spec)
+        return sorted({int(i) for i in items if not isinstance(i, str) or i.strip()})
+    except (TypeError, ValueError):
+        raise MoECompressError(f"hessian_layers '{spec}' is not a list of layer ids such as '0,1,2'; fix it.") from None
+
+
 def _check_finite(layer: int, stats: dict[str, torch.Tensor]) -> None:
     for name, t in stats.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -63,6 +72,7 @@ def calibrate(
     chat_template: bool = False,
     tokenizer: str | None = None,
     moment_experts=None,
+    hessian_layers=None,
     transform: Callable[[int, nn.Module, object, dict | None], nn.Module | None] | None = None,
     on_layer_end: Callable[[int, dict | None], None] | None = None,
     overwrite: bool = False,
@@ -84,6 +94,7 @@ def calibrate(
         dry_run: only estimate memory, disk and time (one-layer probe); returns a `ResourceEstimate`.
         batch_size / dtype / device: execution (dtype "auto" = the checkpoint's; device default CUDA if present).
         moment_experts: experts whose input/cross moments to gather (None = all; list; or {layer: list}).
+        hessian_layers: MoE layers whose GPTQ Hessians to gather (None = all; others store empty tensors).
         transform: ``transform(i, layer, adapter, stats_i)`` called after MoE layer i's statistics pass
             (before the pass for layers without statistics); return None to keep the layer's outputs, or a
             module (the layer changed in place, or a replacement) whose outputs feed layer i + 1, so later
@@ -110,6 +121,8 @@ def calibrate(
     names = sorted(set(names) | set(DEFAULT_STATS))
     classes = collectors_for(names)
     params = {"moment_experts": moment_experts} if moment_experts is not None else {}
+    if hessian_layers is not None:
+        params["hessian_layers"] = _layer_ids(hessian_layers)
     reader = CheckpointReader(model, trust_remote_code)
     torch_dtype = None if dtype in (None, "auto") else parse_dtype(dtype)
     rank, world = dist.world()

@@ -31,6 +31,9 @@ def calibrate_command(
     moment_experts: str | None = typer.Option(None, "--moment-experts",
                                                  help="Experts for input/cross moments: '0,3,5' or JSON "
                                                       "{\"layer\": [ids]} (default: all)."),
+    hessian_layers: str | None = typer.Option(None, "--hessian-layers",
+                                                 help="MoE layers whose GPTQ Hessians to gather: '0,1,2' "
+                                                      "(default: all)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing stats store."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
@@ -55,7 +58,8 @@ def calibrate_command(
         result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
                            offload_dir=offload_dir, resume=resume, dry_run=dry_run, batch_size=batch_size,
                            dtype=dtype, seed=seed, device=device, padding=pad, chat_template=chat_template,
-                           tokenizer=tokenizer, moment_experts=experts, overwrite=overwrite,
+                           tokenizer=tokenizer, moment_experts=experts, hessian_layers=hessian_layers,
+                           overwrite=overwrite,
                            trust_remote_code=trust_remote_code)
     finally:
         import torch.distributed as dist

@@ -75,6 +75,10 @@ class Collector:
     def finalize(self) -> dict[str, torch.Tensor]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def stat_bytes(self) -> int:
+        """Bytes of this layer's finalized statistics (default: the accumulators' shapes and dtypes)."""
+        return sum(t.numel() * t.element_size() for t in self.sums.values())
+
     def counts(self) -> torch.Tensor | None:
         """Tokens routed to each expert, when this collector tracks them (for the unreached-experts warning)."""
         return self.sums.get("count")

@@ -3,9 +3,10 @@
 Memory model (host): baseline process + max(non-layer tensors, one decoder layer x 2 — mapped shard
 pages and the copy — or x 3.5 when per-expert keys are stacked and concatenated into fused tensors) + activation cache in RAM (sequences/world x seq_len x hidden
 x bytes, twice when layer transforms need a second pass) + one batch's working set + the collectors'
-float64 accumulators of one layer. Disk: two activation buffers with --offload-dir, plus the
-statistics. Time: a one-layer probe (load the first MoE layer, push one batch through it with and
-without the collectors) scaled by layer bytes and batch counts.
+float64 accumulators of one layer, twice (sums and finalized copies; the GPTQ Hessians alone are
+E x (H^2 + I^2) x 8 bytes). Disk: two activation buffers with --offload-dir, plus the statistics of
+every MoE layer (each collector's `stat_bytes`). Time: a one-layer probe (load the first MoE layer,
+push one batch through it with and without the collectors) scaled by layer bytes and batch counts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ResourceEstimate:
     layer_bytes: int
     non_layer_bytes: int
     time_s: float | None = None
+    accumulator_bytes: int = 0  # the collectors' float64 sums of one layer (held twice at finalize)
     probe: dict = field(default_factory=dict)
 
     @property
@@ -70,6 +72,7 @@ class ResourceEstimate:
         out = [("peak memory (host)", peak),
                ("largest layer", _human(self.layer_bytes)), ("non-layer tensors", _human(self.non_layer_bytes)),
                ("activation cache", cache),
+               ("collector sums (one layer)", _human(self.accumulator_bytes)),
                ("statistics", _human(self.stats_bytes)),
                ("disk", f"{_human(self.disk_bytes)} of {_human(self.disk_available_bytes)} free")]
         if self.device_memory_bytes is not None:
@@ -91,14 +94,15 @@ def _elem(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _stat_sizes(adapter, layer: int, collector_classes, params) -> tuple[int, int]:
-    """(accumulator bytes, finalized statistic bytes) of one layer, from collector shapes on meta."""
+def _stat_sizes(adapter, layers, collector_classes, params) -> tuple[int, int]:
+    """(largest one-layer accumulator bytes, finalized statistic bytes of all `layers`), from collector shapes on
+    meta. Accumulators are float64 sums; most statistics keep their shapes and dtypes, the Hessians are stored
+    in float32 (each collector's `stat_bytes`)."""
     acc = fin = 0
-    for cls in collector_classes:
-        c = cls(adapter, layer, "meta", **params)
-        a = sum(t.numel() * t.element_size() for t in c.sums.values())
-        acc += a
-        fin += a  # finalized statistics have the accumulators' shapes (means of sums)
+    for layer in layers:
+        cs = [cls(adapter, layer, "meta", **params) for cls in collector_classes]
+        acc = max(acc, sum(t.numel() * t.element_size() for c in cs for t in c.sums.values()))
+        fin += sum(c.stat_bytes() for c in cs)
     return acc, fin
 
 
@@ -131,8 +135,7 @@ def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, 
     tokens = batch_size * data.seq_len
     batch_ws = tokens * hidden * comp_elem * 12 + tokens * k * inter * comp_elem * 3 \
         + batch_size * heads * data.seq_len * data.seq_len * 4
-    acc, fin = _stat_sizes(adapter, moe[0], collector_classes, params)
-    stats_total = fin * len(moe)
+    acc, stats_total = _stat_sizes(adapter, moe, collector_classes, params)
     baseline = psutil.Process().memory_info().rss
     on_gpu = torch.device(device).type == "cuda"
     # reading a layer holds its mapped shard pages and the copies; per-expert keys add the stacked and
@@ -152,7 +155,7 @@ def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, 
         device_memory_bytes=dev_need, device_available_bytes=dev_free, activation_cache_bytes=int(act),
         activation_on_disk=on_disk, stats_bytes=int(stats_total), disk_bytes=int(disk_need),
         disk_available_bytes=int(shutil.disk_usage(disk_root).free), layer_bytes=layer_bytes,
-        non_layer_bytes=non_layer)
+        non_layer_bytes=non_layer, accumulator_bytes=int(acc))
 
 
 def probe_time(reader, data, device, dtype, batch_size: int, world: int, collector_classes, params,

@@ -29,6 +29,10 @@ _METHOD_STATS: dict[str, tuple[str, ...]] = {
     "hc-smoe": ("counts", "tokens", "out_mean_all", "gram"),
     "puzzlemoe": ("counts", "tokens", "in_channel_norm", "mid_channel_norm"),
     "moe-to-dense": ("counts", "tokens", "routing_mass", "reap", "mid_channel_norm"),
+    # GPTQ: per-expert input Hessians (calibrate/hessian.py); gptq-g2 weights each token by its gate²
+    "quant": ("counts", "tokens", "hessian_in", "hessian_mid"),
+    "gptq": ("counts", "tokens", "hessian_in", "hessian_mid"),
+    "gptq-g2": ("counts", "tokens", "hessian_in_g2", "hessian_mid_g2"),
 }
 
 
