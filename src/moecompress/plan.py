@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from .errors import MoECompressError
 from .quant.spec import QuantSpec
@@ -165,6 +165,11 @@ class StoredExpert(_Strict):
     packing: str | None = None
     # integer weights (tensors under `tensor`: p.{gate,up,down}.weight_packed/...); None = the model's dtype
     quant: QuantSpec | None = None
+
+    @field_serializer("quant")
+    def _quant_in_full(self, quant: QuantSpec | None):
+        # in full: the plan's exclude_none must not drop group_size=None (per channel) to its default
+        return None if quant is None else quant.model_dump(mode="json")
 
 
 class Scope(_Strict):

@@ -79,7 +79,10 @@ def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch
     """Σ of the slots' Hessians (float64), or None when their width does not match `size`."""
     total = None
     for layer, e in slots:
-        h = stats.get(layer, name)[e].double()
+        per_layer = stats.get(layer, name)
+        if per_layer.numel() == 0:  # a layer calibrated without Hessians (calibrate --hessian-layers)
+            return None
+        h = per_layer[e].double()
         if h.shape != (size, size):
             return None
         total = h if total is None else total + h
