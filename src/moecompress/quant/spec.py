@@ -28,7 +28,7 @@ ALLOWED_GROUPS = (32, 64, 128)
 _SPEC_RE = re.compile(r"^w(?P<bits>\d+)(?:g(?P<group>\d+)|(?P<channel>c))(?P<asym>a?)$")
 _SPEC_HELP = (
     "write w<bits>g<group> or w<bits>c with bits 2, 3, 4 or 8, group 32, 64 or 128, "
-    "and an optional trailing 'a' for asymmetric (e.g. w4g128, w3g64a, w8c)"
+    "and an optional trailing 'a' for asymmetric (for example w4g128, w3g64a or w8c)"
 )
 SHAPE_BYTES = 16  # weight_shape: int64 [2], stored next to every packed weight
 
