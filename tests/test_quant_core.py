@@ -57,7 +57,9 @@ def test_bad_spec_is_one_sentence(text):
 def test_bad_algo_and_bad_group_for_shape():
     with pytest.raises(MoECompressError, match="rtn or gptq"):
         QuantSpec.parse("w4g128", algo="awq")
-    with pytest.raises(MoECompressError, match=r"group 128 does not divide the input dimension 96.*w4g32") as e:
+    with pytest.raises(
+        MoECompressError, match=r"group 128 does not divide the input dimension 96.*w4g32"
+    ) as e:
         QuantSpec.parse("w4g128").tensor_bytes(256, 96)
     assert "\n" not in str(e.value)
     with pytest.raises(MoECompressError, match="does not divide"):
@@ -113,7 +115,9 @@ def test_qparams_equal_compressed_tensors_and_grid_formula():
         else:
             expect = (mx - mn) / (spec.qmax - spec.qmin)
             assert zero.dtype == torch.int8
-            assert torch.equal(zero, (spec.qmin - mn / scale).round().clamp(spec.qmin, spec.qmax).to(torch.int8))
+            assert torch.equal(
+                zero, (spec.qmin - mn / scale).round().clamp(spec.qmin, spec.qmax).to(torch.int8)
+            )
         assert scale.dtype == torch.bfloat16 and torch.equal(scale, expect), spec.name()
         # codes equal CT's own quantize on the float32 weight with the same grid
         ct_codes = ct_quantize(w.float(), scale, zero, spec.quantization_args(), dtype=torch.int8)
@@ -284,7 +288,9 @@ def test_from_packed_missing_tensor():
         QuantizedTensor.from_packed(p, spec)
 
 
-@pytest.mark.parametrize("text", ["w2g32", "w3g32", "w4g128", "w8g64", "w4c", "w3ca", "w4g32a", "w2ca", "w8g32a"])
+@pytest.mark.parametrize(
+    "text", ["w2g32", "w3g32", "w4g128", "w8g64", "w4c", "w3ca", "w4g32a", "w2ca", "w8g32a"]
+)
 def test_compressed_tensors_decompress_equals_dequantize(text):
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme

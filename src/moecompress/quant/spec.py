@@ -101,9 +101,7 @@ class QuantSpec(BaseModel):
 
     def check_shape(self, in_features: int) -> None:
         if self.group_size is not None and in_features % self.group_size != 0:
-            options = ", ".join(
-                f"w{self.bits}g{g}" for g in ALLOWED_GROUPS if in_features % g == 0
-            ) or "none"
+            options = ", ".join(f"w{self.bits}g{g}" for g in ALLOWED_GROUPS if in_features % g == 0) or "none"
             raise MoECompressError(
                 f"Quantization group {self.group_size} does not divide the input dimension {in_features} "
                 f"of this weight: use a group that does ({options}) or per channel (w{self.bits}c)."
