@@ -28,7 +28,7 @@ ALLOWED_GROUPS = (32, 64, 128)
 _SPEC_RE = re.compile(r"^w(?P<bits>\d+)(?:g(?P<group>\d+)|(?P<channel>c))(?P<asym>a?)$")
 _SPEC_HELP = (
     "write w<bits>g<group> or w<bits>c with bits 2, 3, 4 or 8, group 32, 64 or 128, "
-    "and an optional trailing 'a' for asymmetric (e.g. w4g128, w3g64a, w8c)"
+    "and an optional trailing 'a' for asymmetric (for example w4g128, w3g64a or w8c)"
 )
 SHAPE_BYTES = 16  # weight_shape: int64 [2], stored next to every packed weight
 
@@ -101,9 +101,7 @@ class QuantSpec(BaseModel):
 
     def check_shape(self, in_features: int) -> None:
         if self.group_size is not None and in_features % self.group_size != 0:
-            options = ", ".join(
-                f"w{self.bits}g{g}" for g in ALLOWED_GROUPS if in_features % g == 0
-            ) or "none"
+            options = ", ".join(f"w{self.bits}g{g}" for g in ALLOWED_GROUPS if in_features % g == 0) or "none"
             raise MoECompressError(
                 f"Quantization group {self.group_size} does not divide the input dimension {in_features} "
                 f"of this weight: use a group that does ({options}) or per channel (w{self.bits}c)."

@@ -77,7 +77,9 @@ class QuantizedTensor:
         zero = None
         if not spec.symmetric:
             zero = unpack_from_int32(
-                tensors["weight_zero_point"], spec.bits, torch.Size((*batch, shape[0], scale.shape[-1])),
+                tensors["weight_zero_point"],
+                spec.bits,
+                torch.Size((*batch, shape[0], scale.shape[-1])),
                 packed_dim=0,
             )
         return cls(codes=codes, scale=scale, zero=zero, spec=spec)
