@@ -54,16 +54,19 @@ def test_bad_spec_is_one_sentence(text):
     assert "\n" not in msg and msg.endswith(".") and msg.count(". ") == 0
 
 
-def test_bad_algo_and_bad_group_for_shape():
+def test_bad_algo_and_ragged_last_group():
     with pytest.raises(MoECompressError, match="rtn or gptq"):
         QuantSpec.parse("w4g128", algo="awq")
-    with pytest.raises(
-        MoECompressError, match=r"group 128 does not divide the input dimension 96.*w4g32"
-    ) as e:
-        QuantSpec.parse("w4g128").tensor_bytes(256, 96)
-    assert "\n" not in str(e.value)
-    with pytest.raises(MoECompressError, match="does not divide"):
-        rtn(torch.zeros(4, 96), QuantSpec.parse("w4g64"))
+    # a group that does not divide the input leaves a shorter last group (compressed-tensors' ceil)
+    spec = QuantSpec.parse("w4g128", algo="rtn")
+    assert spec.num_groups(96) == 1 and spec.num_groups(192) == 2
+    w = torch.randn(8, 192, generator=torch.Generator().manual_seed(3))
+    w[:, 128:] *= 10  # the short last group gets its own, larger scale
+    q = rtn(w, spec)
+    assert q.scale.shape == (8, 2)
+    absmax = torch.stack([w[:, :128].abs().amax(1), w[:, 128:].abs().amax(1)], 1)
+    torch.testing.assert_close(q.scale.float(), (absmax / 7.5).to(torch.bfloat16).float())
+    assert spec.tensor_bytes(8, 192) == sum(t.numel() * t.element_size() for t in q.packed().values())
 
 
 # --- grid and RTN known answers -----------------------------------------------------------------------
@@ -289,15 +292,17 @@ def test_from_packed_missing_tensor():
 
 
 @pytest.mark.parametrize(
-    "text", ["w2g32", "w3g32", "w4g128", "w8g64", "w4c", "w3ca", "w4g32a", "w2ca", "w8g32a"]
+    ("text", "cols"), [("w2g32", 128), ("w3g32", 128), ("w4g128", 128), ("w8g64", 128), ("w4c", 128),
+                       ("w3ca", 128), ("w4g32a", 128), ("w2ca", 128), ("w8g32a", 128),
+                       ("w4g64", 192), ("w3g32a", 96)]
 )
-def test_compressed_tensors_decompress_equals_dequantize(text):
+def test_compressed_tensors_decompress_equals_dequantize(text, cols):
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
     spec = QuantSpec.parse(text)
-    w = _weight(40, 128, seed=17)
-    q = gptq(w, _correlated_hessian(128, seed=18), spec)
+    w = _weight(40, cols, seed=17)
+    q = gptq(w, _correlated_hessian(cols, seed=18), spec)
     scheme = QuantizationScheme(targets=["Linear"], weights=spec.quantization_args())
     dec = PackedQuantizationCompressor.decompress(q.packed(), scheme)
     assert dec["weight"].dtype == torch.bfloat16

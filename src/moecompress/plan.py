@@ -524,8 +524,15 @@ class CompressionPlan(_Strict):
         """Can a vanilla config express this plan (sliced experts + router rows)? (answer, reason if not)."""
         if self.has_packed():
             return False, "it stores packed element-wise merges"
-        if len(self.quant_specs()) > 1:
+        specs = self.quant_specs()
+        if len(specs) > 1:
             return False, "its stored experts have different precisions"
+        (spec,) = specs
+        if spec is not None and spec.group_size is not None:
+            dims = {self.model.hidden_size} | {li.intermediate_size for li in self.model.layers}
+            if any(d % spec.group_size for d in dims):
+                return False, (f"its quantization group {spec.group_size} leaves a shorter last group on input "
+                               f"dimensions {sorted(dims)}, which compressed-tensors cannot load")
         counts = set()
         for lp in self.layers:
             sc = self.scope(lp.scope)

@@ -66,8 +66,8 @@ def gptq(w: Tensor, H: Tensor, spec: QuantSpec) -> QuantizedTensor:
         )
     n = w.shape[-1]
     scale, zero = grid.qparams(w, spec)  # from the original weight, as llm-compressor
-    S = grid.expand_groups(scale, n)  # [..., out, in] per-column scale
-    Z = None if zero is None else grid.expand_groups(zero, n)
+    S = grid.expand_groups(scale, n, spec)  # [..., out, in] per-column scale
+    Z = None if zero is None else grid.expand_groups(zero, n, spec)
 
     W = w.to(GPTQ_PRECISION).clone()
     H = H.to(GPTQ_PRECISION).clone()

@@ -40,7 +40,10 @@ def qparams(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor | None]:
 
     in_features = w.shape[-1]
     groups = spec.num_groups(in_features)
-    wg = w.unflatten(-1, (groups, in_features // groups))  # [..., out, G, group]
+    width = spec.group_width(in_features)
+    # a ragged last group is padded with zeros, which change neither min(0, min w) nor max(0, max w)
+    padded = torch.nn.functional.pad(w, (0, groups * width - in_features))
+    wg = padded.unflatten(-1, (groups, width))  # [..., out, G, group]
     mn = wg.amin(dim=-1)
     mx = wg.amax(dim=-1)
     scale, zero = calculate_qparams(mn, mx, spec.quantization_args())
@@ -50,9 +53,9 @@ def qparams(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor | None]:
     return scale, zero.reshape(mn.shape).to(torch.int8)
 
 
-def expand_groups(t: Tensor, in_features: int) -> Tensor:
+def expand_groups(t: Tensor, in_features: int, spec: QuantSpec) -> Tensor:
     """[..., out, G] -> [..., out, in]: each group's parameter repeated over its columns."""
-    return t.repeat_interleave(in_features // t.shape[-1], dim=-1)
+    return t.repeat_interleave(spec.group_width(in_features), dim=-1)[..., :in_features]
 
 
 def quantize_values(x: Tensor, scale: Tensor, zero: Tensor | None, spec: QuantSpec) -> Tensor:
@@ -74,8 +77,8 @@ def dequantize_values(codes: Tensor, scale: Tensor, zero: Tensor | None, dtype: 
 def quantize(w: Tensor, scale: Tensor, zero: Tensor | None, spec: QuantSpec) -> Tensor:
     """Codes int8 [..., out, in] of w [..., out, in] on the grid (scale, zero) [..., out, G]."""
     n = w.shape[-1]
-    z = None if zero is None else expand_groups(zero, n)
-    return quantize_values(w, expand_groups(scale, n), z, spec)
+    z = None if zero is None else expand_groups(zero, n, spec)
+    return quantize_values(w, expand_groups(scale, n, spec), z, spec)
 
 
 def dequantize(
@@ -83,6 +86,5 @@ def dequantize(
 ) -> Tensor:
     """w_hat [..., out, in] = (codes - zero) · scale, with group parameters [..., out, G]."""
     n = codes.shape[-1]
-    spec.check_shape(n)
-    z = None if zero is None else expand_groups(zero, n)
-    return dequantize_values(codes, expand_groups(scale, n), z, dtype)
+    z = None if zero is None else expand_groups(zero, n, spec)
+    return dequantize_values(codes, expand_groups(scale, n, spec), z, dtype)

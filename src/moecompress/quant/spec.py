@@ -95,17 +95,13 @@ class QuantSpec(BaseModel):
         return (1 << (self.bits - 1)) - 1
 
     def num_groups(self, in_features: int) -> int:
-        """G: groups per output row; raises when the group does not divide the input dimension."""
-        self.check_shape(in_features)
-        return 1 if self.group_size is None else in_features // self.group_size
+        """G = ceil(in / group): a group that does not divide the input leaves a shorter last group, as
+        compressed-tensors allows (its non-strict ``strategy_cdiv``; vLLM's kernels want it to divide)."""
+        return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
 
-    def check_shape(self, in_features: int) -> None:
-        if self.group_size is not None and in_features % self.group_size != 0:
-            options = ", ".join(f"w{self.bits}g{g}" for g in ALLOWED_GROUPS if in_features % g == 0) or "none"
-            raise MoECompressError(
-                f"Quantization group {self.group_size} does not divide the input dimension {in_features} "
-                f"of this weight: use a group that does ({options}) or per channel (w{self.bits}c)."
-            )
+    def group_width(self, in_features: int) -> int:
+        """Input columns per group (the last one may be shorter)."""
+        return in_features if self.group_size is None else self.group_size
 
     def tensor_bytes(self, out_features: int, in_features: int) -> int:
         """Exact bytes of the pack-quantized tensors of one [out, in] weight (formula in the module docstring)."""
