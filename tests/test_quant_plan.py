@@ -41,10 +41,18 @@ def _routed_weight_bytes(path) -> int:
     return total
 
 
+COMPOSED = [("prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"}, "w4g32", "gptq"),
+            ("conmoe", {"ratio": 0.5, "scope_size": 2}, "w3g32", "gptq"),
+            ("puzzlemoe", {"ratio": 0.25, "quant_bits": 3, "quant_group": 32}, "w4g32a", "rtn")]
+
+
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    return calibrated_tiny(tmp_path_factory.mktemp("qplan"), "qwen3_moe", 0,
-                           ["counts", "tokens", "reap", "hessian_in", "hessian_mid"])
+    from moecompress.pipeline import needs_for
+
+    needs = {s for method, params, spec, algo in COMPOSED
+             for s in needs_for(method, params, {"quant": spec, "algo": "gptq"})}
+    return calibrated_tiny(tmp_path_factory.mktemp("qplan"), "qwen3_moe", 0, sorted(needs))
 
 
 @pytest.fixture(scope="module")
@@ -119,23 +127,20 @@ def test_hf_export_is_compressed_tensors_and_loads(tmp_path, calibrated):
     torch.testing.assert_close(_logits(hf), _logits(runtime), rtol=1e-5, atol=1e-5)
 
 
-def test_composed_plans_reload_equal(tmp_path, tiny):
-    path, adapter = tiny
-    plan, tensors = build_plan(adapter, "m-smoe", {"ratio": 0.5}, _merging_store(tmp_path, path))
-    plan, tensors = quantize_plan(plan, tensors, _source(adapter), QuantConfig(quant="w3g32", algo="rtn"))
-    export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+@pytest.mark.parametrize(("method", "params", "spec", "algo"), COMPOSED, ids=[c[0] for c in COMPOSED])
+def test_composed_plans_reload_equal(tmp_path, calibrated, method, params, spec, algo):
+    path, store, adapter, _ = calibrated
+    plan, tensors = build_plan(adapter, method, params, store)
+    plan, tensors = quantize_plan(plan, tensors, _source(adapter), QuantConfig(quant=spec, algo=algo), store)
+    stored = [s for sc in plan.scopes for s in sc.stored]
+    assert all((s.quant is None) == (s.packing is not None) for s in stored)  # PuzzleMoE pairs keep their q3
+    fmt = "packed" if plan.has_packed() else "compact"
+    res = export(str(path), plan, tmp_path / "c", format=fmt, tensors=tensors, quiet=True)
+    stored_bytes = plan.logical_bytes(tensors).stored_experts
+    assert abs(_routed_weight_bytes(tmp_path / "c") - stored_bytes) <= 0.01 * stored_bytes
     runtime = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
     assert torch.equal(_logits(load(tmp_path / "c")), _logits(runtime))
-
-
-def _merging_store(tmp_path, path):
-    from moecompress.calibrate import calibrate
-    from moecompress.data import CalibrationData
-    from moecompress.pipeline import needs_for
-
-    ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
-    return calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=tmp_path / "ms",
-                     stats=needs_for("m-smoe", {"ratio": 0.5}), batch_size=4, dtype="float32", progress=False)
+    assert res.weight_bytes < res.original_bytes
 
 
 def test_quantized_scope_stays_packed_in_memory(tiny):
