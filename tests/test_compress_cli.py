@@ -46,7 +46,7 @@ def test_constant_operator_goes_compact(tiny, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ratio", "1.5"], "Recipe field 'ratio'"),
+    (["--ratio", "1.5"], "--ratio must be >= 0.0 and < 1.0"),
     (["--param", "rank"], "is not key=value"),
     (["--method", "prunee"], "Unknown method 'prunee'"),
     (["--format", "hf", "--operator", "constant"], "use --format compact"),

@@ -24,10 +24,13 @@ def analyze_command(
 
     if scope < 1:
         raise MoECompressError(f"--scope must be at least 1 (got {scope}); use 1 for layer-local or e.g. 4.")
-    if Path(out).exists() and not overwrite:
-        raise MoECompressError(f"{out} already exists; choose another output path or pass --overwrite.")
+    from .atomic import check_output
+    from .models.loading import resolve_fixture
+
+    model = resolve_fixture(model)
+    check_output(out, overwrite, protect=[model])
     res = analyze_model(model, scope_size=scope, trust_remote_code=trust_remote_code, progress=True)
-    path = write_analysis(res, out, overwrite=overwrite)
+    path = write_analysis(res, out, overwrite=overwrite, protect=[model])
     console = Console()
     table = Table(title=f"cross-layer nearest neighbours (scope {scope})")
     table.add_column("layer", justify="right")

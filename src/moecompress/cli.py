@@ -28,9 +28,10 @@ def inspect(
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
 ) -> None:
     """Family, layers, experts, top-k, router semantics and a byte breakdown."""
+    from .models.loading import resolve_fixture
     from .summary import inspect_model
 
-    info = inspect_model(model, trust_remote_code)
+    info = inspect_model(resolve_fixture(model), trust_remote_code)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -66,36 +67,79 @@ from .distill.cli import dense_sweep_command; app.command("dense-sweep")(dense_s
 from .distill.cli import distill_command; app.command("distill")(distill_command)  # noqa: E402,E702
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM arrived: unwinds like KeyboardInterrupt so every `atomic_dir` removes its temporary."""
+
+
+_SIGNAL_NAMES = {2: "Ctrl-C (SIGINT)", 15: "SIGTERM"}
+
+
+def _on_signal(signum, frame):
+    if _received:  # a second signal while cleaning up: let the cleanup finish
+        return
+    _received.append(signum)
+    raise Interrupted(signum)
+
+
+_received: list[int] = []
+
+
+def _interrupted() -> None:
+    signum = _received[0] if _received else 2
+    err_console.print(f"[bold red]interrupted:[/] {_SIGNAL_NAMES.get(signum, signum)}; unfinished outputs were "
+                      "removed (an interrupted calibrate resumes with --resume).", highlight=False)
+    sys.exit(128 + signum)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: bad input prints one sentence and exits 2, never a traceback."""
+    """Entry point: exit 0 on success, 2 with one sentence on bad input, 130 on Ctrl-C, 143 on SIGTERM
+    (after removing unfinished outputs), 1 with one traceback on a bug."""
+    import signal
+
+    from typer import _click as click  # typer >= 0.20 vendors click; pinned in constraints.txt
+
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _received.clear()
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, _on_signal)
+        except ValueError:  # not the main thread (an in-process caller): keep the defaults
+            pass
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
     except MoECompressError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(exc.exit_code)
-    except (typer.Exit, SystemExit) as exc:
-        code = getattr(exc, "exit_code", getattr(exc, "code", 0))
-        sys.exit(code or 0)
-    except Exception as exc:  # usage errors (missing argument, bad option) arrive here in non-standalone mode
-        for click in _click_modules():
-            if isinstance(exc, click.ClickException):
-                exc.show()
-                sys.exit(2)
-            if isinstance(exc, click.exceptions.Abort):
-                sys.exit(130)
-        raise
+    except click.exceptions.ClickException as exc:  # usage errors: bad option, missing argument, wrong type
+        msg = exc.format_message().strip()
+        if msg:  # NoArgsIsHelpError has no message: the help it printed says it all
+            err_console.print(f"[bold red]error:[/] {msg}{'' if msg.endswith('.') else '.'}", highlight=False)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code or 0)
+    except (typer.Abort, KeyboardInterrupt):
+        _interrupted()
+    except _SafetensorError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        err_console.print(f"[bold red]error:[/] A safetensors file is truncated or corrupt ({first}); re-download or "
+                          "re-export the checkpoint.", highlight=False)
+        sys.exit(2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # typer returns 130 for a KeyboardInterrupt it caught, and a command's typer.Exit code
+    if _received or rc == 130:
+        _interrupted()
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
 
 
-def _click_modules():
-    """Typer >= 0.20 vendors its own click (`typer._click`); older ones use click itself."""
-    mods = []
-    for name in ("typer._click", "click"):
-        try:
-            mods.append(__import__(name, fromlist=["exceptions"]))
-        except ImportError:
-            pass
-    return mods
+try:
+    from safetensors import SafetensorError as _SafetensorError
+except ImportError:  # pragma: no cover - safetensors is a hard dependency
+    class _SafetensorError(Exception):
+        pass
 
 
 if __name__ == "__main__":

@@ -23,15 +23,10 @@ console = Console(stderr=True)
 
 
 def resolve_model(model: str) -> str:
-    """`fixture:NAME` -> the shipped fixture directory; anything else unchanged."""
-    if model.startswith("fixture:"):
-        from .testing import fixture_dir
+    """`fixture:NAME` -> the shipped fixture directory; anything else unchanged (see models.loading)."""
+    from .models.loading import resolve_fixture
 
-        path = fixture_dir(model.split(":", 1)[1])
-        if not (path / "config.json").is_file():
-            raise MoECompressError(f"The fixture {model} is missing at {path}; use a full clone of moecompress.")
-        return str(path)
-    return model
+    return resolve_fixture(model)
 
 
 def _tokenizer(path: str):
@@ -67,8 +62,28 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
                 keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results.
 
-    `pairs` chooses the paired comparisons (default: every arm against the original).
+    `pairs` chooses the paired comparisons (default: every arm against the original). The report
+    appears complete or not at all: a failed or killed run leaves the previous report untouched.
     """
+    from .atomic import atomic_dir, check_output
+    from .validate import check_name
+
+    out = Path(out)
+    model_path = resolve_model(recipe.model)
+    calib_dir = recipe.calibration.data if Path(recipe.calibration.data).is_dir() else None
+    protect = [model_path, calib_dir]
+    for arm in recipe.arms:
+        check_name(arm.display_name())
+    # the previous report stays in place until this one is complete (atomic_dir renames at the end)
+    check_output(out, overwrite, protect)
+    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="report") as tmp:
+        results = _run_arms(recipe, out, tmp, model_path, progress, keep_checkpoints, pairs)
+    return results
+
+
+def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
+              pairs) -> dict[str, Any]:
+    """The body of `run_compare`: everything is written under `tmp`, paths in the results name `out`."""
     from .api import export, load
     from .eval.quant import quantize_experts
     from .eval.report import write_report
@@ -77,84 +92,73 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     from .models import MoEAdapter, load_model
     from .pipeline import build_plan, choose_format, export_source, needs_for, resolve_calibration
 
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise MoECompressError(f"{out} already exists; choose another output directory or pass --overwrite.")
-    if out.exists():
-        shutil.rmtree(out)
-    work = out.parent / f".{out.name}.work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        model_path = resolve_model(recipe.model)
-        tokenizer = _tokenizer(model_path)
-        needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params)})
-        cal = recipe.calibration
-        t0 = time.perf_counter()
-        stats = resolve_calibration(model_path, cal.data, needs, seq_len=cal.seq_len, seed=cal.seed,
-                                    batch_size=cal.batch_size, work_dir=work, dtype="float32", progress=progress)
-        calib_seconds = time.perf_counter() - t0
-        reference = load_model(model_path, dtype="float32")
-        arms: list[dict[str, Any]] = []
+    work = tmp / ".work"  # the shared calibration: inside the temporary, so a kill leaves one thing to clean
+    work.mkdir()
+    tokenizer = _tokenizer(model_path)
+    needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params)})
+    cal = recipe.calibration
+    t0 = time.perf_counter()
+    stats = resolve_calibration(model_path, cal.data, needs, seq_len=cal.seq_len, seed=cal.seed,
+                                batch_size=cal.batch_size, work_dir=work, dtype="float32", progress=progress)
+    calib_seconds = time.perf_counter() - t0
+    reference = load_model(model_path, dtype="float32")
+    arms: list[dict[str, Any]] = []
 
-        console.print(f"[bold]original[/] {model_path}")
-        original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
-                        metrics=_evaluate(reference, tokenizer, recipe, reference, progress), **_latency(
-                            reference, model_path, recipe))
-        from .plan import CompressionPlan
+    console.print(f"[bold]original[/] {model_path}")
+    original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
+                    metrics=_evaluate(reference, tokenizer, recipe, reference, progress), **_latency(
+                        reference, model_path, recipe))
+    from .plan import CompressionPlan
 
-        original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
-        arms.append(original)
+    original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
+    arms.append(original)
 
-        for arm in recipe.arms:
-            name = arm.display_name()
-            console.print(f"[bold]{name}[/] ({arm.method} {arm.params})")
-            if get_method(arm.method).family == "dense":
-                arms.append(_dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress))
-                continue
-            adapter = MoEAdapter(load_model(model_path, dtype="float32"))
-            t1 = time.perf_counter()
-            plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
-            build_seconds = time.perf_counter() - t1
-            fmt = choose_format(plan, arm.format)
-            ckpt = out / "checkpoints" / name
-            result = export(export_source(model_path, adapter, plan, tensors), plan, ckpt, format=fmt, tensors=tensors,
-                            recipe={"model": recipe.model, "method": arm.method, "params": arm.params})
-            del adapter
-            model = load(ckpt, dtype="float32")
-            entry = plan_arm_fields(plan)
-            entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
-                         kind="materialized" if result.evaluation_only else "compressed", export_format=fmt,
-                         path=str(ckpt), compress_seconds=round(build_seconds, 3),
-                         metrics=_evaluate(model, tokenizer, recipe, reference, progress))
-            entry.update(_latency(model, ckpt, recipe))
-            entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
-            arms.append(entry)
-            del model
+    for arm in recipe.arms:
+        name = arm.display_name()
+        console.print(f"[bold]{name}[/] ({arm.method} {arm.params})")
+        if get_method(arm.method).family == "dense":
+            entry = _dense_arm(arm, name, model_path, stats, tmp, recipe, tokenizer, reference, progress)
+            arms.append(dict(entry, path=str(out / "checkpoints" / name)))
+            continue
+        adapter = MoEAdapter(load_model(model_path, dtype="float32"))
+        t1 = time.perf_counter()
+        plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
+        build_seconds = time.perf_counter() - t1
+        fmt = choose_format(plan, arm.format)
+        ckpt = tmp / "checkpoints" / name
+        result = export(export_source(model_path, adapter, plan, tensors), plan, ckpt, format=fmt, tensors=tensors,
+                        recipe={"model": recipe.model, "method": arm.method, "params": arm.params})
+        del adapter
+        model = load(ckpt, dtype="float32")
+        entry = plan_arm_fields(plan)
+        entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
+                     kind="materialized" if result.evaluation_only else "compressed", export_format=fmt,
+                     path=str(out / "checkpoints" / name), compress_seconds=round(build_seconds, 3),
+                     metrics=_evaluate(model, tokenizer, recipe, reference, progress))
+        entry.update(_latency(model, ckpt, recipe))
+        entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
+        arms.append(entry)
+        del model
 
-        for bits in recipe.eval.quant_baselines:
-            name = f"rtn-{bits}bit"
-            console.print(f"[bold]{name}[/] (matched-storage baseline)")
-            model = load_model(model_path, dtype="float32")
-            q = quantize_experts(model, bits=bits, progress=False)
-            arms.append(dict(name=name, method="rtn", kind="quant_baseline", params={"bits": bits, "group_size": 128},
-                             gate_semantics="n/a", export_format="in-memory",
-                             bytes={"model": q["model_bytes_after"] + _non_param_bytes(reference)},
-                             metrics=_evaluate(model, tokenizer, recipe, reference, progress),
-                             quant=q))
-            del model
-        results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
-                       calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
-                       settings={"seed": recipe.seed}, notes=_notes(recipe))
-        if not keep_checkpoints:
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        write_report(results, out, pairs=pairs)
-        return results
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    for bits in recipe.eval.quant_baselines:
+        name = f"rtn-{bits}bit"
+        console.print(f"[bold]{name}[/] (matched-storage baseline)")
+        model = load_model(model_path, dtype="float32")
+        q = quantize_experts(model, bits=bits, progress=False)
+        arms.append(dict(name=name, method="rtn", kind="quant_baseline", params={"bits": bits, "group_size": 128},
+                         gate_semantics="n/a", export_format="in-memory",
+                         bytes={"model": q["model_bytes_after"] + _non_param_bytes(reference)},
+                         metrics=_evaluate(model, tokenizer, recipe, reference, progress),
+                         quant=q))
+        del model
+    results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
+                   calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
+                   settings={"seed": recipe.seed}, notes=_notes(recipe))
+    shutil.rmtree(work)
+    if not keep_checkpoints:
+        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+    write_report(results, tmp, pairs=pairs)
+    return results
 
 
 def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress) -> dict[str, Any]:

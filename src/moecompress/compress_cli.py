@@ -19,7 +19,11 @@ def parse_params(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise MoECompressError(f"--param '{pair}' is not key=value; write e.g. --param rank=8.")
         key, value = pair.split("=", 1)
-        params[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        try:
+            params[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise MoECompressError(f"--param '{pair}' has a value that is not a YAML scalar or list; quote it or "
+                                   "write e.g. --param rank=8.") from None
     return params
 
 
@@ -42,18 +46,27 @@ def compress_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
     """Compress MODEL with one method and write a checkpoint that is really smaller."""
-    import yaml
     from rich.console import Console
 
     from .pipeline import compress
+    from .validate import check_range
 
+    check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
+    check_range("--rank", rank, 1)
+    check_range("--seq-len", seq_len, 1)
     params: dict = {}
     if recipe is not None:
-        if not recipe.is_file():
-            raise MoECompressError(f"No recipe at {recipe}; pass a YAML file with 'method' and 'params'.")
-        data = yaml.safe_load(recipe.read_text()) or {}
-        method = data.get("method", method)
-        params.update(data.get("params") or {})
+        from .recipe import load_recipe
+
+        spec = load_recipe(recipe, model=model)
+        if len(spec.arms) != 1:
+            raise MoECompressError(f"{recipe} holds {len(spec.arms)} arms but compress builds one; use "
+                                   "`moecompress compare` for several arms.")
+        arm = spec.arms[0]
+        method = arm.method
+        params.update(arm.params)
+        if format == "auto":
+            format = arm.format
     given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget)
     params.update({k: v for k, v in given.items() if v is not None})
     params.update(parse_params(param))

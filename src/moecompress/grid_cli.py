@@ -63,8 +63,15 @@ def grid_command(
     from .compare import ranking_table, run_compare
     from .recipe import CalibrationSpec, EvalSpec, Recipe
 
+    from .validate import check_range, parse_floats
+
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
-    arms, pairs = grid_arms(split(criteria), split(operators), [float(r) for r in split(ratios)], rank)
+    ratio_list = parse_floats("--ratios", ratios)
+    for r in ratio_list:
+        check_range("--ratios", r, 0.0, 1.0, lo_open=True, hi_open=True)
+    check_range("--rank", rank, 1)
+    check_range("--limit", limit, 1)
+    arms, pairs = grid_arms(split(criteria), split(operators), ratio_list, rank)
     recipe = Recipe(model=model, calibration=CalibrationSpec(data=calib),
                     eval=EvalSpec(ppl=ppl, tasks=split(tasks), limit=limit, latency=False, quant_baselines=[]),
                     arms=arms)

@@ -30,13 +30,22 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
             raise MoECompressError("This method needs calibration statistics; pass --calib with a stats directory "
                                    "from moecompress calibrate or a data spec such as fixture-calib:64.")
         return None
-    if Path(calib).is_dir() and (Path(calib) / "stats.json").is_file():
-        store = StatsStore.load(calib)
+    if Path(calib).is_dir():  # a directory is a stats store or nothing: never read it as a data spec
+        store = StatsStore.load(calib, model_fingerprint=model_fingerprint(model))
         store.require(*needs)
         return store
     out = Path(work_dir or ".") / "stats"
     return calibrate(model, str(calib), seq_len=seq_len, out=out, stats=sorted(set(needs)), batch_size=batch_size,
                      dtype=dtype, seed=seed, progress=progress, moment_experts=moment_experts, overwrite=True)
+
+
+def model_fingerprint(model: str) -> str | None:
+    """The checkpoint fingerprint a stats store records (None for a hub id, which has no local files)."""
+    from .checkpoint import checkpoint_fingerprint
+    from .models import resolve_source
+
+    src = resolve_source(model)
+    return checkpoint_fingerprint(src) if Path(src).is_dir() else None
 
 
 def build_plan(adapter: MoEAdapter, method: str, params: dict[str, Any] | None, stats=None, seed: int = 0,
@@ -108,9 +117,15 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     quant: optional weight quantization of every stored expert the method keeps (`quant_config`)."""
     from .api import export
 
+    from .atomic import check_output
+    from .models import resolve_source
+
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise MoECompressError(f"{out} already exists; choose another output path or pass --overwrite.")
+    model = resolve_source(model)
+    calib_dir = calib if calib is not None and Path(calib).is_dir() else None
+    protect = [model, calib_dir]
+    check_output(out, overwrite, protect)  # before any compute: a refusal must not cost a calibration
+    quant_config(quant)  # a bad quantization spec is refused before any compute too
     needs = needs_for(method, params, quant)
     stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
                                 progress=progress)
@@ -120,4 +135,4 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
               "seq_len": seq_len, "seed": seed, "quant": quant}
     return export(export_source(model, adapter, plan, tensors), plan, out, format=choose_format(plan, format),
-                  tensors=tensors, recipe=recipe, overwrite=overwrite)
+                  tensors=tensors, recipe=recipe, overwrite=overwrite, protect=protect)

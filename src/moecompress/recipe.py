@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import MoECompressError
+from .validate import SAFE_NAME, check_name
 
 
 class CalibrationSpec(BaseModel):
@@ -59,14 +60,26 @@ class ArmSpec(BaseModel):
         None, description="dense arms only: knowledge-distillation settings (moecompress.distill.DistillConfig, "
         "e.g. {tokens: 65536, data: fixture-calib}) applied to the student before evaluation")
 
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str | None) -> str | None:
+        # the name becomes a checkpoint directory under --out: no separators, no '..'
+        if v is not None and not SAFE_NAME.match(v):
+            raise ValueError("may hold only letters, digits, '.', '_', '+' and '-' and must start with a letter "
+                             "or digit")
+        return v
+
     def display_name(self) -> str:
         if self.name:
             return self.name
         p = self.params
         bits = [self.method] + [str(p[k]) for k in ("criterion", "operator", "gate", "scope_size") if k in p]
         if "ratio" in p:
-            bits.append(f"{round(100 * float(p['ratio']))}")
-        return "-".join(bits)
+            try:
+                bits.append(f"{round(100 * float(p['ratio']))}")
+            except (TypeError, ValueError, OverflowError):
+                bits.append(str(p["ratio"]))
+        return check_name("-".join(bits), "The derived arm name")
 
 
 class Recipe(BaseModel):
@@ -111,14 +124,20 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
     return recipe
 
 
-def load_recipe(path: str | os.PathLike) -> Recipe:
+def load_recipe(path: str | os.PathLike, model: str | None = None) -> Recipe:
+    """The one loader of recipe files (`compare`, `demo` and `compress --recipe`).
+
+    `model`: the model named on the command line; it fills (and overrides) the recipe's `model`.
+    """
     p = Path(path)
     if not p.is_file():
         raise MoECompressError(f"No recipe at {path}; pass a YAML recipe file.")
     try:
         data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise MoECompressError(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file.") from None
+    if model is not None and isinstance(data, dict):
+        data = dict(data, model=model)
     return parse_recipe(data, where=str(path))
 
 

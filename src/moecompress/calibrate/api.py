@@ -139,15 +139,24 @@ def calibrate(
     identity = _identity(reader, fingerprint, calib, names, params, torch_dtype or "auto", dev, batch_size)
 
     # a finished store at `out`: reuse it when it answers this request, refuse it when it is foreign
-    if out is not None and out.exists() and not overwrite and not dry_run:
+    if out is not None and out.is_dir() and (out / "stats.json").is_file() and not overwrite and not dry_run:
         existing = StatsStore.load(out, model_fingerprint=fingerprint, data_spec=calib.spec)
         if existing.meta["data"]["fingerprint"] != calib.fingerprint():
             raise MoECompressError(f"The stats store {out} was computed on other tokens of '{calib.spec}' (another "
                                    "seq_len, seed or tokenizer); choose another --out or pass --overwrite.")
+        differ = _settings_differ(existing.meta, params, torch_dtype, batch_size, dev)
+        if differ:
+            key, old, new = differ
+            raise MoECompressError(f"The stats store {out} was computed with {key} {old}, not {new}; pass "
+                                   "--overwrite to recompute it or choose another --out.")
         if existing.has(*names):
             return existing
         raise MoECompressError(f"The stats store {out} lacks {', '.join(n for n in names if not existing.has(n))}; "
                                "pass --overwrite to recompute it with these statistics or choose another --out.")
+    if out is not None and not dry_run:
+        from ..atomic import check_output
+
+        check_output(out, overwrite, protect=[reader.path])  # before any compute
 
     double = transform is not None
     from ..models import MoEAdapter
@@ -254,12 +263,30 @@ def calibrate(
     dist.barrier()
     if rank == 0:
         meta = _meta(reader, fingerprint, adapter, calib, names, params, torch_dtype, batch_size, layer_stats,
-                     unreached)
+                     unreached, dev)
         store = write_store(out, partial, moe, meta)
         partial.remove()
     runner.cache.clear()
     dist.barrier()
     return store if rank == 0 else StatsStore.load(out)
+
+
+def _settings_differ(meta: dict, params: dict, dtype, batch_size: int, dev) -> tuple | None:
+    """(setting, stored, requested) for the first content-changing setting that differs from the store's."""
+    want = _meta_settings(params, dtype, batch_size, dev)
+    for key, value in want.items():
+        if key in meta and json.loads(json.dumps(meta[key], default=str)) != json.loads(json.dumps(value, default=str)):
+            return {"params": "collector parameters", "dtype": "dtype", "batch_size": "batch size",
+                    "device": "device"}[key], meta[key], value
+    return None
+
+
+def _meta_settings(params: dict, dtype, batch_size: int, dev) -> dict:
+    """The settings besides model and tokens that change a store's content (recorded in stats.json)."""
+    return {"params": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+                       for k, v in params.items()},
+            "dtype": str(dtype).replace("torch.", "") if dtype is not None else "auto",
+            "batch_size": batch_size, "device": torch.device(dev).type}
 
 
 def _restore_block(adapter, i: int) -> None:
@@ -268,7 +295,8 @@ def _restore_block(adapter, i: int) -> None:
         adapter.set_block(i, adapter.layer(i).block)
 
 
-def _meta(reader, fingerprint, adapter, calib, names, params, dtype, batch_size, layer_stats, unreached) -> dict:
+def _meta(reader, fingerprint, adapter, calib, names, params, dtype, batch_size, layer_stats, unreached,
+          _device="cpu") -> dict:
     cfg = reader.config
     stats_held = sorted(set().union(*(set(s) for s in layer_stats.values())))
     shapes = {n: list(layer_stats[adapter.moe_layers[0]][n].shape) for n in stats_held}
@@ -286,9 +314,7 @@ def _meta(reader, fingerprint, adapter, calib, names, params, dtype, batch_size,
         "stats": stats_held,
         "requested": names,
         "shapes": shapes,
-        "params": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()}) for k, v in params.items()},
-        "dtype": str(dtype).replace("torch.", "") if dtype is not None else "auto",
-        "batch_size": batch_size,
+        **_meta_settings(params, dtype, batch_size, _device),
         "layers": adapter.moe_layers,
         "unreached": {str(i): v for i, v in unreached.items()},
         "versions": versions(),

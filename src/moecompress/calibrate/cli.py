@@ -45,14 +45,11 @@ def calibrate_command(
     from ..errors import MoECompressError
     from . import calibrate
 
-    experts = None
-    if moment_experts:
-        try:
-            experts = json.loads(moment_experts) if moment_experts.strip().startswith("{") else \
-                [int(e) for e in moment_experts.split(",") if e.strip()]
-        except ValueError:
-            raise MoECompressError(f"--moment-experts '{moment_experts}' is neither '0,3,5' nor a JSON object "
-                                   "{\"layer\": [ids]}; fix it.") from None
+    from ..validate import check_range
+
+    check_range("--seq-len", seq_len, 1)
+    check_range("--batch-size", batch_size, 1)
+    experts = _moment_experts(moment_experts) if moment_experts else None
     console = Console()
     try:
         result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
@@ -86,3 +83,25 @@ def calibrate_command(
     console.print(result.describe())
     console.print(f"statistics: {', '.join(result.names)}")
     console.print(f"MoE layers: {result.layers}")
+
+
+def _moment_experts(text: str):
+    """'0,3,5' -> [0, 3, 5]; '{"1": [0, 2]}' -> {"1": [0, 2]}; anything else refused in one sentence."""
+    from ..errors import MoECompressError
+
+    bad = MoECompressError(f"--moment-experts '{text}' is neither '0,3,5' nor a JSON object {{\"layer\": [ids]}} "
+                           "of non-negative integers; fix it.")
+    try:
+        if text.strip().startswith("{"):
+            value = json.loads(text)
+            ok = isinstance(value, dict) and all(
+                str(k).isdigit() and isinstance(v, list) and all(type(e) is int and e >= 0 for e in v)
+                for k, v in value.items())
+        else:
+            value = [int(e) for e in text.split(",") if e.strip()]
+            ok = bool(value) and all(e >= 0 for e in value)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise bad
+    return value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 
@@ -44,6 +46,14 @@ def dense_command(
     from ..methods.dense import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical
     from .dense_export import export_dense
 
+    from ..atomic import check_output
+    from ..models.loading import resolve_fixture
+    from ..validate import check_range
+
+    check_range("--K", K, 1)
+    check_range("--seq-len", seq_len, 1)
+    model = resolve_fixture(model)
+    check_output(out, overwrite, protect=[model, calib])
     cfg = _config(DenseConfig, criterion=canonical(criterion, CRITERIA, "criterion"), K=K,
                       grouping=canonical(grouping, GROUPINGS, "grouping"),
                       scaling=canonical(scaling, SCALINGS, "scaling"), mass_scale=mass_scale,
@@ -75,10 +85,24 @@ def dense_sweep_command(
     """Pre-distillation perplexity over criterion × grouping × K × scaling, as a markdown table."""
     from rich.console import Console
 
+    from ..errors import MoECompressError
+    from ..models.loading import resolve_fixture
+    from ..validate import check_range
     from .sweep import dense_sweep, sweep_markdown, write_sweep
 
+    for flag, v in (("--heldout-tokens", heldout_tokens), ("--window", window), ("--seq-len", seq_len)):
+        check_range(flag, v, 2 if flag == "--window" else 1)
+    try:
+        Ks = [int(x) for x in _split(K)] or None
+    except ValueError:
+        raise MoECompressError(f"--K '{K}' is not a comma-separated list of integers; write e.g. --K 2,4,8.") from None
+    for k in Ks or []:
+        check_range("--K", k, 1)
+    if Path(out).is_dir():
+        raise MoECompressError(f"--out {out} is a directory; pass a markdown file path such as dense_sweep.md.")
+    model = resolve_fixture(model)
     res = dense_sweep(model, calib, heldout, criteria=_split(criteria), groupings=_split(groupings),
-                      Ks=[int(x) for x in _split(K)] or None, scalings=_split(scalings), mass_scale=mass_scale,
+                      Ks=Ks, scalings=_split(scalings), mass_scale=mass_scale,
                       seq_len=seq_len, heldout_tokens=heldout_tokens, window=window)
     write_sweep(res, out)
     Console().print(sweep_markdown(res))
@@ -114,8 +138,13 @@ def distill_command(
     with configs/accelerate/*.yaml for DDP, FSDP2 or DeepSpeed ZeRO-3)."""
     from rich.console import Console
 
+    from ..atomic import check_output
+    from ..models.loading import resolve_fixture
     from .trainer import DistillConfig, distill
 
+    teacher, student = resolve_fixture(teacher), resolve_fixture(student)
+    if overwrite:
+        check_output(out, overwrite, protect=[teacher, student])
     cfg = _config(DistillConfig, tokens=tokens, loss=loss, temperature=temperature, hidden_weight=hidden_weight,
                         expanded_top_k=expanded_top_k, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                         lr=lr, warmup=warmup, bf16=bf16, gradient_checkpointing=gradient_checkpointing,

@@ -269,10 +269,18 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
                                "or choose another --out.")
     ckpt_dir = out / CKPT_DIR
     if overwrite and out.exists():
+        from ..atomic import check_output
+
+        check_output(out, overwrite, protect=[p for p in (teacher, student) if isinstance(p, (str, Path))])
         shutil.rmtree(out)
     # models before TrainingArguments: under DeepSpeed ZeRO-3 only the student gets partitioned
     teacher_model, teacher_src = _load(teacher, teacher_dtype)
     student_model, student_src = _load(student, "auto")
+    from ..atomic import MARKER, write_marker
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).exists():  # so that a later --overwrite may replace this run directory
+        write_marker(out, "distill-run")
     if tokenizer is None and not isinstance(data, torch.Tensor):
         from ..data import load_tokenizer
 

@@ -36,6 +36,27 @@ def _tokenizer(source: str, trust_remote_code: bool, needed: bool):
         return None
 
 
+def _check_results_file(out: Path, overwrite: bool) -> None:
+    """`--out FILE`: a new file, or (with --overwrite) a results file moecompress wrote; its directory writable."""
+    import os
+
+    if out.exists():
+        if not overwrite:
+            raise MoECompressError(f"{out} already exists; choose another --out or pass --overwrite.")
+        try:
+            ours = str(json.loads(out.read_text()).get("schema", "")).startswith("moecompress.")
+        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise MoECompressError(f"{out} is not a results file written by moecompress, so --overwrite will not "
+                                   "replace it; pass another --out.")
+    parent = out.expanduser().absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise MoECompressError(f"Cannot write {out}: {parent} is not a writable directory; pass another --out.")
+
+
 def eval_command(
     model: str = typer.Argument(..., help="Checkpoint directory (HF, or compact when moecompress.load supports it)."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated lm-eval tasks, e.g. "
@@ -58,6 +79,8 @@ def eval_command(
     device: Optional[str] = typer.Option(None, help="Device map, e.g. cpu, cuda, auto."),
     seed: int = typer.Option(1234, help="Seed for lm-eval sampling."),
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier --out results file and "
+                                   "--report directory written by moecompress."),
 ) -> None:
     """Perplexity, next-token accuracy, KL to a reference and lm-eval tasks, with per-item results."""
     from rich.console import Console
@@ -69,10 +92,28 @@ def eval_command(
         raise MoECompressError("Nothing to evaluate; pass --tasks (e.g. fixture_mc,fixture_gen) and/or --ppl FILE.")
     if reference and not ppl:
         raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
+    from ..validate import check_range
+
+    check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
+    check_range("--batch-size", batch_size, 1)
+    check_range("--num-fewshot", num_fewshot, 0)
+    check_range("--window", window, 2)
+    check_range("--stride", stride, 1)
+    check_range("--max-tokens", max_tokens, 1)
     if out is not None and out.is_dir():
         raise MoECompressError(f"--out {out} is a directory; pass a file path such as {out / 'results.json'}.")
+    if out is not None:
+        _check_results_file(out, overwrite)
+    if report is not None:
+        from ..atomic import check_output
+
+        check_output(report, overwrite, flag="--report")
     if limit is not None and limit >= 1:
         limit = int(limit)
+    from ..models.loading import resolve_fixture
+
+    model = resolve_fixture(model)
+    reference = resolve_fixture(reference) if reference else None
     console = Console()
     m = _load(model, dtype, device, trust_remote_code)
     tok = _tokenizer(model, trust_remote_code, needed=True)
@@ -109,4 +150,8 @@ def eval_command(
     if report is not None:
         from .report import write_report
 
-        console.print(f"report: {write_report(results, report)}")
+        from ..atomic import atomic_dir
+
+        with atomic_dir(report, overwrite=overwrite, kind="report") as tmp:
+            write_report(results, tmp)
+        console.print(f"report: {report / 'report.md'}")

@@ -216,9 +216,12 @@ def _json_safe(x):
 
 
 def _write_atomic(path: Path, data: str | bytes) -> None:
+    from ..atomic import fix_permissions
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "wb") as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    fix_permissions(tmp)  # mkstemp makes it 0600; a results file is an ordinary file
     os.replace(tmp, path)
 
 

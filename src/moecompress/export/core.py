@@ -123,7 +123,7 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
 
 def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
            tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False,
-           max_shard_size: int | str = "5GB", quiet: bool = False) -> ExportResult:
+           max_shard_size: int | str = "5GB", quiet: bool = False, protect=()) -> ExportResult:
     """Write `plan` applied to `model_or_path` (an original model, or its checkpoint directory) to `out`.
 
     format: ``compact`` (any plan without packed experts; read with `moecompress.load`), ``packed``
@@ -138,7 +138,8 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     plan.check_tensors(tensors)
     fmt = FORMATS[format](plan, tensors, source)
     fmt.check()
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    protect = [*protect, source.source_dir]
+    with atomic_dir(out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}") as tmp:
         writer = ShardWriter(tmp, max_shard_size)
         _stream(source, plan, fmt, writer, quiet)
         shards = writer.close()

@@ -23,9 +23,23 @@ def parse_dtype(name: str | torch.dtype):
         raise MoECompressError(f"Unknown dtype '{name}'; use one of {', '.join(_DTYPES)}.") from None
 
 
-def resolve_source(source: str | os.PathLike) -> str:
-    """A local directory path, or a hub id; a missing local path is refused here."""
+def resolve_fixture(source: str | os.PathLike) -> str:
+    """`fixture:NAME` -> the shipped fixture directory (the one place every verb resolves it); else unchanged."""
     source = str(source)
+    if not source.startswith("fixture:"):
+        return source
+    name = source.split(":", 1)[1]
+    root = Path(__file__).resolve().parent.parent / "fixtures"
+    names = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
+    if name not in names:
+        raise MoECompressError(f"Unknown fixture '{name}'; the shipped fixtures are {', '.join(names) or 'missing'}"
+                               " (use a full clone of moecompress if none are listed).")
+    return str(root / name)
+
+
+def resolve_source(source: str | os.PathLike) -> str:
+    """A local directory path (`fixture:NAME` included), or a hub id; a missing local path is refused here."""
+    source = resolve_fixture(source)
     p = Path(source).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():

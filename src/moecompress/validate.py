@@ -1,0 +1,52 @@
+"""Boundary checks shared by the verbs: every numeric option is range-checked before any model loads."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import MoECompressError
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def check_range(flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
+                hint: str = "") -> None:
+    """Refuse `value` of option `flag` outside [lo, hi] (open ends with lo_open / hi_open), NaN or infinite.
+
+    None (an option not given) passes.
+    """
+    if value is None:
+        return
+    bad = isinstance(value, float) and not math.isfinite(value)
+    bad = bad or (lo is not None and (value <= lo if lo_open else value < lo))
+    bad = bad or (hi is not None and (value >= hi if hi_open else value > hi))
+    if bad:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
+        want = " and ".join(s for s in (lo_s, hi_s) if s)
+        raise MoECompressError(f"{flag} must be {want}, not {value}{'; ' + hint if hint else ''}.")
+
+
+def parse_floats(flag: str, text: str) -> list[float]:
+    """'0.25,0.5' -> [0.25, 0.5]; a non-number is refused in one sentence."""
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise MoECompressError(f"{flag} '{text}' holds '{part}', which is not a number; write e.g. "
+                                   f"{flag} 0.25,0.5.") from None
+    if not out:
+        raise MoECompressError(f"{flag} is empty; write e.g. {flag} 0.25,0.5.")
+    return out
+
+
+def check_name(name: str, what: str = "Arm name") -> str:
+    """Names that become paths: letters, digits, '.', '_', '+', '-' only, never '.' or '..'."""
+    if not SAFE_NAME.match(name) or set(name) <= {"."}:
+        raise MoECompressError(f"{what} '{name}' may hold only letters, digits, '.', '_', '+' and '-' (it names "
+                               "a directory); rename it.")
+    return name

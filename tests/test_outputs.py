@@ -1,0 +1,123 @@
+"""The output and exit-code policy: atomic outputs, marker-gated --overwrite, stale temporaries, and
+SIGINT / SIGTERM / SIGKILL during calibrate, compress and compare (docs/architecture.md, "Outputs")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moecompress.atomic import MARKER, atomic_dir, clean_stale
+from moecompress.errors import MoECompressError
+from moecompress.testing import fixture_dir
+
+F = fixture_dir("olmoe-tiny")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_atomic_dir_writes_marker_normal_permissions_and_replaces_only_marked(tmp_path):
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("one")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / MARKER).is_file() and (out / "a.txt").read_text() == "one"
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
+    assert (out / "a.txt").stat().st_mode & 0o777 == 0o666 & ~mask
+    with pytest.raises(MoECompressError, match="already exists"):
+        with atomic_dir(out) as tmp:
+            pass
+    with atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "b.txt").write_text("two")
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "b.txt"]
+    # a failure inside keeps the previous output and leaves no temporary behind
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "c.txt").write_text("three")
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "b.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    (out / MARKER).unlink()
+    with pytest.raises(MoECompressError, match="not written by moecompress"):
+        with atomic_dir(out, overwrite=True) as tmp:
+            pass
+    assert (out / "b.txt").is_file()
+
+
+def test_stale_temporaries_of_dead_runs_are_removed_and_reported(tmp_path, capsys):
+    dead = tmp_path / f".out.tmp-{_dead_pid()}-abc123"
+    (dead / "sub").mkdir(parents=True)
+    (dead / "sub" / "w.bin").write_bytes(b"x" * 3000)
+    live = tmp_path / f".out.tmp-{os.getpid()}-def456"
+    live.mkdir()
+    other = tmp_path / f".other.tmp-{_dead_pid()}-ghi789"
+    other.mkdir()
+    removed = clean_stale(tmp_path / "out")
+    assert removed == [(dead, 3000)]
+    assert not dead.exists() and live.exists() and other.exists()
+    assert "2.93 KB" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- signals, as a user sends them
+RECIPE = f"""model: {F}
+calibration: {{data: fixture-calib:64, seq_len: 128}}
+eval: {{ppl: fixture-heldout, max_tokens: 64, window: 32, tasks: [], latency: false, quant_baselines: []}}
+method: prune
+params: {{criterion: frequency, ratio: 0.5}}
+"""
+
+VERBS = {
+    # argv, the path whose appearance shows the run is computing, the output that must be absent or complete
+    "calibrate": (["calibrate", str(F), "--data", "fixture-calib:64", "--seq-len", "256", "--out", "s"],
+                  ".s.partial", "s"),
+    "compress": (["compress", str(F), "--criterion", "frequency", "--ratio", "0.5", "--calib", "fixture-calib:64",
+                  "--seq-len", "256", "--out", "c"], "c-calib/.stats.partial", "c"),
+    "compare": (["compare", "r.yaml", "--out", "rep"], ".rep.tmp-*", "rep"),
+}
+
+
+# each subprocess pays the torch/transformers import: the default run covers every verb and every signal
+# once (the diagonal); the other six pairs are marked slow
+FAST = {("calibrate", signal.SIGINT), ("compress", signal.SIGTERM), ("compare", signal.SIGKILL)}
+PAIRS = [pytest.param(v, s, id=f"{v}-{s.name}", marks=() if (v, s) in FAST else pytest.mark.slow)
+         for v in VERBS for s in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)]
+
+
+@pytest.mark.parametrize("verb,sig", PAIRS)
+def test_signal_leaves_no_partial_output(tmp_path, verb, sig):
+    argv, busy, out = VERBS[verb]
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen([sys.executable, "-m", "moecompress.cli", *argv], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(busy)) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"{verb} ended before it could be interrupted: {proc.stderr.read()}"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    target = tmp_path / out
+    assert not target.exists() or (target / MARKER).is_file()  # absent or complete
+    assert "Traceback" not in err
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        leftovers = list(tmp_path.glob(f".{out}.tmp-*"))
+        clean_stale(target)  # what the next run does first
+        assert not any(p.exists() for p in leftovers)
+        return
+    assert proc.returncode == 128 + sig, err
+    assert [line for line in err.splitlines() if "interrupted:" in line] == [
+        next(line for line in err.splitlines() if "interrupted:" in line)]
+    assert ("SIGTERM" if sig == signal.SIGTERM else "Ctrl-C") in err
+    assert not list(tmp_path.glob(f".{out}.tmp-*"))  # cleaned up on the way out
