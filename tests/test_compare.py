@@ -49,7 +49,11 @@ def test_compare_two_recipes_writes_report_pngs_and_results(tiny_with_tokenizer,
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     names = [a["name"] for a in results["arms"]]
-    assert names == ["original", "prune-reap-keep-50", "prune-mone-constant-50", "rtn-4bit"]
+    assert names == ["original", "prune-reap-keep-50", "prune-mone-constant-50", "quant-w4g128-gptq"]
+    quant = results["arms"][3]  # the pure-quantization reference: exported and loaded back like any arm
+    assert quant["kind"] == "quant_baseline" and quant["precision"] == "w4g128"
+    assert 4.0 < quant["bits_per_weight"] < 5.0  # 4 bits + a bf16 scale per 128 (ragged) weights
+    assert results["arms"][1]["bits_per_weight"] == 16.0  # half of the float32 experts kept
     original = results["arms"][0]
     kl = original["metrics"]["ppl:fixture-heldout"]["aggregate"]["kl"]
     assert abs(kl) < 1e-6  # the original against itself

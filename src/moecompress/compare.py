@@ -69,6 +69,7 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     from .validate import check_name
 
     out = Path(out)
+    recipe = with_quant_baselines(recipe)
     model_path = resolve_model(recipe.model)
     calib_dir = recipe.calibration.data if Path(recipe.calibration.data).is_dir() else None
     protect = [model_path, calib_dir]
@@ -81,21 +82,31 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     return results
 
 
+def with_quant_baselines(recipe: Recipe) -> Recipe:
+    """`recipe` plus one pure-quantization arm (method 'quant', GPTQ) per `eval.quant_baselines` spec: the
+    reference every structural arm is held against (skipped when the recipe already has that arm)."""
+    from .recipe import ArmSpec
+
+    have = {(a.method, a.params.get("quant"), a.params.get("algo", "gptq")) for a in recipe.arms if a.quant is None}
+    extra = [ArmSpec(method="quant", params={"quant": spec, "algo": "gptq"}) for spec in recipe.eval.quant_baselines
+             if ("quant", spec, "gptq") not in have]
+    return recipe.model_copy(update={"arms": [*recipe.arms, *extra]}) if extra else recipe
+
+
 def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
               pairs) -> dict[str, Any]:
     """The body of `run_compare`: everything is written under `tmp`, paths in the results name `out`."""
     from .api import export, load
-    from .eval.quant import quantize_experts
     from .eval.report import write_report
     from .eval.runner import model_info, plan_arm_fields
     from .methods import get_method
     from .models import MoEAdapter, load_model
-    from .pipeline import build_plan, choose_format, export_source, needs_for, resolve_calibration
+    from .pipeline import build_plan, choose_format, export_source, needs_for, quantize, resolve_calibration
 
     work = tmp / ".work"  # the shared calibration: inside the temporary, so a kill leaves one thing to clean
     work.mkdir()
     tokenizer = _tokenizer(model_path)
-    needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params)})
+    needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params, arm.quant)})
     cal = recipe.calibration
     t0 = time.perf_counter()
     stats = resolve_calibration(model_path, cal.data, needs, seq_len=cal.seq_len, seed=cal.seed,
@@ -115,7 +126,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
 
     for arm in recipe.arms:
         name = arm.display_name()
-        console.print(f"[bold]{name}[/] ({arm.method} {arm.params})")
+        console.print(f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
         if get_method(arm.method).family == "dense":
             entry = _dense_arm(arm, name, model_path, stats, tmp, recipe, tokenizer, reference, progress)
             arms.append(dict(entry, path=str(out / "checkpoints" / name)))
@@ -123,16 +134,19 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         adapter = MoEAdapter(load_model(model_path, dtype="float32"))
         t1 = time.perf_counter()
         plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
+        plan, tensors = quantize(adapter, plan, tensors, arm.quant, stats, progress)
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
         ckpt = tmp / "checkpoints" / name
         result = export(export_source(model_path, adapter, plan, tensors), plan, ckpt, format=fmt, tensors=tensors,
-                        recipe={"model": recipe.model, "method": arm.method, "params": arm.params})
+                        recipe={"model": recipe.model, "method": arm.method, "params": arm.params,
+                                "quant": arm.quant.model_dump() if arm.quant else None})
         del adapter
         model = load(ckpt, dtype="float32")
-        entry = plan_arm_fields(plan)
+        entry = plan_arm_fields(plan, tensors)
+        kind = "quant_baseline" if arm.method == "quant" else "compressed"
         entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
-                     kind="materialized" if result.evaluation_only else "compressed", export_format=fmt,
+                     kind="materialized" if result.evaluation_only else kind, export_format=fmt,
                      path=str(out / "checkpoints" / name), compress_seconds=round(build_seconds, 3),
                      metrics=_evaluate(model, tokenizer, recipe, reference, progress))
         entry.update(_latency(model, ckpt, recipe))
@@ -140,17 +154,6 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         arms.append(entry)
         del model
 
-    for bits in recipe.eval.quant_baselines:
-        name = f"rtn-{bits}bit"
-        console.print(f"[bold]{name}[/] (matched-storage baseline)")
-        model = load_model(model_path, dtype="float32")
-        q = quantize_experts(model, bits=bits, progress=False)
-        arms.append(dict(name=name, method="rtn", kind="quant_baseline", params={"bits": bits, "group_size": 128},
-                         gate_semantics="n/a", export_format="in-memory",
-                         bytes={"model": q["model_bytes_after"] + _non_param_bytes(reference)},
-                         metrics=_evaluate(model, tokenizer, recipe, reference, progress),
-                         quant=q))
-        del model
     results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
                    calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
                    settings={"seed": recipe.seed}, notes=_notes(recipe))
@@ -195,16 +198,6 @@ def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, 
     entry.update(_latency(model, ckpt, recipe))
     entry["bytes"].update(model=weights, disk=summary["bytes"], weights=weights)
     return entry
-
-
-def _non_param_bytes(model) -> int:
-    """Persistent buffers (counted in plan byte totals, not in parameter bytes)."""
-    n = 0
-    for mod in model.modules():
-        for name, b in mod.named_buffers(recurse=False):
-            if name not in mod._non_persistent_buffers_set:
-                n += b.numel() * b.element_size()
-    return n
 
 
 def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:

@@ -40,6 +40,10 @@ def compress_command(
     budget: Optional[float] = typer.Option(None, help="Routed-expert bytes kept, as a fraction (auto)."),
     param: list[str] = typer.Option([], help="Any other method parameter as key=value (repeatable)."),
     recipe: Optional[Path] = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
+    quant: Optional[str] = typer.Option(None, help="Also quantize every stored expert: w4g128, w3g64, w2g32, w8c "
+                                        "('a' suffix: asymmetric); --method quant quantizes the original experts."),
+    quant_algo: str = typer.Option("gptq", help="gptq (calibration Hessians) | rtn (round-to-nearest)."),
+    quant_weighting: str = typer.Option("uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."),
     format: str = typer.Option("auto", help="auto | hf | compact | packed | materialized."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     seed: int = typer.Option(0),
@@ -55,6 +59,7 @@ def compress_command(
     check_range("--rank", rank, 1)
     check_range("--seq-len", seq_len, 1)
     params: dict = {}
+    quant_setting = None
     if recipe is not None:
         from .recipe import load_recipe
 
@@ -65,11 +70,16 @@ def compress_command(
         arm = spec.arms[0]
         method = arm.method
         params.update(arm.params)
+        quant_setting = arm.quant.model_dump() if arm.quant else None
         if format == "auto":
             format = arm.format
     given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget)
     params.update({k: v for k, v in given.items() if v is not None})
     params.update(parse_params(param))
+    if quant is not None and method == "quant":
+        params.update(quant=quant, algo=quant_algo, weighting=quant_weighting)
+    elif quant is not None:
+        quant_setting = dict(quant=quant, algo=quant_algo, weighting=quant_weighting)
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
-                      overwrite=overwrite)
+                      overwrite=overwrite, quant=quant_setting)
     Console().print(result.describe())

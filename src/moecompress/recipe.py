@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import MoECompressError
+from .methods.quantize import QuantConfig
 from .validate import SAFE_NAME, check_name
 
 
@@ -45,8 +46,15 @@ class EvalSpec(BaseModel):
     num_fewshot: int | None = None
     batch_size: int = 8
     latency: bool = Field(True, description="measure prefill/decode tokens/s and peak memory")
-    quant_baselines: list[int] = Field(default_factory=lambda: [4, 3],
-                                       description="matched-storage RTN baselines on routed experts (bits)")
+    quant_baselines: list[str] = Field(
+        default_factory=lambda: ["w4g128", "w3g128"],
+        description="pure-quantization reference arms (method 'quant', GPTQ) on the routed experts: specs such as "
+        "w4g128 (a bare bit width b means w<b>g128)")
+
+    @field_validator("quant_baselines", mode="before")
+    @classmethod
+    def _bits_to_specs(cls, v):
+        return [f"w{x}g128" if isinstance(x, int) and not isinstance(x, bool) else x for x in (v or [])]
 
 
 class ArmSpec(BaseModel):
@@ -59,6 +67,14 @@ class ArmSpec(BaseModel):
     distill: dict[str, Any] | None = Field(
         None, description="dense arms only: knowledge-distillation settings (moecompress.distill.DistillConfig, "
         "e.g. {tokens: 65536, data: fixture-calib}) applied to the student before evaluation")
+    quant: QuantConfig | None = Field(
+        None, description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
+        "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}")
+
+    @field_validator("quant", mode="before")
+    @classmethod
+    def _spec_shorthand(cls, v):
+        return {"quant": v} if isinstance(v, str) else v
 
     @field_validator("name")
     @classmethod
@@ -79,7 +95,10 @@ class ArmSpec(BaseModel):
                 bits.append(f"{round(100 * float(p['ratio']))}")
             except (TypeError, ValueError, OverflowError):
                 bits.append(str(p["ratio"]))
-        return check_name("-".join(bits), "The derived arm name")
+        if self.method == "quant":
+            bits.append(f"{p.get('quant', 'w4g128')}-{p.get('algo', 'gptq')}")
+        name = "-".join(bits) + (f"+{self.quant.quant}-{self.quant.algo}" if self.quant else "")
+        return check_name(name, "The derived arm name")
 
 
 class Recipe(BaseModel):

@@ -135,14 +135,14 @@ def checklist(results: dict | Results) -> list[dict]:
     if quant:
         desc = []
         for a in quant:
-            bpw = (a.model_extra or {}).get("quant", {}).get("bits_per_weight")
+            bpw = (a.model_extra or {}).get("bits_per_weight")
             size = arm_bytes(a)
             desc.append(f"{a.name} ({bpw:.3f} bits/weight incl. scales, " if bpw else f"{a.name} (")
             desc[-1] += f"{_human(size)})" if size is not None else "size not recorded)"
         items.append((True, "; ".join(desc) + "."))
     else:
-        items.append((False, "no evaluated round-to-nearest quantization arm (kind 'quant_baseline'); see "
-                             "moecompress.eval.quant.quantize_experts."))
+        items.append((False, "no evaluated pure-quantization arm (method 'quant', kind 'quant_baseline'); add "
+                             "eval.quant_baselines or an arm with method quant."))
     return [dict(item=i + 1, title=CHECKLIST_TITLES[i], done=d, detail=det) for i, (d, det) in enumerate(items)]
 
 
@@ -439,22 +439,26 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
 
     cols = _task_columns(res)
     out += ["## Arms", ""]
-    header = ["arm", "method", "params", "gate semantics", "operator", "size", "size vs baseline"]
+    header = ["arm", "method", "params", "gate semantics", "operator", "precision", "bits/weight", "size",
+              "size vs baseline"]
     header += [f"{t} {mm}" for t, mm in cols]
     rows = []
     for a in res.arms:
         b = arm_bytes(a)
         rel = f"{100 * b / base_bytes:.1f}%" if b is not None and base_bytes else "—"
         params = ", ".join(f"{k}={v}" for k, v in a.params.items()) or "—"
+        extra = a.model_extra or {}
         row = [a.name + (" (baseline)" if a.name == res.baseline else ""), a.method, params,
-               a.gate_semantics or "—", a.operator or "—", _human(b), rel]
+               a.gate_semantics or "—", a.operator or "—", extra.get("precision") or "—",
+               _fmt(extra.get("bits_per_weight"), 3), _human(b), rel]
         for t, mm in cols:
             e = a.metrics.get(t)
             row.append(_fmt(e.aggregate.get(mm)) if e else "—")
         rows.append(row)
     out += [_table(header, rows), ""]
-    out.append("Size: `bytes.model` (packed size for the quantization baseline), else bytes on disk, else resident "
-               "parameter bytes.")
+    out.append("Size: `bytes.model` (the plan's bytes: packed codes and scales for quantized experts), else bytes "
+               "on disk, else resident parameter bytes. Bits/weight: stored routed-expert bits (scales and operators "
+               "included) per original routed-expert weight.")
     out.append("")
 
     out += ["## Paired comparisons", ""]
@@ -503,18 +507,16 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
 
     quant = [a for a in res.arms if a.kind == "quant_baseline"]
     if quant:
-        out += ["## Quantization baseline", ""]
+        out += ["## Quantization reference", ""]
         rows = []
         for a in quant:
-            q = (a.model_extra or {}).get("quant", {})
-            rows.append([a.name, q.get("bits"), q.get("group_size"), q.get("scale_dtype"),
-                         _fmt(q.get("bits_per_weight"), 3), _human(q.get("routed_bytes_before")),
-                         _human(q.get("routed_bytes_after")), _fmt(q.get("rel_fro_error"))])
-        out.append(_table(["arm", "bits", "group", "scales", "bits/weight", "routed before", "routed after",
-                           "rel. Frobenius error"], rows))
+            extra = a.model_extra or {}
+            rows.append([a.name, a.params.get("quant"), a.params.get("algo", "gptq"),
+                         _fmt(extra.get("bits_per_weight"), 3), _human(arm_bytes(a))])
+        out.append(_table(["arm", "spec", "algorithm", "bits/weight", "size"], rows))
         out.append("")
-        out.append("Round-to-nearest, symmetric, group-wise along the input dimension, routed experts only; "
-                   "evaluated fake-quantized in memory, sized as packed codes + scales.")
+        out.append("Pure quantization of every routed expert (method `quant`: no structural change), exported and "
+                   "loaded back like every other arm; docs/quantization.md states the grid.")
         out.append("")
 
     per_layer = [a for a in res.arms if a.per_layer]

@@ -66,7 +66,7 @@ def evaluate_model(model, tokenizer=None, *, tasks=None, ppl=None, reference=Non
     return metrics
 
 
-def plan_arm_fields(plan) -> dict[str, Any]:
+def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
     """An arm's gate_semantics, operator, mask_id and per_layer counts, read from a CompressionPlan.
 
     Per layer: ``retained`` = slots still served by a verbatim copy of their own expert;
@@ -105,6 +105,22 @@ def plan_arm_fields(plan) -> dict[str, Any]:
         rows.append(dict(layer=lp.layer, experts=len(lp.slots), stored=len(sc.stored), retained=ret, remapped=rem,
                          operators=ops, dropped=drop, gate=lp.gate))
     mask = hashlib.sha256(json.dumps(sorted(retained_all)).encode()).hexdigest()[:16]
+    specs = sorted({"16-bit" if s.quant is None else s.quant.name() for sc in plan.scopes for s in sc.stored
+                    if s.packing is None} | {s.packing for sc in plan.scopes for s in sc.stored if s.packing})
     return {"gate_semantics": "/".join(sorted(set(gates))) or None,
             "operator": " + ".join(sorted(ops_used)) or None, "mask_id": mask, "per_layer": rows,
-            "method": plan.method, "params": dict(plan.params)}
+            "method": plan.method, "params": dict(plan.params), "precision": " + ".join(specs),
+            "bits_per_weight": routed_bits_per_weight(plan, tensors)}
+
+
+def routed_bits_per_weight(plan, tensors=None) -> float:
+    """Stored routed-expert bits (experts, operators, packed codes, scales) per ORIGINAL routed-expert weight
+    (None when the plan's packed tensors are not at hand to count)."""
+    from ..errors import MoECompressError
+
+    try:
+        b = plan.logical_bytes(tensors)
+    except MoECompressError:
+        return None
+    params = plan.model.expert_bytes / plan.model.element_size
+    return round(8 * (b.stored_experts + b.operators) / params, 4)
