@@ -46,6 +46,14 @@ FIXTURES = REPO / "src/moecompress/fixtures"
 DOC_SEP = "\n\n\n"
 
 
+def stored_dtypes(st: Path) -> set[str]:
+    """dtypes of the tensors in a safetensors file, from its header (the model is evaluated upcast to float32)."""
+    from safetensors import safe_open
+
+    with safe_open(str(st), "pt") as f:
+        return {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
 def read_docs(path: Path) -> list[str]:
     return [d.strip("\n") for d in path.read_text(encoding="utf-8").split(DOC_SEP) if d.strip()]
 
@@ -156,7 +164,7 @@ def measure(fixture: Path, heldout: Path, unigram_src: Path, seq_len: int, batch
         params=param_breakdown(model),
         bytes_model_safetensors=st.stat().st_size,
         bytes_dir=sum(p.stat().st_size for p in fixture.iterdir() if p.is_file()),
-        safetensors_dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        safetensors_dtype=",".join(sorted(stored_dtypes(st))),
         heldout_tokens=int(len(stream)),
         heldout_windows=int(n_win),
         seq_len=seq_len,

@@ -7,8 +7,9 @@ Outputs (``--out``, default ``src/moecompress/fixtures``)::
     qwen3-moe-tiny/     Qwen3MoeForCausalLM  (norm_topk_prob=True)
     olmoe-tiny/         OlmoeForCausalLM     (norm_topk_prob=False)
 
-Each model directory holds config.json, generation_config.json, model.safetensors (float32) and
-the tokenizer files, so ``AutoModelForCausalLM.from_pretrained(d)`` and
+Each model directory holds config.json, generation_config.json, model.safetensors and the tokenizer
+files. Training runs in float32; the weights are saved cast to bfloat16, as real MoE checkpoints are
+(``save_bf16`` in scripts/convert_fixtures_bf16.py, which also converts existing float32 fixtures), so ``AutoModelForCausalLM.from_pretrained(d)`` and
 ``AutoTokenizer.from_pretrained(d)`` work offline.
 
 Inputs: ``build/fixture_corpus/{train,heldout}.txt`` from ``scripts/build_fixture_corpus.py``.
@@ -315,23 +316,25 @@ def train_one(name: str, tok, train_ids, held_ids, out_root: Path, tok_dir: Path
     if out_dir.exists():
         shutil.rmtree(out_dir)
     model.eval()
-    model.config.output_router_logits = False
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    tok.save_pretrained(str(out_dir))
-    digest = param_digest(model)
+    digest = param_digest(model)  # of the float32 training result
     info = dict(model=name, steps=total, tokens_seen=tokens, train_wall_s=round(wall, 1), params=n_params,
                 param_sha256_16=digest, final_subset_ppl=None, history=hist,
                 torch=torch.__version__)
     import transformers, tokenizers
     info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__)
     info["final_subset_ppl"] = round(eval_ppl(model, held_ids, TRAIN["eval_windows"]), 3)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from convert_fixtures_bf16 import save_bf16
+
+    save_bf16(model, out_dir)  # casts `model` to bf16 in place: real checkpoints are stored in bf16
+    tok.save_pretrained(str(out_dir))
     verify_reload(model, out_dir)
     log(f"[{name}] saved to {out_dir} in {wall / 60:.1f} min; param digest {digest}")
     return info
 
 
 def verify_reload(model, out_dir: Path) -> None:
-    """Reload with from_pretrained and check the float32 logits match exactly."""
+    """Reload with from_pretrained (stored dtype) and check the state dict and logits match exactly."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -341,7 +344,7 @@ def verify_reload(model, out_dir: Path) -> None:
     if saved != expected:
         log(f"NOTE: safetensors keys differ from state_dict: only-saved={sorted(saved - expected)[:6]} "
             f"only-model={sorted(expected - saved)[:6]}")
-    reloaded = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype="auto")
     reloaded.eval()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(2, VOCAB_SIZE, (2, 64), generator=g)

@@ -50,7 +50,10 @@ def test_constant_operator_goes_compact(tiny, capsys):
     (["--param", "rank"], "is not key=value"),
     (["--method", "prunee"], "Unknown method 'prunee'"),
     (["--format", "hf", "--operator", "constant"], "use --format compact"),
-    (["--method", "auto", "--budget", "1.5"], "Recipe field 'budget'"),
+    (["--method", "auto", "--budget", "1.5"], "Budget '1.5' is not a fraction in (0, 1] or a size"),
+    (["--method", "auto", "--budget", "4XB"], "Budget '4XB' is not a fraction in (0, 1] or a size"),
+    (["--method", "auto", "--budget", "half"], "Budget 'half' is not a fraction in (0, 1] or a size"),
+    (["--method", "auto", "--budget", "0GB"], "Budget '0GB' is not a fraction in (0, 1] or a size"),
 ])
 def test_bad_input_is_one_sentence(tiny, capsys, args, message):
     root, path = tiny

@@ -37,7 +37,8 @@ def compress_command(
     operator: Optional[str] = typer.Option(None, help="Replacement operator (prune)."),
     rank: Optional[int] = typer.Option(None, help="Tilt rank / partial-copy budget (prune)."),
     gate: Optional[str] = typer.Option(None, help="keep | renorm (prune, reroute)."),
-    budget: Optional[float] = typer.Option(None, help="Routed-expert bytes kept, as a fraction (auto)."),
+    budget: Optional[str] = typer.Option(None, help="Routed-expert bytes kept (auto): a fraction of the original's "
+                                         "as stored on disk (0.5, 50%), or a size (4GB, 500MB, 1.5GiB)."),
     param: list[str] = typer.Option([], help="Any other method parameter as key=value (repeatable)."),
     recipe: Optional[Path] = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
     quant: Optional[str] = typer.Option(None, help="Also quantize every stored expert: w4g128, w3g64, w2g32, w8c "

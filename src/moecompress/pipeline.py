@@ -105,6 +105,11 @@ def export_source(model_path: str, adapter: MoEAdapter, plan, tensors):
         from .methods.merging import install_merged_router
 
         install_merged_router(adapter, plan, tensors)
+        dtypes = plan.model.disk_dtypes
+        if dtypes and len(dtypes) == 1:  # write the checkpoint's dtype, not the float32 it was computed in
+            import torch
+
+            adapter.model.to(getattr(torch, dtypes[0]))
         return adapter.model
     return model_path
 

@@ -84,15 +84,21 @@ class MoELayerInfo(_Strict):
 
 
 class ModelInfo(_Strict):
-    """The original model, as far as plans, byte accounting and validation need it."""
+    """The original model, as far as plans, byte accounting and validation need it.
+
+    Bytes are counted at the checkpoint's on-disk dtypes (read from its safetensors headers), not at
+    the dtype the model happens to be loaded in: a bf16 checkpoint computed in float32 still costs
+    2 bytes per parameter. A model with no checkpoint directory (built in memory) is counted as held.
+    """
 
     model_type: str
     hidden_size: int
     num_hidden_layers: int
-    dtype: str  # dtype of the routed experts, e.g. "bfloat16"
+    dtype: str  # on-disk dtype of the routed experts, e.g. "bfloat16"
+    disk_dtypes: list[str] | None = None  # every dtype the checkpoint stores (None: counted from memory)
     expert_bias: bool = False  # experts carry biases (GPT-OSS)
     layers: list[MoELayerInfo]
-    expert_bytes: int  # all routed experts of the original
+    expert_bytes: int  # all routed experts of the original, as stored
     other_bytes: int  # every other saved tensor: embeddings, attention, norms, routers, shared experts
     source: str | None = None
 
@@ -105,14 +111,27 @@ class ModelInfo(_Strict):
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of a routed expert (and of anything stored in its place) on disk."""
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @classmethod
-    def from_model(cls, model_or_adapter, source: str | None = None) -> ModelInfo:
+    def from_model(cls, model_or_adapter, source: str | None = None, checkpoint: str | os.PathLike | None = None
+                   ) -> ModelInfo:
+        """Describe an original model. Bytes follow `checkpoint` (default: `source`, else the model's
+        ``name_or_path``) when it is a directory of safetensors; otherwise the in-memory dtypes."""
+        from .disk import checkpoint_dir, stored_tensors
         from .models import MoEAdapter
 
         adapter = model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
         model = adapter.model
+        name = getattr(model, "name_or_path", None) or None
+        found = checkpoint_dir(checkpoint) or checkpoint_dir(source) or checkpoint_dir(name)
+        disk = stored_tensors(found) if found is not None else None
+        expert_dtype = _disk_expert_dtype(disk) if disk else None
+
+        def el(dtype: str) -> int:
+            return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
         expert_params = set()
         layers = []
         dtype = None
@@ -121,7 +140,8 @@ class ModelInfo(_Strict):
             params = list(layer.storage.module.parameters())
             expert_params.update(id(p) for p in params)
             dtype = dtype or params[0].dtype
-            nbytes = sum(p.numel() * p.element_size() for p in params)
+            numel = sum(p.numel() for p in params)
+            nbytes = numel * el(expert_dtype) if expert_dtype else sum(p.numel() * p.element_size() for p in params)
             spec = layer.spec
             layers.append(MoELayerInfo(
                 layer=i, num_experts=spec.num_experts, top_k=spec.top_k,
@@ -130,22 +150,55 @@ class ModelInfo(_Strict):
                 keep_equals_renorm=bool(spec.norm_topk_prob or spec.topk_before_softmax or spec.scoring == "sigmoid"),
                 router=spec.describe(),
             ))
+        rest = _disk_other_dtype(disk) if disk else None
+
+        def nbytes_of(key: str, t: torch.Tensor) -> int:
+            if disk is None:
+                return t.numel() * t.element_size()
+            stored = disk.get(key)  # non-expert tensors keep their names on disk
+            return t.numel() * el(stored[0] if stored else rest)
+
         other = 0
-        for p in model.parameters():  # deduplicated: tied embeddings count once, as on disk
+        for key, p in model.named_parameters():  # deduplicated: tied embeddings count once, as on disk
             if id(p) not in expert_params:
-                other += p.numel() * p.element_size()
-        for mod in model.modules():
+                other += nbytes_of(key, p)
+        for mod_name, mod in model.named_modules():
             for name, b in mod.named_buffers(recurse=False):
                 if b is not None and name not in mod._non_persistent_buffers_set:
-                    other += b.numel() * b.element_size()
+                    other += nbytes_of(f"{mod_name}.{name}" if mod_name else name, b)
         first = adapter.layer(adapter.moe_layers[0])
         return cls(
             model_type=adapter.model_type, hidden_size=adapter.hidden_size,
-            num_hidden_layers=len(adapter.decoder_layers), dtype=str(dtype).removeprefix("torch."),
+            num_hidden_layers=len(adapter.decoder_layers),
+            dtype=expert_dtype or str(dtype).removeprefix("torch."),
+            disk_dtypes=sorted({d for d, _ in disk.values()}) if disk else None,
             expert_bias=first.storage.read(0).has_bias, layers=layers,
             expert_bytes=sum(x.bytes_per_expert * x.num_experts for x in layers), other_bytes=other,
-            source=source if source is not None else (getattr(model, "name_or_path", None) or None),
+            source=source if source is not None else name,
         )
+
+
+def _dominant(disk: Mapping[str, tuple[str, int]], keep) -> str | None:
+    """The dtype holding the most bytes among the stored tensors whose name passes `keep`."""
+    by: dict[str, int] = {}
+    for name, (dtype, n) in disk.items():
+        if keep(name) and dtype.startswith(("float", "bfloat")):
+            by[dtype] = by.get(dtype, 0) + n
+    return min(by, key=lambda d: (-by[d], d)) if by else None
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".experts." in name and "shared_expert" not in name
+
+
+def _disk_expert_dtype(disk: Mapping[str, tuple[str, int]]) -> str | None:
+    """On-disk dtype of the routed experts: the dtype of tensors under ``.experts.`` (families that name
+    their experts otherwise: the checkpoint's dominant floating dtype)."""
+    return _dominant(disk, _is_routed_expert) or _dominant(disk, lambda n: True)
+
+
+def _disk_other_dtype(disk: Mapping[str, tuple[str, int]]) -> str:
+    return _dominant(disk, lambda n: not _is_routed_expert(n)) or _disk_expert_dtype(disk) or "float32"
 
 
 # ----------------------------------------------------------------------------- stored experts
@@ -235,15 +288,28 @@ class LayerPlan(_Strict):
 
 # ----------------------------------------------------------------------------- byte report
 class ByteReport(_Strict):
+    """A plan's bytes at the checkpoint's on-disk dtypes (`CompressionPlan.logical_bytes`)."""
+
     stored_experts: int
     operators: int
     other: int
     total: int
     original: int
+    original_routed: int = 0  # the original's routed experts, as stored
+
+    @property
+    def routed(self) -> int:
+        """What replaces the routed experts: stored experts + replacement operators."""
+        return self.stored_experts + self.operators
 
     @property
     def ratio(self) -> float:
         return self.total / self.original if self.original else float("nan")
+
+    @property
+    def routed_ratio(self) -> float:
+        """Routed bytes kept, as a fraction of the original's routed-expert bytes (what `auto`'s budget counts)."""
+        return self.routed / self.original_routed if self.original_routed else float("nan")
 
 
 def _fail(msg: str):
@@ -559,23 +625,37 @@ class CompressionPlan(_Strict):
             return False, f"layers keep different numbers of experts ({sorted(counts)})"
         return True, ""
 
-    def logical_bytes(self, tensors: Mapping[str, torch.Tensor] | None = None) -> ByteReport:
+    def logical_bytes(self, tensors: Mapping[str, torch.Tensor] | None = None,
+                      accounting: Literal["logical", "stored"] = "logical") -> ByteReport:
         """Bytes the compressed model needs: stored experts + operator parameters + everything else.
 
-        Copies cost the original expert's bytes; dense merged experts and operators are stored in
-        the model's dtype (counted from shapes); packed element-wise merges count their tensors
-        (or their declared ``nbytes``). "Everything else" is the original's non-expert tensors.
+        The one byte count of a plan: the `auto` solver's budget, the exporter's report and the tests
+        use it. Everything is counted at the checkpoint's on-disk dtypes (`ModelInfo`): copies cost the
+        original expert's bytes; dense merged experts and operators are stored in the experts' dtype
+        (counted from shapes); packed element-wise merges count their tensors (or their declared
+        ``nbytes``). "Everything else" is the original's non-expert tensors.
+
+        ``accounting="stored"`` counts what the compact/packed checkpoint writes, padding included: the
+        runtime holds a scope's dense stored experts at the scope's widest width, a layer's tilts at its
+        largest rank and its partial copies at their largest width.
         """
         el = self.model.element_size
         h = self.model.hidden_size
         bias = self.model.expert_bias
+        padded = accounting == "stored"
         stored = 0
         for sc in self.scopes:
+            # a scope holding quantized experts stores every expert at its own width (QuantizedStoredExperts)
+            pad = padded and all(s.quant is None for s in sc.stored)
+            width = self.scope_width(sc) if pad else None
             for s in sc.stored:
                 if s.quant is not None:
                     shapes = self.expert_shapes(sc, s)
                     stored += sum(s.quant.tensor_bytes(*shape) for shape in shapes.values())
                     stored += (2 * shapes["gate"][0] + h) * el if bias else 0
+                elif pad and s.packing is None and not (s.construction == "elementwise_merge"
+                                                           and (tensors is None or f"{s.tensor}.gate" not in tensors)):
+                    stored += (3 * width * h + (2 * width + h if bias else 0)) * el
                 elif s.construction == "copy":
                     stored += self.model.layer(s.sources[0][0]).bytes_per_expert
                 elif s.construction == "elementwise_merge" and (s.packing is not None or tensors is None
@@ -593,16 +673,20 @@ class CompressionPlan(_Strict):
                     stored += (3 * w * h + (2 * w + h if bias else 0)) * el
         ops = 0
         for lp in self.layers:
-            for _, op in lp.operators():
+            found = [op for _, op in lp.operators()]
+            rank = max((op.rank for op in found if isinstance(op, TiltOp)), default=0)
+            pwidth = max((op.width for op in found if not isinstance(op, (ConstantOp, TiltOp))), default=0)
+            for op in found:
                 if isinstance(op, ConstantOp):
                     ops += h * el
                 elif isinstance(op, TiltOp):
-                    ops += (2 * h * op.rank + h) * el
+                    ops += (2 * h * (rank if padded else op.rank) + h) * el
                 else:
-                    ops += (3 * op.width * h + h + (2 * op.width if bias else 0)) * el
+                    w = pwidth if padded else op.width
+                    ops += (3 * w * h + h + (2 * w if bias else 0)) * el
         other = self.model.other_bytes
         return ByteReport(stored_experts=stored, operators=ops, other=other, total=stored + ops + other,
-                          original=self.model.expert_bytes + other)
+                          original=self.model.expert_bytes + other, original_routed=self.model.expert_bytes)
 
     def summary(self) -> list[dict]:
         """One row per MoE layer, for reports."""

@@ -119,3 +119,19 @@ def calibrated_tiny(root: str | Path, model_type: str, seed: int, stats: list[st
                       batch_size=4, dtype="float32", progress=False)
     adapter = MoEAdapter(load_model(str(path), dtype="float32"))
     return path, store, adapter, block_inputs(adapter, ids)
+
+
+def save_as(src: str | Path, dst: str | Path, dtype: str) -> Path:
+    """A copy of checkpoint `src` stored in `dtype` ("float32", "bfloat16"), written by `save_pretrained`
+    (tokenizer files copied), e.g. a float32 copy of a bf16 fixture for tests that concern bytes."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src, dst = Path(src), Path(dst)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, dtype))
+    model.save_pretrained(str(dst))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return dst

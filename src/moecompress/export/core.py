@@ -48,6 +48,8 @@ class ExportResult(BaseModel):
     original_bytes: int  # the source's weights (its safetensors files, or its tensors when in memory)
     logical_bytes: int  # plan.logical_bytes(): stored experts + operators + everything else
     shards: list[str]
+    routed_bytes: int = 0  # what replaces the routed experts, as written (plan.logical_bytes, padding included)
+    original_routed_bytes: int = 0  # the original's routed experts, at its on-disk dtype
 
     @property
     def ratio(self) -> float:
@@ -55,8 +57,13 @@ class ExportResult(BaseModel):
 
     def describe(self) -> str:
         label = " (evaluation only: full size, NOT compressed)" if self.evaluation_only else ""
+        routed = ""
+        if self.original_routed_bytes and not self.evaluation_only:
+            routed = (f"; routed experts {_human(self.routed_bytes)} vs {_human(self.original_routed_bytes)} "
+                      f"({100 * self.routed_bytes / self.original_routed_bytes:.1f}%)")
         return (f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
-                f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)")
+                f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)"
+                f"{routed}")
 
 
 
@@ -170,10 +177,12 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
         weight_bytes = _weights_bytes(tmp)
         total = dir_bytes(tmp)
     logical = plan.logical_bytes(tensors)
+    written = plan.logical_bytes(tensors, accounting="stored" if format in ("compact", "packed") else "logical")
     original = _weights_bytes(source.source_dir) if source.source_dir is not None else 0
     result = ExportResult(format=format, path=str(out), evaluation_only=fmt.evaluation_only, bytes_on_disk=total,
                           weight_bytes=weight_bytes, original_bytes=original or logical.original,
-                          logical_bytes=logical.total, shards=shards)
+                          logical_bytes=logical.total, shards=shards, routed_bytes=written.routed,
+                          original_routed_bytes=written.original_routed)
     if not quiet:
         from rich.console import Console
 

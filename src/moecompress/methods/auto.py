@@ -21,16 +21,20 @@ the bytes it saves (issue 9; docs/auto.md).
    ``params["auto"]`` holds the per-layer table: choices, bytes, estimated error and KL, the error
    measured on a token sample, and the measured KL.
 
-Byte accounting (``accounting``): ``stored`` (default) counts what the compact checkpoint stores —
-the runtime pads a layer's tilts to its largest rank and partial copies to their largest width — so
-the budget holds for the plan's logical bytes and for the checkpoint's tensors; ``logical`` counts
-``CompressionPlan.logical_bytes`` only.
+Byte accounting: every byte is counted at the checkpoint's on-disk dtype (``ModelInfo``), whatever
+dtype the model is computed in, and the budget is a fraction of the original routed-expert bytes as
+stored, or an absolute size of the routed experts (``budget: 4GB``; ``parse_budget``). ``accounting``:
+``stored`` (default) counts what the compact checkpoint stores — the runtime pads a layer's tilts to
+its largest rank and partial copies to their largest width — so the budget holds for the plan's
+logical bytes and for the checkpoint's tensors; ``logical`` counts unpadded bytes. The plan's final
+bytes come from ``CompressionPlan.logical_bytes`` (the one byte count) and must equal the solver's.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,13 +53,54 @@ REPLACE_KINDS = frozenset({"keep", "drop", "constant", "tilt", "partial", "remap
 REROUTE_KINDS = frozenset({"keep", "reroute", "remap", "pair"})
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_budget(value) -> tuple[float | None, int | None]:
+    """A budget as (fraction, None) or (None, routed-expert bytes).
+
+    A plain number in (0, 1] is a fraction of the original routed-expert bytes as stored on disk;
+    ``"50%"`` is the same as 0.5; a size with a unit is the absolute routed-expert bytes: decimal
+    ``B``, ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000) or binary ``KiB``, ``MiB``, ``GiB``, ``TiB``
+    (powers of 1024), case-insensitive, e.g. ``"4GB"``, ``"500MB"``, ``"1.5GiB"``.
+    """
+    bad = (f"Budget '{value}' is not a fraction in (0, 1] or a size such as 4GB, 500MB or 1.5GiB; "
+           "pass e.g. --budget 0.5 or --budget 500MB.")
+    if isinstance(value, bool):
+        raise MoECompressError(bad)
+    if isinstance(value, (int, float)):
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise MoECompressError(bad)
+        return float(value), None
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            return parse_budget(float(text[:-1]) / 100)
+        except ValueError:
+            raise MoECompressError(bad) from None
+    m = _SIZE.match(text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise MoECompressError(bad)
+    number, unit = float(m.group(1)), m.group(2).upper()
+    if not unit:
+        return parse_budget(number)
+    nbytes = math.floor(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise MoECompressError(bad)
+    return None, nbytes
+
+
 class AutoConfig(BaseModel):
     """Budget-optimal mixed compression recipe."""
 
     model_config = ConfigDict(extra="forbid")
 
-    budget: float = Field(0.5, gt=0.0, le=1.0, description="routed-expert bytes kept, as a fraction of the original's")
-    budget_bytes: int | None = Field(None, gt=0, description="absolute budget: total model bytes (overrides budget)")
+    budget: float | None = Field(0.5, gt=0.0, le=1.0, description="routed-expert bytes kept, as a fraction of the "
+                                 "original's as stored on disk; a size string ('4GB', '500MiB') sets budget_bytes")
+    budget_bytes: int | None = Field(None, gt=0, description="absolute budget: routed-expert bytes (stored experts "
+                                     "+ operators) at the checkpoint's dtypes; overrides budget")
     candidates: list[CandidateName] = Field(default_factory=lambda: list(ALL_CANDIDATES),
                                             description="representations a removed slot may take (keep is implicit)")
     ranks: list[int] = Field(default_factory=lambda: [8, 32], description="tilt ranks (and partial-copy budgets)")
@@ -79,6 +124,20 @@ class AutoConfig(BaseModel):
     pair_partners: int | None = Field(None, ge=1, description="nearest experts tried as PuzzleMoE partners "
                                                            "(None: every other expert up to 32 experts, else 8)")
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _budget(cls, data):
+        """``budget`` may be a size: it then becomes ``budget_bytes`` (one sentence if it is neither)."""
+        if isinstance(data, dict) and data.get("budget") is not None:
+            fraction, nbytes = parse_budget(data["budget"])
+            if nbytes is not None:
+                if data.get("budget_bytes") is not None:
+                    raise MoECompressError("Give the auto budget once: a size in budget or budget_bytes, not both.")
+                data = {**data, "budget": None, "budget_bytes": nbytes}
+            else:
+                data = {**data, "budget": fraction}
+        return data
 
     @model_validator(mode="after")
     def _check(self):
@@ -395,9 +454,9 @@ def allocate(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budge
 
 
 # ----------------------------------------------------------------------------- candidates of a model
-def _dtype_and_el(adapter, layer: int):
-    dtype = adapter.experts(layer).gate.dtype
-    return dtype, torch.empty((), dtype=dtype).element_size()
+def _dtype_and_el(adapter, info: ModelInfo, layer: int):
+    """(dtype operators are fitted in: the model's, in memory; bytes per element: the checkpoint's, on disk)."""
+    return adapter.experts(layer).gate.dtype, info.element_size
 
 
 def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, stored: bool,
@@ -406,7 +465,7 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
     m = LayerMoments.load(stats, layer)
     li = info.layer(layer)
     h = adapter.hidden_size
-    dtype, el = _dtype_and_el(adapter, layer)
+    dtype, el = _dtype_and_el(adapter, info, layer)
     cands = set(config.candidates)
     options: list[list[Candidate]] = []
     for e in range(li.num_experts):
@@ -521,13 +580,10 @@ def _sig(x: float, digits: int = 6) -> float:
 
 
 def routed_budget(config: AutoConfig, info: ModelInfo) -> int:
+    """Routed-expert bytes allowed: budget_bytes, or the fraction of the original's routed bytes as stored."""
     if config.budget_bytes is not None:
-        routed = config.budget_bytes - info.other_bytes
-        if routed <= 0:
-            raise MoECompressError(f"budget_bytes={config.budget_bytes} does not even hold the model's non-expert "
-                                   f"tensors ({info.other_bytes} bytes); raise it.")
-        return routed
-    return math.floor(config.budget * info.expert_bytes)
+        return config.budget_bytes
+    return math.floor((0.5 if config.budget is None else config.budget) * info.expert_bytes)
 
 
 @dataclass
@@ -724,7 +780,11 @@ def build_auto(config: AutoConfig, context: MethodContext):
             with est.plan_installed(adapter, plan, tensors, [i]):
                 row["measured_kl"] = _sig(est.kl_to(ref, adapter.model, ids))
         table.append(row)
-    summary = dict(budget_routed_bytes=budget, routed_bytes=sum(chosen[i].bytes for i in layers),
+    routed = plan.logical_bytes(tensors, accounting=config.accounting).routed
+    if routed != sum(chosen[i].bytes for i in layers) or routed > budget:
+        raise RuntimeError(f"auto: the solver counted {sum(chosen[i].bytes for i in layers)} routed bytes, the plan "
+                           f"holds {routed} (budget {budget}); this is a bug, please report it.")
+    summary = dict(budget_routed_bytes=budget, routed_bytes=routed, dtype=info.dtype,
                    original_routed_bytes=info.expert_bytes, accounting=config.accounting,
                    est_kl=_sig(sum(chosen[i].loss * sens[i] for i in layers)), sensitivity_data=setup.ids_note,
                    layers=table)

@@ -1,0 +1,47 @@
+"""What a checkpoint directory stores, read from its safetensors headers alone (no tensor data).
+
+Byte accounting must follow the checkpoint as stored, not the model in memory: a bf16 checkpoint
+loaded as float32 for computation still costs 2 bytes per parameter on disk. A safetensors file is
+``[u64 little-endian header length][JSON header][data]``; the header maps each tensor name to its
+dtype, shape and data offsets, which is all this module reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+# safetensors dtype tag -> torch dtype name and bytes per element
+DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+          "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "U16": ("uint16", 2), "I8": ("int8", 1),
+          "U8": ("uint8", 1), "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
+
+
+def read_header(file: str | os.PathLike) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of one safetensors file (metadata dropped)."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def stored_tensors(directory: str | os.PathLike) -> dict[str, tuple[str, int]]:
+    """{tensor name: (torch dtype name, bytes)} over every ``*.safetensors`` file of `directory`."""
+    out: dict[str, tuple[str, int]] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        for name, h in read_header(file).items():
+            dtype, size = DTYPES.get(h["dtype"], (h["dtype"].lower(), 0))
+            out[name] = (dtype, size * math.prod(h["shape"]))
+    return out
+
+
+def checkpoint_dir(candidate) -> Path | None:
+    """`candidate` as a directory holding safetensors weights, else None (an in-memory model, a hub id)."""
+    if not candidate:
+        return None
+    p = Path(str(candidate))
+    return p if p.is_dir() and any(p.glob("*.safetensors")) else None

@@ -1,0 +1,108 @@
+"""`auto`'s budget holds as the exporter writes it, on bf16 and float32 checkpoints alike: the routed-expert
+tensors in the exported safetensors equal the plan's byte count (CompressionPlan.logical_bytes) and match
+the budget within 1 % of the original routed-expert bytes as stored. Also through `moecompress compress`."""
+
+import math
+
+import pytest
+import torch
+
+from moecompress.api import export
+from moecompress.calibrate import calibrate
+from moecompress.data import CalibrationData
+from moecompress.disk import read_header, stored_tensors
+from moecompress.methods import MethodContext, get_method, parse_config
+from moecompress.methods import auto as A
+from moecompress.models import MoEAdapter, load_model
+from moecompress.pipeline import choose_format
+from moecompress.testing import run_cli, tiny_model
+
+SIZES = {"BF16": 2, "F32": 4, "F16": 2, "I16": 2, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
+FAST = dict(sensitivity="uniform", measure=False, ranks=[1, 2, 4])
+
+
+def routed_written(directory) -> int:
+    """Bytes of the routed-expert tensors in an export: stored scopes and slot operators (compact/packed),
+    or the experts (hf)."""
+    total = 0
+    for f in directory.glob("*.safetensors"):
+        for k, h in read_header(f).items():
+            if k.startswith("moecompress.scopes.") or ".ops." in k or ".mlp.experts." in k:
+                total += SIZES[h["dtype"]] * math.prod(h["shape"])
+    return total
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def calibrated(request, tmp_path_factory):
+    """A tiny OLMoE stored in `dtype`, calibrated and loaded in float32 (as `compress` computes)."""
+    dtype = request.param
+    root = tmp_path_factory.mktemp(f"budget_{dtype}")
+    path = root / "model"
+    tiny_model("olmoe", seed=5, num_experts=64, num_experts_per_tok=2).to(getattr(torch, dtype)).save_pretrained(path)
+    ids = torch.randint(3, 96, (32, 24), generator=torch.Generator().manual_seed(0))
+    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats",
+                      stats=A.needs_stats(A.AutoConfig()), batch_size=4, dtype="float32", progress=False)
+    return dtype, path, store, MoEAdapter(load_model(str(path), dtype="float32"))
+
+
+def _original_routed(path) -> int:
+    return sum(n for k, (_, n) in stored_tensors(path).items() if ".mlp.experts." in k)
+
+
+@pytest.mark.parametrize("budget", [0.5])
+def test_fraction_budget_is_written_within_one_percent(calibrated, tmp_path, budget):
+    dtype, path, store, adapter = calibrated
+    original = _original_routed(path)
+    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, **FAST)),
+                                             MethodContext(adapter, store))
+    assert plan.model.dtype == dtype and plan.model.expert_bytes == original
+    out = tmp_path / "out"
+    result = export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
+    written = routed_written(out)
+    assert result.routed_bytes == written and result.original_routed_bytes == original
+    target = math.floor(budget * original)
+    assert written == plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"]
+    assert target - 0.01 * original <= written <= target
+    assert plan.params["auto"]["budget_routed_bytes"] == target
+
+
+def test_absolute_budget_is_routed_expert_bytes(calibrated, tmp_path):
+    dtype, path, store, adapter = calibrated
+    original = _original_routed(path)
+    size = f"{original * 0.6 / 1000:.3f}KB"  # decimal kilobytes
+    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=size, **FAST)),
+                                             MethodContext(adapter, store))
+    target = math.floor(float(size[:-2]) * 1000)
+    assert plan.params["auto"]["budget_routed_bytes"] == target
+    out = tmp_path / "out"
+    export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
+    assert target - 0.01 * original <= routed_written(out) <= target
+
+
+def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, capsys):
+    """The reported bug: on a bf16 model --budget 0.5 wrote every routed byte (counted at 4 bytes/param)."""
+    dtype, path, store, _ = calibrated
+    original = _original_routed(path)
+    out = tmp_path / "cli"
+    args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
+            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--out", str(out)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0.5", (0.5, None)), (0.25, (0.25, None)), ("50%", (0.5, None)), ("1", (1.0, None)),
+    ("4GB", (None, 4 * 10**9)), ("500MB", (None, 500 * 10**6)), ("500mb", (None, 500 * 10**6)),
+    ("1.5GiB", (None, 3 * 2**29)), ("64KiB", (None, 65536)), ("1200B", (None, 1200)), ("2 MiB", (None, 2 * 2**20)),
+])
+def test_parse_budget(text, expected):
+    assert A.parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5", "0", "-0.5", "4XB", "half", "GB", "0GB", "", "nan", True, 2])
+def test_bad_budget_is_one_sentence(text):
+    with pytest.raises(A.MoECompressError, match=r"^Budget '.*' is not a fraction in \(0, 1\] or a size such as"):
+        A.parse_budget(text)
+    with pytest.raises(A.MoECompressError, match="is not a fraction"):
+        parse_config("auto", {"budget": text})
