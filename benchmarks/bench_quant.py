@@ -7,7 +7,8 @@ loaded back and evaluated on the same held-out windows).
     python benchmarks/bench_quant.py report                           # BENCHMARKS.md section + plot
 
 Group 128 along the input dimension (the fixtures' 192/96-wide inputs leave a shorter last group, which
-the compact format holds). Every structure + bits arm is paired (KL per held-out window, bootstrap, Holm)
+the compact format holds). PuzzleMoE + b bits quantizes its packed pairs' merged weights with its own
+q<b> codes (the paper's scheme) and GPTQ-quantizes the experts it leaves unpaired. Every structure + bits arm is paired (KL per held-out window, bootstrap, Holm)
 against the best pure-GPTQ arm that takes no more bytes; the report's sentences are computed from those
 comparisons.
 """
@@ -49,7 +50,10 @@ def arms() -> list[dict]:
             method, params = make(level / 100)
             out.append(dict(name=f"{key}-{level}", method=method, params=params, quant=None, family="structure"))
             for bits in (4, 3):
-                out.append(dict(name=f"{key}-{level}+gptq-w{bits}", method=method, params=params,
+                # PuzzleMoE's packed pairs carry their own precision: W_merged at q3/q4 (the paper's scheme);
+                # the quantization stage then takes the experts left unpaired
+                p = dict(params, quant_bits=bits) if key == "puzzlemoe" else params
+                out.append(dict(name=f"{key}-{level}+gptq-w{bits}", method=method, params=p,
                                 quant={"quant": f"w{bits}g{GROUP}", "algo": "gptq"}, family="structure + bits"))
     return out
 
