@@ -227,8 +227,12 @@ def ranking_table(results: dict[str, Any]) -> Table:
     for arm in results["arms"]:
         ppl = next((v for k, v in arm["metrics"].items() if k.startswith("ppl:")), {})
         agg = ppl.get("aggregate", {})
-        mc = arm["metrics"].get("fixture_mc", {}).get("aggregate", {}).get("acc")
-        gen = arm["metrics"].get("fixture_gen", {}).get("aggregate", {})
+        # the first multiple-choice and the first generative task evaluated (fixture_cloze / fixture_nextword
+        # in the demo recipes), whatever their names
+        tasks = [e for k, e in arm["metrics"].items() if not k.startswith("ppl:")]
+        mc_entry = next((e for e in tasks if e.get("output_type") == "multiple_choice"), {})
+        mc = mc_entry.get("aggregate", {}).get(mc_entry.get("primary", "acc"))
+        gen = next((e for e in tasks if e.get("output_type") == "generate_until"), {}).get("aggregate", {})
         em = next((v for k, v in gen.items() if k.startswith("exact_match") and not k.endswith("stderr")), None)
         b = arm["bytes"].get("model") or arm["bytes"].get("disk")
         rows.append((agg.get("kl", float("nan")), arm["name"], arm["kind"], b, agg.get("ppl"), mc, em))

@@ -52,7 +52,7 @@ def grid_command(
     rank: int = typer.Option(32, help="Tilt rank (and partial-copy budget)."),
     calib: str = typer.Option("fixture-calib:64", help="Calibration data spec or stats directory."),
     ppl: str = typer.Option("fixture-heldout", help="Perplexity / KL text spec."),
-    tasks: str = typer.Option("fixture_mc,fixture_gen", help="lm-eval tasks (comma-separated; '' for none)."),
+    tasks: str = typer.Option("fixture_cloze,fixture_nextword", help="lm-eval tasks (comma-separated; '' for none)."),
     limit: int = typer.Option(100, help="Documents per task."),
     out: Path = typer.Option(Path("runs/grid"), help="Report directory."),
     overwrite: bool = typer.Option(False),

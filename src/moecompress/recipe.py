@@ -2,7 +2,7 @@
 
     model: path/or/hub-id
     calibration: {data: fixture-calib:64, seq_len: 256, seed: 0}
-    eval: {ppl: fixture-heldout, tasks: [fixture_mc, fixture_gen], limit: 200}
+    eval: {ppl: fixture-heldout, tasks: [fixture_cloze, fixture_nextword], limit: 200}
     name: reap-50-keep            # optional; derived from method + params otherwise
     method: prune
     params: {criterion: reap, ratio: 0.5, gate: keep}
@@ -41,7 +41,7 @@ class EvalSpec(BaseModel):
     ppl: str | None = Field("fixture-heldout", description="text spec for perplexity and KL")
     window: int = Field(256, gt=1)
     max_tokens: int | None = Field(16384, description="cap on perplexity tokens")
-    tasks: list[str] = Field(default_factory=lambda: ["fixture_mc", "fixture_gen"])
+    tasks: list[str] = Field(default_factory=lambda: ["fixture_cloze", "fixture_nextword"])
     limit: int | None = Field(200, description="documents per lm-eval task")
     num_fewshot: int | None = None
     batch_size: int = 8

@@ -60,7 +60,7 @@ def _check_results_file(out: Path, overwrite: bool) -> None:
 def eval_command(
     model: str = typer.Argument(..., help="Checkpoint directory (HF, or compact when moecompress.load supports it)."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated lm-eval tasks, e.g. "
-                                        "fixture_mc,fixture_gen (local) or arc_easy,hellaswag (hub)."),
+                                        "fixture_cloze,fixture_nextword (local) or arc_easy,hellaswag (hub)."),
     ppl: Optional[str] = typer.Option(None, "--ppl", help="Data spec or .txt/.jsonl file for perplexity, "
                                       "next-token accuracy and KL (e.g. fixture-heldout)."),
     limit: Optional[float] = typer.Option(None, help="Documents per task (int) or fraction (< 1)."),
@@ -89,7 +89,7 @@ def eval_command(
     from .runner import evaluate_model, model_info
 
     if not tasks and not ppl:
-        raise MoECompressError("Nothing to evaluate; pass --tasks (e.g. fixture_mc,fixture_gen) and/or --ppl FILE.")
+        raise MoECompressError("Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE.")
     if reference and not ppl:
         raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
     from ..validate import check_range

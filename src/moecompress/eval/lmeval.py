@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import MoECompressError
 
-#: Directory of the local tasks shipped next to the fixtures (fixture_mc, fixture_gen).
+#: Directory of the local tasks shipped next to the fixtures (fixture_cloze, fixture_nextword, and the older fixture_mc, fixture_gen).
 FIXTURE_TASKS = Path(__file__).resolve().parent.parent / "fixtures" / "tasks"
 
 # the metric used for the "task average" and the plots when a task reports several
@@ -104,7 +104,7 @@ def resolve_tasks(tasks, include_path=None, online: bool | None = None):
     """
     names = parse_tasks(tasks)
     if not names:
-        raise MoECompressError("No lm-eval task given; pass task names such as fixture_mc,fixture_gen "
+        raise MoECompressError("No lm-eval task given; pass task names such as fixture_cloze,fixture_nextword "
                                "(local) or arc_easy,hellaswag (hub).")
     paths = local_task_paths(include_path)
     local = _task_manager(paths, include_defaults=False)
