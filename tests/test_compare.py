@@ -100,6 +100,7 @@ def test_shipped_demo_recipe_is_valid():
 
     families = {get_method(a.method).family for a in recipe.arms}
     assert families == {"prune", "consolidate", "merge", "elementwise", "dense", "auto"}
+    assert any(a.quant is not None for a in recipe.arms) and recipe.eval.quant_baselines  # structure + bits, bits
     full = load_recipe(resources.files("moecompress") / "recipes" / "demo-full.yaml")
     assert {a.display_name() for a in recipe.arms} < {a.display_name() for a in full.arms}
     assert shutil.which("moecompress") is not None
