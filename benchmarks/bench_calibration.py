@@ -33,11 +33,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import load_results, machine, save_results, write_section  # noqa: E402
+from _bench_md import load_results, machine, save_results, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench_calibration"

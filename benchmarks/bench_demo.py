@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import ROOT, load_results, machine, save_results, write_section  # noqa: E402
+from _bench_md import ROOT, load_results, machine, save_results, write_section
 
 SECTION = "## Demo (issue 5)"
 RESULTS = "demo.json"

@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import load_results, results_path, save_results, write_section  # noqa: E402
+from _bench_md import load_results, results_path, save_results, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench_export_memory"  # the exported checkpoints (scratch)
@@ -155,7 +155,7 @@ def report() -> str:
     runs = [json.loads(x) for x in runs_file.read_text().splitlines() if x.strip()] if runs_file.is_file() else []
     runs = [r for r in runs if r.get("model") == s["model"]]  # only runs on the model this table shows
     if runs:
-        fmt = lambda r: f"{r['prefill']:.2f}x / {r['decode']:.2f}x"  # noqa: E731
+        fmt = lambda r: f"{r['prefill']:.2f}x / {r['decode']:.2f}x"
         lines += ["", f"All {len(runs)} runs on this model (runtime-50% vs original, prefill / decode): "
                   + "; ".join(fmt(r["ratio_runtime"]) for r in runs) + ". The hf-export arm, which does "
                   "the same expert compute: " + "; ".join(fmt(r["ratio_hf"]) for r in runs) + "."]
@@ -183,7 +183,7 @@ def report() -> str:
     ]
     for fmt, r in m["formats"].items():
         dir_b, logical = r.get("output_dir_bytes"), r["logical_bytes"]
-        pct = lambda n: f"{100 * (n / logical - 1):+.2f} %" if n else "—"  # noqa: E731
+        pct = lambda n: f"{100 * (n / logical - 1):+.2f} %" if n else "—"
         lines.append(f"| {fmt} | {_gb(r['peak_rss_bytes'])} | **{r['ratio']:.3f}** | "
                      f"{_gb(r['rss_after_imports_bytes'])} | {_gb(r['output_weight_bytes'])} | "
                      f"{_gb(dir_b) if dir_b else '—'} | {_gb(logical)} | {pct(r['output_weight_bytes'])} | "

@@ -34,7 +34,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 from _bench_md import RESULTS, machine
 
 SECTION = "## PuzzleMoE (issue 7)"

@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import results_path, save_results  # noqa: E402
+from _bench_md import results_path, save_results
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ does — before layer i+1 is calibrated). The first MoE layer sees identical inp
 Timing: each side in a fresh process with one thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`);
 `run_s` = checkpoint path + token ids -> keep sets (ours: calibrate + select; theirs: from_pretrained +
 linearize + oneshot), `process_s` adds interpreter start and imports. Runs alternate; medians reported.
-Results land in build/peer_reap/.
+Scratch lands in build/peer_reap/; the summary the report reads in benchmarks/results/peer_reap.json.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import load_results, machine, results_path, save_results, write_section  # noqa: E402
+from _bench_md import load_results, machine, results_path, save_results, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "peer_reap"  # token ids, per-variant outputs, stores (scratch)
@@ -111,7 +111,7 @@ def warm_imports(model: str) -> None:
     """The same pre-clock imports as benchmarks/peer/llmc_reap.py (transformers' lazy modules)."""
     import transformers.conversion_mapping
     import transformers.core_model_loading
-    import transformers.masking_utils  # noqa: F401
+    import transformers.masking_utils
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

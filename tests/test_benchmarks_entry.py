@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.__main__ import SECTIONS, commands  # noqa: E402
+from benchmarks.__main__ import SECTIONS, commands
 
 # an approximate or comparative figure typed into prose: "~0.25 s", "≈ 0.9", "under 0.5 s", "up to 1.8×",
 # "1.06×" — the kinds of claims that went stale when the generators held them

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 LOGGERS = ("transformers", "lm_eval", "lm-eval", "datasets", "huggingface_hub", "accelerate", "evaluate",
            "compressed_tensors", "llmcompressor", "torch.distributed")
@@ -48,7 +48,7 @@ def _tqdm_disabled(stack: contextlib.ExitStack) -> None:
         return
     original = std.tqdm.__init__
 
-    def __init__(self, *args, **kwargs):  # noqa: N807 — replaces tqdm.__init__ for the block
+    def __init__(self, *args, **kwargs):
         kwargs["disable"] = True
         original(self, *args, **kwargs)
 
@@ -82,7 +82,11 @@ def _datasets(stack: contextlib.ExitStack) -> None:
 
 def _hub(stack: contextlib.ExitStack) -> None:
     try:
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+        from huggingface_hub.utils import (
+            are_progress_bars_disabled,
+            disable_progress_bars,
+            enable_progress_bars,
+        )
     except ImportError:
         return
     if not are_progress_bars_disabled():
