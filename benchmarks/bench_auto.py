@@ -358,7 +358,8 @@ def markdown(results: dict) -> str:
                       f"drop/constant/tilt candidates (per-layer probe scale): cross-fitted gate²-weighted losses "
                       f"ρ = {_f(sw['cross_fitted'], 3)}, in-sample gate²-weighted {_f(sw['weighted'], 3)}, in-sample "
                       f"mean-g² × unweighted approximation {_f(sw['approx'], 3)}. Whole auto plans at budgets "
-                      f"0.25–0.8: ρ = {_f(sp['spearman_plans'], 3)}.", "",
+                      f"{min(p['budget'] for p in sp['plans'])}–{max(p['budget'] for p in sp['plans'])}: "
+                      f"ρ = {_f(sp['spearman_plans'], 3)}.", "",
                       "| budget | est. KL (kind) | measured KL (kind) | est. KL (layer probe) | measured KL (layer "
                       "probe) |", "| ---: | ---: | ---: | ---: | ---: |"]
             by = {(p["budget"], p["sensitivity"]): p for p in sp["plans"]}

@@ -192,8 +192,7 @@ def report() -> None:
             continue
         d = json.loads(js.read_text())
         c = d["config"]
-        st = d.get("settings") or dict(seq_len="?", batch_size="?", lr="?", schedule="?", val_tokens="?", window="?")
-        sp_set = d.get("speed_settings") or {}
+        st, sp_set = d["settings"], d["speed_settings"]  # written by run_distill (rerun it for older results)
         parts += [f"### Distillation: {name}", "",
                   f"Student: `{c['criterion']}` / `{c['grouping']}` / `{c['scaling']}"
                   f"{'+mass' if c.get('mass_scale') else ''}` / K={c['K'] or 'top-k'} "
@@ -219,10 +218,11 @@ def report() -> None:
         parts += ["", f"![validation curve](benchmarks/results/{png.name}) `benchmarks/results/{png.name}`: "
                   "validation KD loss and KL(teacher ‖ student) per step, student perplexity against the teacher's "
                   f"on the first {st['val_tokens']:,} held-out tokens.", "",
-                  f"The student is {form}. fixture-calib holds about {d['val']['train_blocks']:,} blocks of 256 "
-                  f"tokens, so the run passes over it {d['tokens'] / (d['val']['train_blocks'] * 256):.1f} times. "
-                  f"Decode tokens/s: greedy, batch 1, {sp_set.get('prompt_len', '?')}-token prompt, "
-                  f"{sp_set.get('new_tokens', '?')} new tokens, median of {sp_set.get('repeats', '?')}, teacher and "
+                  f"The student is {form}. fixture-calib holds about {d['val']['train_blocks']:,} blocks of "
+                  f"{st['seq_len']} tokens, so the run passes over it "
+                  f"{d['tokens'] / (d['val']['train_blocks'] * st['seq_len']):.1f} times. "
+                  f"Decode tokens/s: greedy, batch 1, {sp_set['prompt_len']}-token prompt, "
+                  f"{sp_set['new_tokens']} new tokens, median of {sp_set['repeats']}, teacher and "
                   "student back to back on the shared CPU: indicative only (docs/dense.md says why).",
                   ""]
     text = "\n".join(parts).rstrip() + "\n"

@@ -286,8 +286,9 @@ def markdown(results: dict) -> str:
                       f"{cp['original_disk']:,} B; every PuzzleMoE arm exported as `packed`, loaded back and evaluated "
                       "on the same windows, KL against the bf16 original; lm-eval "
                       + ", ".join(f"`{t}` ({n} items)" for t, n in cp.get("items", {}).items())
-                      + "; routed bytes = the `moecompress.scopes.*` tensors in the checkpoint; RTN rows are "
-                      "the matched-storage baselines, fake-quantized in memory, sized as codes + scales; compress s = "
+                      + "; routed bytes = the `moecompress.scopes.*` tensors in the checkpoint; quant rows are "
+                      "the pure-quantization reference arms (`eval.quant_baselines`, GPTQ), sized as codes + scales; "
+                      "compress s = "
                       "the method's wall time to build the plan and its packed tensors, export excluded):", "",
                       "| arm | experts removed | routed bytes (fraction of bf16) | bits / weight | checkpoint bytes | "
                       "ppl | KL | mc acc | gen em | compress s | paired vs original: ΔNLL [95 % CI], verdict |",
