@@ -13,7 +13,8 @@ distill: the best sweep configuration of one fixture exported as a dense checkpo
          distillation from the MoE teacher on fixture-calib for a few hundred steps on CPU; held-out
          perplexity and KL(teacher ‖ student) before and after, the validation curve PNG, bytes on disk and
          decode tokens/s of teacher and student.
-Everything runs on one thread (the machine is shared); results land in build/bench_dense/.
+Everything runs on one thread (the machine is shared); results (committed, what `report` reads) land in
+benchmarks/results/dense/ and benchmarks/results/dense_distill_<fixture>.png; scratch in build/bench_dense/.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ import torch
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "build" / "bench_dense"
+OUT = ROOT / "build" / "bench_dense"  # scratch: students, distillation runs
+RES = ROOT / "benchmarks" / "results" / "dense"  # committed: what `report` reads
+CALIB = "fixture-calib:32"
+SPEED = dict(prompt_len=64, new_tokens=64, repeats=5)  # decode tokens/s settings (recorded in the results)
 FIXTURES = ("qwen3-moe-tiny", "olmoe-tiny")
 SECTION = "## MoE to dense (issue 8)"
 
@@ -61,16 +65,17 @@ def run_sweep(names, heldout_tokens: int) -> None:
         scalings = ["uniform", "proportional", "gate"]
         if not getattr(cfg, "norm_topk_prob", True):  # a router that does not renormalise: also α·M̂
             scalings += ["uniform+mass", "proportional+mass"]
-        res = dense_sweep(str(_fixture(name)), "fixture-calib:32", "fixture-heldout", heldout_tokens=heldout_tokens,
+        res = dense_sweep(str(_fixture(name)), CALIB, "fixture-heldout", heldout_tokens=heldout_tokens,
                           scalings=scalings, seq_len=256, window=256, progress=False)
-        write_sweep(res, OUT / f"sweep_{name}.md")
+        res["calibration"] = dict(data=CALIB, seq_len=256)
+        write_sweep(res, RES / f"sweep_{name}.md")
         best = min(res["rows"], key=lambda r: r["ppl"])
         print(f"{name}: {res['evaluations']} evaluations in {time.time() - t0:.0f} s; teacher {res['teacher_ppl']:.2f}, "
               f"best {best}", flush=True)
 
 
 def _best(name: str) -> dict:
-    path = OUT / f"sweep_{name}.json"
+    path = RES / f"sweep_{name}.json"
     if not path.is_file():
         return {"criterion": "do-acp", "grouping": "rr", "scaling": "uniform", "K": None}
     return min(json.loads(path.read_text())["rows"], key=lambda r: r["ppl"])
@@ -89,7 +94,7 @@ def run_distill(name: str, steps: int, heldout_tokens: int) -> None:
     cfg = DenseConfig(criterion=best["criterion"], K=best["K"], grouping=best["grouping"], scaling=scaling,
                       mass_scale=extra == "mass")
     student_dir = OUT / f"student_{name}"
-    summary = export_dense(str(src), student_dir, cfg, calib="fixture-calib:32", seq_len=256, overwrite=True,
+    summary = export_dense(str(src), student_dir, cfg, calib=CALIB, seq_len=256, overwrite=True,
                            progress=False)
     from moecompress.data import load_tokenizer, token_stream
 
@@ -102,12 +107,12 @@ def run_distill(name: str, steps: int, heldout_tokens: int) -> None:
         return {"ppl": agg["ppl"], "kl": agg["kl"]}
 
     before = heldout(load_model(str(student_dir), dtype="float32"))
-    seq, bs = 256, 8
+    seq, bs, lr, val_tokens = 256, 8, 5e-4, 4096
     run = OUT / f"distill_{name}"
     t0 = time.time()
     result = distill(str(src), str(student_dir), "fixture-calib", tokens=steps * seq * bs, out=run,
-                     eval_data="fixture-heldout", seq_len=seq, batch_size=bs, lr=5e-4, warmup=0.05,
-                     eval_every=max(steps // 10, 1), save_every=max(steps // 4, 1), val_tokens=4096,
+                     eval_data="fixture-heldout", seq_len=seq, batch_size=bs, lr=lr, warmup=0.05,
+                     eval_every=max(steps // 10, 1), save_every=max(steps // 4, 1), val_tokens=val_tokens,
                      overwrite=True, progress=False)
     wall = time.time() - t0
     student = load_model(str(result.student_dir), dtype="float32")
@@ -117,8 +122,12 @@ def run_distill(name: str, steps: int, heldout_tokens: int) -> None:
     out = {"fixture": name, "config": cfg.model_dump(), "export": summary, "steps": result.metrics["steps"],
            "tokens": result.metrics["tokens"], "wall_s": round(wall, 1), "heldout_tokens": int(held.numel()),
            "teacher_ppl": teacher_ppl, "before": before, "after": after, "val": result.metrics,
-           "curve": str(result.curve.relative_to(ROOT)), "speed": speed}
-    (OUT / f"distill_{name}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+           "curve": f"benchmarks/results/dense_distill_{name}.png", "speed": speed, "speed_settings": SPEED,
+           "settings": dict(seq_len=seq, batch_size=bs, lr=lr, schedule="cosine", val_tokens=val_tokens,
+                            window=256, calibration=CALIB), "machine": f"{os.cpu_count()} CPU cores"}
+    shutil.copy2(result.curve, ROOT / out["curve"])
+    RES.mkdir(parents=True, exist_ok=True)
+    (RES / f"distill_{name}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(json.dumps(out, indent=2, default=str), flush=True)
 
 
@@ -130,7 +139,7 @@ def measure_speed(teacher_dir, student_dir) -> dict:
 
     speed = {}
     for label, path in (("teacher", teacher_dir), ("student", student_dir)):
-        b = benchmark(load_model(str(path), dtype="float32"), path, prompt_len=64, new_tokens=64, repeats=5)
+        b = benchmark(load_model(str(path), dtype="float32"), path, **SPEED)
         speed[label] = {"disk_bytes": b["bytes"].get("disk"), "resident_bytes": b["bytes"]["resident"],
                         "decode_tok_s": b["latency"]["decode_tok_s"], "prefill_tok_s": b["latency"]["prefill_tok_s"]}
     return speed
@@ -138,9 +147,10 @@ def measure_speed(teacher_dir, student_dir) -> dict:
 
 def rerun_speed(names) -> None:
     for name in names:
-        js = OUT / f"distill_{name}.json"
+        js = RES / f"distill_{name}.json"
         if js.is_file():
             d = json.loads(js.read_text())
+            d["speed_settings"] = SPEED
             d["speed"] = measure_speed(_fixture(name), OUT / f"distill_{name}" / "student")
             js.write_text(json.dumps(d, indent=2, default=str) + "\n")
             print(name, d["speed"], flush=True)
@@ -152,14 +162,18 @@ def _mib(b) -> str:
 
 def report() -> None:
     parts = [SECTION, "",
-             "`benchmarks/bench_dense.py` (one CPU thread, shared 2-core machine). Pre-distillation: each "
-             "configuration converts every MoE layer (score → top-K → k groups → score-weighted merge → α-scaled "
-             "block concatenation) and is scored by held-out perplexity in place (`dense-sweep`). Calibration: "
-             "`fixture-calib:32` (32 × 256 tokens). Raw rows: `build/bench_dense/sweep_<fixture>.json`.", ""]
+             f"`python -m benchmarks dense` (`benchmarks/bench_dense.py`, one CPU thread, {os.cpu_count()}-core "
+             "shared machine). Pre-distillation: each configuration converts every MoE layer (score → top-K → k "
+             "groups → score-weighted merge → α-scaled block concatenation) and is scored by held-out perplexity in "
+             "place (`dense-sweep`). Results: `benchmarks/results/dense/sweep_<fixture>.json` (raw rows; the tables "
+             "are rendered from them) and `benchmarks/results/dense/distill_<fixture>.json`.", ""]
     for name in FIXTURES:
-        md = OUT / f"sweep_{name}.md"
+        md = RES / f"sweep_{name}.md"
         if md.is_file():
-            res = json.loads((OUT / f"sweep_{name}.json").read_text())
+            res = json.loads((RES / f"sweep_{name}.json").read_text())
+            cal = res.get("calibration") or {}
+            if cal:
+                parts += [f"Calibration ({name}): `{cal['data']}`, sequences of {cal['seq_len']} tokens.", ""]
             rows, k = res["rows"], res["top_k"]
             by_row: dict = {}
             for r in rows:
@@ -173,18 +187,20 @@ def report() -> None:
                       f"Pure pruning (K = k = {k}) is the best K in {pure} of {len(by_row)} rows; median perplexity "
                       f"by scaling: {med_txt}.", ""]
     for name in FIXTURES:
-        js = OUT / f"distill_{name}.json"
+        js = RES / f"distill_{name}.json"
         if not js.is_file():
             continue
         d = json.loads(js.read_text())
         c = d["config"]
+        st, sp_set = d["settings"], d["speed_settings"]  # written by run_distill (rerun it for older results)
         parts += [f"### Distillation: {name}", "",
                   f"Student: `{c['criterion']}` / `{c['grouping']}` / `{c['scaling']}"
                   f"{'+mass' if c.get('mass_scale') else ''}` / K={c['K'] or 'top-k'} "
                   f"(best of the sweep), written as {d['export']['student_class']} (FFN width "
-                  f"{d['export']['intermediate_size']}). Forward KL, T=1, {d['steps']} steps × 8 × 256 tokens "
-                  f"({d['tokens']:,} tokens of fixture-calib), lr 5e-4 cosine, {d['wall_s']:.0f} s on one CPU thread. "
-                  f"Held-out: first {d['heldout_tokens']:,} tokens of fixture-heldout, windows of 256.", "",
+                  f"{d['export']['intermediate_size']}). Forward KL, T=1, {d['steps']} steps × {st['batch_size']} × "
+                  f"{st['seq_len']} tokens ({d['tokens']:,} tokens of fixture-calib), lr {st['lr']} {st['schedule']}, "
+                  f"{d['wall_s']:.0f} s on one CPU thread. Held-out: first {d['heldout_tokens']:,} tokens of "
+                  f"fixture-heldout, windows of {st['window']}.", "",
                   "| model | held-out ppl | KL(teacher ‖ model) | bytes on disk | decode tok/s |",
                   "| --- | ---: | ---: | ---: | ---: |"]
         sp = d.get("speed", {})
@@ -196,19 +212,18 @@ def report() -> None:
         parts.append(f"| dense student, after KD | {d['after']['ppl']:.2f} | {d['after']['kl']:.4f} | "
                      f"{_mib(s.get('disk_bytes'))} | {s.get('decode_tok_s', 0) or 0:.0f} |")
         png = ROOT / "benchmarks" / "results" / f"dense_distill_{name}.png"
-        png.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / d["curve"], png)
         form = ("a dense model" if d["export"]["form"] == "dense" else
                 "the same MoE class with one expert and top-1 (exactly dense; no dense sibling has OLMoE's "
                 "attention/norm path), so it still runs the MoE block's code")
-        parts += ["", f"![validation curve](benchmarks/results/{png.name}) `benchmarks/results/{png.name}` "
-                  f"(copy of `{d['curve']}`): validation KD loss and KL(teacher ‖ student) per step, student "
-                  "perplexity against the teacher's on the first 4,096 held-out tokens.", "",
-                  f"The student is {form}. fixture-calib holds about {d['val']['train_blocks']:,} blocks of 256 "
-                  f"tokens, so the run passes over it {d['tokens'] / (d['val']['train_blocks'] * 256):.1f} times. "
-                  "Decode tokens/s: greedy, batch 1, 64-token prompt, 64 new tokens, median of 5, teacher and "
-                  "student back to back on the shared CPU — at this size decode is dominated by per-layer "
-                  "overhead, and two measurements of the same model here differed by up to 1.8×: indicative only.",
+        parts += ["", f"![validation curve](benchmarks/results/{png.name}) `benchmarks/results/{png.name}`: "
+                  "validation KD loss and KL(teacher ‖ student) per step, student perplexity against the teacher's "
+                  f"on the first {st['val_tokens']:,} held-out tokens.", "",
+                  f"The student is {form}. fixture-calib holds about {d['val']['train_blocks']:,} blocks of "
+                  f"{st['seq_len']} tokens, so the run passes over it "
+                  f"{d['tokens'] / (d['val']['train_blocks'] * st['seq_len']):.1f} times. "
+                  f"Decode tokens/s: greedy, batch 1, {sp_set['prompt_len']}-token prompt, "
+                  f"{sp_set['new_tokens']} new tokens, median of {sp_set['repeats']}, teacher and "
+                  "student back to back on the shared CPU: indicative only (docs/dense.md says why).",
                   ""]
     text = "\n".join(parts).rstrip() + "\n"
     bench = ROOT / "BENCHMARKS.md"

@@ -27,8 +27,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_md import load_results, results_path, save_results, write_section
+
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "build" / "bench_export_memory"
+OUT = ROOT / "build" / "bench_export_memory"  # the exported checkpoints (scratch)
+TARGET_MEMORY = 0.35  # peak RSS / checkpoint size (issue 4)
 WIDE = ROOT / "build" / "wide_moe_4gb"
 SECTION = "## Plan runtime and export (issue 4)"
 
@@ -91,94 +95,102 @@ def run(formats: list[str]) -> dict:
                         "logical_bytes": child["logical_bytes"], "shards": len(r["shards"])}
         print(fmt, json.dumps(results[fmt]), flush=True)
     res = {"checkpoint": str(path.relative_to(ROOT)), "disk_bytes": disk,
-           "shape": "qwen3_moe, hidden 1024, 24 layers, 64 experts x width 512, top-2, bf16",
+           "shape": _shape(path),
            "plan": "renorm, every second expert of every layer (50%)", "threads": 1,
            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)", "date": time.strftime("%Y-%m-%d"),
            "formats": results}
-    OUT.mkdir(parents=True, exist_ok=True)
-    prev = json.loads((OUT / "memory.json").read_text()) if (OUT / "memory.json").is_file() else {}
+    mem_file = results_path("export_memory.json")
+    prev = json.loads(mem_file.read_text()) if mem_file.is_file() else {}
     prev_formats = prev.get("formats", {})
     prev_formats.update(results)
     res["formats"] = prev_formats
-    (OUT / "memory.json").write_text(json.dumps(res, indent=2))
+    save_results("export_memory.json", res)
     return res
+
+
+def _shape(path: Path) -> str:
+    """The checkpoint's architecture, read from its config (never typed by hand)."""
+    c = json.loads((path / "config.json").read_text())
+    return (f"{c['model_type']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_experts']} "
+            f"experts x width {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}, "
+            f"{c.get('dtype') or c.get('torch_dtype')}")
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _verdict(ratios: list[float]) -> str:
+    """What the spread of runtime/original ratios over the runs supports (computed, never typed)."""
+    lo, hi = min(ratios), max(ratios)
+    if lo <= 1.0 <= hi:
+        return f"parity within this machine's run-to-run spread ({lo:.2f}x–{hi:.2f}x)"
+    return f"{'faster' if lo > 1.0 else 'slower'} in every run ({lo:.2f}x–{hi:.2f}x)"
+
+
 def report() -> str:
-    """Write this issue's section of BENCHMARKS.md from build/bench_runtime/speed.json and memory.json."""
+    """Write this issue's section of BENCHMARKS.md from benchmarks/results/runtime_speed.json,
+    runtime_speed_runs.jsonl and export_memory.json (committed; nothing is recomputed)."""
     lines = [SECTION, ""]
-    speed_file = ROOT / "build" / "bench_runtime" / "speed.json"
-    if speed_file.is_file():
-        s = json.loads(speed_file.read_text())
-        lines += [
-            "### Runtime speed: 50% plan vs the original, side by side",
-            "",
-            "Command: `OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_runtime_speed.py --repeats "
-            f"{s['repeats']} --threads {s['threads']}`  ",
-            f"Machine: {s['machine']}, {s['threads']} thread; date {s['date']}.  ",
-            f"Model: {s['model']}; float32. Plan: {s['plan']}. Prefill: {s['prefill_tokens']} tokens (4 x 256) in "
-            f"one forward; decode: {s['decode_tokens']} greedy tokens with KV cache, batch 1. Medians of "
-            f"{s['repeats']} repeats, arm order rotated every repeat.",
-            "",
-            "| arm | prefill tok/s | decode tok/s | prefill vs original | decode vs original |",
-            "| --- | ---: | ---: | ---: | ---: |",
-        ]
-        o = s["tokens_per_s"]["original"]
-        for name, t in s["tokens_per_s"].items():
-            lines.append(f"| {name} | {t['prefill']:.0f} | {t['decode']:.1f} | {t['prefill'] / o['prefill']:.2f}x | "
-                         f"{t['decode'] / o['decode']:.2f}x |")
-        runs_file = speed_file.with_name("speed_runs.jsonl")
-        if runs_file.is_file():
-            runs = [json.loads(x) for x in runs_file.read_text().splitlines() if x.strip()]
-            fmt = lambda r: f"{r['prefill']:.2f}x / {r['decode']:.2f}x"  # noqa: E731
-            lines += ["", f"All {len(runs)} runs of this code (runtime-50% vs original, prefill / decode): "
-                      + "; ".join(fmt(r["ratio_runtime"]) for r in runs) + ". The hf-export arm, which does "
-                      "the same expert compute, spans " + "; ".join(fmt(r["ratio_hf"]) for r in runs)
-                      + " — the spread is the shared machine's noise."]
-            mean = {k: sum(r["ratio_runtime"][k] for r in runs) / len(runs) for k in ("prefill", "decode")}
-            lines += ["", f"Mean over the runs: {mean['prefill']:.2f}x prefill, {mean['decode']:.2f}x decode, i.e. "
-                      "parity: top-k is unchanged, so a 50% plan runs the same expert FLOPs per token; what it "
-                      "saves is the memory of the experts it no longer stores (the runtime's extra work — slot "
-                      "map, router over the kept rows — is a few small index ops per layer)."]
-        lines += ["", "Target: the runtime with 50% of the experts is not slower than the original "
-                  "(ratios >= 1.00 within the noise of a shared machine).", ""]
-    mem_file = OUT / "memory.json"
-    if mem_file.is_file():
-        m = json.loads(mem_file.read_text())
-        lines += [
-            "### Export memory: peak RSS / checkpoint size",
-            "",
-            "Command: `OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_export_memory.py run --formats compact hf` "
-            "(one child process per format; its own ru_maxrss)  ",
-            f"Machine: {m['machine']}, {m['threads']} thread; date {m['date']}.  ",
-            f"Checkpoint: `{m['checkpoint']}` ({m['shape']}), {_gb(m['disk_bytes'])} of safetensors. "
-            f"Plan: {m['plan']}.",
-            "",
-            "| format | peak RSS | peak RSS / checkpoint | RSS after imports | output weights | plan logical size "
-            "| shards | wall time |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for fmt, r in m["formats"].items():
-            lines.append(f"| {fmt} | {_gb(r['peak_rss_bytes'])} | **{r['ratio']:.3f}** | "
-                         f"{_gb(r['rss_after_imports_bytes'])} | {_gb(r['output_weight_bytes'])} | "
-                         f"{_gb(r['logical_bytes'])} | {r['shards']} | {r['seconds']:.0f} s |")
-        lines += ["", "Target: peak RSS / checkpoint size <= 0.35.", ""]
+    s = load_results("runtime_speed.json")
+    lines += [
+        "### Runtime speed: 50% plan vs the original, side by side",
+        "",
+        "Command: `python -m benchmarks runtime run` (= `OMP_WAIT_POLICY=PASSIVE python "
+        f"benchmarks/bench_runtime_speed.py --repeats {s['repeats']} --threads {s['threads']}`); results "
+        "`benchmarks/results/runtime_speed.json`, every run's ratios in `benchmarks/results/runtime_speed_runs.jsonl`.  ",
+        f"Machine: {s['machine']}, {s['threads']} thread; date {s['date']}.  ",
+        f"Model: {s['model']}; float32. Plan: {s['plan']}. Prefill: {s['prefill_tokens']} tokens in "
+        f"one forward; decode: {s['decode_tokens']} greedy tokens with KV cache, batch 1. Medians of "
+        f"{s['repeats']} repeats, arm order rotated every repeat.",
+        "",
+        "| arm | prefill tok/s | decode tok/s | prefill vs original | decode vs original |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    o = s["tokens_per_s"]["original"]
+    for name, t in s["tokens_per_s"].items():
+        lines.append(f"| {name} | {t['prefill']:.0f} | {t['decode']:.1f} | {t['prefill'] / o['prefill']:.2f}x | "
+                     f"{t['decode'] / o['decode']:.2f}x |")
+    runs_file = results_path("runtime_speed_runs.jsonl")
+    runs = [json.loads(x) for x in runs_file.read_text().splitlines() if x.strip()] if runs_file.is_file() else []
+    runs = [r for r in runs if r.get("model") == s["model"]]  # only runs on the model this table shows
+    if runs:
+        fmt = lambda r: f"{r['prefill']:.2f}x / {r['decode']:.2f}x"
+        lines += ["", f"All {len(runs)} runs on this model (runtime-50% vs original, prefill / decode): "
+                  + "; ".join(fmt(r["ratio_runtime"]) for r in runs) + ". The hf-export arm, which does "
+                  "the same expert compute: " + "; ".join(fmt(r["ratio_hf"]) for r in runs) + "."]
+        mean = {k: sum(r["ratio_runtime"][k] for r in runs) / len(runs) for k in ("prefill", "decode")}
+        lines += ["", f"Mean over the runs: {mean['prefill']:.2f}x prefill, {mean['decode']:.2f}x decode; prefill "
+                  f"{_verdict([r['ratio_runtime']['prefill'] for r in runs])}, decode "
+                  f"{_verdict([r['ratio_runtime']['decode'] for r in runs])}. Why a pruned plan runs the same "
+                  "expert FLOPs per token at a fixed top-k: docs/plan.md."]
+    lines += ["", "Target: the runtime with half the experts is not slower than the original (ratios at least "
+              f"{1:.2f}x within the noise of a shared machine).", ""]
+    m = load_results("export_memory.json")
+    lines += [
+        "### Export memory: peak RSS / checkpoint size",
+        "",
+        "Command: `python -m benchmarks runtime run` (= `OMP_WAIT_POLICY=PASSIVE python "
+        "benchmarks/bench_export_memory.py run --formats compact hf`, one child process per format; its own "
+        "ru_maxrss); results `benchmarks/results/export_memory.json`.  ",
+        f"Machine: {m['machine']}, {m['threads']} thread; date {m['date']}.  ",
+        f"Checkpoint: `{m['checkpoint']}` ({m['shape']}), {_gb(m['disk_bytes'])} of safetensors. "
+        f"Plan: {m['plan']}.",
+        "",
+        "| format | peak RSS | peak RSS / checkpoint | RSS after imports | output weights | output directory "
+        "| plan logical size | weights vs plan | directory vs plan | shards | wall time |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for fmt, r in m["formats"].items():
+        dir_b, logical = r.get("output_dir_bytes"), r["logical_bytes"]
+        pct = lambda n: f"{100 * (n / logical - 1):+.2f} %" if n else "—"
+        lines.append(f"| {fmt} | {_gb(r['peak_rss_bytes'])} | **{r['ratio']:.3f}** | "
+                     f"{_gb(r['rss_after_imports_bytes'])} | {_gb(r['output_weight_bytes'])} | "
+                     f"{_gb(dir_b) if dir_b else '—'} | {_gb(logical)} | {pct(r['output_weight_bytes'])} | "
+                     f"{pct(dir_b)} | {r['shards']} | {r['seconds']:.0f} s |")
+    lines += ["", f"Target: peak RSS / checkpoint size <= {TARGET_MEMORY}.", ""]
     text = "\n".join(lines).rstrip() + "\n"
-    bench = ROOT / "BENCHMARKS.md"
-    current = bench.read_text() if bench.is_file() else "# Benchmarks\n"
-    if SECTION in current:
-        start = current.index(SECTION)
-        nxt = current.find("\n## ", start + len(SECTION))
-        current = current[:start] + text + ("" if nxt < 0 else "\n" + current[nxt + 1:])
-    else:
-        current = current.rstrip() + "\n\n" + text
-    tmp = bench.with_name(".BENCHMARKS.md.tmp")
-    tmp.write_text(current)
-    os.replace(tmp, bench)
+    write_section(SECTION, text)
     print(text)
     return text
 

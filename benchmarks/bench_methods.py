@@ -11,16 +11,16 @@ Suites (each on both trained fixtures, 25 % and 50 % routed-expert reduction):
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_methods.py pruning --out build/bench_pruning
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_methods.py consolidation --out build/bench_consolidation
-    python benchmarks/bench_methods.py pruning --out build/bench_pruning --write   # update BENCHMARKS.md
+    python benchmarks/bench_methods.py pruning --write   # update BENCHMARKS.md from the committed results
 
-Each run writes a full compare report (report.md, PNGs, results.json) per fixture under OUT.
+Each run writes a full compare report (report.md, PNGs, results.json) per fixture under OUT (scratch) and
+commits-ready copies of the results to benchmarks/results/SUITE/<fixture>.json, which `--write` reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -63,14 +63,23 @@ def run(suite: str, out: Path, fixtures=FIXTURES) -> None:
     from moecompress.compare import run_compare
     from moecompress.recipe import CalibrationSpec, EvalSpec, Recipe
 
+    from _bench_md import machine, save_results
+
     arms, pairs = pruning_arms() if suite == "pruning" else consolidation_arms()
     for fixture in fixtures:
         recipe = Recipe(model=f"fixture:{fixture}", calibration=CalibrationSpec(data="fixture-calib:64", seq_len=256),
                         eval=EvalSpec(ppl="fixture-heldout", window=256, max_tokens=8192, tasks=["fixture_mc"],
                                       limit=200, latency=False, quant_baselines=[]), arms=arms)
         t0 = time.perf_counter()
-        run_compare(recipe, out / fixture, overwrite=True, progress=False, keep_checkpoints=False, pairs=pairs)
-        (out / fixture / "wall.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+        results = run_compare(recipe, out / fixture, overwrite=True, progress=False, keep_checkpoints=False,
+                              pairs=pairs)
+        # the committed copy: compare's results.json (per-window and per-item values included) + the run's facts
+        full = json.loads((out / fixture / "results.json").read_text())
+        for arm in full["arms"]:
+            arm.pop("path", None)  # a scratch path on the machine that ran it
+        full["bench"] = dict(seconds=time.perf_counter() - t0, machine=machine(), date=time.strftime("%Y-%m-%d"),
+                             eval=recipe.eval.model_dump(), dtype=results["model"].get("dtype"))
+        save_results(f"{suite}/{fixture}.json", full)
 
 
 def _row(arm: dict, verdicts: dict) -> list[str]:
@@ -96,23 +105,55 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(suite: str, out: Path, bench_md: Path = Path("BENCHMARKS.md")) -> None:
-    title = SECTIONS[suite]
-    parts = [title, "",
-             f"Command: `OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_methods.py {suite} --out {out}` "
-             f"(then `--write`). Machine: {platform.machine()} 2-core CPU shared with other jobs, float32, "
-             f"{time.strftime('%Y-%m-%d')}. Calibration fixture-calib:64 × 256 tokens; evaluation on the same "
-             "fixture-heldout windows (8,192 tokens, window 256) and 200 fixture_mc items for every arm. "
-             "Sizes are the plan's logical bytes (= compact/hf bytes on disk within 1 %); KL = mean KL(original ‖ arm) "
-             "per token. Full reports with intervals: `OUT/<fixture>/report.md`.", ""]
-    for fixture in FIXTURES:
-        res_file = out / fixture / "results.json"
-        if not res_file.is_file():
-            parts += [f"### {fixture}", "", "not run", ""]
+def byte_agreement(results: dict) -> str:
+    """How far the exported weights and whole directories lie from the plan's logical bytes (computed)."""
+    w, d = [], []
+    for a in results["arms"]:
+        b = a.get("bytes", {})
+        if a.get("kind") == "original" or not b.get("model"):
             continue
-        results = json.loads(res_file.read_text())
-        wall = json.loads((out / fixture / "wall.json").read_text())["seconds"] if (out / fixture / "wall.json").is_file() else 0
+        if b.get("weights"):
+            w.append(abs(b["weights"] / b["model"] - 1))
+        if b.get("disk"):
+            d.append(abs(b["disk"] / b["model"] - 1))
+    if not w:
+        return "Sizes are the plan's logical bytes."
+    out = f"Sizes are the plan's logical bytes; the exported safetensors (weights) lie within {100 * max(w):.2f} % of them"
+    if d:
+        out += (f", the whole checkpoint directory (tokenizer and configs included) within {100 * max(d):.2f} %")
+    return out + "."
+
+
+def write(suite: str, out: Path | None = None, bench_md: Path = Path("BENCHMARKS.md")) -> None:
+    from _bench_md import load_results, results_path
+
+    title = SECTIONS[suite]
+    parts = [title, ""]
+    head = None
+    for fixture in FIXTURES:
+        if not results_path(f"{suite}/{fixture}.json").is_file():
+            parts += [f"### {fixture}", "", f"not run: `python -m benchmarks {suite} run` writes "
+                      f"`benchmarks/results/{suite}/{fixture}.json`.", ""]
+            continue
+        results = load_results(f"{suite}/{fixture}.json")
+        b = results.get("bench", {})
+        if head is None and b:
+            ev, cal = b["eval"], results.get("calibration") or {}
+            mc = next((len(next(iter(a["metrics"]["fixture_mc"]["items"].values()))) for a in results["arms"]
+                       if "fixture_mc" in a["metrics"]), None)
+            head = (f"Command: `python -m benchmarks {suite}` (= `OMP_WAIT_POLICY=PASSIVE python "
+                    f"benchmarks/bench_methods.py {suite} --out build/bench_{suite}`, then `--write`); results "
+                    f"`benchmarks/results/{suite}/<fixture>.json` (compare's results: per-window and per-item values, "
+                    f"paired comparisons). Machine: {b['machine']}, shared; {b.get('dtype') or 'float32'} compute; "
+                    f"{b['date']}. Calibration {cal.get('source')} ({cal.get('tokens'):,} tokens, sequences of "
+                    f"{cal.get('seq_len')}); evaluation on the same {ev['ppl']} windows ({ev['max_tokens']:,} tokens, "
+                    f"window {ev['window']})" + (f" and {mc} fixture_mc items" if mc else "") + " for every arm. "
+                    + byte_agreement(results) + " KL = mean KL(original ‖ arm) per token.")
+        wall = b.get("seconds", 0)
         parts += [f"### {fixture} (suite wall time {wall / 60:.1f} min)", "", table(results), ""]
+    if head:
+        parts.insert(2, head)
+        parts.insert(3, "")
     from _bench_md import write_section
 
     write_section(title, "\n".join(parts), bench_md)
@@ -121,12 +162,12 @@ def write(suite: str, out: Path, bench_md: Path = Path("BENCHMARKS.md")) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=sorted(SECTIONS))
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="scratch directory for the run (default build/bench_SUITE)")
     parser.add_argument("--write", action="store_true", help="only render BENCHMARKS.md from an earlier run")
     parser.add_argument("--fixtures", default=",".join(FIXTURES), help="comma-separated fixtures to run")
     args = parser.parse_args()
     if not args.write:
-        run(args.suite, args.out, tuple(args.fixtures.split(",")))
+        run(args.suite, args.out or Path(f"build/bench_{args.suite}"), tuple(args.fixtures.split(",")))
     write(args.suite, args.out)
 
 

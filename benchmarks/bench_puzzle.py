@@ -14,8 +14,10 @@ perplexity / KL(original ‖ model) on `fixture-heldout`, windows of 256, the fi
   fp32; PuzzleMoE packs bf16 words, so bytes are only meaningful against a bf16 original): each arm is
   built, exported (`packed`), loaded back and evaluated on identical windows and lm-eval items.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_puzzle.py --out build/bench_puzzle
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_puzzle.py --report build/bench_puzzle --write  # BENCHMARKS.md
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_puzzle.py --out build/bench_puzzle   # scratch under --out
+    python benchmarks/bench_puzzle.py --report benchmarks/results/puzzle --write         # BENCHMARKS.md
+
+Results (committed, what `--report` reads): benchmarks/results/puzzle/results-<fixture>.json.
 
 There is no GPU on the machine these numbers come from, so the Triton decode-GEMM table
 (`benchmarks/bench_puzzle_kernel.py`) is not measured here.
@@ -32,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from _bench_md import RESULTS, machine
 
 SECTION = "## PuzzleMoE (issue 7)"
 EVAL = dict(ppl="fixture-heldout", window=256, max_tokens=16384)
@@ -190,8 +193,17 @@ def run_compare_part(fixture: str, out: Path) -> dict:
             row.update(bits_per_weight=q.get("bits_per_weight"), routed_bytes=q.get("routed_bytes_after"),
                        routed_fraction=q.get("routed_bytes_after") / routed)
         table.append(row)
+    paired = {c["a"]: c for c in res.get("comparisons", []) if c["task"] == stream}
+    for row, a in zip(table, res["arms"]):
+        c = paired.get(a["name"])
+        if c:  # the paired bootstrap against the original on the perplexity stream (per-window NLL)
+            row["paired"] = {k: c[k] for k in ("delta", "ci_low", "ci_high", "p_adjusted", "verdict")}
+        row["windows"] = a["metrics"][stream].get("items")  # per-window values, so the table can be re-derived
+    items = {t: len(next(iter(res["arms"][0]["metrics"][t].get("items", {}).values()), []) or [])
+             for t in ("fixture_mc", "fixture_gen") if t in res["arms"][0]["metrics"]}
     return dict(fixture=fixture, model=str(model), seconds=round(seconds, 1), arms=table, routed_bytes=routed,
-                original_disk=original_disk, calibration=res.get("calibration"))
+                original_disk=original_disk, calibration=res.get("calibration"), eval=dict(EVAL), items=items,
+                machine=machine(), baselines=sum(a["kind"] == "quant_baseline" for a in res["arms"]))
 
 
 def _expert_params(model_dir: Path) -> int:
@@ -223,20 +235,25 @@ def _f(x, nd=4):
 
 
 def markdown(results: dict) -> str:
-    lines = [SECTION, "",
-             "Measured by `benchmarks/bench_puzzle.py` on the shared 2-core CPU box. Calibration `fixture-calib:64` "
-             "(64 × 256 tokens, per-expert input-channel norms); perplexity and KL(original ‖ model) on the first "
-             "16384 tokens of `fixture-heldout` (windows of 256). One calibration seed and one pairing seed: KL "
-             "differences below ~0.002 and accuracy differences on 100 lm-eval items are within noise (each "
-             "run's `report.md` under `build/bench_puzzle/compare-*` has the paired bootstrap against the original).",
-             ""]
+    first = next((r["compare"] for r in results.values() if r.get("compare")), None)
+    lines = [SECTION, "", "Measured by `python -m benchmarks puzzle` (`benchmarks/bench_puzzle.py`); results "
+             "`benchmarks/results/puzzle/results-<fixture>.json` (per-window values included)."]
+    if first:
+        cal, ev = first.get("calibration") or {}, first["eval"]
+        lines[-1] += (f" Machine: {first['machine']}, shared. Calibration `{cal.get('source')}` ({cal.get('tokens'):,} "
+                      f"tokens, per-expert input-channel norms); perplexity and KL(original ‖ model) on the first "
+                      f"{ev['max_tokens']} tokens of `{ev['ppl']}` (windows of {ev['window']}). One calibration seed "
+                      "and one pairing seed: the `paired` column is each arm's paired bootstrap against the "
+                      "original on per-window NLL (Holm-adjusted), so a difference is read only where its "
+                      "interval excludes 0.")
+    lines.append("")
     for fixture, r in results.items():
         lines += [f"### {fixture}", ""]
         c = r.get("clamp")
         if c:
             base = c["rows"]["original fp32"]["ppl"]
-            lines += ["**What the bf16 exponent clamp changes** (exponent < 112, i.e. |w| < 2^-15 ≈ 3.05e-5; fp32 "
-                      "compute, KL against the fp32 original):", "",
+            lines += [f"**What the bf16 exponent clamp changes** (exponent < 112, i.e. |w| < 2^-15 ≈ {2 ** -15:.2e}; "
+                      "fp32 compute, KL against the fp32 original):", "",
                       "| weights | ppl | Δ ppl vs fp32 | KL to fp32 original | Δ ppl from the clamp | "
                       "KL(unclamped ‖ clamped) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
             prev = None
@@ -267,20 +284,23 @@ def markdown(results: dict) -> str:
         if cp:
             lines += [f"**Arms** (a bf16 copy of the fixture: routed experts {cp['routed_bytes']:,} B, checkpoint "
                       f"{cp['original_disk']:,} B; every PuzzleMoE arm exported as `packed`, loaded back and evaluated "
-                      "on the same windows, KL against the bf16 original; lm-eval `fixture_mc` / `fixture_gen`, 100 "
-                      "items each; routed bytes = the `moecompress.scopes.*` tensors in the checkpoint; RTN rows are "
-                      "the matched-storage baselines, fake-quantized in memory, sized as codes + scales; compress s = "
+                      "on the same windows, KL against the bf16 original; lm-eval "
+                      + ", ".join(f"`{t}` ({n} items)" for t, n in cp.get("items", {}).items())
+                      + "; routed bytes = the `moecompress.scopes.*` tensors in the checkpoint; quant rows are "
+                      "the pure-quantization reference arms (`eval.quant_baselines`, GPTQ), sized as codes + scales; "
+                      "compress s = "
                       "the method's wall time to build the plan and its packed tensors, export excluded):", "",
                       "| arm | experts removed | routed bytes (fraction of bf16) | bits / weight | checkpoint bytes | "
-                      "ppl | KL | mc acc | gen em | compress s |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "ppl | KL | mc acc | gen em | compress s | paired vs original: ΔNLL [95 % CI], verdict |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
             for a in cp["arms"]:
                 rb = (f"{a['routed_bytes']:,} ({a['routed_fraction']:.3f})" if a.get("routed_bytes") is not None
                       else "—")
                 disk = f"{a['disk']:,}" if a.get("disk") else "—"
                 lines.append(f"| {a['name']} | {_f(a.get('removed'), 3)} | {rb} | {_f(a.get('bits_per_weight'), 4)} | "
                              f"{disk} | {_f(a['ppl'])} | {_f(a['kl'], 3)} | "
-                             f"{_f(a['mc'], 3)} | {_f(a['gen'], 3)} | {_f(a.get('compress_seconds'))} |")
+                             f"{_f(a['mc'], 3)} | {_f(a['gen'], 3)} | {_f(a.get('compress_seconds'))} | "
+                             f"{_paired(a.get('paired'))} |")
             by = {a["name"]: a for a in cp["arms"]}
             if {"puzzle-50", "puzzle-50-evolve", "puzzle-50-q3", "rtn-3bit", "rtn-4bit"} <= set(by):
                 p50, ev, q3, r3, r4 = (by[k] for k in ("puzzle-50", "puzzle-50-evolve", "puzzle-50-q3", "rtn-3bit",
@@ -291,11 +311,20 @@ def markdown(results: dict) -> str:
                           f"{q3['bits_per_weight']:.2f} bits/weight has KL {q3['kl']:.4f} against {r3['kl']:.4f} for "
                           f"RTN 3-bit ({r3['bits_per_weight']:.2f} bits) and {r4['kl']:.4f} for RTN 4-bit "
                           f"({r4['bits_per_weight']:.2f} bits)."]
-            lines += ["", f"Whole comparison (calibration, 5 arms, 2 baselines, evaluation): {cp['seconds']} s.", ""]
+            n_base = cp.get("baselines", sum(a["kind"] == "quant_baseline" for a in cp["arms"]))
+            n_arms = sum(a["kind"] not in ("original", "quant_baseline") for a in cp["arms"])
+            lines += ["", f"Whole comparison (calibration, {n_arms} arms, {n_base} baselines, evaluation): "
+                      f"{cp['seconds']} s.", ""]
     lines += ["**GPU kernel table**: not measured — there is no GPU on the machine this benchmark ran on; "
               "`benchmarks/bench_puzzle_kernel.py` writes it where CUDA and Triton exist (the kernel's correctness is "
               "tested in Triton's CPU interpreter, see docs/puzzlemoe.md).", ""]
     return "\n".join(lines) + "\n"
+
+
+def _paired(c: dict | None) -> str:
+    if not c:
+        return "—"
+    return f"{c['delta']:+.4f} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}], {c['verdict']}"
 
 
 def _pairs(rows: dict):
@@ -323,11 +352,13 @@ def main():
     ap.add_argument("--write", action="store_true", help="update the BENCHMARKS.md section")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    out = args.report or args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out  # scratch: bf16 copies, compare reports
+    res_dir = args.report or RESULTS / "puzzle"  # the committed results the report reads
+    res_dir.mkdir(parents=True, exist_ok=True)
     if args.report is None:
+        out.mkdir(parents=True, exist_ok=True)
         for fixture in args.fixture or ["qwen3-moe-tiny", "olmoe-tiny"]:
-            file = out / f"results-{Path(fixture).name}.json"
+            file = res_dir / f"results-{Path(fixture).name}.json"
             res = json.loads(file.read_text()) if file.exists() else {}
             if args.part in ("all", "clamp"):
                 res["clamp"] = run_clamp(fixture, out)
@@ -335,7 +366,7 @@ def main():
             if args.part in ("all", "compare"):
                 res["compare"] = run_compare_part(fixture, out)
                 file.write_text(json.dumps(res, indent=1))
-    results = {f.stem.removeprefix("results-"): json.loads(f.read_text()) for f in sorted(out.glob("results-*.json"))}
+    results = {f.stem.removeprefix("results-"): json.loads(f.read_text()) for f in sorted(res_dir.glob("results-*.json"))}
     text = markdown(results)
     print(text)
     if args.write:

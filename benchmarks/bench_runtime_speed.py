@@ -3,14 +3,15 @@
 
     python benchmarks/bench_runtime_speed.py [--repeats 15] [--threads 1]
 
-Model: the qwen3-moe-tiny fixture (or, until it is trained, a random model with exactly its config).
+Model: the qwen3-moe-tiny fixture.
 Arms, all float32 on CPU, timed in one process, arm order rotated every repeat, medians over the repeats:
   * original      — the HF model as loaded (transformers' default grouped_mm experts);
   * runtime-50%   — `apply_plan` with a renorm plan keeping every second expert of every layer;
   * hf-export-50% — the same plan exported with format="hf" and loaded by plain transformers (reference).
 Prefill: batch 4 x 256 tokens, one forward without cache. Decode: batch 1, 16-token prompt, 64 greedy new
 tokens with the KV cache (generation forced to its full length). Target: runtime-50% >= original.
-Results: build/bench_runtime/speed.json; `--report` writes the section of BENCHMARKS.md.
+Results: benchmarks/results/runtime_speed.json (this run) and runtime_speed_runs.jsonl (one line per run, so the
+report shows the spread); `python benchmarks/bench_export_memory.py report` writes the section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_md import results_path, save_results
+
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "build" / "bench_runtime"
-FIXTURE_SHAPE = dict(vocab_size=4096, hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
-                     num_key_value_heads=2, head_dim=32, intermediate_size=512, moe_intermediate_size=128,
-                     num_experts=16, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
-                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 
 
 def _model():
@@ -43,21 +42,7 @@ def _model():
     from moecompress.testing import fixture_dir
 
     fx = fixture_dir("qwen3-moe-tiny")
-    if (fx / "config.json").is_file():
-        return (lambda: load_model(str(fx), dtype="float32")), "qwen3-moe-tiny fixture"
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    def build():
-        torch.manual_seed(0)
-        cfg = AutoConfig.for_model("qwen3_moe", **FIXTURE_SHAPE)
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        with torch.no_grad():  # HF zero-initialises routers; random rows give a realistic spread of experts
-            for name, p in m.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)
-        return m
-
-    return build, "random model with the qwen3-moe-tiny fixture's config (fixture not trained yet)"
+    return (lambda: load_model(str(fx), dtype="float32")), "qwen3-moe-tiny fixture"
 
 
 def _prefill(model, ids) -> float:
@@ -118,11 +103,10 @@ def run(repeats: int, threads: int) -> dict:
     o = res["tokens_per_s"]["original"]
     for name in ("runtime-50%", "hf-export-50%"):
         res[f"ratio_{name}"] = {k: res["tokens_per_s"][name][k] / o[k] for k in ("prefill", "decode")}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "speed.json").write_text(json.dumps(res, indent=2))
-    with open(OUT / "speed_runs.jsonl", "a") as f:  # every run, so the report can show the spread
-        f.write(json.dumps({"date": res["date"], "repeats": repeats, "ratio_runtime": res["ratio_runtime-50%"],
-                            "ratio_hf": res["ratio_hf-export-50%"]}) + "\n")
+    save_results("runtime_speed.json", res)
+    with open(results_path("runtime_speed_runs.jsonl"), "a") as f:  # every run, so the report can show the spread
+        f.write(json.dumps({"date": res["date"], "model": what, "repeats": repeats,
+                            "ratio_runtime": res["ratio_runtime-50%"], "ratio_hf": res["ratio_hf-export-50%"]}) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "times_s"}, indent=2))
     return res
 

@@ -25,7 +25,7 @@ does — before layer i+1 is calibrated). The first MoE layer sees identical inp
 Timing: each side in a fresh process with one thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`);
 `run_s` = checkpoint path + token ids -> keep sets (ours: calibrate + select; theirs: from_pretrained +
 linearize + oneshot), `process_s` adds interpreter start and imports. Runs alternate; medians reported.
-Results land in build/peer_reap/.
+Scratch lands in build/peer_reap/; the summary the report reads in benchmarks/results/peer_reap.json.
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_md import load_results, machine, results_path, save_results, write_section
+
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "build" / "peer_reap"
+OUT = ROOT / "build" / "peer_reap"  # token ids, per-variant outputs, stores (scratch)
 PEER_PY = ROOT / "build" / "peer-venv" / "bin" / "python"
 PEER_SCRIPT = ROOT / "benchmarks" / "peer" / "llmc_reap.py"
 SECTION = "## Peer check: REAP vs llm-compressor (issue 10)"
@@ -108,7 +111,7 @@ def warm_imports(model: str) -> None:
     """The same pre-clock imports as benchmarks/peer/llmc_reap.py (transformers' lazy modules)."""
     import transformers.conversion_mapping
     import transformers.core_model_loading
-    import transformers.masking_utils  # noqa: F401
+    import transformers.masking_utils
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -265,11 +268,11 @@ def run(args) -> None:
     from moecompress.testing import fixture_dir
 
     # results of fixtures not run this time are kept (run one fixture later without losing the others)
-    previous = OUT / "summary.json"
-    summary = json.loads(previous.read_text()) if previous.is_file() else {"fixtures": {}, "skipped": {}}
+    previous = results_path("peer_reap.json")
+    summary = json.loads(previous.read_text()) if previous.is_file() else {"fixtures": {}}
+    summary.pop("skipped", None)  # every fixture ships: a missing one is an error, not a row
     for name in args.fixtures:
         summary["fixtures"].pop(name, None)
-        summary["skipped"].pop(name, None)
         out = OUT / name.replace(":", "-")
         if name.startswith("random:"):  # a random tiny model of another family: a structure check, no tokenizer
             from moecompress.data.tokenizers import char_tokenizer
@@ -281,17 +284,15 @@ def run(args) -> None:
             tok = char_tokenizer()
         else:
             fx = fixture_dir(name)
-            if not (fx / "config.json").is_file():
-                summary["skipped"][name] = "fixture not present (not trained yet)"
-                print(f"skip {name}: not present", flush=True)
-                continue
             tok = load_tokenizer(str(fx))
         out.mkdir(parents=True, exist_ok=True)
         data = load_calibration(f"fixture-calib:{args.sequences}", tok, args.seq_len, seed=0)
         tokens = out / "tokens.safetensors"
         save_file({"input_ids": data.input_ids.contiguous(), "attention_mask": data.attention_mask.contiguous()},
                   str(tokens))
+        cfg = json.loads((fx / "config.json").read_text())
         res: dict = {"data": data.to_dict(), "describe": data.describe(), "ratio": args.ratio,
+                     "checkpoint_dtype": cfg.get("dtype") or cfg.get("torch_dtype"), "machine": machine(),
                      "batch_size": args.batch_size, "runs": {}, "comparisons": {}, "times": {}}
         print(f"[{name}] {data.describe()}", flush=True)
         try:
@@ -320,8 +321,7 @@ def run(args) -> None:
         summary["fixtures"][name] = res
         for title, c in res["comparisons"].items():
             print(f"  {title}: all_equal={c['all_equal']}", flush=True)
-    (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"wrote {OUT / 'summary.json'}")
+    print(f"wrote {save_results('peer_reap.json', summary)}")
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -350,12 +350,14 @@ def _default_gap(R: dict, dflt: dict) -> str:
 
 
 def report() -> None:
-    s = json.loads((OUT / "summary.json").read_text())
+    s = load_results("peer_reap.json")
+    first = next(iter(s["fixtures"].values()), {})
     lines = [SECTION, "",
-             ("Measured by `benchmarks/peer_llmcompressor_reap.py` (reproduction, versions and conventions: "
-             "`docs/peer_check.md`) on the shared 2-core CPU box, one thread per side, no GPU. Both tools read the "
-             "same token ids (one safetensors file) and the same float32 checkpoint; llm-compressor runs in its own "
-             "virtualenv."), ""]
+             ("Measured by `python -m benchmarks peer` (`benchmarks/peer_llmcompressor_reap.py`; reproduction, "
+              "versions and conventions: `docs/peer_check.md`); results `benchmarks/results/peer_reap.json`. "
+              f"Machine: {first.get('machine', 'not recorded')}, shared, one thread per side, no GPU. Both tools "
+              "read the same token ids (one safetensors file) and the same checkpoint; llm-compressor runs in its "
+              "own virtualenv."), ""]
     for name, res in s["fixtures"].items():
         if "blocked" in res:
             lines += [f"**{name}: blocked.** llm-compressor could not run it:", "", "```",
@@ -368,6 +370,7 @@ def report() -> None:
         what = (f"A random tiny `{name.split(':', 1)[1]}` model (`moecompress.testing.save_tiny`, seed 0; not a "
                 "shipped fixture: a check of another family's router convention), text through the character "
                 "tokenizer `moecompress.data.tokenizers.char_tokenizer`. " if name.startswith("random:") else "")
+        what += f"Checkpoint dtype {res['checkpoint_dtype']}. " if res.get("checkpoint_dtype") else ""
         lines += [f"### {name}", "",
                   (f"{what}{res['describe']}; ratio {res['ratio']} (keep {kept} of {e} experts per MoE layer); batch "
                   f"{res['batch_size']}. moecompress {v_ours.get('moecompress')} (torch {v_ours['torch']}, "
@@ -420,18 +423,7 @@ def report() -> None:
                   "theirs = `from_pretrained` + `linearize_moe` + `oneshot`. "
                   + ("Target (ours faster) met." if min(sp_d, sp_f) > 1 else
                      "Target (ours faster) NOT met in every setting."), ""]
-    for name, why in s.get("skipped", {}).items():
-        lines += [f"**{name}**: not run — {why}.", ""]
-    bench = ROOT / "BENCHMARKS.md"
-    text = bench.read_text() if bench.is_file() else "# Benchmarks\n\n"
-    block = "\n".join(lines).rstrip("\n") + "\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + block + ("\n" + text[nxt + 1:] if nxt != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    bench.write_text(text)
+    write_section(SECTION, "\n".join(lines).rstrip("\n") + "\n")
     print("\n".join(lines))
 
 

@@ -66,6 +66,12 @@ def test_compare_two_recipes_writes_report_pngs_and_results(tiny_with_tokenizer,
         assert item in report.lower()
     assert (out / "quality_vs_bytes.png").is_file()
     assert not (tmp_path / ".report.work").exists()
+    # one display of our own: no library progress bar or log line reaches the terminal
+    for noise in ("Loading weights", "Running loglikelihood", "Running generate_until", "it/s]"):
+        assert noise not in err and noise not in stdout
+    assert max(len(line) for line in stdout.splitlines()) <= 100  # the ranking table fits 100 columns
+    ranking = (out / "ranking.md").read_text()  # the same table, as markdown
+    assert all(f"| {n} |" in ranking for n in names)
 
 
 def test_recipes_must_share_model_and_calibration(tmp_path):

@@ -131,3 +131,74 @@ def test_invalid_results_point_at_the_field(tmp_path):
     r["arms"][0]["metrics"]["fixture_mc"]["items"]["acc"] = [1.0]
     with pytest.raises(MoECompressError, match="arms.0.metrics.fixture_mc"):
         compare_arms(r)
+
+
+# ------------------------------------------------------------------------ summary table and plots
+def _many_arms(n: int = 28) -> dict:
+    """full_results with n compressed arms of long names and per-layer records, for layout checks."""
+    import copy
+
+    r = full_results()
+    template = r["arms"][1]
+    arms = [r["arms"][0]]
+    for i in range(n):
+        a = copy.deepcopy(template)
+        a["name"] = f"conmoe-fixed-k-scope{i % 4}-ratio-{i:02d}"
+        a["bytes"]["model"] = 10_000_000 + 500_000 * i
+        a["per_layer"] = [{"layer": k, "experts": 16, "retained": 8 - k, "remapped": k, "operators": 0,
+                           "dropped": 8} for k in range(4)]
+        arms.append(a)
+    r["arms"] = arms
+    return r
+
+
+def test_ranking_table_fits_100_columns_and_is_written_as_markdown(tmp_path):
+    from rich.console import Console
+
+    from moecompress.compare import TABLE_WIDTH, ranking_table
+    from moecompress.eval.report import ranking_rows
+
+    r = _many_arms()
+    console = Console(width=200, record=True, file=open(tmp_path / "tty.txt", "w"))
+    console.print(ranking_table(r), width=TABLE_WIDTH)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100 and "…" not in text  # wrapped, never cut
+    header, rows = ranking_rows(r)
+    assert header[:7] == ["arm", "kind", "size", "vs orig", "bpw", "KL", "ppl"]
+    assert header[7:] == ["fixture_mc", "fixture_gen"]
+    kls = [float(row[5]) for row in rows]
+    assert kls == sorted(kls) and rows[0][0] == "original" and rows[0][3] == "100%"
+    write_report(r, tmp_path / "rep")
+    md = (tmp_path / "rep" / "ranking.md").read_text()
+    assert all(f"| {row[0]} | {row[1]} | {row[2]} |" in md for row in rows)
+
+
+def test_per_layer_heatmap_is_one_figure_of_sane_height(tmp_path):
+    from PIL import Image
+
+    from moecompress.eval.report import per_layer_cells
+    from moecompress.eval.schema import validate_results
+
+    r = _many_arms(28)
+    write_report(r, tmp_path / "rep")
+    width, height = Image.open(tmp_path / "rep" / "per_layer_experts.png").size
+    assert height < 1400 and width < 2000  # 28 arms in one heatmap, not 28 stacked panels (6,936 px before)
+    arm = validate_results(r).arms[1]
+    assert per_layer_cells(arm)[3] == (5, 3, 0, 8)  # kept, merged, operator, dropped of layer 3
+
+
+def test_pareto_front_and_discriminating_tasks():
+    from moecompress.eval.report import discriminating, pareto_front
+
+    pts = [(10.0, 0.5), (5.0, 1.0), (7.0, 0.2), (8.0, 0.3), (12.0, 0.1), (5.0, 2.0)]
+    assert pareto_front(pts) == [1, 2, 4]  # (5, 1.0) -> (7, 0.2) -> (12, 0.1); the rest are dominated
+    comps = [dict(task="mc", ci_low=-0.1, ci_high=0.05), dict(task="mc", ci_low=-0.2, ci_high=0.1),
+             dict(task="ppl", ci_low=0.01, ci_high=0.3), dict(task="ppl", ci_low=-0.1, ci_high=0.2)]
+    assert [c["task"] for c in discriminating(comps)] == ["ppl", "ppl"]  # no mc interval excludes 0
+
+
+def test_task_plot_is_omitted_when_no_task_discriminates(tmp_path):
+    r = full_results()
+    r["arms"] = r["arms"][:1] + [dict(r["arms"][0], name="copy", kind="compressed")]  # identical items
+    text = write_report(r, tmp_path / "rep").read_text()
+    assert not (tmp_path / "rep" / "task_deltas.png").exists() and "No per-task plot" in text

@@ -59,11 +59,14 @@ def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
 
 
 def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, progress: bool = True,
-                keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+                keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
+                verbose: bool = False) -> dict[str, Any]:
     """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results.
 
     `pairs` chooses the paired comparisons (default: every arm against the original). The report
     appears complete or not at all: a failed or killed run leaves the previous report untouched.
+    `progress` shows one progress display across the arms (one line per finished arm); the libraries'
+    own bars and logs are silenced unless `verbose`, which instead shows every bar as it comes.
     """
     from .atomic import atomic_dir, check_output
     from .validate import check_name
@@ -77,9 +80,59 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
         check_name(arm.display_name())
     # the previous report stays in place until this one is complete (atomic_dir renames at the end)
     check_output(out, overwrite, protect)
-    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="report") as tmp:
-        results = _run_arms(recipe, out, tmp, model_path, progress, keep_checkpoints, pairs)
+    from .quiet import quiet_libraries
+
+    track = ArmProgress(2 + len(recipe.arms), enabled=progress and not verbose)
+    with quiet_libraries(not verbose), track, atomic_dir(out, overwrite=overwrite, protect=protect,
+                                                         kind="report") as tmp:
+        results = _run_arms(recipe, out, tmp, model_path, progress and verbose, keep_checkpoints, pairs, track)
     return results
+
+
+class ArmProgress:
+    """One rich progress display across the arms: a bar with the current arm and stage, and one line
+    per finished arm (size and KL). Disabled, it prints each arm's header line as before (verbose)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled, self.total, self._progress, self._task = enabled, total, None, None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
+                                      MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("calibrating", total=self.total)
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+        return False
+
+    def stage(self, arm: str, what: str, header: str | None = None) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=f"{arm}: {what}")
+        elif header is not None:
+            console.print(header)
+
+    def done(self, entry: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        from .atomic import human_bytes
+
+        agg = next((v.get("aggregate", {}) for k, v in entry.get("metrics", {}).items() if k.startswith("ppl:")), {})
+        size = entry.get("bytes", {}).get("model")
+        kl = agg.get("kl")
+        self._progress.console.print(f"  [green]✓[/] {entry['name']:<24} {human_bytes(size) if size else '-':>10}"
+                                     + (f"  KL {kl:.4f}" if kl is not None else ""))
+        self._progress.advance(self._task)
+
+    def calibrated(self, seconds: float) -> None:
+        if self._progress is not None:
+            self._progress.console.print(f"  [green]✓[/] calibration ({seconds:.0f} s)")
+            self._progress.advance(self._task)
 
 
 def with_quant_baselines(recipe: Recipe) -> Recipe:
@@ -94,7 +147,7 @@ def with_quant_baselines(recipe: Recipe) -> Recipe:
 
 
 def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
-              pairs) -> dict[str, Any]:
+              pairs, track: ArmProgress | None = None) -> dict[str, Any]:
     """The body of `run_compare`: everything is written under `tmp`, paths in the results name `out`."""
     from .api import export, load
     from .eval.report import write_report
@@ -108,14 +161,16 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     tokenizer = _tokenizer(model_path)
     needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params, arm.quant)})
     cal = recipe.calibration
+    track = track or ArmProgress(0, enabled=False)
     t0 = time.perf_counter()
     stats = resolve_calibration(model_path, cal.data, needs, seq_len=cal.seq_len, seed=cal.seed,
                                 batch_size=cal.batch_size, work_dir=work, dtype="float32", progress=progress)
     calib_seconds = time.perf_counter() - t0
+    track.calibrated(calib_seconds)
     reference = load_model(model_path, dtype="float32")
     arms: list[dict[str, Any]] = []
 
-    console.print(f"[bold]original[/] {model_path}")
+    track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
     original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
                     metrics=_evaluate(reference, tokenizer, recipe, reference, progress), **_latency(
                         reference, model_path, recipe))
@@ -123,13 +178,16 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
 
     original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
     arms.append(original)
+    track.done(original)
 
     for arm in recipe.arms:
         name = arm.display_name()
-        console.print(f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
+        track.stage(name, "compressing",
+                    header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
         if get_method(arm.method).family == "dense":
             entry = _dense_arm(arm, name, model_path, stats, tmp, recipe, tokenizer, reference, progress)
             arms.append(dict(entry, path=str(out / "checkpoints" / name)))
+            track.done(entry)
             continue
         adapter = MoEAdapter(load_model(model_path, dtype="float32"))
         t1 = time.perf_counter()
@@ -138,10 +196,12 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
         ckpt = tmp / "checkpoints" / name
+        track.stage(name, "exporting")
         result = export(export_source(model_path, adapter, plan, tensors), plan, ckpt, format=fmt, tensors=tensors,
                         recipe={"model": recipe.model, "method": arm.method, "params": arm.params,
-                                "quant": arm.quant.model_dump() if arm.quant else None})
+                                "quant": arm.quant.model_dump() if arm.quant else None}, quiet=not progress)
         del adapter
+        track.stage(name, "evaluating")
         model = load(ckpt, dtype="float32")
         entry = plan_arm_fields(plan, tensors)
         kind = "quant_baseline" if arm.method == "quant" else "compressed"
@@ -152,6 +212,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         entry.update(_latency(model, ckpt, recipe))
         entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
         arms.append(entry)
+        track.done(entry)
         del model
 
     results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
@@ -160,6 +221,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     shutil.rmtree(work)
     if not keep_checkpoints:
         shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+    track.stage("report", "comparisons and plots")
     write_report(results, tmp, pairs=pairs)
     return results
 
@@ -218,28 +280,24 @@ def _notes(recipe: Recipe) -> list[str]:
             "by side with repeats."]
 
 
+TABLE_WIDTH = 100  # the ranking table is laid out for (at most) this many terminal columns
+
+
 def ranking_table(results: dict[str, Any]) -> Table:
-    """Arms ranked by KL to the original (lower is better), with bytes — the demo's summary."""
-    table = Table(title="arms ranked by KL to the original (same windows)")
-    for col in ("arm", "kind", "bytes", "KL", "ppl", "mc acc", "gen em"):
-        table.add_column(col, justify="left" if col in ("arm", "kind") else "right")
-    rows = []
-    for arm in results["arms"]:
-        ppl = next((v for k, v in arm["metrics"].items() if k.startswith("ppl:")), {})
-        agg = ppl.get("aggregate", {})
-        # the first multiple-choice and the first generative task evaluated (fixture_cloze / fixture_nextword
-        # in the demo recipes), whatever their names
-        tasks = [e for k, e in arm["metrics"].items() if not k.startswith("ppl:")]
-        mc_entry = next((e for e in tasks if e.get("output_type") == "multiple_choice"), {})
-        mc = mc_entry.get("aggregate", {}).get(mc_entry.get("primary", "acc"))
-        gen = next((e for e in tasks if e.get("output_type") == "generate_until"), {}).get("aggregate", {})
-        em = next((v for k, v in gen.items() if k.startswith("exact_match") and not k.endswith("stderr")), None)
-        b = arm["bytes"].get("model") or arm["bytes"].get("disk")
-        rows.append((agg.get("kl", float("nan")), arm["name"], arm["kind"], b, agg.get("ppl"), mc, em))
-    for kl, name, kind, b, ppl, mc, em in sorted(rows, key=lambda r: (r[0] if r[0] == r[0] else 1e9)):
-        from .atomic import human_bytes as _human
+    """Arms ranked by KL to the original (lower is better), with bytes — the demo's summary. The same rows
+    as `eval.report.ranking_rows` (written as ranking.md); print it with `width=TABLE_WIDTH`: long arm
+    names wrap inside their cell rather than being cut."""
+    from rich import box
 
-        table.add_row(name, kind, _human(b) if b else "-", f"{kl:.4f}", f"{ppl:.2f}" if ppl else "-",
-                      f"{mc:.3f}" if mc is not None else "-", f"{em:.3f}" if em is not None else "-")
+    from .eval.report import ranking_rows
+
+    header, rows = ranking_rows(results)
+    table = Table(title="arms ranked by KL to the original (same windows)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, col in enumerate(header):
+        if i == 0:
+            table.add_column(col, justify="left", overflow="fold", ratio=1, min_width=12)
+        else:
+            table.add_column(col, justify="left" if col == "kind" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
     return table
-

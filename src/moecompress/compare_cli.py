@@ -12,24 +12,26 @@ def compare_command(
     out: Path = typer.Option(Path("runs/compare"), help="Report directory (report.md, PNGs, results.json)."),
     overwrite: bool = typer.Option(False, help="Replace an existing report directory."),
     keep_checkpoints: bool = typer.Option(True, help="Keep each arm's exported checkpoint under OUT/checkpoints."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
 ) -> None:
     """Compress several arms from one calibration, evaluate all on the same items, write the report."""
     from rich.console import Console
 
-    from .compare import ranking_table, run_compare
+    from .compare import TABLE_WIDTH, ranking_table, run_compare
     from .recipe import load_recipe, merge_recipes
 
     recipe = merge_recipes([load_recipe(p) for p in recipes])
-    results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
+    results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose)
     console = Console()
-    console.print(ranking_table(results))
-    console.print(f"report: {out / 'report.md'}")
+    console.print(ranking_table(results), width=min(console.width, TABLE_WIDTH))
+    console.print(f"report: {out / 'report.md'} (table: {out / 'ranking.md'})")
 
 
 def demo_command(
     out: Path = typer.Option(Path("runs/demo"), help="Where the demo writes its report."),
     full: bool = typer.Option(False, help="Every arm on both fixtures (slower)."),
     overwrite: bool = typer.Option(True, help="Replace a previous demo report."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
 ) -> None:
     """Offline end to end on the shipped fixtures: calibrate once, compress, evaluate, rank, report."""
     import time
@@ -38,7 +40,7 @@ def demo_command(
 
     from rich.console import Console
 
-    from .compare import ranking_table, run_compare
+    from .compare import TABLE_WIDTH, ranking_table, run_compare
     from .recipe import load_recipe
 
     console = Console()
@@ -50,6 +52,7 @@ def demo_command(
             recipe = base if model is None else base.model_copy(update={"model": model})
             target = out if len(models) == 1 else out / recipe.model.split(":")[-1]
             t0 = time.perf_counter()
-            results = run_compare(recipe, target, overwrite=overwrite, keep_checkpoints=False)
-            console.print(ranking_table(results))
-            console.print(f"report: {target / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")
+            results = run_compare(recipe, target, overwrite=overwrite, keep_checkpoints=False, verbose=verbose)
+            console.print(ranking_table(results), width=min(console.width, TABLE_WIDTH))
+            console.print(f"report: {target / 'report.md'} (table: {target / 'ranking.md'}; "
+                          f"{time.perf_counter() - t0:.0f} s)")

@@ -225,29 +225,69 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+# --------------------------------------------------------------------------------------- ranking
+KIND_LABEL = {"original": "original", "quant_baseline": "quant ref", "compressed": "compressed",
+              "materialized": "materialized"}
+
+
+def ranking_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """The summary table (header, rows) of arms ranked by KL to the original, lowest first: arm, kind, size,
+    size vs the original, routed bits per weight (bpw), KL, perplexity, and each lm-eval task's primary metric. Printed by the CLI
+    (`compare.ranking_table`) and written as ranking.md, from the same rows."""
+    from ..atomic import human_bytes
+
+    arms = results["arms"]
+    tasks: list[tuple[str, str]] = []
+    for a in arms:
+        for t, e in a["metrics"].items():
+            if e.get("output_type") != "perplexity" and e.get("primary") and (t, e["primary"]) not in tasks:
+                tasks.append((t, e["primary"]))
+    base = next((a for a in arms if a.get("kind") == "original"), None)
+    base_b = (base["bytes"].get("model") or base["bytes"].get("disk")) if base else None
+    keyed = []
+    for a in arms:
+        agg = next((v.get("aggregate", {}) for k, v in a["metrics"].items() if k.startswith("ppl:")), {})
+        b = a["bytes"].get("model") or a["bytes"].get("disk")
+        kl, ppl = agg.get("kl"), agg.get("ppl")
+        bpw = a.get("bits_per_weight")
+        row = [a["name"], KIND_LABEL.get(a.get("kind"), a.get("kind") or "—"), human_bytes(b) if b else "—",
+               f"{100 * b / base_b:.0f}%" if b and base_b else "—", f"{bpw:.2f}" if bpw is not None else "—",
+               f"{kl:.4f}" if kl is not None else "—", f"{ppl:.2f}" if ppl is not None else "—"]
+        for t, m in tasks:
+            v = a["metrics"].get(t, {}).get("aggregate", {}).get(m)
+            row.append(f"{v:.3f}" if isinstance(v, (int, float)) else "—")
+        keyed.append((kl if isinstance(kl, (int, float)) and kl == kl else math.inf, row))
+    header = ["arm", "kind", "size", "vs orig", "bpw", "KL", "ppl"] + [t for t, _ in tasks]
+    return header, [r for _, r in sorted(keyed, key=lambda x: x[0])]
+
+
+def ranking_markdown(results: dict) -> str:
+    header, rows = ranking_rows(results)
+    tasks = header[6:]
+    note = ("KL = mean KL(original ‖ arm) per token on the held-out windows; size = the plan's bytes (else bytes on "
+            "disk)" + ("; task columns: each task's primary metric" if tasks else "") + ".")
+    return "\n".join(["# Arms ranked by KL to the original", "", _table(header, rows), "", note]) + "\n"
+
+
 # ----------------------------------------------------------------------------------------- plots
 def _quality_points(res: Results) -> list[tuple[str, str, bool]]:
-    """(panel key, y label, lower is better) for the quality-vs-bytes panels that have data."""
+    """(panel key, y label, log axis) for the quality-vs-bytes panels that have data. KL and perplexity span
+    orders of magnitude across arms, so both are on log axes; the task panel appears only where a task
+    discriminates (`discriminating_tasks`)."""
     panels = []
     ppl = [t for a in res.arms for t, e in a.metrics.items() if e.output_type == "perplexity"]
     if ppl:
-        panels.append(("ppl", f"perplexity ({ppl[0]}, lower is better)", True))
         if any("kl" in a.metrics[t].aggregate for a in res.arms for t in a.metrics if t == ppl[0]):
-            panels.append(("kl", "KL(original ‖ arm), nats/token (lower is better)", True))
-    if any(e.output_type != "perplexity" for a in res.arms for e in a.metrics.values()):
-        panels.append(("tasks", "mean task score, primary metric (higher is better)", False))
+            panels.append(("kl", "KL(original ‖ arm), nats/token", True))
+        panels.append(("ppl", f"perplexity on {ppl[0].removeprefix('ppl:')}", True))
     return panels
 
 
 def _panel_value(arm: Arm, key: str) -> float | None:
-    if key in ("ppl", "kl"):
-        for e in arm.metrics.values():
-            if e.output_type == "perplexity" and key in e.aggregate:
-                return e.aggregate[key]
-        return None
-    vals = [e.aggregate.get(e.primary) for e in arm.metrics.values() if e.output_type != "perplexity"]
-    vals = [v for v in vals if isinstance(v, (int, float))]
-    return sum(vals) / len(vals) if vals else None
+    for e in arm.metrics.values():
+        if e.output_type == "perplexity" and key in e.aggregate:
+            return e.aggregate[key]
+    return None
 
 
 def _unit(max_bytes: float) -> tuple[float, str]:
@@ -265,7 +305,20 @@ def _style(i: int):
     return cmap(i % 10), markers[i % len(markers)]
 
 
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (fewer bytes and lower value), by bytes."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], math.inf
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
 def plot_quality_vs_bytes(res: Results, path: Path) -> Path | None:
+    """One panel per quality measure (log axis), size on x; every point labelled with its arm, colour and
+    marker by method (one legend entry per method), the Pareto frontier drawn as a step line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,34 +329,91 @@ def plot_quality_vs_bytes(res: Results, path: Path) -> Path | None:
     if not panels or not sized:
         return None
     div, unit = _unit(max(b for _, b in sized))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
-    for ax, (key, label, _) in zip(axes[0], panels):
-        for i, a in enumerate(res.arms):
-            y, b = _panel_value(a, key), arm_bytes(a)
-            if y is None or b is None:
+    methods = list(dict.fromkeys(a.method for a, _ in sized))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.0 * len(panels), 5.6), squeeze=False,
+                             constrained_layout=True)
+    for ax, (key, label, log) in zip(axes[0], panels):
+        pts, names = [], []
+        for a, b in sized:
+            y = _panel_value(a, key)
+            if a.name == res.baseline and (y is None or y <= 0):  # KL of the original is 0: a reference line
+                ax.axvline(b / div, color="black", linestyle=":", linewidth=1)
+                ax.annotate(f"{a.name} (0)", (b / div, 1), xycoords=("data", "axes fraction"), xytext=(-3, -12),
+                            textcoords="offset points", ha="right", fontsize=7)
                 continue
-            color, marker = _style(i)
+            if y is None or (log and y <= 0):
+                continue
+            color, marker = _style(methods.index(a.method))
             is_base = a.name == res.baseline
-            ax.scatter(b / div, y, s=140 if is_base else 70, marker="*" if is_base else marker, color=color,
-                       edgecolor="black", linewidth=0.6, label=f"{a.name} ({a.method})", zorder=3)
+            ax.scatter(b / div, y, s=130 if is_base else 42, marker="*" if is_base else marker, color=color,
+                       edgecolor="black", linewidth=0.5, zorder=3)
+            pts.append((b / div, y))
+            names.append(a.name)
+        front = pareto_front(pts)
+        if len(front) >= 2:
+            fx, fy = [pts[i][0] for i in front], [pts[i][1] for i in front]
+            ax.step(fx, fy, where="post", color="0.35", linestyle="--", linewidth=1, zorder=2)
+        if log:
+            from matplotlib.ticker import FuncFormatter, LogLocator
+
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         ax.set_xlabel(f"model size ({unit})")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-        ax.margins(x=0.12, y=0.15)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=9, frameon=False,
-               bbox_to_anchor=(0.5, 0.0))
+        ax.set_ylabel(label + " (lower is better)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.margins(x=0.14, y=0.08)
+        # every arm is labelled on the first panel; the others label the frontier only (the same arms sit at
+        # the same x, so repeating every name there only adds clutter)
+        shown = range(len(pts)) if ax is axes[0][0] else front
+        _label_points(ax, [pts[i] for i in shown], [names[i] for i in shown], [i in front for i in shown])
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], linestyle="", marker=_style(i)[1], color=_style(i)[0], markeredgecolor="black",
+                      markersize=7, label="original" if m in ("none", "original") else m)
+               for i, m in enumerate(methods)]
+    handles.append(Line2D([], [], color="0.35", linestyle="--", label="Pareto frontier (bold labels)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(6, len(handles)), fontsize=8, frameon=False)
     fig.suptitle(f"Quality vs size — {res.model.name or res.model.model_type or 'model'}", fontsize=12)
-    rows = math.ceil(len(labels) / min(4, len(labels)))
-    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _label_points(ax, pts, names, bold, fontsize: float = 6.5) -> None:
+    """Place each label at the first of a few offsets around its point where it overlaps no label placed
+    before it (greedy, in display pixels; a label's box is estimated from its length)."""
+    fig = ax.figure
+    scale = fig.dpi / 72.0  # points -> pixels
+    char_w, h = 0.55 * fontsize * scale, 1.2 * fontsize * scale
+    placed: list[tuple[float, float, float, float]] = []
+    offsets = [(4, 3), (4, -9), (-4, 3), (-4, -9), (4, 11), (4, -17), (-4, 11), (-4, -17), (4, 19), (4, -25)]
+    ax.get_xlim(), ax.get_ylim()  # settle the autoscaled limits before converting to pixels
+    order = sorted(range(len(pts)), key=lambda i: (not bold[i], pts[i][1]))
+    for i in order:
+        px, py = ax.transData.transform(pts[i])
+        w = char_w * len(names[i])
+        choice = offsets[0]
+        for dx, dy in offsets:
+            x0 = px + dx * scale - (w if dx < 0 else 0)
+            box = (x0, py + dy * scale, x0 + w, py + dy * scale + h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                choice = (dx, dy)
+                break
+        dx, dy = choice
+        x0 = px + dx * scale - (w if dx < 0 else 0)
+        placed.append((x0, py + dy * scale, x0 + w, py + dy * scale + h))
+        ax.annotate(names[i], pts[i], xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                    ha="right" if dx < 0 else "left", va="bottom", fontweight="bold" if bold[i] else "normal",
+                    color="0.15")
+
+
+def discriminating(comparisons: list[dict]) -> list[dict]:
+    """The comparisons of the tasks where at least one paired interval excludes 0: a task on which every
+    arm is indistinguishable from its reference says nothing, so it is not plotted."""
+    tasks = {c["task"] for c in comparisons if c["ci_low"] > 0 or c["ci_high"] < 0}
+    return [c for c in comparisons if c["task"] in tasks]
 
 
 def _metric_axis_label(metric: str, baseline: str) -> str:
@@ -315,6 +425,8 @@ def _metric_axis_label(metric: str, baseline: str) -> str:
 
 
 def plot_task_deltas(comparisons: list[dict], baseline: str, path: Path) -> Path | None:
+    """One panel per task (side by side), one row per arm (the arm names are the y labels, so no legend):
+    Δ = arm − reference with its paired interval; filled = Holm-significant, hollow = not detectable."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,100 +434,87 @@ def plot_task_deltas(comparisons: list[dict], baseline: str, path: Path) -> Path
 
     if not comparisons:
         return None
-    metrics = []
-    for c in comparisons:
-        if c["metric"] not in metrics:
-            metrics.append(c["metric"])
-    arms = []
-    for c in comparisons:
-        if c["a"] not in arms:
-            arms.append(c["a"])
-    heights = [len({c["task"] for c in comparisons if c["metric"] == m}) for m in metrics]
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(8.5, sum(0.55 * h * max(1, len(arms) * 0.5) + 1.4
-                                                                  for h in heights)),
-                             squeeze=False, gridspec_kw={"height_ratios": [max(1, h) for h in heights]})
-    for ax, m in zip(axes[:, 0], metrics):
-        sub = [c for c in comparisons if c["metric"] == m]
-        tasks = []
-        for c in sub:
-            if c["task"] not in tasks:
-                tasks.append(c["task"])
-        width = 0.8 / max(1, len(arms))
-        for j, arm in enumerate(arms):
-            color, marker = _style(j + 1)
-            pts = [(tasks.index(c["task"]), c) for c in sub if c["a"] == arm]
-            if not pts:
+    tasks = list(dict.fromkeys(c["task"] for c in comparisons))
+    arms = list(dict.fromkeys(c["a"] for c in comparisons))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(min(18.0, max(6.4, 3.6 * len(tasks) + 2.4)), 0.28 * len(arms) + 2.1),
+                             squeeze=False, sharey=True, constrained_layout=True)
+    for ax, task in zip(axes[0], tasks):
+        sub = {c["a"]: c for c in comparisons if c["task"] == task}
+        for r, arm in enumerate(arms):
+            c = sub.get(arm)
+            if c is None:
                 continue
-            ys = [ti - 0.4 + width * (j + 0.5) for ti, _ in pts]
-            xs = [c["delta"] for _, c in pts]
-            err = [[c["delta"] - c["ci_low"] for _, c in pts], [c["ci_high"] - c["delta"] for _, c in pts]]
-            ax.errorbar(xs, ys, xerr=err, fmt=marker, color=color, capsize=3, label=arm, markersize=6)
-            for (ti, c), y in zip(pts, ys):
-                if c["verdict"] != "not detectably different":
-                    ax.annotate("*", (c["ci_high"], y), xytext=(3, -4), textcoords="offset points", fontsize=11)
+            sig = c["verdict"] != "not detectably different"
+            color = "#c53030" if sig and c["delta"] * (1 if c.get("higher_is_better", True) else -1) < 0 else (
+                "#2f855a" if sig else "0.45")
+            ax.errorbar([c["delta"]], [r], xerr=[[c["delta"] - c["ci_low"]], [c["ci_high"] - c["delta"]]],
+                        fmt="o", color=color, mfc=color if sig else "white", capsize=2.5, markersize=5)
         ax.axvline(0, color="black", linewidth=0.8)
-        ax.set_yticks(range(len(tasks)))
-        ax.set_yticklabels(tasks)
-        ax.invert_yaxis()
-        ax.set_xlabel(_metric_axis_label(m, baseline))
+        ax.set_title(task, fontsize=9)
+        metric = next(c["metric"] for c in comparisons if c["task"] == task)
+        ax.set_xlabel(_metric_axis_label(metric, baseline), fontsize=8)
         ax.grid(True, axis="x", alpha=0.3)
-    handles, labels = [], []
-    for ax in axes[:, 0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    ncol = min(4, len(labels))
-    fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 1.0 - 0.35 / fig.get_figheight()))
-    fig.suptitle(f"Paired differences vs {baseline}: mean with 95% bootstrap interval (* = Holm-significant)",
-                 fontsize=10)
-    top = 1.0 - (0.55 + 0.22 * math.ceil(len(labels) / ncol)) / fig.get_figheight()
-    fig.tight_layout(rect=(0, 0, 1, top))
-    fig.savefig(path, dpi=120)
+    axes[0][0].set_yticks(range(len(arms)))
+    axes[0][0].set_yticklabels(arms, fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(f"Paired differences vs {baseline}, 95% bootstrap interval\n"
+                 "filled: Holm-significant (red worse, green better); hollow: not detectably different", fontsize=9)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def per_layer_cells(arm: Arm) -> dict[int, tuple[int, int, int, int]]:
+    """layer -> (kept as itself, merged into / served by another stored expert, replaced by an operator,
+    dropped) for one arm; the four add up to the layer's original routed experts."""
+    out = {}
+    for k, r in enumerate(arm.per_layer or []):
+        out[int(r.get("layer", k))] = tuple(int(r.get(f) or 0) for f in ("retained", "remapped", "operators",
+                                                                           "dropped"))
+    return out
+
+
 def plot_per_layer(res: Results, path: Path) -> Path | None:
+    """One heatmap, arms × layers: colour = fraction of the layer's experts kept as themselves; each cell
+    reads kept/merged/dropped (dropped includes experts replaced by an operator, marked +op)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     arms = [a for a in res.arms if a.per_layer]
     if not arms:
         return None
-    fig, axes = plt.subplots(len(arms), 1, figsize=(max(6.0, 0.45 * max(len(a.per_layer) for a in arms) + 2),
-                                                    2.6 * len(arms) + 0.6), squeeze=False, sharex=True)
-    for ax, a in zip(axes[:, 0], arms):
-        layers = [int(r.get("layer", k)) for k, r in enumerate(a.per_layer)]
-        ret = [r.get("retained", 0) or 0 for r in a.per_layer]
-        rem = [r.get("remapped", 0) or 0 for r in a.per_layer]
-        ops = [r.get("operators", 0) or 0 for r in a.per_layer]
-        drop = [r.get("dropped", 0) or 0 for r in a.per_layer]
-        tot = [r.get("experts") for r in a.per_layer]
-        bottom = [0] * len(layers)
-        for vals, color, hatch, label in ((ret, "#2b6cb0", None, "retained (own expert)"),
-                                          (rem, "#ed8936", None, "served by another stored expert"),
-                                          (ops, "#38a169", None, "replacement operator"),
-                                          (drop, "#cbd5e0", "//", "removed (rerouted / dropped)")):
-            if any(vals) or label.startswith("retained"):
-                ax.bar(layers, vals, bottom=bottom, color=color, hatch=hatch, edgecolor="#4a5568" if hatch else None,
-                       label=label)
-                bottom = [b + v for b, v in zip(bottom, vals)]
-        if any(t is not None for t in tot):
-            ax.scatter(layers, [t if t is not None else float("nan") for t in tot], marker="_", s=300,
-                       color="black", label="original experts", zorder=3)
-        ax.set_ylabel("experts (count)")
-        ax.set_title(f"{a.name} ({a.method})", fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[-1, 0].set_xlabel("decoder layer index")
-    axes[-1, 0].set_xticks(sorted({int(r.get("layer", k)) for a in arms for k, r in enumerate(a.per_layer)}))
-    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.suptitle("Routed experts per layer", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    cells = [per_layer_cells(a) for a in arms]
+    layers = sorted({i for c in cells for i in c})
+    frac = np.full((len(arms), len(layers)), np.nan)
+    for r, c in enumerate(cells):
+        for j, layer in enumerate(layers):
+            if layer in c:
+                frac[r, j] = c[layer][0] / max(1, sum(c[layer]))
+    annotate = len(layers) <= 24
+    width = min(18.0, max(6.5, (0.62 if annotate else 0.22) * len(layers) + 4.0))
+    fig, ax = plt.subplots(figsize=(width, 0.3 * len(arms) + 1.7), constrained_layout=True)
+    im = ax.imshow(frac, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    if annotate:
+        for r, c in enumerate(cells):
+            for j, layer in enumerate(layers):
+                if layer not in c:
+                    continue
+                kept, merged, ops, dropped = c[layer]
+                text = f"{kept}/{merged}/{dropped + ops}" + ("+op" if ops else "")
+                ax.text(j, r, text, ha="center", va="center", fontsize=7.5,
+                        color="white" if frac[r, j] < 0.55 else "black")
+    ax.set_yticks(range(len(arms)))
+    ax.set_yticklabels([a.name for a in arms], fontsize=8)
+    step = max(1, len(layers) // 24)
+    ax.set_xticks(range(0, len(layers), step))
+    ax.set_xticklabels([str(layers[j]) for j in range(0, len(layers), step)], fontsize=8)
+    ax.set_xlabel("decoder layer" + ("   (cells: kept / merged / dropped)" if annotate else ""))
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01, label="fraction of experts kept as themselves")
+    ax.set_title("Routed experts per layer", fontsize=11)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
@@ -550,6 +649,8 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
                   "per_layer": "Routed experts per layer"}
         for k, p in shown:
             out += [f"![{titles.get(k, k)}]({p.name})", ""]
+        if plots.get("task_deltas") is None and comparisons:
+            out += ["No per-task plot: on no task does any paired interval exclude 0 (see the table above).", ""]
     if res.notes:
         out += ["## Notes", ""] + [f"- {n}" for n in res.notes] + [""]
     return "\n".join(out)
@@ -576,11 +677,12 @@ def write_report(results: dict, out_dir, *, B: int | None = None, seed: int | No
         settings["B"] = comparisons[0]["B"]
     items = checklist(res)
     plots = {"quality_vs_bytes": plot_quality_vs_bytes(res, out / "quality_vs_bytes.png"),
-             "task_deltas": plot_task_deltas(comparisons, res.baseline, out / "task_deltas.png"),
+             "task_deltas": plot_task_deltas(discriminating(comparisons), res.baseline, out / "task_deltas.png"),
              "per_layer": plot_per_layer(res, out / "per_layer_experts.png")}
     full = dict(results, schema=results.get("schema", SCHEMA), baseline=res.baseline, settings=settings,
                 comparisons=comparisons, checklist=items)
     _write_atomic(out / "results.json", json.dumps(_json_safe(full), indent=1, ensure_ascii=False) + "\n")
+    _write_atomic(out / "ranking.md", ranking_markdown(full))
     report = out / "report.md"
     _write_atomic(report, render_markdown(res, comparisons, items, plots, settings) + "\n")
     return report

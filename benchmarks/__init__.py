@@ -1,0 +1,1 @@
+"""Benchmark generators; `python -m benchmarks SECTION [run|report]` regenerates one BENCHMARKS.md section."""

@@ -1,0 +1,130 @@
+"""`python -m benchmarks SECTION [run|report|all]`: regenerate one section of BENCHMARKS.md.
+
+Every `## ` section of BENCHMARKS.md has one entry here: the generator's `run` steps (measure; write the
+section's results under benchmarks/results/, committed) and its `report` step (render the section from
+those results only, nothing recomputed). `all` (the default) runs both. `--list` prints the sections with
+their results files; `--dry-run` prints the commands instead of running them. `slow-tests` is not a
+section: it runs the tests marked `slow`, which the default test run excludes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = "python"  # replaced by sys.executable when run
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str | None  # the `## ` heading it owns in BENCHMARKS.md (None: not a section)
+    results: tuple[str, ...]  # under benchmarks/results/
+    run: tuple[tuple[str, ...], ...]
+    report: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+
+
+def _b(script: str, *args: str) -> tuple[str, ...]:
+    return (PY, f"benchmarks/{script}", *args)
+
+
+SECTIONS: dict[str, Section] = {
+    "calibration": Section(
+        "## Calibration (issue 3)", ("calibration_speed.json", "calibration_memory.json"),
+        run=(_b("bench_calibration.py", "speed", "--repeats", "7"), _b("bench_calibration.py", "build"),
+             _b("bench_calibration.py", "memory")),
+        report=(_b("bench_calibration.py", "report"),)),
+    "runtime": Section(
+        "## Plan runtime and export (issue 4)",
+        ("runtime_speed.json", "runtime_speed_runs.jsonl", "export_memory.json"),
+        run=(_b("bench_runtime_speed.py", "--repeats", "15", "--threads", "1"), _b("bench_export_memory.py", "build"),
+             _b("bench_export_memory.py", "run", "--formats", "compact", "hf")),
+        report=(_b("bench_export_memory.py", "report"),)),
+    "peer": Section(
+        "## Peer check: REAP vs llm-compressor (issue 10)", ("peer_reap.json",),
+        run=(_b("peer_llmcompressor_reap.py", "run"),),
+        report=(_b("peer_llmcompressor_reap.py", "report"),)),
+    "puzzle": Section(
+        "## PuzzleMoE (issue 7)", ("puzzle/",),
+        run=(_b("bench_puzzle.py", "--out", "build/bench_puzzle"),),
+        report=(_b("bench_puzzle.py", "--report", "benchmarks/results/puzzle", "--write"),)),
+    "pruning": Section(
+        "## Expert pruning: fixed-mask operator grid (issue 10)", ("pruning/",),
+        run=(_b("bench_methods.py", "pruning", "--out", "build/bench_pruning"),),
+        report=(_b("bench_methods.py", "pruning", "--write"),)),
+    "demo": Section(
+        "## Demo (issue 5)", ("demo.json",),
+        run=(_b("bench_demo.py", "run"),),
+        report=(_b("bench_demo.py", "report"),)),
+    "dense": Section(
+        "## MoE to dense (issue 8)", ("dense/", "dense_distill_olmoe-tiny.png", "dense_distill_qwen3-moe-tiny.png"),
+        run=(_b("bench_dense.py", "sweep"), _b("bench_dense.py", "distill", "--distill-fixture", "qwen3-moe-tiny"),
+             _b("bench_dense.py", "distill", "--distill-fixture", "olmoe-tiny")),
+        report=(_b("bench_dense.py", "report"),)),
+    "consolidation": Section(
+        "## Consolidation and merging (issue 6)", ("consolidation/",),
+        run=(_b("bench_methods.py", "consolidation", "--out", "build/bench_consolidation"),),
+        report=(_b("bench_methods.py", "consolidation", "--write"),)),
+    "auto": Section(
+        "## Budget-optimal auto (issue 9)", ("auto/",),
+        run=(_b("bench_auto.py", "--out", "build/bench_auto"),),
+        report=(_b("bench_auto.py", "--report", "benchmarks/results/auto", "--write"),)),
+    "quant": Section(
+        "## Quantization: structure × bits (issue 13)", ("quant.json", "quant_quality_vs_bytes.png"),
+        run=(_b("bench_quant.py", "run"),),
+        report=(_b("bench_quant.py", "report"),)),
+    "slow-tests": Section(
+        None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
+}
+
+
+def commands(name: str, step: str) -> list[tuple[str, ...]]:
+    """The argv lists `python -m benchmarks NAME STEP` runs, in order (`all` = run, then report)."""
+    sec = SECTIONS[name]
+    return list(sec.run if step in ("run", "all") else ()) + list(sec.report if step in ("report", "all") else ())
+
+
+def _describe() -> str:
+    lines = []
+    for name, sec in SECTIONS.items():
+        where = ", ".join(f"benchmarks/results/{r}" for r in sec.results) or "—"
+        lines.append(f"{name:14s} {sec.title or '(tests marked slow)'}\n{'':14s} results: {where}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("section", nargs="?", choices=[*SECTIONS, "all"], help="which section ('all': every one)")
+    ap.add_argument("step", nargs="?", default="all", choices=["run", "report", "all"],
+                    help="run: measure and write results; report: rewrite the section from committed results")
+    ap.add_argument("--list", action="store_true", help="list the sections and their results files")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    if args.list or args.section is None:
+        print(_describe())
+        return 0
+    names = [n for n in SECTIONS if n != "slow-tests"] if args.section == "all" else [args.section]
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    src = str(ROOT / "src")  # this checkout's package, ahead of any other install
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for name in names:
+        for cmd in commands(name, args.step):
+            argv_ = [sys.executable if c == PY else c for c in cmd]
+            print(f"[{name}] {shlex.join(cmd)}", flush=True)
+            if args.dry_run:
+                continue
+            rc = subprocess.run(argv_, cwd=ROOT, env=env, check=False).returncode
+            if rc != 0:
+                print(f"[{name}] failed with exit code {rc}: {shlex.join(cmd)}", file=sys.stderr)
+                return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
