@@ -27,6 +27,8 @@ PLOT = ROOT / "benchmarks" / "results" / "quant_quality_vs_bytes.png"
 SECTION = "## Quantization: structure × bits (issue 13)"
 FIXTURES = ("olmoe-tiny", "qwen3-moe-tiny")
 GROUP = 128
+CALIBRATION = dict(data="fixture-calib:64", seq_len=256, seed=0)
+WINDOW = 256
 STRUCTURES = {
     "reap": lambda r: ("prune", {"criterion": "reap", "ratio": r, "gate": "renorm"}),
     "puzzlemoe": lambda r: ("puzzlemoe", {"ratio": r}),
@@ -65,8 +67,8 @@ def run_fixture(fixture: str, out: Path, max_tokens: int) -> dict:
 
     spec = arms()
     recipe = parse_recipe(dict(
-        model=f"fixture:{fixture}", calibration=dict(data="fixture-calib:64", seq_len=256, seed=0),
-        eval=dict(ppl="fixture-heldout", window=256, max_tokens=max_tokens, tasks=[], latency=False,
+        model=f"fixture:{fixture}", calibration=CALIBRATION,
+        eval=dict(ppl="fixture-heldout", window=WINDOW, max_tokens=max_tokens, tasks=[], latency=False,
                   quant_baselines=[]),
         arms=[{k: a[k] for k in ("name", "method", "params", "quant") if a[k] is not None} for a in spec]),
         where="bench_quant")
@@ -108,6 +110,7 @@ def run(fixtures, max_tokens: int, out: Path) -> None:
 
     results = dict(machine=dict(platform=platform.platform(), torch=torch.__version__,
                                 threads=torch.get_num_threads()), group=GROUP, max_tokens=max_tokens,
+                   calibration=CALIBRATION, window=WINDOW,
                    fixtures=[run_fixture(f, out, max_tokens) for f in fixtures])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
@@ -139,8 +142,9 @@ def markdown(results: dict) -> str:
              "benchmarks/bench_quant.py report` (results: `benchmarks/results/quant.json`, plot: "
              "`benchmarks/results/quant_quality_vs_bytes.png`).", "",
              f"Routed experts quantized group-wise (group {results['group']}, symmetric, the grid of "
-             "docs/quantization.md); GPTQ from per-expert calibration Hessians (fixture-calib:64 × 256 tokens). "
-             f"KL to the original and perplexity on held-out text ({results['max_tokens']} tokens, windows of 256); "
+             f"docs/quantization.md); GPTQ from per-expert calibration Hessians ({results['calibration']['data']}, "
+             f"sequences of {results['calibration']['seq_len']} tokens). KL to the original and perplexity on "
+             f"held-out text ({results['max_tokens']} tokens, windows of {results['window']}); "
              "bytes are the plan's bytes (what the exported checkpoint stores for the model); bits/weight are stored "
              "routed-expert bits per original routed weight; compression time excludes the shared calibration. "
              f"Machine: {results['machine']['platform']}, torch {results['machine']['torch']}.", ""]
