@@ -4,17 +4,18 @@ A method asks the adapter for structure (``moe_layers``, ``num_experts(i)``, ``l
 ``ModelInfo.from_model``) and for weights (``layer(i).storage.read(e)`` / ``read_all()``,
 ``experts(i)``, ``get_expert``, ``router_params``, ``route``, ``expert_forward``). This view answers
 structure from a meta skeleton (no memory) and weights by materialising ONE decoder layer from the
-`CheckpointReader` in the checkpoint's own dtype when a weight of that layer is first asked for;
-the previously resident layer is evicted. Every tensor handed out is an independent copy upcast to
-``compute_dtype`` (float32, the dtype `compress` used to load the whole model in), so a method's
-arithmetic is exactly what it was on the float32 in-memory model while the process holds one layer
-at the checkpoint's precision. A method that needs a scope of layers (ConMoE) holds its own copies
-of that scope; nothing else survives a layer switch.
+`CheckpointReader` when a weight of that layer is first asked for; the previously resident layer is
+evicted (its parameters go back to the meta device). The layer is read tensor by tensor in the
+checkpoint's dtype and each tensor is upcast to ``compute_dtype`` as it arrives (float32, the dtype
+`compress` used to load the whole model in, so every method's arithmetic and every plan stay exactly
+what they were; ``bfloat16`` holds it at a bf16 checkpoint's own precision instead). Single-expert
+reads are copies (they must not pin the layer); ``read_all`` hands out views of the resident layer,
+which a method that needs a scope of layers (ConMoE) keeps alive itself, and drops when done.
 
-``layer_loads[i]`` counts how often layer i was read from disk for weights (a plan that needs none,
-REAP pruning, leaves it empty). ``model`` is the skeleton with streaming forward hooks: a forward
-(auto's sensitivities, dense statistics) loads each decoder layer in ``compute_dtype`` just before
-it runs and frees it right after (``forward_loads``), so even full-model forwards hold one layer.
+``layer_loads[i]`` counts how often layer i was read from disk for a method (a plan that needs no
+weights, REAP pruning, leaves it empty). ``model`` is the skeleton with streaming forward hooks: a
+forward (auto's sensitivities and measured KL) loads each decoder layer just before it runs
+(``forward_loads``), so even full-model forwards hold one layer plus the embeddings.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class _StreamedStorage(ExpertStorage):
 
     def read_all(self) -> ExpertWeights:
         self.view._ensure(self.index)
-        return super().read_all().map(self.view._out)
+        return super().read_all()  # views of the resident layer: they outlive its eviction on their own
 
     def read(self, e: int) -> ExpertWeights:
         self.view._ensure(self.index)
@@ -87,30 +88,29 @@ class StreamedAdapter(MoEAdapter):
         self.layer_loads: dict[int, int] = {}
         self.forward_loads: dict[int, int] = {}
         self._non_layer = False
-        self._forward_layer: int | None = None
         self._hooks = [model.register_forward_pre_hook(self._pre_model)]
         for i, dec in enumerate(self.decoder_layers):
-            self._hooks.append(dec.register_forward_pre_hook(lambda m, a, i=i: self._pre_layer(i)))
-            self._hooks.append(dec.register_forward_hook(lambda m, a, o, i=i: self._post_layer(i)))
+            self._hooks.append(dec.register_forward_pre_hook(lambda m, a, i=i: self._ensure(i, forward=True)))
 
     # ---------------------------------------------------------------- residency
-    def _out(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """An independent copy in the compute dtype: what a method holds survives eviction."""
-        if t is None:
-            return None
-        return t.detach().to(self.compute_dtype, copy=True) if t.is_floating_point() else t.detach().clone()
+    @staticmethod
+    def _out(t: torch.Tensor | None) -> torch.Tensor | None:
+        """An independent copy: one expert read must not pin its whole fused layer tensor after eviction."""
+        return None if t is None else t.detach().clone()
 
-    def _install(self, i: int, dtype) -> None:
-        state = self.reader.native_state(i)
-        for name, t in state.items():
-            module, leaf = self._slots[i][name]
-            t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-            if leaf in module._parameters:
-                module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-            else:
-                module._buffers[leaf] = t
+    def _install(self, i: int) -> None:
+        """Read layer i tensor by tensor, upcasting each to the compute dtype as it arrives (the layer is never
+        held twice: one native tensor at the checkpoint's precision is the only transient)."""
         from ..checkpoint import _recreate_buffers
 
+        for native in self.reader._by_layer.get(i, []):
+            for name, t in self.reader._state([native]).items():
+                module, leaf = self._slots[i][name]
+                t = t.to(self.compute_dtype) if t.is_floating_point() else t
+                if leaf in module._parameters:
+                    module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+                else:
+                    module._buffers[leaf] = t
         for module in {m for m, _ in self._slots[i].values()}:
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 _recreate_buffers(module, "cpu")
@@ -123,16 +123,14 @@ class StreamedAdapter(MoEAdapter):
                 meta = torch.empty_like(t, device="meta")
                 store[leaf] = nn.Parameter(meta, requires_grad=False) if store is module._parameters else meta
 
-    def _ensure(self, i: int) -> None:
-        """Make decoder layer i resident in the checkpoint's dtype, evicting the previous one."""
-        if self.resident == i or self._forward_layer == i:
-            return
-        if self.resident is not None:
-            self._free(self.resident)
-            self.resident = None
-        self._install(i, None)
-        self.resident = i
-        self.layer_loads[i] = self.layer_loads.get(i, 0) + 1
+    def _ensure(self, i: int, forward: bool = False) -> None:
+        """Make decoder layer i resident (in the compute dtype), evicting the previous one."""
+        if self.resident != i:
+            self.release()
+            self._install(i)
+            self.resident = i
+            counts = self.forward_loads if forward else self.layer_loads
+            counts[i] = counts.get(i, 0) + 1
 
     def release(self) -> None:
         """Evict the resident layer (the plan is built: nothing of the checkpoint stays in memory)."""
@@ -145,16 +143,6 @@ class StreamedAdapter(MoEAdapter):
         if not self._non_layer:
             self.reader.load_non_layer(self.model, "cpu", self.compute_dtype)
             self._non_layer = True
-
-    def _pre_layer(self, i: int) -> None:
-        self.release()
-        self._install(i, self.compute_dtype)  # forwards run in the compute dtype, as on the float32 model
-        self.forward_loads[i] = self.forward_loads.get(i, 0) + 1
-        self._forward_layer = i  # hooks inside the layer read it as it is; it is freed right after
-
-    def _post_layer(self, i: int) -> None:
-        self._free(i)
-        self._forward_layer = None
 
     # ---------------------------------------------------------------- weights (copies in compute dtype)
     def expert_dtype(self, i: int) -> torch.dtype:
@@ -178,11 +166,7 @@ class StreamedAdapter(MoEAdapter):
         if layer.shared is None:
             return None
         self._ensure(i)
-        # cast in place: reads copy and upcast anyway, and a resident layer is never written back
-        out = layer.shared.to(self.compute_dtype)(h)
-        if layer.shared_gate is not None:
-            out = torch.sigmoid(layer.shared_gate.to(self.compute_dtype)(h)) * out
-        return out
+        return super().shared_forward(i, h)
 
 
 def is_streamed(adapter) -> bool:
