@@ -108,3 +108,18 @@ def test_streamed_outputs_equal_the_float32_in_memory_path(tiny, method, params)
             assert new_cfg.pop("dtype") == "bfloat16" and {**old_cfg, "dtype": None} == {**new_cfg, "dtype": None}
             continue
         assert filecmp.cmp(root / f"{method}-old" / name, new_out / name, shallow=False), name
+
+
+def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
+    from moecompress.testing import run_cli
+
+    root, path = tiny
+    out = root / "dry"
+    base = ["compress", str(path), "--method", "conmoe", "--ratio", "0.5", "--param", "scope_size=2",
+            "--calib", str(root / "stats"), "--out", str(out)]
+    code, stdout, err = run_cli(base + ["--dry-run"], capsys)
+    assert code == 0, err
+    assert "peak memory:" in stdout and "disk needed" in stdout and not out.exists()
+    code, stdout, err = run_cli(base + ["--max-memory", "1MiB"], capsys)
+    assert code == 2 and not out.exists()
+    assert "Compressing needs about" in err and "--max-memory allows 1.00 MB" in err and "Traceback" not in err

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import MoECompressError
 from .methods import MethodContext, get_method, parse_config
-from .models import MoEAdapter, load_model
+from .models import MoEAdapter
 
 
 def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list[str], *, seq_len: int = 256,
