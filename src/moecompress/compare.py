@@ -153,8 +153,9 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     from .eval.report import write_report
     from .eval.runner import model_info, plan_arm_fields
     from .methods import get_method
-    from .models import MoEAdapter, load_model
-    from .pipeline import build_plan, choose_format, export_source, needs_for, quantize, resolve_calibration
+    from .models import load_model
+    from .pipeline import (build_plan, choose_format, export_source, needs_for, open_view, quantize,
+                           resolve_calibration)
 
     work = tmp / ".work"  # the shared calibration: inside the temporary, so a kill leaves one thing to clean
     work.mkdir()
@@ -189,10 +190,11 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
             arms.append(dict(entry, path=str(out / "checkpoints" / name)))
             track.done(entry)
             continue
-        adapter = MoEAdapter(load_model(model_path, dtype="float32"))
+        adapter = open_view(model_path)  # the arm's plan streams from the checkpoint, one layer at a time
         t1 = time.perf_counter()
         plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
         plan, tensors = quantize(adapter, plan, tensors, arm.quant, stats, progress)
+        adapter.release()
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
         ckpt = tmp / "checkpoints" / name

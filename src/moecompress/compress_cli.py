@@ -49,6 +49,9 @@ def compress_command(
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     seed: int = typer.Option(0),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print memory, disk and time estimates; compute nothing."),
+    max_memory: Optional[str] = typer.Option(None, help="Refuse when the estimated peak memory exceeds this "
+                                             "(e.g. 16GB; default: the memory available now)."),
 ) -> None:
     """Compress MODEL with one method and write a checkpoint that is really smaller."""
     from rich.console import Console
@@ -81,6 +84,23 @@ def compress_command(
         params.update(quant=quant, algo=quant_algo, weighting=quant_weighting)
     elif quant is not None:
         quant_setting = dict(quant=quant, algo=quant_algo, weighting=quant_weighting)
+    if dry_run or max_memory is not None:
+        import psutil
+
+        from .compress_dryrun import estimate_compress, refuse_if_over
+        from .export.writer import parse_size
+
+        try:
+            limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
+        except ValueError:
+            raise MoECompressError(f"--max-memory '{max_memory}' is not a size such as 16GB or 512MB.") from None
+        est = estimate_compress(model, method, params, calib, seq_len)
+        if dry_run:
+            for k, v in est.rows():
+                Console().print(f"{k}: {v}", highlight=False)
+        refuse_if_over(est, limit)
+        if dry_run:
+            return
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
                       overwrite=overwrite, quant=quant_setting)
     Console().print(result.describe())

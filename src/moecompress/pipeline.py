@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import MoECompressError
 from .methods import MethodContext, get_method, parse_config
-from .models import MoEAdapter, load_model
+from .models import MoEAdapter
 
 
 def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list[str], *, seq_len: int = 256,
@@ -99,19 +99,19 @@ def choose_format(plan, requested: str = "auto") -> str:
 
 
 def export_source(model_path: str, adapter: MoEAdapter, plan, tensors):
-    """What to export from: the checkpoint path (streamed layer by layer), or the in-memory model when
-    the plan also changes weights outside the experts (merged router rows of M-SMoE/HC-SMoE `router: merge`)."""
-    if any(k.startswith("router.") for k in tensors or {}):
-        from .methods.merging import install_merged_router
-
-        install_merged_router(adapter, plan, tensors)
-        dtypes = plan.model.disk_dtypes
-        if dtypes and len(dtypes) == 1:  # write the checkpoint's dtype, not the float32 it was computed in
-            import torch
-
-            adapter.model.to(getattr(torch, dtypes[0]))
-        return adapter.model
+    """What to export from: always the checkpoint path, streamed layer by layer. Plans that also change
+    weights outside the experts (merged router rows of M-SMoE/HC-SMoE `router: merge`) carry them as plan
+    tensors, which the exporter writes into each layer as it streams it (`merging.merged_router_state`)."""
     return model_path
+
+
+def open_view(model: str, dtype: str = "float32"):
+    """The streamed, read-only method view of checkpoint `model` (`methods.streamed.StreamedAdapter`):
+    weights one decoder layer at a time, handed out in `dtype` (the arithmetic dtype of the methods)."""
+    from .models import parse_dtype
+    from .methods.streamed import StreamedAdapter
+
+    return StreamedAdapter(model, compute_dtype=parse_dtype(dtype))
 
 
 def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
@@ -134,9 +134,10 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     needs = needs_for(method, params, quant)
     stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
                                 progress=progress)
-    adapter = MoEAdapter(load_model(model, dtype=dtype))
+    adapter = open_view(model, dtype)  # one decoder layer at a time, never the whole model
     plan, tensors = build_plan(adapter, method, params, stats, seed, progress)
     plan, tensors = quantize(adapter, plan, tensors, quant, stats, progress)
+    adapter.release()
     recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
               "seq_len": seq_len, "seed": seed, "quant": quant}
     return export(export_source(model, adapter, plan, tensors), plan, out, format=choose_format(plan, format),

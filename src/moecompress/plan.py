@@ -172,7 +172,7 @@ class ModelInfo(_Strict):
             num_hidden_layers=len(adapter.decoder_layers),
             dtype=expert_dtype or str(dtype).removeprefix("torch."),
             disk_dtypes=sorted({d for d, _ in disk.values()}) if disk else None,
-            expert_bias=first.storage.read(0).has_bias, layers=layers,
+            expert_bias=first.storage.has_bias, layers=layers,
             expert_bytes=sum(x.bytes_per_expert * x.num_experts for x in layers), other_bytes=other,
             source=source if source is not None else name,
         )

@@ -26,7 +26,7 @@ from ..errors import MoECompressError
 from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import stored_weights
 from ..runtime.build import _complete_bias, runtime_layout
-from .formats import FORMATS
+from .formats import FORMATS, child_name
 from .source import open_source
 from .writer import ShardWriter
 
@@ -89,6 +89,8 @@ def _write_recipe(tmp: Path, recipe) -> None:
 def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool) -> None:
     from rich.progress import track
 
+    from ..methods.merging import merged_router_state, router_tensor_prefix
+
     adapter = source.adapter
     remaining = {sc.id: set(sc.layers) for sc in plan.scopes}
     scope_of = {lp.layer: plan.scope(lp.scope) for lp in plan.layers}
@@ -102,6 +104,8 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
             source.free_layer(i)
             continue
         layer = adapter.layer(i)
+        if fmt.tensors and f"{router_tensor_prefix(i)}.weight" in fmt.tensors:  # merged router rows (M-SMoE/HC-SMoE)
+            rel = merged_router_state(plan, fmt.tensors, i, rel, child_name(adapter.decoder_layers[i], layer.router) + ".")
         fmt.remember(i, layer)
         exp_rel = fmt.expert_names[i][0] + "."
         writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))

@@ -472,7 +472,7 @@ def dense_view(model_or_adapter, conversion: DenseConversion):
     saved = {i: adapter.layer(i).block for i in adapter.moe_layers}
     try:
         for i in adapter.moe_layers:
-            dt = adapter.experts(i).gate.dtype
+            dt = adapter.expert_dtype(i)
             layer = conversion.layers[i]
             block = DenseFFN(layer.ffn(conversion.fold_shared), layer.act, adapter.returns_tuple, dtype=dt)
             if not conversion.fold_shared and layer.shared is not None:
@@ -612,7 +612,7 @@ def build(config: DenseConfig, context):
     scopes, layers = [], []
     for i in adapter.moe_layers:
         lp = conv.layers[i].plan
-        dtype = adapter.experts(i).gate.dtype
+        dtype = adapter.expert_dtype(i)
         ffn = conv.layers[i].routed
         mass = lp["mean_topk_mass"] if lp["mean_topk_mass"] > 0 else 1.0
         key = f"dense.{i}"

@@ -388,6 +388,29 @@ def install_merged_router(model_or_adapter, plan, tensors) -> int:
     return changed
 
 
+def merged_router_state(plan, tensors, layer: int, state: dict, router_rel: str) -> dict:
+    """Layer `layer`'s state dict with the plan's merged router rows written into its kept slots.
+
+    The streamed counterpart of `install_merged_router`: the exporter applies it to each layer as it reads
+    it from the checkpoint, so a router-merging plan never needs the model in memory. `router_rel` is the
+    router's name prefix in `state` (``mlp.gate.``); rows are cast to the checkpoint tensor's dtype, exactly
+    as installing them in the float32 model and writing that model in the checkpoint's dtype did."""
+    prefix = router_tensor_prefix(layer)
+    if f"{prefix}.weight" not in (tensors or {}):
+        return state
+    lp = plan.layer(layer)
+    kept = [e for e, s in enumerate(lp.slots) if s != "drop"]
+    order = [lp.slots[e] for e in kept]
+    out = dict(state)
+    for name in ("weight", "bias", "e_score_correction_bias"):
+        key, rel = f"{prefix}.{name}", f"{router_rel}{name}"
+        if key in tensors and rel in state:
+            t = state[rel].detach().clone()
+            t[kept] = tensors[key][order].to(t.dtype)
+            out[rel] = t
+    return out
+
+
 def build_msmoe(config: MSMoEConfig, context, method: str = "m-smoe"):
     """Registry entry: M-SMoE plan (+ tensors) from counts and router-logit correlations."""
     from ..plan import ModelInfo

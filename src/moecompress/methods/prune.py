@@ -221,7 +221,7 @@ def build_prune(config: PruneConfig, context: MethodContext):
     scopes, layers = [], []
     for i in adapter.moe_layers:
         kept = keep[i]
-        dtype = adapter.experts(i).gate.dtype
+        dtype = adapter.expert_dtype(i)
         distance = pairwise_distance(adapter.experts(i)) if config.operator == "remap" else None
         slots = []
         for e in range(adapter.num_experts(i)):

@@ -255,6 +255,10 @@ class MoEAdapter:
         """All experts of layer i stacked (views of the model's storage where possible)."""
         return self.layer(i).storage.read_all()
 
+    def expert_dtype(self, i: int) -> torch.dtype:
+        """The dtype `experts(i)` / `storage.read` hand out (what plan tensors are fitted in), without a copy."""
+        return self.layer(i).storage.read(0).gate.dtype
+
     def get_expert(self, i: int, e: int) -> ExpertWeights:
         """A detached copy of expert e of layer i."""
         return self.layer(i).storage.read(e).map(lambda t: t.detach().clone())

@@ -122,6 +122,15 @@ class ExpertStorage:
             return self.module.down_proj.shape[1]
         return getattr(self.module[0], self.names["down"]).in_features
 
+    @property
+    def has_bias(self) -> bool:
+        """Do the experts carry biases? (From the structure alone: reads no weights.)"""
+        if self.layout == "gpt_oss":
+            return True
+        if self.layout == "modulelist":
+            return getattr(self.module[0], self.names["gate"]).bias is not None
+        return False
+
     def read_all(self) -> ExpertWeights:
         """All experts stacked: gate/up [E, I, H], down [E, H, I] (+ biases)."""
         m = self.module

@@ -1,0 +1,95 @@
+"""`compress --dry-run`: memory, disk and time of a streamed compression before any work.
+
+The streamed `compress` holds, at its peak, one of: calibration's (the calibrate dry-run estimator's own
+formula: one layer being read and fused, the activation cache, the collectors' sums), the method view's
+(a method's scope of layers in the compute dtype plus one working copy; the embeddings too when the method
+runs forwards: `auto`), or the exporter's (one layer read and fused). Peak = interpreter baseline + the
+largest of the three. Disk: the output is at most the checkpoint's size, plus the statistics. Time: one
+layer's read is timed, then scaled by the passes over the checkpoint each phase makes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .atomic import human_bytes
+from .errors import MoECompressError
+
+_DISK_ELEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_FORWARD_METHODS = {"auto"}  # methods that may run full-model forwards (streamed through the view's hooks)
+
+
+@dataclass
+class CompressEstimate:
+    peak_memory_bytes: int
+    calibration_bytes: int
+    plan_bytes: int
+    export_bytes: int
+    disk_bytes: int
+    time_s: float
+    checkpoint_bytes: int
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [("peak memory", human_bytes(self.peak_memory_bytes)),
+                ("  calibration phase", human_bytes(self.calibration_bytes)),
+                ("  plan building (streamed view)", human_bytes(self.plan_bytes)),
+                ("  export (streamed)", human_bytes(self.export_bytes)),
+                ("checkpoint on disk", human_bytes(self.checkpoint_bytes)),
+                ("disk needed (output upper bound + statistics)", human_bytes(self.disk_bytes)),
+                ("time (rough)", f"{self.time_s:.0f} s")]
+
+
+def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
+                      dtype_bytes: int = 4) -> CompressEstimate:
+    """The estimate of the module doc for `compress(model, method, params, calib=calib)`."""
+    import psutil
+    from safetensors import safe_open
+
+    from .checkpoint import CheckpointReader
+    from .models import MoEAdapter
+
+    reader = CheckpointReader(model)
+    adapter = MoEAdapter(reader._skeleton)
+    moe = adapter.moe_layers
+    sample = reader.layer_keys(moe[0])[:1]
+    disk_elem = 2
+    if sample:
+        with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
+            disk_elem = _DISK_ELEM.get(f.get_slice(sample[0]).get_dtype(), 2)
+    t0 = time.perf_counter()
+    layer_disk = reader.layer_bytes(moe[0])
+    reader.native_state(moe[0])  # the one timed read
+    t_layer = time.perf_counter() - t0
+    layer_disk = max(layer_disk, *(reader.layer_bytes(i) for i in range(reader.num_layers)))
+    non_layer_disk = reader.layer_bytes(None)
+    ckpt = sum(p.stat().st_size for p in Path(reader.path).glob("*.safetensors"))
+    scale = dtype_bytes / disk_elem
+    factor = 3.5 if any(reader.converts(i) for i in moe) else 2.0  # calibrate dry-run's measured fusing factor
+    baseline = psutil.Process().memory_info().rss
+    hidden = int(reader.config.hidden_size)
+
+    calib_bytes, calib_passes = 0, 0
+    if calib is not None and not Path(calib).is_dir():
+        spec = str(calib)
+        seqs = int(spec.rsplit(":", 1)[1]) if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else 64
+        calib_bytes = int(factor * layer_disk + 2 * seqs * seq_len * hidden * 4)
+        calib_passes = 1
+    scope = int((params or {}).get("scope_size", 1)) if method == "conmoe" else 1
+    plan_bytes = int(layer_disk * scale * (scope + 1) + layer_disk)  # resident + scope copies + one tensor read
+    if method in _FORWARD_METHODS:
+        plan_bytes += int(non_layer_disk * scale)
+    export_bytes = int(factor * layer_disk + non_layer_disk)
+    peak = baseline + max(calib_bytes, plan_bytes, export_bytes)
+    passes = calib_passes + 1 + (0 if method == "prune" else 1)
+    return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
+                            export_bytes=export_bytes, disk_bytes=ckpt, checkpoint_bytes=ckpt,
+                            time_s=t_layer * reader.num_layers * passes)
+
+
+def refuse_if_over(est: CompressEstimate, max_memory: int) -> None:
+    if est.peak_memory_bytes > max_memory:
+        raise MoECompressError(f"Compressing needs about {human_bytes(est.peak_memory_bytes)} of memory but "
+                               f"--max-memory allows {human_bytes(max_memory)}; raise --max-memory or use a method "
+                               "with a smaller scope.")

@@ -1,0 +1,173 @@
+"""`StreamedAdapter`: the method context's read-only view of a checkpoint, one decoder layer at a time.
+
+A method asks the adapter for structure (``moe_layers``, ``num_experts(i)``, ``layer(i).spec``,
+``ModelInfo.from_model``) and for weights (``layer(i).storage.read(e)`` / ``read_all()``,
+``experts(i)``, ``get_expert``, ``router_params``, ``route``, ``expert_forward``). This view answers
+structure from a meta skeleton (no memory) and weights by materialising ONE decoder layer from the
+`CheckpointReader` when a weight of that layer is first asked for; the previously resident layer is
+evicted (its parameters go back to the meta device). The layer is read tensor by tensor in the
+checkpoint's dtype and each tensor is upcast to ``compute_dtype`` as it arrives (float32, the dtype
+`compress` used to load the whole model in, so every method's arithmetic and every plan stay exactly
+what they were; ``bfloat16`` holds it at a bf16 checkpoint's own precision instead). Single-expert
+reads are copies (they must not pin the layer); ``read_all`` hands out views of the resident layer,
+which a method that needs a scope of layers (ConMoE) keeps alive itself, and drops when done.
+
+``layer_loads[i]`` counts how often layer i was read from disk for a method (a plan that needs no
+weights, REAP pruning, leaves it empty). ``model`` is the skeleton with streaming forward hooks: a
+forward (auto's sensitivities and measured KL) loads each decoder layer just before it runs
+(``forward_loads``), so even full-model forwards hold one layer plus the embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..models import MoEAdapter
+from ..models.storage import ExpertStorage, ExpertWeights
+
+
+@dataclass
+class _StreamedStorage(ExpertStorage):
+    """An `ExpertStorage` over a meta module whose reads first bring the layer in (float copies out)."""
+
+    view: "StreamedAdapter | None" = None
+    index: int = -1
+
+    def read_all(self) -> ExpertWeights:
+        self.view._ensure(self.index)
+        return super().read_all()  # views of the resident layer: they outlive its eviction on their own
+
+    def read(self, e: int) -> ExpertWeights:
+        self.view._ensure(self.index)
+        if self.layout == "modulelist":
+            return super().read(e).map(self.view._out)
+        return super().read_all().map(lambda t: self.view._out(t[e]))
+
+    def write(self, e: int, w: ExpertWeights) -> None:
+        from ..errors import MoECompressError
+
+        raise MoECompressError("The streamed checkpoint view is read-only; a method must return its changes as "
+                               "plan tensors, not write them into the model.")
+
+
+class StreamedAdapter(MoEAdapter):
+    """A `MoEAdapter` over checkpoint `path` that holds at most one decoder layer (see the module doc)."""
+
+    def __init__(self, path: str, compute_dtype: torch.dtype = torch.float32, reader=None):
+        from ..checkpoint import CheckpointReader
+        from ..models import skeleton
+
+        self.reader = reader or CheckpointReader(str(path))
+        self.compute_dtype = compute_dtype
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(compute_dtype)  # meta parameters report the dtype the methods compute in
+        try:
+            model = skeleton(self.reader.config)
+        finally:
+            torch.set_default_dtype(prev)
+        model.name_or_path = str(self.reader.path)  # byte accounting reads the checkpoint's own headers
+        model.config.name_or_path = str(self.reader.path)
+        super().__init__(model)
+        prefix = self.reader.layers_prefix
+        # native name -> (module, leaf) of the ORIGINAL modules, so loading and freeing never depends on what a
+        # method installed in the layer meanwhile (auto's CompressedMoEBlock, dense's FFN)
+        self._slots: dict[int, dict[str, tuple[nn.Module, str]]] = {i: {} for i in range(len(self.decoder_layers))}
+        for mname, module in model.named_modules():
+            if not mname.startswith(prefix + "."):
+                continue
+            i = int(mname[len(prefix) + 1:].split(".")[0])
+            for leaf in list(module._parameters) + list(module._buffers):
+                self._slots[i][f"{mname}.{leaf}"] = (module, leaf)
+        for i, layer in self.layers.items():
+            s = layer.storage
+            layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
+        self.resident: int | None = None
+        self.layer_loads: dict[int, int] = {}
+        self.forward_loads: dict[int, int] = {}
+        self._non_layer = False
+        self._hooks = [model.register_forward_pre_hook(self._pre_model)]
+        for i, dec in enumerate(self.decoder_layers):
+            self._hooks.append(dec.register_forward_pre_hook(lambda m, a, i=i: self._ensure(i, forward=True)))
+
+    # ---------------------------------------------------------------- residency
+    @staticmethod
+    def _out(t: torch.Tensor | None) -> torch.Tensor | None:
+        """An independent copy: one expert read must not pin its whole fused layer tensor after eviction."""
+        return None if t is None else t.detach().clone()
+
+    def _install(self, i: int) -> None:
+        """Read layer i tensor by tensor, upcasting each to the compute dtype as it arrives (the layer is never
+        held twice: one native tensor at the checkpoint's precision is the only transient)."""
+        from ..checkpoint import _recreate_buffers
+
+        for native in self.reader._by_layer.get(i, []):
+            for name, t in self.reader._state([native]).items():
+                module, leaf = self._slots[i][name]
+                t = t.to(self.compute_dtype) if t.is_floating_point() else t
+                if leaf in module._parameters:
+                    module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+                else:
+                    module._buffers[leaf] = t
+        for module in {m for m, _ in self._slots[i].values()}:
+            if any(b is not None and b.is_meta for b in module._buffers.values()):
+                _recreate_buffers(module, "cpu")
+
+    def _free(self, i: int) -> None:
+        for module, leaf in self._slots[i].values():
+            store = module._parameters if leaf in module._parameters else module._buffers
+            t = store[leaf]
+            if t is not None and not t.is_meta:
+                meta = torch.empty_like(t, device="meta")
+                store[leaf] = nn.Parameter(meta, requires_grad=False) if store is module._parameters else meta
+
+    def _ensure(self, i: int, forward: bool = False) -> None:
+        """Make decoder layer i resident (in the compute dtype), evicting the previous one."""
+        if self.resident != i:
+            self.release()
+            self._install(i)
+            self.resident = i
+            counts = self.forward_loads if forward else self.layer_loads
+            counts[i] = counts.get(i, 0) + 1
+
+    def release(self) -> None:
+        """Evict the resident layer (the plan is built: nothing of the checkpoint stays in memory)."""
+        if self.resident is not None:
+            self._free(self.resident)
+            self.resident = None
+
+    # ---------------------------------------------------------------- streaming forwards
+    def _pre_model(self, module, args) -> None:
+        if not self._non_layer:
+            self.reader.load_non_layer(self.model, "cpu", self.compute_dtype)
+            self._non_layer = True
+
+    # ---------------------------------------------------------------- weights (copies in compute dtype)
+    def expert_dtype(self, i: int) -> torch.dtype:
+        return self.compute_dtype
+
+    def router_params(self, i: int):
+        layer = self.layer(i)
+        self._ensure(i)
+        r = layer.router
+        return (self._out(r.weight), self._out(getattr(r, "bias", None)),
+                self._out(getattr(r, "e_score_correction_bias", None)))
+
+    def get_expert(self, i: int, e: int) -> ExpertWeights:
+        return self.layer(i).storage.read(e)
+
+    def set_expert(self, i: int, e: int, w: ExpertWeights) -> None:
+        self.layer(i).storage.write(e, w)
+
+    def shared_forward(self, i: int, h: torch.Tensor) -> torch.Tensor | None:
+        layer = self.layer(i)
+        if layer.shared is None:
+            return None
+        self._ensure(i)
+        return super().shared_forward(i, h)
+
+
+def is_streamed(adapter) -> bool:
+    return isinstance(adapter, StreamedAdapter)

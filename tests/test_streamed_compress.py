@@ -1,0 +1,125 @@
+"""`compress` builds plans through the streamed checkpoint view (issue 19).
+
+A no-weights plan (REAP pruning) never materialises an expert tensor; plans that read weights hold one
+decoder layer at a time and give byte-identical checkpoints to the former float32 whole-model path.
+"""
+
+import filecmp
+import json
+
+import pytest
+import torch
+
+from moecompress import pipeline
+from moecompress.api import export
+from moecompress.calibrate import calibrate
+from moecompress.data import CalibrationData
+from moecompress.errors import MoECompressError
+from moecompress.methods import streamed
+from moecompress.methods.merging import install_merged_router
+from moecompress.models import MoEAdapter, load_model
+from moecompress.testing import save_tiny
+
+
+ARMS = [
+    ("prune", {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}),
+    ("conmoe", {"ratio": 0.5, "scope_size": 2}),
+    ("m-smoe", {"ratio": 0.5, "router": "merge"}),  # merged router rows: applied by the exporter while streaming
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streamed")
+    path = save_tiny("qwen3_moe", root / "model", seed=3)
+    model = load_model(str(path), dtype="float32").to(torch.bfloat16)  # a bf16 checkpoint, like real ones
+    model.save_pretrained(path)
+    ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
+    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=root / "stats",
+              stats=sorted({"reap"}.union(*[pipeline.needs_for(m, p) for m, p in ARMS])), dtype="float32",
+              progress=False)
+    return root, path
+
+
+@pytest.fixture
+def views(monkeypatch):
+    """Every StreamedAdapter `compress` opens, for inspecting its load counters afterwards."""
+    made = []
+
+    class Recording(streamed.StreamedAdapter):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(streamed, "StreamedAdapter", Recording)
+    return made
+
+
+def test_reap_pruning_never_materialises_an_expert(tiny, views):
+    root, path = tiny
+    pipeline.compress(str(path), "prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"},
+                      calib=root / "stats", out=root / "reap", progress=False)
+    (view,) = views
+    assert view.layer_loads == {} and view.forward_loads == {}
+    assert all(p.is_meta for p in view.model.parameters())  # nothing of the checkpoint was ever read for the plan
+
+
+def test_a_weight_reading_plan_holds_one_layer_at_a_time(tiny):
+    root, path = tiny
+    view = pipeline.open_view(str(path))
+    layers = view.moe_layers
+    for i in layers:
+        view.layer(i).storage.read(0)
+        resident = {n.split(".")[2] for n, p in view.model.named_parameters() if not p.is_meta}
+        assert resident == {str(i)}
+    assert view.layer_loads == dict.fromkeys(layers, 1)
+    w = view.get_expert(layers[0], 1)  # a copy in float32 that outlives eviction
+    assert w.gate.dtype == torch.float32 and not w.gate.is_meta
+    ref = MoEAdapter(load_model(str(path), dtype="float32")).get_expert(layers[0], 1)
+    assert torch.equal(w.gate, ref.gate) and torch.equal(w.down, ref.down)
+    with pytest.raises(MoECompressError, match="read-only"):
+        view.set_expert(layers[0], 0, w)
+    view.release()
+    assert all(p.is_meta for p in view.model.parameters())
+
+
+@pytest.mark.parametrize("method, params", ARMS)
+def test_streamed_outputs_equal_the_float32_in_memory_path(tiny, method, params):
+    root, path = tiny
+    stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for(method, params))
+    old_plan, old_tensors = pipeline.build_plan(MoEAdapter(load_model(str(path), dtype="float32")), method, params,
+                                                stats)
+    source = str(path)
+    if any(k.startswith("router.") for k in old_tensors):  # what compress did before: install, cast, export
+        source = load_model(str(path), dtype="float32")
+        install_merged_router(source, old_plan, old_tensors)
+        source.to(torch.bfloat16)
+    fmt = pipeline.choose_format(old_plan)
+    old = export(source, old_plan, root / f"{method}-old", format=fmt, tensors=old_tensors, quiet=True, overwrite=True)
+    new_out = root / f"{method}-new"
+    new = pipeline.compress(str(path), method, params, calib=root / "stats", out=new_out, format=fmt, progress=False,
+                            overwrite=True)
+    assert new.format == old.format
+    names = sorted(p.name for p in (root / f"{method}-old").iterdir() if p.name != "recipe.yaml")
+    assert names == sorted(p.name for p in new_out.iterdir() if p.name != "recipe.yaml")
+    for name in names:
+        if name == "config.json":  # the former path wrote the float32 load's dtype over bf16 weights
+            old_cfg, new_cfg = (json.loads((d / name).read_text()) for d in (root / f"{method}-old", new_out))
+            assert new_cfg.pop("dtype") == "bfloat16" and {**old_cfg, "dtype": None} == {**new_cfg, "dtype": None}
+            continue
+        assert filecmp.cmp(root / f"{method}-old" / name, new_out / name, shallow=False), name
+
+
+def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
+    from moecompress.testing import run_cli
+
+    root, path = tiny
+    out = root / "dry"
+    base = ["compress", str(path), "--method", "conmoe", "--ratio", "0.5", "--param", "scope_size=2",
+            "--calib", str(root / "stats"), "--out", str(out)]
+    code, stdout, err = run_cli(base + ["--dry-run"], capsys)
+    assert code == 0, err
+    assert "peak memory:" in stdout and "disk needed" in stdout and not out.exists()
+    code, stdout, err = run_cli(base + ["--max-memory", "1MiB"], capsys)
+    assert code == 2 and not out.exists()
+    assert "Compressing needs about" in err and "--max-memory allows 1.00 MB" in err and "Traceback" not in err
