@@ -164,7 +164,8 @@ def run_variant(key: str, fx: Path, tokens: Path, bits: int, save: Path, out: Pa
 
 
 def _codes(path: Path, bits: int) -> dict[str, tuple]:
-    """{module name: (codes int8 [out, in], dequantized float32 [out, in])} of a pack-quantized checkpoint."""
+    """{module name: (codes [out, in], dequantized float32 [out, in], scale float32 [out, G])} of a pack-quantized
+    checkpoint."""
     import torch
     from compressed_tensors.compressors import unpack_from_int32
     from safetensors import safe_open
@@ -181,7 +182,7 @@ def _codes(path: Path, bits: int) -> dict[str, tuple]:
                 q = unpack_from_int32(f.get_tensor(k), bits, shape)
                 scale = f.get_tensor(base + ".weight_scale").float()
                 deq = (q.float().reshape(shape[0], -1, GROUP) * scale[..., None]).reshape(shape)
-                out[base] = (q, deq)
+                out[base] = (q, deq, scale)
     return out
 
 
@@ -198,8 +199,27 @@ def compare_weights(a: Path, b: Path, bits: int) -> dict:
         per[part] = {"modules": len(names), "codes_equal_frac": same / total,
                      "codes_max_abs_diff": max(int((ca[n][0].int() - cb[n][0].int()).abs().max()) for n in names),
                      "weight_max_abs_diff": max(float((ca[n][1] - cb[n][1]).abs().max()) for n in names),
-                     "weight_mean_abs_diff": sum(float((ca[n][1] - cb[n][1]).abs().sum()) for n in names) / total}
+                     "weight_mean_abs_diff": sum(float((ca[n][1] - cb[n][1]).abs().sum()) for n in names) / total,
+                     # the grids differ only by the scale's rounding when these agree (bf16 vs float32 scales)
+                     "scales_equal_in_bf16_frac": sum(int((ca[n][2].bfloat16() == cb[n][2].bfloat16()).sum())
+                                                      for n in names) / sum(ca[n][2].numel() for n in names)}
     return per
+
+
+def weight_comparisons(out: Path, b: int) -> dict:
+    weights = {k: compare_weights(out / f"ours_w{b}", out / f"{k}_w{b}", b) for k in VARIANTS if k != "ours"}
+    weights["llmc_matched_vs_llmc_default"] = compare_weights(out / f"llmc_matched_w{b}", out / f"llmc_default_w{b}", b)
+    return weights
+
+
+def recompare() -> None:
+    """Recompute the weight comparisons of the JSON from the checkpoints in build/peer_gptq/ (no re-run)."""
+    s = json.loads(RESULTS.read_text())
+    for name, res in s["fixtures"].items():
+        for b, r in res["bits"].items():
+            r["weights_vs_ours"] = weight_comparisons(OUT / name, int(b))
+    RESULTS.write_text(json.dumps(s, indent=1))
+    print(f"wrote {RESULTS}")
 
 
 def evaluate(fx: Path, ckpts: dict[str, Path], max_tokens: int, window: int) -> dict:
@@ -214,7 +234,7 @@ def evaluate(fx: Path, ckpts: dict[str, Path], max_tokens: int, window: int) -> 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     tok = load_tokenizer(str(fx))
     ref = AutoModelForCausalLM.from_pretrained(str(fx), dtype=torch.float32).eval()
-    kw = dict(window=window, max_tokens=max_tokens, batch_size=8, progress=False)
+    kw = {"window": window, "max_tokens": max_tokens, "batch_size": 8, "progress": False}
     base = evaluate_stream(ref, "fixture-heldout", tok, **kw)["aggregate"]
     out = {"original": {"ppl": base["ppl"], "nll": base["nll"]}}
     for key, path in ckpts.items():
@@ -265,10 +285,7 @@ def run(args) -> None:
             print(f"  evaluating w{b}g{GROUP}", flush=True)
             quality[b] = evaluate(fx, {k: out / f"{k}_w{b}" for k in VARIANTS}, args.eval_tokens, args.window)
         for b in args.bits:
-            weights = {k: compare_weights(out / f"ours_w{b}", out / f"{k}_w{b}", b)
-                       for k in VARIANTS if k != "ours"}
-            weights["llmc_matched_vs_llmc_default"] = compare_weights(out / f"llmc_matched_w{b}",
-                                                                      out / f"llmc_default_w{b}", b)
+            weights = weight_comparisons(out, b)
             res["bits"][str(b)] = {
                 "spec": f"w{b}g{GROUP}",
                 "runs": {k: {f: v for f, v in r.items() if not f.endswith("_s")} for k, r in runs[b].items()},
@@ -350,15 +367,39 @@ def report() -> None:
                        f"llm-compressor like-for-like load+linearize {ph['llmc_matched']['load_s']:.1f} s + oneshot "
                        f"{ph['llmc_matched']['oneshot_s']:.1f} s + save {ph['llmc_matched']['save_s']:.1f} s."), ""]
     kl_ok = [v for v in verdicts if v[2]]
-    t_ok = [v for v in verdicts if v[3]]
-    lines += ["### Verdict (issue 13: KL within 10 % of the better llm-compressor setting or lower; time ≤ half)", "",
-              (f"Quality: {len(kl_ok)} of {len(verdicts)} (fixture, bits) cells meet it"
+    cells = [(n, b, r) for n, res in s["fixtures"].items() for b, r in res["bits"].items()]
+    kl_rel = [r["quality"]["ours"]["kl"] / r["quality"]["llmc_matched"]["kl"] - 1 for _, _, r in cells]
+    kl_rel_d = [r["quality"]["ours"]["kl"] / r["quality"]["llmc_default"]["kl"] - 1 for _, _, r in cells]
+    t_m = [r["median"]["ours"]["run_s"] / r["median"]["llmc_matched"]["run_s"] for _, _, r in cells]
+    t_d = [r["median"]["ours"]["run_s"] / r["median"]["llmc_default"]["run_s"] for _, _, r in cells]
+    codes = [r["weights_vs_ours"]["llmc_matched"][p]["codes_equal_frac"] for _, _, r in cells for p in PARTS]
+    scales = min(r["weights_vs_ours"]["llmc_matched"][p]["scales_equal_in_bf16_frac"] for _, _, r in cells
+                 for p in PARTS)
+    dtypes = sorted({res["dtype"] for res in s["fixtures"].values()})
+    spread = max(max(t["run_s"]) / min(t["run_s"]) for _, _, r in cells for t in r["times"].values())
+    lines += ["### Verdict (issue 13: KL within 10 % of llm-compressor or lower; end-to-end time ≤ half)", "",
+              (f"- **Quality: met in {len(kl_ok)} of {len(verdicts)} (fixture, bits) cells** against the better of the "
+               "two llm-compressor settings"
                + ("." if len(kl_ok) == len(verdicts) else
-                  "; not met: " + ", ".join(f"{n} {b}-bit" for n, b, ok, _ in verdicts if not ok) + ".")),
-              (f"Speed (median end-to-end, calibration included, against the faster llm-compressor setting): "
-               f"{len(t_ok)} of {len(verdicts)} cells meet it"
-               + ("." if len(t_ok) == len(verdicts) else
-                  "; not met: " + ", ".join(f"{n} {b}-bit" for n, b, _, ok in verdicts if not ok) + ".")), ""]
+                  "; not met: " + ", ".join(f"{n} {b}-bit" for n, b, ok, _ in verdicts if not ok) + ".")
+               + f" Against the like-for-like setting our KL is {100 * min(kl_rel):+.0f} % to {100 * max(kl_rel):+.0f} %"
+               f" (the same objective, solved to the same quality); against llm-compressor as shipped it is "
+               f"{100 * min(kl_rel_d):+.0f} % to {100 * max(kl_rel_d):+.0f} % (its defaults calibrate without an "
+               "attention mask, build every expert's Hessian from all tokens and propagate quantized outputs; the "
+               "three are not separated here)."),
+              (f"- **Speed: median end-to-end time ours / llm-compressor {min(t_d):.2f}–{max(t_d):.2f} against it as "
+               f"shipped** (≤ 0.5 in {sum(x <= 0.5 for x in t_d)} of {len(t_d)} cells) and **{min(t_m):.2f}–"
+               f"{max(t_m):.2f} against its like-for-like setting** (≤ 0.5 in {sum(x <= 0.5 for x in t_m)} of "
+               f"{len(t_m)} cells): the 2× target holds against the configuration users get by default, not against "
+               "llm-compressor's cheapest setting (routed tokens only, one pass per layer), which does the same work "
+               f"as ours. Repeated runs of one setting differ by up to {spread:.1f}× on this shared box (medians used)."),
+              (f"- **Stored codes**: {100 * min(codes):.1f}–{100 * max(codes):.1f} % identical to the like-for-like "
+               f"checkpoint per projection type, on {'/'.join(dtypes)} checkpoints. Their scales, rounded to bf16, "
+               f"equal ours in {100 * scales:.2f} % of groups: llm-compressor stores the scale in the "
+               "weight's dtype and chooses codes against it, we round every scale to bf16 (one format) and choose "
+               "codes against that, so on float32 weights some near-tie codes move and GPTQ's error feedback carries "
+               "each move into the later columns. The GPTQ loop itself is bit-identical to llm-compressor's on equal "
+               "weight, Hessian and scale (`scripts/gptq_crosscheck.py`)."), ""]
     write_section(SECTION, "\n".join(lines))
     print("\n".join(lines))
 
@@ -376,6 +417,7 @@ def main() -> None:
     r.add_argument("--eval-tokens", type=int, default=65536)
     r.add_argument("--window", type=int, default=512)
     sub.add_parser("report")
+    sub.add_parser("compare", help="recompute the weight comparisons from build/peer_gptq/ checkpoints")
     o = sub.add_parser("ours")
     o.add_argument("--model", required=True)
     o.add_argument("--tokens", required=True)
@@ -389,6 +431,8 @@ def main() -> None:
         run(args)
     elif args.cmd == "report":
         report()
+    elif args.cmd == "compare":
+        recompare()
     else:
         res = ours(args.model, args.tokens, args.bits, args.save, args.out, args.batch_size, args.actorder)
         print(json.dumps({k: res[k] for k in ("bits", "run_s", "process_s", "format")}))

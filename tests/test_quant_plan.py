@@ -184,7 +184,7 @@ def test_plan_codes_equal_per_expert_gptq(calibrated, actorder):
     from moecompress.quant import gptq
     from moecompress.quant.spec import QuantSpec
 
-    path, store, adapter, _ = calibrated
+    _, store, adapter, _ = calibrated
     plan, tensors = build_plan(adapter, "quant", {"quant": "w2g32", "algo": "gptq", "actorder": actorder}, store)
     spec = QuantSpec.parse("w2g32", actorder=actorder)
     assert all(s.quant.actorder is actorder for sc in plan.scopes for s in sc.stored)
