@@ -181,3 +181,23 @@ def test_ragged_groups_stay_compact(tiny):
     assert not ok and "group 32" in why
     plan, _ = build_plan(adapter, "quant", {"quant": "w4c", "algo": "rtn"}, None)
     assert plan.hf_expressible() == (True, "")
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_plan_codes_equal_per_expert_gptq(calibrated, actorder):
+    """The method's batched quantization (and its actorder field) gives each expert's own GPTQ codes."""
+    from moecompress.quant import gptq
+    from moecompress.quant.spec import QuantSpec
+
+    _, store, adapter, _ = calibrated
+    plan, tensors = build_plan(adapter, "quant", {"quant": "w2g32", "algo": "gptq", "actorder": actorder}, store)
+    spec = QuantSpec.parse("w2g32", actorder=actorder)
+    assert all(s.quant.actorder is actorder for sc in plan.scopes for s in sc.stored)
+    i = adapter.moe_layers[0]
+    sc = plan.scope_of(i)
+    for s in sc.stored[:3]:
+        w = adapter.layer(i).storage.read(s.id)
+        for part, name in (("gate", "hessian_in"), ("down", "hessian_mid")):
+            want = gptq(getattr(w, part).float(), store.get(i, name)[s.id].double(), spec).packed()
+            for k, v in want.items():
+                assert torch.equal(tensors[f"{s.tensor}.{part}.{k}"], v), (s.id, part, k)

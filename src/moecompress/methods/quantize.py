@@ -46,6 +46,8 @@ class QuantConfig(BaseModel):
                        "(per channel); an 'a' suffix makes it asymmetric")
     algo: Literal["gptq", "rtn"] = Field("gptq", description="GPTQ from calibration Hessians, or round-to-nearest")
     weighting: Weighting = Field("uniform", description="GPTQ Hessian: every routed token, or gate²-weighted")
+    actorder: bool = Field(False, description="GPTQ columns in order of descending Hessian diagonal, each keeping its "
+                           "group's parameters (llm-compressor's actorder='static', its default)")
 
     @field_validator("quant")
     @classmethod
@@ -54,7 +56,7 @@ class QuantConfig(BaseModel):
         return v
 
     def spec(self) -> QuantSpec:
-        return QuantSpec.parse(self.quant, algo=self.algo)
+        return QuantSpec.parse(self.quant, algo=self.algo, actorder=self.actorder)
 
 
 def quant_stats(config: QuantConfig | None) -> list[str]:
@@ -89,6 +91,30 @@ def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch
     return total
 
 
+# weight elements (float32) per batched GPTQ call: bounds its working copies (~256 MB of weights)
+_BATCH_ELEMENTS = 1 << 26
+
+
+def _quantize_batched(jobs, spec: QuantSpec):
+    """(job index, QuantizedTensor) for every (prefix, part, weight, H) job; GPTQ jobs of equal shapes batched."""
+    from ..quant.tensor import QuantizedTensor
+
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, _, w, h) in enumerate(jobs):
+        if h is None:
+            yield i, rtn(w, spec)
+        else:
+            groups.setdefault(tuple(w.shape), []).append(i)
+    for shape, idx in groups.items():
+        step = max(1, _BATCH_ELEMENTS // (shape[0] * shape[1]))
+        for c in range(0, len(idx), step):
+            chunk = idx[c:c + step]
+            q = gptq(torch.stack([jobs[i][2] for i in chunk]), torch.stack([jobs[i][3] for i in chunk]), spec)
+            for k, i in enumerate(chunk):
+                yield i, QuantizedTensor(codes=q.codes[k], scale=q.scale[k],
+                                         zero=None if q.zero is None else q.zero[k], spec=spec)
+
+
 def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, config: QuantConfig,
                   stats=None, progress: bool = False) -> tuple[CompressionPlan, PlanTensors]:
     """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
@@ -107,25 +133,35 @@ def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, co
     plan = plan.model_copy(deep=True)
     out = dict(tensors or {})
     todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None]
-    for sc, s in track(todo, description=f"quantize {spec.name()} ({spec.algo})", disable=not progress,
-                       transient=True):
-        w = stored_weights(plan, sc, s, source, out)
-        slots = _slots_of(plan, sc)[s.id]
-        hin = hmid = None
-        if spec.algo == "gptq":
-            hin = _hessian(stats, h_in_name, slots, w.gate.shape[1])
-            hmid = _hessian(stats, h_mid_name, slots, w.down.shape[1])
-        prefix = s.tensor or f"q.{sc.id}.{s.id}"
-        for key in [k for k in out if k.startswith(prefix + ".")]:
-            del out[key]
-        for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
-            weight = getattr(w, part).float()
-            q = gptq(weight, h, spec) if h is not None else rtn(weight, spec)
+    by_scope: dict[int, list] = {}
+    for sc, s in todo:
+        by_scope.setdefault(sc.id, []).append((sc, s))
+    # One scope (a layer, or a shared group) at a time: gather its stored experts' weights and Hessians,
+    # then quantize same-shape matrices of a projection together, so GPTQ's column loop runs once per
+    # batch instead of once per expert (most of its Python overhead; the batched result equals per-matrix
+    # runs, tests/test_quant_core.py). Memory stays bounded by one scope's weights and Hessians.
+    for items in track(list(by_scope.values()), description=f"quantize {spec.name()} ({spec.algo})",
+                       disable=not progress, transient=True):
+        slots_of = _slots_of(plan, items[0][0])
+        jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None]] = []  # (prefix, part, weight, H)
+        for sc, s in items:
+            w = stored_weights(plan, sc, s, source, out)
+            hin = hmid = None
+            if spec.algo == "gptq":
+                hin = _hessian(stats, h_in_name, slots_of[s.id], w.gate.shape[1])
+                hmid = _hessian(stats, h_mid_name, slots_of[s.id], w.down.shape[1])
+            prefix = s.tensor or f"q.{sc.id}.{s.id}"
+            for key in [k for k in out if k.startswith(prefix + ".")]:
+                del out[key]
+            for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
+                jobs.append((prefix, part, getattr(w, part).float(), h))
+                bias = getattr(w, f"{part}_bias")
+                if bias is not None:
+                    out[f"{prefix}.{part}_bias"] = bias.detach().clone()
+            s.tensor, s.quant = prefix, spec
+        for idx, q in _quantize_batched(jobs, spec):
+            prefix, part = jobs[idx][:2]
             out.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
-            bias = getattr(w, f"{part}_bias")
-            if bias is not None:
-                out[f"{prefix}.{part}_bias"] = bias.detach().clone()
-        s.tensor, s.quant = prefix, spec
     plan.params = {**plan.params, "quant": config.model_dump()}
     plan.check_tensors(out)
     return plan, out
