@@ -201,3 +201,19 @@ def test_plan_codes_equal_per_expert_gptq(calibrated, actorder):
             want = gptq(getattr(w, part).float(), store.get(i, name)[s.id].double(), spec).packed()
             for k, v in want.items():
                 assert torch.equal(tensors[f"{s.tensor}.{part}.{k}"], v), (s.id, part, k)
+
+
+def test_an_expert_no_token_reached_is_rounded_not_zeroed(calibrated):
+    from moecompress.methods.quantize import _hessian
+
+    path, store, adapter, _ = calibrated
+    h = store.get(adapter.moe_layers[0], "hessian_in")
+
+    class Zeroed:  # the store with expert 0 of the first layer unreached
+        def get(self, layer, name):
+            t = store.get(layer, name).clone()
+            t[0] = 0
+            return t
+
+    assert _hessian(Zeroed(), "hessian_in", [(adapter.moe_layers[0], 0)], h.shape[-1]) is None
+    assert _hessian(store, "hessian_in", [(adapter.moe_layers[0], 1)], h.shape[-1]) is not None

@@ -78,7 +78,9 @@ def _slots_of(plan: CompressionPlan, sc: Scope) -> dict[int, list[tuple[int, int
 
 
 def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch.Tensor | None:
-    """Σ of the slots' Hessians (float64), or None when their width does not match `size`."""
+    """Σ of the slots' Hessians (float64), or None (round-to-nearest) when their width does not match `size`
+    or no calibration token reached the expert: GPTQ on a zero Hessian would treat every column as dead and
+    zero the whole weight, losing an expert that held-out text may still route to."""
     total = None
     for layer, e in slots:
         per_layer = stats.get(layer, name)
@@ -88,6 +90,8 @@ def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch
         if h.shape != (size, size):
             return None
         total = h if total is None else total + h
+    if total is None or not bool(total.diagonal().gt(0).any()):
+        return None
     return total
 
 
