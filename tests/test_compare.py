@@ -42,14 +42,15 @@ def _recipe(tmp_path, model, arms, **eval_over):
 def test_compare_two_recipes_writes_report_pngs_and_results(tiny_with_tokenizer, tmp_path, capsys):
     files = _recipe(tmp_path, tiny_with_tokenizer, [
         dict(method="prune", params=dict(criterion="reap", ratio=0.5, gate="keep")),
-        dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant")),
+        dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant"), quant="w4c"),
     ])
     out = tmp_path / "report"
     code, stdout, err = run_cli(["compare", *files, "--out", str(out)], capsys)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     names = [a["name"] for a in results["arms"]]
-    assert names == ["original", "prune-reap-keep-50", "prune-mone-constant-50", "quant-w4g128-gptq"]
+    assert names == ["original", "prune-reap-keep-50", "prune-mone-constant-50+w4c-gptq", "quant-w4g128-gptq"]
+    assert results["arms"][2]["precision"] == "w4c"  # structure + bits: the kept experts quantized
     quant = results["arms"][3]  # the pure-quantization reference: exported and loaded back like any arm
     assert quant["kind"] == "quant_baseline" and quant["precision"] == "w4g128"
     assert 4.0 < quant["bits_per_weight"] < 5.0  # 4 bits + a bf16 scale per 128 (ragged) weights

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from .errors import MoECompressError
 from .methods import MethodContext, get_method, parse_config
 from .models import MoEAdapter
@@ -68,6 +70,8 @@ def quant_config(quant: dict[str, Any] | str | None):
     """A recipe's ``quant:`` field (``w4g128`` or ``{quant: w4g128, algo: gptq, weighting: gate2}``) validated."""
     if quant is None:
         return None
+    if isinstance(quant, BaseModel):  # a recipe arm's validated QuantConfig
+        quant = quant.model_dump()
     return parse_config("quant", {"quant": quant} if isinstance(quant, str) else quant)
 
 

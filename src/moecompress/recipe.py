@@ -4,6 +4,7 @@
     calibration: {data: fixture-calib:64, seq_len: 256, seed: 0}
     eval: {ppl: fixture-heldout, tasks: [fixture_cloze, fixture_nextword], limit: 200}
     name: reap-50-keep            # optional; derived from method + params otherwise
+    quant: w4g128                 # optional: quantize the stored experts (a spec, or {quant, algo, weighting})
     method: prune
     params: {criterion: reap, ratio: 0.5, gate: keep}
     format: auto                  # auto | hf | compact | packed | materialized
@@ -124,7 +125,7 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
     if not isinstance(data, dict):
         raise MoECompressError(f"{where} must be a YAML mapping with model, method and params.")
     data = dict(data)
-    single = {k: data.pop(k) for k in ("name", "method", "params", "format", "distill") if k in data}
+    single = {k: data.pop(k) for k in ("name", "method", "params", "format", "distill", "quant") if k in data}
     if single:
         if "method" not in single:
             raise MoECompressError(f"{where}: field 'method' is missing; name the compression method.")
