@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +53,9 @@ OUT = ROOT / "build" / "peer_gptq"
 RESULTS = ROOT / "benchmarks" / "results" / "peer_gptq.json"
 PEER_PY = ROOT / "build" / "peer-venv" / "bin" / "python"
 PEER_SCRIPT = ROOT / "benchmarks" / "peer" / "llmc_gptq.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peer import child, versions
+
 SECTION = "## Peer check: GPTQ vs llm-compressor (issue 13)"
 FIXTURES = ("olmoe-tiny", "qwen3-moe-tiny")
 BITS = (4, 3, 2)
@@ -113,7 +115,7 @@ def ours(model: str, tokens: str, bits: int, save: str, out: str, batch_size: in
     t2 = time.perf_counter()
     out_d = {
         "tool": "moecompress calibrate + compress --method quant",
-        "versions": _versions(("moecompress", "torch", "transformers", "compressed-tensors")),
+        "versions": versions(("moecompress", "torch", "transformers", "compressed-tensors")),
         "model": model, "dtype": dtype, "bits": bits, "group": GROUP, "symmetric": True, "damp": 0.01,
         "actorder": actorder, "format": getattr(res, "format", None), "sequences": data.num_sequences,
         "seq_len": data.seq_len, "tokens": data.num_tokens, "batch_size": batch_size, "threads": 1,
@@ -122,28 +124,6 @@ def ours(model: str, tokens: str, bits: int, save: str, out: str, batch_size: in
     }
     Path(out).write_text(json.dumps(out_d, indent=1))
     return out_d
-
-
-def _versions(pkgs) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for p in pkgs:
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = None
-    return out
-
-
-# ----------------------------------------------------------------------------------------- driver
-def _child(cmd: list[str], log: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS="1")
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(map(str, cmd))} failed (exit {proc.returncode}); see {log}:\n"
-                 + log.read_text()[-3000:])
 
 
 def run_variant(key: str, fx: Path, tokens: Path, bits: int, save: Path, out: Path, batch_size: int) -> dict:
@@ -159,7 +139,7 @@ def run_variant(key: str, fx: Path, tokens: Path, bits: int, save: Path, out: Pa
                "--group", str(GROUP), "--save", str(save), "--out", str(out), "--batch-size", str(batch_size),
                "--threads", "1", "--mask", opt["mask"], "--all-experts" if opt["all_experts"] else "--routed-only",
                "--propagate" if opt["propagate"] else "--no-propagate", "--actorder", "static"]
-    _child(cmd, out.with_suffix(".log"))
+    child(cmd, out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 
@@ -306,7 +286,6 @@ def _pct(a: float, b: float) -> str:
 
 
 def report() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _bench_md import write_section
 
     s = json.loads(RESULTS.read_text())

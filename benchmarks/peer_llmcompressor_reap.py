@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_md import load_results, machine, results_path, save_results, write_section
+from _peer import child, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "peer_reap"  # token ids, per-variant outputs, stores (scratch)
@@ -155,7 +155,7 @@ def ours(model: str, tokens: str, ratio: float, out: str, batch_size: int, propa
     unprotected = select_experts(config.model_copy(update={"protect_super_experts": False}), adapter, store)
     res = {
         "tool": "moecompress prune.select_experts(criterion=reap)",
-        "versions": _versions(("moecompress", "torch", "transformers")),
+        "versions": versions(("moecompress", "torch", "transformers")),
         "model": model, "ratio": ratio, "sequences": data.num_sequences, "seq_len": data.seq_len,
         "tokens": data.num_tokens, "batch_size": batch_size, "threads": 1, "propagate": propagate,
         "keep": {str(i): v for i, v in keep.items()},
@@ -168,32 +168,10 @@ def ours(model: str, tokens: str, ratio: float, out: str, batch_size: int, propa
     return res
 
 
-def _versions(pkgs) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for p in pkgs:
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = None
-    return out
-
-
-# ----------------------------------------------------------------------------------------- driver
-def _child(cmd: list[str], log: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS="1")
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(map(str, cmd))} failed (exit {proc.returncode}); see {log}:\n"
-                 + log.read_text()[-3000:])
-
-
 def run_ours(fx: Path, tokens: Path, out: Path, ratio: float, batch_size: int, propagate: bool) -> dict:
     cmd = [sys.executable, __file__, "ours", "--model", str(fx), "--tokens", str(tokens), "--ratio", str(ratio),
            "--batch-size", str(batch_size), "--out", str(out)] + (["--propagate"] if propagate else [])
-    _child(cmd, out.with_suffix(".log"))
+    child(cmd, out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 
@@ -205,7 +183,7 @@ def run_theirs(fx: Path, tokens: Path, out: Path, ratio: float, batch_size: int,
            "--batch-size", str(batch_size), "--threads", "1", "--out", str(out),
            "--propagate" if propagate else "--no-propagate", "--all-experts" if all_experts else "--routed-only",
            "--mask", mask]
-    _child(cmd, out.with_suffix(".log"))
+    child(cmd, out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 

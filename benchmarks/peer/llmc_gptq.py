@@ -48,6 +48,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
 
 
+from _loader import causal_loader
+
+
 def warm_imports(model: str) -> None:
     """The same pre-clock imports as our side (transformers' lazy modules)."""
     import transformers.conversion_mapping
@@ -57,25 +60,6 @@ def warm_imports(model: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model))]  # imports the modeling module
-
-
-def causal_loader(ids, mask, batch_size: int):
-    """Batches whose `attention_mask` is the 4-D additive causal (+ key padding) mask, [B, 1, S, S] float32
-    (the same workaround as benchmarks/peer/llmc_reap.py; reason in docs/peer_check.md)."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    s = ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    neg = torch.finfo(torch.float32).min
-
-    def collate(rows):
-        i = torch.stack([r[0] for r in rows])
-        m = torch.stack([r[1] for r in rows]).bool()
-        allowed = causal[None, None] & m[:, None, None, :]
-        return {"input_ids": i, "attention_mask": torch.zeros(allowed.shape).masked_fill(~allowed, neg)}
-
-    return DataLoader(list(zip(ids, mask)), batch_size=batch_size, shuffle=False, collate_fn=collate)
 
 
 def main() -> int:

@@ -45,6 +45,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+from _loader import causal_loader
+
+
 def warm_imports(model: str) -> None:
     """Import the transformers modules the run needs before the clock starts (the same list as on our
     side, benchmarks/peer_llmcompressor_reap.py), so `run_s` times the work rather than lazy imports."""
@@ -55,31 +58,6 @@ def warm_imports(model: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model))]  # imports the modeling module
-
-
-def causal_loader(ids, mask, batch_size: int):
-    """Batches whose `attention_mask` is the 4-D additive causal (+ key padding) mask, [B, 1, S, S] float32.
-
-    llm-compressor 0.14.0.1's sequential pipeline traces the model's mask construction with the config
-    re-created as a constant, which loses the `eager` attention it forces for calibration; with a 2-D
-    all-ones mask `create_causal_mask` then returns None (the sdpa is_causal skip) and the eager attention
-    it runs applies no mask at all — bidirectional attention. A 4-D mask is passed through unchanged by
-    `create_causal_mask` (its early exit), so the layers see exactly the causal mask inference uses.
-    """
-    import torch
-    from torch.utils.data import DataLoader
-
-    s = ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    neg = torch.finfo(torch.float32).min
-
-    def collate(rows):
-        i = torch.stack([r[0] for r in rows])
-        m = torch.stack([r[1] for r in rows]).bool()
-        allowed = causal[None, None] & m[:, None, None, :]
-        return {"input_ids": i, "attention_mask": torch.zeros(allowed.shape).masked_fill(~allowed, neg)}
-
-    return DataLoader(list(zip(ids, mask)), batch_size=batch_size, shuffle=False, collate_fn=collate)
 
 
 def main() -> int:
