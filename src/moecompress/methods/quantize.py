@@ -21,6 +21,7 @@ round-to-nearest. PuzzleMoE packed experts keep their own packed precision.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, PlanTensors, Scope
-from ..quant import gptq, rtn
+from ..quant import QuantizedTensor, gptq, rtn
 from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
 from .registry import MethodContext, register_method
@@ -90,43 +91,57 @@ def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch
 
 
 def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, config: QuantConfig,
-                  stats=None, progress: bool = False) -> tuple[CompressionPlan, PlanTensors]:
+                  stats=None, progress: bool = False, specs: Mapping[tuple[str, int], QuantSpec] | None = None,
+                  done: Mapping[tuple[str, int], Mapping[str, QuantizedTensor]] | None = None,
+                  ) -> tuple[CompressionPlan, PlanTensors]:
     """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
 
     source(layer, expert) -> ExpertWeights of the original model (as for `stored_weights`).
+    specs: a precision per stored expert, keyed (scope id, stored id); only those are quantized (mixed
+    precision, as `auto` chooses it); None = `config`'s spec for every stored expert.
+    done: codes already computed for some of them ({"gate"|"up"|"down": QuantizedTensor}, e.g. by `auto`'s
+    estimator with the same Hessians), written as they are instead of running GPTQ again.
     """
     from rich.progress import track
 
     spec = config.spec()
-    if spec.algo == "gptq" and stats is None:
+    algos = {spec.algo} if specs is None else {s.algo for s in specs.values()}
+    if "gptq" in algos and stats is None and not (specs is not None and done is not None and set(specs) <= set(done)):
         raise MoECompressError("GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
                                "or use --quant-algo rtn.")
     h_in_name, h_mid_name = _HESSIANS[config.weighting]
-    if stats is not None and spec.algo == "gptq":
+    done = done or {}
+    if stats is not None and "gptq" in algos:
         stats.require(h_in_name, h_mid_name, method="quant")
     plan = plan.model_copy(deep=True)
     out = dict(tensors or {})
-    todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None]
+    todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None
+            and (specs is None or (sc.id, s.id) in specs)]
     for sc, s in track(todo, description=f"quantize {spec.name()} ({spec.algo})", disable=not progress,
                        transient=True):
+        s_spec = spec if specs is None else specs[(sc.id, s.id)]
         w = stored_weights(plan, sc, s, source, out)
-        slots = _slots_of(plan, sc)[s.id]
+        ready = done.get((sc.id, s.id), {})
         hin = hmid = None
-        if spec.algo == "gptq":
+        if s_spec.algo == "gptq" and len(ready) < 3:
+            slots = _slots_of(plan, sc)[s.id]
             hin = _hessian(stats, h_in_name, slots, w.gate.shape[1])
             hmid = _hessian(stats, h_mid_name, slots, w.down.shape[1])
         prefix = s.tensor or f"q.{sc.id}.{s.id}"
         for key in [k for k in out if k.startswith(prefix + ".")]:
             del out[key]
         for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
-            weight = getattr(w, part).float()
-            q = gptq(weight, h, spec) if h is not None else rtn(weight, spec)
+            q = ready.get(part)
+            if q is None:
+                weight = getattr(w, part).float()
+                q = gptq(weight, h, s_spec) if h is not None else rtn(weight, s_spec)
             out.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
             bias = getattr(w, f"{part}_bias")
             if bias is not None:
                 out[f"{prefix}.{part}_bias"] = bias.detach().clone()
-        s.tensor, s.quant = prefix, spec
-    plan.params = {**plan.params, "quant": config.model_dump()}
+        s.tensor, s.quant = prefix, s_spec
+    if specs is None:
+        plan.params = {**plan.params, "quant": config.model_dump()}
     plan.check_tensors(out)
     return plan, out
 
