@@ -68,6 +68,8 @@ def quant_config(quant: dict[str, Any] | str | None):
     """A recipe's ``quant:`` field (``w4g128`` or ``{quant: w4g128, algo: gptq, weighting: gate2}``) validated."""
     if quant is None:
         return None
+    if hasattr(quant, "model_dump"):  # already validated (a parsed recipe arm holds a QuantConfig)
+        quant = quant.model_dump()
     return parse_config("quant", {"quant": quant} if isinstance(quant, str) else quant)
 
 
