@@ -89,9 +89,10 @@ def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, caps
     out = tmp_path / "cli"
     args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
             "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param", "bits=[16,4,2]", "--out", str(out)]
-    code, _, err = run_cli(args, capsys)
+    code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
+    assert "auto: per-layer choices" in text and "-bit" in text  # representation × bits, per layer
 
 
 @pytest.mark.parametrize("text, expected", [
