@@ -4,8 +4,10 @@ the bytes it saves (issue 9; docs/auto.md).
 1. **Candidates** per slot (auto_estimate.py): keep (the expert's bytes), reroute (0 bytes; gate keep or
    renorm), drop (0), constant (H values), tilt of rank r (2Hr + H), partial copy at a rank-r tilt's
    parameter budget, remap to a kept prototype of the same layer (0 extra bytes), and PuzzleMoE packed
-   pairs (both slots decided jointly). Each has an estimated loss L_e: closed forms from gate²-weighted
-   moments, exact substitution errors, and for pairs a token-sample estimate.
+   pairs (both slots decided jointly); and the slot's own expert kept at 8, 4, 3 or 2 bits (``bits``;
+   auto_quant.py, issue 14). Each has an estimated loss L_e: closed forms from gate²-weighted moments, exact
+   substitution errors, for pairs a token-sample estimate, for quantized keeps the GPTQ residual
+   tr(ΔW_d H_mid_g2 ΔW_dᵀ)/N plus a token-sample estimate of the gate/up part.
 2. **Layer modes**: a layer is either *reroute-style* (gate keep or renorm: removed slots are deleted
    from / masked in the router; slots may be kept or remapped) or *replace-style* (gate replace: the
    original top-k is unchanged and a removed slot computes its operator at its gate, or zero). Per
@@ -15,7 +17,8 @@ the bytes it saves (issue 9; docs/auto.md).
 3. **Allocation** across layers (a multiple-choice knapsack): layer losses are scaled by the layer's
    measured sensitivity s_l; a Lagrangian walk takes, over all layers, the frontier step with the
    least loss per byte saved until the routed bytes fit the budget, then single-layer and two-layer
-   exchanges that lower the total loss within the budget are applied until none is left. Ties break
+   exchanges that lower the total loss within the budget are applied until none is left; uniform
+   quantization of every layer at one width is always compared (``uniform_bits_check``). Ties break
    toward the lower layer / slot / candidate order, so the plan is deterministic.
 4. **Output**: an ordinary CompressionPlan (mixed per-slot representations + tensors) whose
    ``params["auto"]`` holds the per-layer table: choices, bytes, estimated error and KL, the error
