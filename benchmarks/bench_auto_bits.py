@@ -239,6 +239,12 @@ def merge(out: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
+def _spearman(a, b) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
 def pct(p: float) -> str:
     return f"{100 * p:g} %"
 
@@ -277,6 +283,8 @@ def markdown(results: dict) -> str:
              "the experts, as many experts as fit. PuzzleMoE: its own 3/4-bit packed pairs at ratio 0.5 (fixed "
              f"points). KL to the original on held-out text ({results['max_tokens']} tokens, windows of 256); paired "
              "bootstrap over windows (Δ = KL(auto) − KL(arm)), Holm over all comparisons of a fixture. "
+             f"`auto` 16-bit below {100 * PAIR_FLOOR:g} % of the routed bytes runs without pair candidates (its walks "
+             "end in \"every slot paired\" above that, a packed pair being final). "
              f"Machine: {results['machine']['platform']}, torch {results['machine']['torch']}.", ""]
     for fx in results["fixtures"]:
         t = targets(fx)
@@ -314,18 +322,36 @@ def markdown(results: dict) -> str:
                          f"+{_g(r['kl'] - r['gptq_kl'])})" for r in worst) + "."))
         det = t["detectably_lower"]
         lines.append(f"- detectably lower than the best pure GPTQ: at {len(det)} of {len(wg)} budgets where one fits "
-                     f"({', '.join(pct(r['budget']) for r in det) or 'none'}); target half or more of the "
-                     f"budgets: {'met' if 2 * len(det) >= len(wg) and wg else 'missed'}"
-                     f"{'' if not wg else f' ({len(det)} vs {(len(wg) + 1) // 2} needed)'}.")
+                     f"({', '.join(pct(r['budget']) for r in det) or 'none'}), i.e. {len(det)} of all {nb} budgets; "
+                     f"target half or more of the budgets: {'met' if 2 * len(det) >= nb else 'missed'} "
+                     f"({len(det)} vs {(nb + 1) // 2} needed).")
         for r in t["low"]:
             ok = r["kl"] is not None and r["kl"] <= TARGET_LOW_KL
             lines.append(f"- KL ≤ {TARGET_LOW_KL} at {100 * r['budget']:g} %: {_g(r['kl'])}, "
                          + ("met" + f" ({_g(TARGET_LOW_KL - r['kl'])} below)" if ok else
                             f"missed by {_g(r['kl'] - TARGET_LOW_KL)}") + ".")
+        worse = [c for c in fx["comparisons"] if c["verdict"] == "B better"]
+        fits = {r["budget"] for r in wg}
+        if worse:
+            lines.append("- where `auto` is detectably worse: " + "; ".join(
+                f"`{c['a']}` vs `{c['b']}` (Δ KL +{_g(c['delta'])})" for c in worse)
+                + f". {len(worse)} of {len(fx['comparisons'])} comparisons, {sum(c['budget'] not in fits for c in worse)} "
+                  "of them at budgets where no uniform width fits. REAP's renorm pruning (the router re-picks among "
+                  "the survivors) plus low bits is the better shape there; `auto` prices many reroutes of one layer "
+                  "by the sum of single-removal losses, scaled by a sensitivity probed at the layer's extreme, so it "
+                  "takes replace-style drops and operators instead (docs/auto.md).")
         sp = fx["spearman"]
+        within = []
+        for key in sorted({(r["layer"], r["slot"]) for r in sp["single"] if r["quant"]}):
+            rs = [r for r in sp["single"] if r["quant"] and (r["layer"], r["slot"]) == key]
+            if len({r["kl"] for r in rs}) > 1 and len({r["error"] for r in rs}) > 1:
+                within.append(_spearman([r["error"] for r in rs], [r["kl"] for r in rs]))
+        sp["spearman_quant_widths_within_slot"] = sum(within) / len(within) if within else None
+        sp["slots_within"] = len(within)
         lines += ["", f"Estimator ranking on held-out windows ({sp['heldout']}; estimated loss × per-kind sensitivity "
                   f"vs measured KL): {sp['n_quant']} single-slot quantized keeps ρ = {_g(sp['spearman_quant_single'])}; "
-                  f"bit widths within one slot, mean ρ = {_g(sp['spearman_quant_widths_within_slot'])}; all "
+                  f"the 4 bit widths within one slot, mean ρ = {_g(sp['spearman_quant_widths_within_slot'])} over "
+                  f"{sp['slots_within']} slots (slots no held-out token reaches excluded); all "
                   f"{sp['n_single']} single-slot candidates (structure and bits together) ρ = "
                   f"{_g(sp['spearman_all_single'])}; whole-layer uniform-bit states ρ = "
                   f"{_g(sp['spearman_uniform_layer_states'])}. Plan build time at 50 % (`auto-50`, export excluded): "
@@ -340,6 +366,7 @@ def plot(results: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.NullFormatter
 
     style = {"auto": ("tab:green", "o", "-"), "auto 16-bit": ("tab:red", "s", "-"), "pure GPTQ": ("tab:blue", "^", "--"),
              "pure RTN": ("tab:gray", "v", "--"), "REAP + GPTQ": ("tab:orange", "D", ":"),
@@ -356,13 +383,14 @@ def plot(results: dict) -> None:
         ax.axhline(TARGET_LOW_KL, color="tab:green", alpha=0.3, linestyle=":", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks([100 * p for p in BUDGETS])
         ax.set_xticklabels([f"{100 * p:g}" for p in BUDGETS])
         ax.set_xlabel("routed-expert bytes, % of the original (bf16)")
         ax.set_ylabel("KL to the original, held-out (log)")
         ax.set_title(fx["fixture"])
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="upper right")
+    axes[0][0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
 
