@@ -92,7 +92,7 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
     r = adapter.route(i, h)
     m = est.LayerMoments.load(store, i)
     info = ModelInfo.from_model(adapter)
-    prob, _ = A.layer_problem(A.AutoConfig(ranks=[4, 8], cross_fit=False), adapter, store, info, i, True)
+    prob, _ = A.layer_problem(A.AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16]), adapter, store, info, i, True)
     checked = set()
     for e in (0, 3, 5):
         tok, slot = torch.where(r.index == e)
@@ -191,7 +191,7 @@ def test_full_budget_keeps_everything(olmoe):
 
 def test_budget_below_the_reachable_minimum_is_one_sentence(olmoe):
     with pytest.raises(MoECompressError, match="below the smallest reachable"):
-        _build(olmoe, budget=0.05, candidates=["reroute"], **FAST)
+        _build(olmoe, budget=0.05, candidates=["reroute"], bits=[16], **FAST)
 
 
 # ----------------------------------------------------------------------------- single-candidate runs
@@ -201,7 +201,7 @@ def test_reroute_only_is_the_prune_plan_of_the_least_estimated_losses(olmoe):
     as many as the budget forces out, never leaving a layer fewer than top-k experts."""
     _, store, adapter, _ = olmoe
     budget = 0.5
-    plan, tensors = _build(olmoe, budget=budget, candidates=["reroute"], gates=["keep"], **FAST)
+    plan, tensors = _build(olmoe, budget=budget, candidates=["reroute"], gates=["keep"], bits=[16], **FAST)
     info = plan.model
     per = info.layers[0].bytes_per_expert
     n_remove = -(-(info.expert_bytes - int(budget * info.expert_bytes)) // per)
@@ -225,7 +225,7 @@ def test_operator_only_reproduces_the_prune_operator(olmoe, operator, monkeypatc
     """'Reproduces': with candidates=[operator] and fit=unweighted, every slot the solver removes carries exactly the
     operator `prune --operator X` builds for the same keep set (same slot map, gates, tensors bit for bit)."""
     _, store, adapter, _ = olmoe
-    plan, tensors = _build(olmoe, budget=0.5, candidates=[operator], ranks=[4], fit="unweighted", **FAST)
+    plan, tensors = _build(olmoe, budget=0.5, candidates=[operator], ranks=[4], fit="unweighted", bits=[16], **FAST)
     keep = {lp.layer: [e for e, s in enumerate(lp.slots) if isinstance(s, int)] for lp in plan.layers}
     assert any(len(v) < adapter.num_experts(i) for i, v in keep.items())
     monkeypatch.setattr(P, "select_experts", lambda *a, **k: keep)
@@ -292,7 +292,7 @@ def test_pair_decisions_are_joint_and_disjoint(olmoe, tmp_path):
     """PuzzleMoE pairs: both slots of a pair are decided together, no slot is in two pairs, every member slot
     computes its own member of its packed merge, and the packed export reloads to the same logits."""
     path = olmoe[0]
-    plan, tensors = _build(olmoe, budget=0.3, candidates=["pair", "constant", "drop"], **FAST)
+    plan, tensors = _build(olmoe, budget=0.3, candidates=["pair", "constant", "drop"], bits=[16], **FAST)
     n_pairs = 0
     for lp in plan.layers:
         sc = plan.scope(lp.scope)

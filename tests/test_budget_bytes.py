@@ -1,5 +1,6 @@
-"""`auto`'s budget holds as the exporter writes it, on bf16 and float32 checkpoints alike: the routed-expert
-tensors in the exported safetensors equal the plan's byte count (CompressionPlan.logical_bytes) and match
+"""`auto`'s budget holds as the exporter writes it, on bf16 and float32 checkpoints alike and with quantized
+experts among the stored ones (issue 14): the routed-expert tensors in the exported safetensors equal the
+plan's byte count (CompressionPlan.logical_bytes) and match
 the budget within 1 % of the original routed-expert bytes as stored. Also through `moecompress compress`."""
 
 import math
@@ -18,7 +19,7 @@ from moecompress.pipeline import choose_format
 from moecompress.testing import run_cli, tiny_model
 
 SIZES = {"BF16": 2, "F32": 4, "F16": 2, "I16": 2, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
-FAST = dict(sensitivity="uniform", measure=False, ranks=[1, 2, 4])
+FAST = dict(sensitivity="uniform", measure=False, ranks=[1, 2, 4], bits=[16, 4, 2])  # quantized keeps included
 
 
 def routed_written(directory) -> int:
@@ -64,6 +65,8 @@ def test_fraction_budget_is_written_within_one_percent(calibrated, tmp_path, bud
     assert written == plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"]
     assert target - 0.01 * original <= written <= target
     assert plan.params["auto"]["budget_routed_bytes"] == target
+    # the count holds with quantized experts (packed int32 codes + bf16 scales) among the stored ones
+    assert any(s.quant is not None for sc in plan.scopes for s in sc.stored)
 
 
 def test_absolute_budget_is_routed_expert_bytes(calibrated, tmp_path):
@@ -85,10 +88,11 @@ def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, caps
     original = _original_routed(path)
     out = tmp_path / "cli"
     args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
-            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--out", str(out)]
-    code, _, err = run_cli(args, capsys)
+            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param", "bits=[16,4,2]", "--out", str(out)]
+    code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
+    assert "auto: per-layer choices" in text and "-bit" in text  # representation × bits, per layer
 
 
 @pytest.mark.parametrize("text, expected", [

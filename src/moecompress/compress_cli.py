@@ -104,3 +104,26 @@ def compress_command(
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
                       overwrite=overwrite, quant=quant_setting)
     Console().print(result.describe())
+    table = auto_table(Path(result.path) / "plan.json")
+    if table is not None:
+        Console().print(table)
+
+
+def auto_table(plan_json: Path):
+    """`auto`'s per-layer choices as a table — representation × bits — or None for other methods."""
+    import json
+
+    from rich.table import Table
+
+    if not plan_json.is_file():
+        return None
+    rows = json.loads(plan_json.read_text()).get("params", {}).get("auto", {}).get("layers")
+    if not rows:
+        return None
+    table = Table("layer", "gate", "representations", "stored bits", "routed bytes", "est. KL",
+                  title="auto: per-layer choices")
+    for r in rows:
+        table.add_row(str(r["layer"]), r["gate"], ", ".join(f"{k} {v}" for k, v in r["choices"].items()),
+                      ", ".join(f"{k}-bit {v}" for k, v in r.get("bits", {}).items()) or "—",
+                      str(r["routed_bytes"]), f"{r['est_kl']:.3g}")
+    return table

@@ -4,8 +4,10 @@ the bytes it saves (issue 9; docs/auto.md).
 1. **Candidates** per slot (auto_estimate.py): keep (the expert's bytes), reroute (0 bytes; gate keep or
    renorm), drop (0), constant (H values), tilt of rank r (2Hr + H), partial copy at a rank-r tilt's
    parameter budget, remap to a kept prototype of the same layer (0 extra bytes), and PuzzleMoE packed
-   pairs (both slots decided jointly). Each has an estimated loss L_e: closed forms from gate²-weighted
-   moments, exact substitution errors, and for pairs a token-sample estimate.
+   pairs (both slots decided jointly); and the slot's own expert kept at 8, 4, 3 or 2 bits (``bits``;
+   auto_quant.py, issue 14). Each has an estimated loss L_e: closed forms from gate²-weighted moments, exact
+   substitution errors, for pairs a token-sample estimate, for quantized keeps the GPTQ residual
+   tr(ΔW_d H_mid_g2 ΔW_dᵀ)/N plus a token-sample estimate of the gate/up part.
 2. **Layer modes**: a layer is either *reroute-style* (gate keep or renorm: removed slots are deleted
    from / masked in the router; slots may be kept or remapped) or *replace-style* (gate replace: the
    original top-k is unchanged and a removed slot computes its operator at its gate, or zero). Per
@@ -15,7 +17,8 @@ the bytes it saves (issue 9; docs/auto.md).
 3. **Allocation** across layers (a multiple-choice knapsack): layer losses are scaled by the layer's
    measured sensitivity s_l; a Lagrangian walk takes, over all layers, the frontier step with the
    least loss per byte saved until the routed bytes fit the budget, then single-layer and two-layer
-   exchanges that lower the total loss within the budget are applied until none is left. Ties break
+   exchanges that lower the total loss within the budget are applied until none is left; uniform
+   quantization of every layer at one width is always compared (``uniform_bits_check``). Ties break
    toward the lower layer / slot / candidate order, so the plan is deterministic.
 4. **Output**: an ordinary CompressionPlan (mixed per-slot representations + tensors) whose
    ``params["auto"]`` holds the per-layer table: choices, bytes, estimated error and KL, the error
@@ -44,13 +47,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
 from . import auto_estimate as est
+from . import auto_quant as aq
 from .auto_estimate import Candidate, LayerMoments
 from .registry import MethodContext, register_method
 
 CandidateName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap", "pair"]
 ALL_CANDIDATES = ("reroute", "drop", "constant", "tilt", "partial", "remap", "pair")
-REPLACE_KINDS = frozenset({"keep", "drop", "constant", "tilt", "partial", "remap", "pair"})
-REROUTE_KINDS = frozenset({"keep", "reroute", "remap", "pair"})
+REPLACE_KINDS = frozenset({"keep", "quant", "drop", "constant", "tilt", "partial", "remap", "pair"})
+REROUTE_KINDS = frozenset({"keep", "quant", "reroute", "remap", "pair"})
+STORED_KINDS = ("keep", "quant")  # a stored copy of the slot's own expert: at 16 bits, or quantized
+ALL_BITS = (16, 8, 4, 3, 2)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -123,6 +129,14 @@ class AutoConfig(BaseModel):
     measure: bool = Field(True, description="measure each layer's KL and the whole plan's (a few forwards)")
     pair_partners: int | None = Field(None, ge=1, description="nearest experts tried as PuzzleMoE partners "
                                                            "(None: every other expert up to 32 experts, else 8)")
+    bits: list[Literal[16, 8, 4, 3, 2]] = Field(default_factory=lambda: list(ALL_BITS),
+                                                description="bit widths a kept expert may take (16 = unquantized, "
+                                                "the checkpoint's dtype); [16] is structure only")
+    quant_group: Literal[32, 64, 128] | None = Field(128, description="quantization group along the input "
+                                                     "dimension (None: per output channel)")
+    quant_algo: Literal["gptq", "rtn"] = Field("gptq", description="how quantized keeps choose their codes")
+    quant_weighting: Literal["gate2", "uniform"] = Field("gate2", description="GPTQ Hessians: gate²-weighted "
+                                                         "(the objective the estimator scores) or every routed token")
     seed: int = 0
 
     @model_validator(mode="before")
@@ -145,7 +159,15 @@ class AutoConfig(BaseModel):
             raise ValueError("ranks must be positive (the constant is candidate 'constant')")
         if "reroute" in self.candidates and not self.gates:
             raise ValueError("reroute needs at least one gate")
+        if 16 not in self.bits:
+            raise ValueError("bits must include 16 (every layer starts from its unquantized experts); "
+                             "e.g. bits: [16, 4, 2]")
         return self
+
+    @property
+    def quant_bits(self) -> list[int]:
+        """The bit widths below 16, decreasing."""
+        return sorted({b for b in self.bits if b < 16}, reverse=True)
 
 
 def needs_stats(config: AutoConfig) -> list[str]:
@@ -168,6 +190,7 @@ def needs_stats(config: AutoConfig) -> list[str]:
         names |= {"in_channel_norm", "mid_channel_norm"}  # PuzzleMoE saliency
     if config.cross_fit and config.fit == "weighted" and c & {"constant", "tilt", "partial"}:
         names |= {f"{n}_f1" for n in names if n.startswith("auto_g2")}
+    names |= aq.quant_stats(config.bits, config.quant_algo, config.quant_weighting)
     return sorted(names)
 
 
@@ -209,7 +232,8 @@ class LayerProblem:
         keep = sum(1 for c in choice if c.kind == "keep")
         if not self.stored:
             return keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind != "keep")
-        total = keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind in ("constant", "pair"))
+        # quantized keeps are stored at their own width, unpadded (QuantizedStoredExperts)
+        total = keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind in ("constant", "pair", "quant"))
         tilts = [c.param for c in choice if c.kind == "tilt"]
         if tilts:
             total += len(tilts) * (2 * self.h * max(tilts) + self.h) * self.el
@@ -276,7 +300,7 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
         new = list(state)
         for s, c in moves.items():
             new[s] = c
-        kept = [i for i in range(e_all) if new[i].kind == "keep"]
+        kept = [i for i in range(e_all) if new[i].kind in STORED_KINDS]
         if not kept and not any(c.kind == "pair" for c in new):
             return None  # the runtime needs one stored expert per layer
         for s in range(e_all):
@@ -300,7 +324,7 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
                                          raw=None if ref.scale is None else ref.losses[1])))
 
     while True:
-        kept = [i for i in range(e_all) if state[i].kind == "keep"]
+        kept = [i for i in range(e_all) if state[i].kind in STORED_KINDS]
         best_improve, best_save = None, None
         moves: list[tuple[tuple, dict[int, Candidate]]] = []
         for e in range(e_all):
@@ -316,7 +340,7 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
                     continue
                 moves.append(((e, j), {e: alt}))
         pm = [((i, len(opts[i]) + k), {i: ci, j: cj}) for k, (i, j, ci, cj) in enumerate(pair_moves)
-              if state[i].kind == "keep" and state[j].kind == "keep"]
+              if state[i].kind in STORED_KINDS and state[j].kind in STORED_KINDS]
         moves = pm if pairs_first and pm else moves + pm
         for key_tail, move in moves:
             new = change(state, move)
@@ -467,9 +491,13 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
     h = adapter.hidden_size
     dtype, el = _dtype_and_el(adapter, info, layer)
     cands = set(config.candidates)
+    quant = aq.quant_candidates(adapter, stats, m, config.bits, config.quant_group, config.quant_algo,
+                                config.quant_weighting, el) if config.quant_bits else None
     options: list[list[Candidate]] = []
     for e in range(li.num_experts):
         slot = [Candidate("keep", 0.0, 0, li.bytes_per_expert)]
+        if quant is not None:
+            slot += quant[e]
         if "reroute" in cands:
             for gate in config.gates:
                 slot.append(Candidate("reroute", float(m.reroute[gate][e]), 0, 0, gate=gate))
@@ -533,19 +561,26 @@ def probe_point(front: list[LayerPoint], target_bytes: float) -> LayerPoint | No
 
 # ----------------------------------------------------------------------------- plan
 def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str = "auto",
-                     params: dict | None = None) -> tuple[CompressionPlan, dict[str, torch.Tensor]]:
+                     params: dict | None = None, source=None) -> tuple[CompressionPlan, dict[str, torch.Tensor]]:
+    """The plan of one state per layer. Quantized keeps are written by `quantize_plan` from the codes the
+    estimator computed; source(layer, expert) -> ExpertWeights (their biases) is needed only for them."""
     scopes, layers, tensors = [], [], {}
+    specs, done = {}, {}
     for li in info.layers:
         pt = chosen[li.layer]
+        sid = f"layer{li.layer}"
         # stored experts in order of their smallest original expert: kept copies and packed pairs
-        entries = sorted({(e,) if c.kind == "keep" else tuple(sorted((e, c.param)))
-                          for e, c in enumerate(pt.choice) if c.kind in ("keep", "pair")})
-        kept = [e for e, c in enumerate(pt.choice) if c.kind == "keep"]
+        entries = sorted({(e,) if c.kind in STORED_KINDS else tuple(sorted((e, c.param)))
+                          for e, c in enumerate(pt.choice) if c.kind in (*STORED_KINDS, "pair")})
+        kept = [e for e, c in enumerate(pt.choice) if c.kind in STORED_KINDS]
         pos = {}
         stored = []
         for j, entry in enumerate(entries):
             if len(entry) == 1:
                 stored.append(StoredExpert(id=j, sources=[(li.layer, entry[0])]))
+                c = pt.choice[entry[0]]
+                if c.kind == "quant":
+                    specs[(sid, j)], done[(sid, j)] = c.op.spec, c.op.parts
             else:
                 ref = pt.choice[entry[0]].op
                 merge = ref.merge()
@@ -556,7 +591,7 @@ def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str
                 pos[e] = j
         slots = []
         for e, c in enumerate(pt.choice):
-            if c.kind in ("keep", "pair"):
+            if c.kind in (*STORED_KINDS, "pair"):
                 slots.append(pos[e])
             elif c.kind == "remap":
                 slots.append(pos[c.param])
@@ -567,10 +602,15 @@ def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str
                 tensors.update(c.tensors)
         removed = len(kept) < li.num_experts
         gate = "renorm" if not removed else ("replace" if pt.mode == "replace" else pt.mode.split(":")[1])
-        sid = f"layer{li.layer}"
         scopes.append(Scope(id=sid, layers=[li.layer], stored=stored))
         layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate, slots=slots))
     plan = CompressionPlan(model=info, scopes=scopes, layers=layers, method=method, params=params or {})
+    if specs:
+        from .quantize import QuantConfig, quantize_plan
+
+        if source is None:
+            raise RuntimeError("plan_from_points: quantized keeps need the model's experts (source); this is a bug.")
+        plan, tensors = quantize_plan(plan, tensors, source, QuantConfig(), None, specs=specs, done=done)
     return plan, tensors
 
 
@@ -602,6 +642,7 @@ class AutoSetup:
     ids_note: str | None
     ref: torch.Tensor | None  # the original's log-probs on ids
     kind_sens: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> kind -> s_{l,k}
+    uniform: dict[int, dict[int, int]] = field(default_factory=dict)  # bits -> layer -> bytes of pure quantization
 
 
 def min_loss_matching(pairs: list) -> list:
@@ -624,7 +665,7 @@ def layer_front(prob: LayerProblem, config: AutoConfig, li) -> list[LayerPoint]:
     """The Pareto front of a layer's states over every mode it may take. With pair candidates the greedy walk
     runs twice — over every candidate pair and over the pairs of a least-loss matching only — and the
     states of both walks compete on the front."""
-    points = []
+    points = uniform_points(prob)
     matched = min_loss_matching(prob.pairs)
     for mode in layer_modes(config, li):
         p = _mode_options(prob, mode.split(":")[1]) if mode.startswith("reroute") else prob
@@ -632,6 +673,52 @@ def layer_front(prob: LayerProblem, config: AutoConfig, li) -> list[LayerPoint]:
         if matched:
             points += layer_frontier(LayerProblem(**{**p.__dict__, "pairs": matched}), mode, pairs_first=True)
     return pareto(points)
+
+
+def uniform_state(prob: LayerProblem, bits: int) -> list[Candidate] | None:
+    """Every expert of the layer kept at `bits` (pure quantization, no structural change), or None."""
+    state = []
+    for slot in prob.options:
+        c = next((c for c in slot if c.kind == "quant" and c.param == bits), None)
+        if c is None:
+            return None
+        state.append(c)
+    return state
+
+
+def uniform_points(prob: LayerProblem) -> list[LayerPoint]:
+    """The pure-quantization states of a layer (one per bit width), put on its frontier explicitly so that
+    uniform GPTQ is always a choice of the allocation, whatever path the greedy walks take."""
+    out = []
+    for b in sorted({c.param for slot in prob.options for c in slot if c.kind == "quant"}, reverse=True):
+        state = uniform_state(prob, b)
+        if state is not None:
+            out.append(LayerPoint("replace", state, prob.bytes_of(state), sum(c.loss for c in state)))
+    return out
+
+
+def uniform_bits_check(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budget: int,
+                       chosen: dict[int, int], uniform: dict[int, dict[int, int]]) -> dict[int, int]:
+    """The allocation, or — when one is cheaper in scaled loss within the budget — for a bit width b whose
+    uniform quantization fits, each layer's least-loss front state within its uniform-b bytes. The
+    knapsack heuristic is near-optimal, this makes "never worse than uniform GPTQ" hold by construction
+    (in estimated loss)."""
+    def total(idx):
+        return sum(fronts[l][k].loss * scale[l] for l, k in idx.items())
+
+    best, best_cost = chosen, total(chosen)
+    for b in sorted(uniform, reverse=True):
+        per = uniform[b]
+        if set(per) != set(fronts) or sum(per.values()) > budget:
+            continue
+        idx = {}
+        for l, front in fronts.items():
+            ok = [k for k, p in enumerate(front) if p.bytes <= per[l]]
+            idx[l] = min(ok, key=lambda k: (front[k].loss, k))
+        cost = total(idx)
+        if cost < best_cost * (1 - 1e-12):
+            best, best_cost = idx, cost
+    return best
 
 
 def kinds_of(prob: LayerProblem) -> list[str]:
@@ -705,8 +792,14 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoS
             fronts[i] = layer_front(prob, config, info.layer(i))
             raw[i] = 1.0
     sens = {i: _sig(raw[i], 4) for i in layers}
+    uniform: dict[int, dict[int, int]] = {}
+    for b in config.quant_bits:
+        for i in layers:
+            state = uniform_state(problems[i], b)
+            if state is not None:
+                uniform.setdefault(b, {})[i] = problems[i].bytes_of(state)
     return AutoSetup(info, budget, problems, moments, fronts, sens, {i: _sig(v, 4) for i, v in noise.items()},
-                     probes, ids, ids_note, ref, kind_sens)
+                     probes, ids, ids_note, ref, kind_sens, uniform)
 
 
 def _apply_kind_scale(prob: LayerProblem, scale: dict[str, float]) -> None:
@@ -725,7 +818,7 @@ def measure_states(adapter, info: ModelInfo, problems: dict[int, LayerProblem], 
                    ids: torch.Tensor, ref: torch.Tensor) -> float:
     """KL(original ‖ model with `states` in their layers, every other layer untouched) on `ids`."""
     chosen = {j: states.get(j) or keep_point(problems[j]) for j in problems}
-    plan, tensors = plan_from_points(info, chosen)
+    plan, tensors = plan_from_points(info, chosen, source=lambda l, e: adapter.layer(l).storage.read(e))
     with est.plan_installed(adapter, plan, tensors, sorted(states)):
         return est.kl_to(ref, adapter.model, ids)
 
@@ -755,8 +848,9 @@ def build_auto(config: AutoConfig, context: MethodContext):
     setup = prepare(config, adapter, stats, context.progress)
     fronts, sens, moments, ids, ref = setup.fronts, setup.sens, setup.moments, setup.ids, setup.ref
     chosen_idx = allocate(fronts, sens, budget)
+    chosen_idx = uniform_bits_check(fronts, sens, budget, chosen_idx, setup.uniform)
     chosen = {i: fronts[i][chosen_idx[i]] for i in layers}
-    plan, tensors = plan_from_points(info, chosen)
+    plan, tensors = plan_from_points(info, chosen, source=lambda l, e: adapter.layer(l).storage.read(e))
 
     # the per-layer table: what was chosen, estimated and measured
     table = []
@@ -765,7 +859,13 @@ def build_auto(config: AutoConfig, context: MethodContext):
         hist: dict[str, int] = {}
         for c in pt.choice:
             hist[c.label] = hist.get(c.label, 0) + 1
-        row = dict(layer=i, gate=plan.layer(i).gate, choices=dict(sorted(hist.items())), routed_bytes=pt.bytes,
+        bits: dict[str, int] = {}  # stored copies of own experts by precision (representation x bits)
+        for c in pt.choice:
+            if c.kind in STORED_KINDS:
+                key = str(c.param if c.kind == "quant" else 16)
+                bits[key] = bits.get(key, 0) + 1
+        row = dict(layer=i, gate=plan.layer(i).gate, choices=dict(sorted(hist.items())),
+                   bits=dict(sorted(bits.items(), key=lambda kv: -int(kv[0]))), routed_bytes=pt.bytes,
                    est_error=_sig(sum(c.error for c in pt.choice)), sensitivity=sens[i],
                    noise_sensitivity=setup.noise_sens[i], est_kl=_sig(pt.loss * sens[i]))
         if i in setup.kind_sens:

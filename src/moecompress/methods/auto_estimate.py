@@ -150,9 +150,10 @@ def partial_loss(m: LayerMoments, e: int, down: torch.Tensor, kept: torch.Tensor
 class Candidate:
     """One way to serve slot e: its estimated loss and what the plan needs to realise it.
 
-    kind: keep | drop | reroute | constant | tilt | partial | remap | pair;
-    param: tilt rank, partial width, remap prototype or pair partner (0 otherwise);
-    bytes: routed bytes it adds on its own (keep: the expert; pairs: half the packed pair).
+    kind: keep | quant | drop | reroute | constant | tilt | partial | remap | pair;
+    param: tilt rank, partial width, remap prototype, pair partner or the bits of a quantized keep (0 otherwise);
+    bytes: routed bytes it adds on its own (keep: the expert; quant: its packed codes and scales; pairs: half
+    the packed pair).
     """
 
     kind: str
@@ -176,6 +177,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        if self.kind == "quant":
+            return f"keep-w{self.param}"  # the expert kept at `param` bits
         return f"{self.kind}{self.param}" if self.kind in ("tilt", "partial") else self.kind
 
 

@@ -21,6 +21,7 @@ round-to-nearest. PuzzleMoE packed experts keep their own packed precision.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, PlanTensors, Scope
-from ..quant import gptq, rtn
+from ..quant import QuantizedTensor, gptq, rtn
 from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
 from .registry import MethodContext, register_method
@@ -99,17 +100,18 @@ def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch
 _BATCH_ELEMENTS = 1 << 26
 
 
-def _quantize_batched(jobs, spec: QuantSpec):
-    """(job index, QuantizedTensor) for every (prefix, part, weight, H) job; GPTQ jobs of equal shapes batched."""
+def _quantize_batched(jobs):
+    """(job index, QuantizedTensor) for every (prefix, part, weight, H, spec) job; GPTQ jobs of equal shape and
+    spec run batched."""
     from ..quant.tensor import QuantizedTensor
 
     groups: dict[tuple, list[int]] = {}
-    for i, (_, _, w, h) in enumerate(jobs):
+    for i, (_, _, w, h, spec) in enumerate(jobs):
         if h is None:
             yield i, rtn(w, spec)
         else:
-            groups.setdefault(tuple(w.shape), []).append(i)
-    for shape, idx in groups.items():
+            groups.setdefault((tuple(w.shape), spec), []).append(i)
+    for (shape, spec), idx in groups.items():
         step = max(1, _BATCH_ELEMENTS // (shape[0] * shape[1]))
         for c in range(0, len(idx), step):
             chunk = idx[c:c + step]
@@ -120,24 +122,34 @@ def _quantize_batched(jobs, spec: QuantSpec):
 
 
 def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, config: QuantConfig,
-                  stats=None, progress: bool = False) -> tuple[CompressionPlan, PlanTensors]:
+                  stats=None, progress: bool = False, specs: Mapping[tuple[str, int], QuantSpec] | None = None,
+                  done: Mapping[tuple[str, int], Mapping[str, QuantizedTensor]] | None = None,
+                  ) -> tuple[CompressionPlan, PlanTensors]:
     """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
 
     source(layer, expert) -> ExpertWeights of the original model (as for `stored_weights`).
+    specs: a precision per stored expert, keyed (scope id, stored id); only those are quantized (mixed
+    precision, as `auto` chooses it); None = `config`'s spec for every stored expert.
+    done: codes already computed for some of them ({"gate"|"up"|"down": QuantizedTensor}, e.g. by `auto`'s
+    estimator with the same Hessians), written as they are instead of running GPTQ again.
     """
     from rich.progress import track
 
     spec = config.spec()
-    if spec.algo == "gptq" and stats is None:
+    algos = {spec.algo} if specs is None else {s.algo for s in specs.values()}
+    if "gptq" in algos and stats is None and not (specs is not None and done is not None and set(specs) <= set(done)):
         raise MoECompressError("GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
                                "or use --quant-algo rtn.")
     h_in_name, h_mid_name = _HESSIANS[config.weighting]
-    if stats is not None and spec.algo == "gptq":
+    done = done or {}
+    if stats is not None and "gptq" in algos:
         stats.require(h_in_name, h_mid_name, method="quant")
     plan = plan.model_copy(deep=True)
     out = dict(tensors or {})
-    todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None]
-    by_scope: dict[int, list] = {}
+    todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None
+            and (specs is None or (sc.id, s.id) in specs)]
+    done = done or {}
+    by_scope: dict[str, list] = {}
     for sc, s in todo:
         by_scope.setdefault(sc.id, []).append((sc, s))
     # One scope (a layer, or a shared group) at a time: gather its stored experts' weights and Hessians,
@@ -147,26 +159,32 @@ def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, co
     for items in track(list(by_scope.values()), description=f"quantize {spec.name()} ({spec.algo})",
                        disable=not progress, transient=True):
         slots_of = _slots_of(plan, items[0][0])
-        jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None]] = []  # (prefix, part, weight, H)
+        jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None, QuantSpec]] = []
         for sc, s in items:
+            s_spec = spec if specs is None else specs[(sc.id, s.id)]
             w = stored_weights(plan, sc, s, source, out)
+            ready = done.get((sc.id, s.id), {})  # codes `auto` already computed while estimating
             hin = hmid = None
-            if spec.algo == "gptq":
+            if s_spec.algo == "gptq" and len(ready) < 3:
                 hin = _hessian(stats, h_in_name, slots_of[s.id], w.gate.shape[1])
                 hmid = _hessian(stats, h_mid_name, slots_of[s.id], w.down.shape[1])
             prefix = s.tensor or f"q.{sc.id}.{s.id}"
             for key in [k for k in out if k.startswith(prefix + ".")]:
                 del out[key]
             for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
-                jobs.append((prefix, part, getattr(w, part).float(), h))
+                if part in ready:
+                    out.update({f"{prefix}.{part}.{k}": v for k, v in ready[part].packed().items()})
+                else:
+                    jobs.append((prefix, part, getattr(w, part).float(), h, s_spec))
                 bias = getattr(w, f"{part}_bias")
                 if bias is not None:
                     out[f"{prefix}.{part}_bias"] = bias.detach().clone()
-            s.tensor, s.quant = prefix, spec
-        for idx, q in _quantize_batched(jobs, spec):
+            s.tensor, s.quant = prefix, s_spec
+        for idx, q in _quantize_batched(jobs):
             prefix, part = jobs[idx][:2]
             out.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
-    plan.params = {**plan.params, "quant": config.model_dump()}
+    if specs is None:
+        plan.params = {**plan.params, "quant": config.model_dump()}
     plan.check_tensors(out)
     return plan, out
 

@@ -1,0 +1,141 @@
+"""`auto` over structure × bits (issue 14): the quantized-keep loss estimate (its down part equals direct
+evaluation exactly, the whole orders bit widths 2 > 3 > 4 > 8 > 16 = 0), bits=[16] is the structure-only
+solver untouched, uniform quantization is always on the frontier, and a mixed-precision plan exports compact
+and reloads equal to the in-memory runtime."""
+
+import pytest
+import torch
+
+from moecompress.api import apply_plan, export, load
+from moecompress.errors import MoECompressError
+from moecompress.methods import MethodContext, get_method, parse_config
+from moecompress.methods import auto as A
+from moecompress.methods import auto_quant as aq
+from moecompress.models import expert_intermediate, load_model
+from moecompress.pipeline import choose_format
+from moecompress.plan import ModelInfo
+from moecompress.testing import calibrated_tiny
+
+FAST = dict(sensitivity="uniform", measure=False, ranks=[4])
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):
+    return calibrated_tiny(tmp_path_factory.mktemp("auto_bits"), "olmoe", 3, A.needs_stats(A.AutoConfig()))
+
+
+def _build(setup, **params):
+    _, store, adapter, _ = setup
+    return get_method("auto").build(parse_config("auto", params), MethodContext(adapter, store))
+
+
+@torch.no_grad()
+def test_quantized_keep_loss_down_part_is_exact_and_bits_are_ordered(olmoe):
+    _, store, adapter, inputs = olmoe
+    i = adapter.moe_layers[1]
+    h = inputs[i]
+    n = len(h)
+    r = adapter.route(i, h)
+    info = ModelInfo.from_model(adapter)
+    prob, m = A.layer_problem(A.AutoConfig(bits=[16, 8, 4, 3, 2], candidates=["drop"]), adapter, store, info, i,
+                              True)
+    act = adapter.layer(i).act
+    reached = 0
+    for e in range(adapter.num_experts(i)):
+        quant = {c.param: c for c in prob.options[e] if c.kind == "quant"}
+        assert sorted(quant) == [2, 3, 4, 8] and prob.options[e][0].kind == "keep" and prob.options[e][0].loss == 0
+        tok, slot = torch.where(r.index == e)
+        if not len(tok):
+            continue
+        reached += 1
+        w = adapter.get_expert(i, e)
+        g2 = r.weight[tok, slot].double().square()
+        a = expert_intermediate(w, h[tok], act)
+        y = (a @ w.down.T).double()
+        for b, c in quant.items():
+            q = c.op.parts
+            # the down part: tr(ΔW_d H_mid_g2 ΔW_dᵀ)/N equals (1/N) Σ g² ‖(W_d − Q_d) a‖² over the calibration tokens
+            d = w.down.double() - q["down"].dequantize(torch.float64)
+            direct_down = float(g2 @ (a.double() @ d.T).square().sum(-1)) / n
+            est_down = float(((d @ store.get(i, "hessian_mid_g2")[e].double()) * d).sum()) / n
+            assert est_down == pytest.approx(direct_down, rel=1e-5)
+            # the whole estimate is close to the real error of the fully quantized expert (the tiny model's sample
+            # holds every calibration token, so only the dropped cross term separates them)
+            wq = type(w)(*(q[p].dequantize(torch.float32) for p in ("gate", "up", "down")))
+            yq = (expert_intermediate(wq, h[tok], act) @ wq.down.T).double()
+            direct = float(g2 @ (y - yq).square().sum(-1)) / n
+            assert c.loss == pytest.approx(direct, rel=0.3)
+            assert c.bytes == aq.expert_quant_bytes(c.op.spec, w.gate.shape[0], w.gate.shape[1], False, 4)
+        losses = [quant[b].loss for b in (2, 3, 4, 8)]
+        assert losses[0] > losses[1] > losses[2] > losses[3] > 0, (e, losses)
+        sizes = [quant[b].bytes for b in (2, 3, 4, 8)]
+        assert sizes == sorted(sizes) and sizes[-1] < prob.expert_bytes
+    assert reached >= 4
+    assert A.kinds_of(prob) == ["drop", "quant"]
+
+
+def test_bits_16_is_the_structure_only_solver(olmoe):
+    """bits=[16] asks for no Hessian, adds no candidate, and its plan is the one built with the quantized keeps
+    removed from every slot of a default-bits problem (adding bits changes nothing else)."""
+    _, store, adapter, _ = olmoe
+    assert not {"hessian_mid_g2", "hessian_in_g2"} & set(A.needs_stats(A.AutoConfig(bits=[16])))
+    assert {"hessian_mid_g2", "hessian_in_g2"} <= set(A.needs_stats(A.AutoConfig()))
+    plan16, tensors16 = _build(olmoe, budget=0.4, bits=[16], **FAST)
+    assert all(s.quant is None for sc in plan16.scopes for s in sc.stored)
+    assert all(set(row["bits"]) <= {"16"} for row in plan16.params["auto"]["layers"])
+
+    info = ModelInfo.from_model(adapter)
+    config = A.AutoConfig(budget=0.4, **FAST)
+    fronts = {}
+    for i in adapter.moe_layers:
+        prob, _ = A.layer_problem(config, adapter, store, info, i, True)
+        prob.options = [[c for c in slot if c.kind != "quant"] for slot in prob.options]
+        fronts[i] = A.layer_front(prob, config, info.layer(i))
+    pick = A.allocate(fronts, {i: 1.0 for i in fronts}, A.routed_budget(config, info))
+    plan, tensors = A.plan_from_points(info, {i: fronts[i][k] for i, k in pick.items()})
+    assert [lp.model_dump() for lp in plan.layers] == [lp.model_dump() for lp in plan16.layers]
+    assert plan.scopes == plan16.scopes
+    assert sorted(tensors) == sorted(tensors16) and all(torch.equal(tensors[k], tensors16[k]) for k in tensors)
+
+
+def test_uniform_quantization_is_on_the_frontier_and_never_beaten_by_the_allocation(olmoe):
+    _, store, adapter, _ = olmoe
+    info = ModelInfo.from_model(adapter)
+    config = A.AutoConfig(**FAST)
+    probs = {i: A.layer_problem(config, adapter, store, info, i, True)[0] for i in adapter.moe_layers}
+    fronts = {i: A.layer_front(p, config, info.layer(i)) for i, p in probs.items()}
+    for b in (8, 4, 3, 2):
+        uni = {i: A.uniform_state(p, b) for i, p in probs.items()}
+        nbytes = {i: p.bytes_of(uni[i]) for i, p in probs.items()}
+        loss = sum(sum(c.loss for c in s) for s in uni.values())
+        # every layer's front holds a state at most as large and as lossy as its uniform-b state
+        for i, front in fronts.items():
+            assert any(p.bytes <= nbytes[i] and p.loss <= sum(c.loss for c in uni[i]) + 1e-18 for p in front)
+        budget = sum(nbytes.values())
+        pick = A.uniform_bits_check(fronts, {i: 1.0 for i in fronts}, budget,
+                                    A.allocate(fronts, {i: 1.0 for i in fronts}, budget), {b: nbytes})
+        assert sum(fronts[i][k].bytes for i, k in pick.items()) <= budget
+        assert sum(fronts[i][k].loss for i, k in pick.items()) <= loss * (1 + 1e-9)
+
+
+def test_mixed_precision_plan_exports_compact_and_reloads_equal(olmoe, tmp_path):
+    path = olmoe[0]
+    plan, tensors = _build(olmoe, budget=0.2, **FAST)
+    specs = {s.quant.bits for sc in plan.scopes for s in sc.stored if s.quant is not None}
+    assert len(specs) >= 2 or (specs and any(s.quant is None for sc in plan.scopes for s in sc.stored)), specs
+    rows = plan.params["auto"]["layers"]
+    assert all(sum(row["bits"].values()) == sum(1 for s in plan.scope(f"layer{row['layer']}").stored
+                                                if s.packing is None) for row in rows)
+    assert plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"] \
+        <= plan.params["auto"]["budget_routed_bytes"]
+    assert choose_format(plan) == "compact"
+    export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    ref = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path / "c", dtype="float32")(ids).logits, ref(ids).logits)
+
+
+def test_bits_must_include_16():
+    with pytest.raises((MoECompressError, ValueError), match="bits must include 16"):
+        parse_config("auto", dict(bits=[4, 2]))
