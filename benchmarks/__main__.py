@@ -78,6 +78,18 @@ SECTIONS: dict[str, Section] = {
         "## Quantization: structure × bits (issue 13)", ("quant.json", "quant_quality_vs_bytes.png"),
         run=(_b("bench_quant.py", "run"),),
         report=(_b("bench_quant.py", "report"),)),
+    "peer-gptq": Section(
+        "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",),
+        run=(_b("peer_llmcompressor_gptq.py", "run"),),
+        report=(_b("peer_llmcompressor_gptq.py", "report"),)),
+    "auto-bits": Section(
+        "## auto over structure × bits (issue 14)", ("auto_bits.json", "auto_bits_frontier.png"),
+        run=(_b("bench_auto_bits.py", "run"),),
+        report=(_b("bench_auto_bits.py", "report"),)),
+    "compress-memory": Section(
+        "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",),
+        run=(_b("bench_compress_memory.py", "run"),),
+        report=(_b("bench_compress_memory.py", "report"),)),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }

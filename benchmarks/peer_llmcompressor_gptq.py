@@ -60,6 +60,8 @@ SECTION = "## Peer check: GPTQ vs llm-compressor (issue 13)"
 FIXTURES = ("olmoe-tiny", "qwen3-moe-tiny")
 BITS = (4, 3, 2)
 GROUP = 32
+KL_TOLERANCE = 0.10  # issue 13: our KL at most 10 % above llm-compressor's
+TIME_RATIO = 0.5  # issue 13: our end-to-end time at most half of llm-compressor's
 PARTS = ("gate_proj", "up_proj", "down_proj")
 
 # key -> (label, side, options)
@@ -320,8 +322,8 @@ def report() -> None:
             fastest = min(m["llmc_matched"]["run_s"], m["llmc_default"]["run_s"])
             ratio = m["ours"]["run_s"] / fastest
             best_kl = min(q["llmc_matched"]["kl"], q["llmc_default"]["kl"])
-            ok_kl = q["ours"]["kl"] <= 1.10 * best_kl
-            ok_t = ratio <= 0.5
+            ok_kl = q["ours"]["kl"] <= (1 + KL_TOLERANCE) * best_kl
+            ok_t = ratio <= TIME_RATIO
             verdicts.append((name, b, ok_kl, ok_t))
             lines.append(
                 f"| {b} | {q['ours']['kl']:.2e} | {q['llmc_matched']['kl']:.2e} | {q['llmc_default']['kl']:.2e} | "
@@ -356,7 +358,8 @@ def report() -> None:
                  for p in PARTS)
     dtypes = sorted({res["dtype"] for res in s["fixtures"].values()})
     spread = max(max(t["run_s"]) / min(t["run_s"]) for _, _, r in cells for t in r["times"].values())
-    lines += ["### Verdict (issue 13: KL within 10 % of llm-compressor or lower; end-to-end time ≤ half)", "",
+    lines += [f"### Verdict (issue 13: KL within {100 * KL_TOLERANCE:.0f} % of llm-compressor or lower; end-to-end "
+              f"time ≤ {TIME_RATIO:g}× llm-compressor's)", "",
               (f"- **Quality: met in {len(kl_ok)} of {len(verdicts)} (fixture, bits) cells** against the better of the "
                "two llm-compressor settings"
                + ("." if len(kl_ok) == len(verdicts) else
@@ -367,8 +370,8 @@ def report() -> None:
                "attention mask, build every expert's Hessian from all tokens and propagate quantized outputs; the "
                "three are not separated here)."),
               (f"- **Speed: median end-to-end time ours / llm-compressor {min(t_d):.2f}–{max(t_d):.2f} against it as "
-               f"shipped** (≤ 0.5 in {sum(x <= 0.5 for x in t_d)} of {len(t_d)} cells) and **{min(t_m):.2f}–"
-               f"{max(t_m):.2f} against its like-for-like setting** (≤ 0.5 in {sum(x <= 0.5 for x in t_m)} of "
+               f"shipped** (≤ {TIME_RATIO:g} in {sum(x <= TIME_RATIO for x in t_d)} of {len(t_d)} cells) and **{min(t_m):.2f}–"
+               f"{max(t_m):.2f} against its like-for-like setting** (≤ {TIME_RATIO:g} in {sum(x <= TIME_RATIO for x in t_m)} of "
                f"{len(t_m)} cells): the 2× target holds against the configuration users get by default, not against "
                "llm-compressor's cheapest setting (routed tokens only, one pass per layer), which does the same work "
                f"as ours. Repeated runs of one setting differ by up to {spread:.1f}× on this shared box (medians used)."),
