@@ -31,8 +31,10 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
                    **kwargs)
 
 
-def load(path: str | os.PathLike, device_map=None, dtype="auto"):
-    """Load any export (compact into the runtime; hf / materialized with plain transformers)."""
+def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
+    """Load any export (compact into the runtime; hf / materialized with plain transformers).
+
+    max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate)."""
     from .export import load as _load
 
-    return _load(path, device_map=device_map, dtype=dtype)
+    return _load(path, device_map=device_map, dtype=dtype, max_memory=max_memory, offload_folder=offload_folder)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     from .eval.runner import model_info, plan_arm_fields
     from .methods import get_method
     from .models import load_model
+    from .eval.loading import eval_dtype, load_for_eval
     from .pipeline import (build_plan, choose_format, export_source, needs_for, open_view, quantize,
                            resolve_calibration)
 
@@ -168,13 +170,17 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
                                 batch_size=cal.batch_size, work_dir=work, dtype="float32", progress=progress)
     calib_seconds = time.perf_counter() - t0
     track.calibrated(calib_seconds)
-    reference = load_model(model_path, dtype="float32")
+    # every evaluated model in one dtype (default: the checkpoint's own), offloaded when it does not fit
+    dtype = eval_dtype(recipe.eval.dtype, model_path)
+    evaluate_load = partial(load_for_eval, dtype=dtype, max_memory=recipe.eval.max_memory,
+                            offload_dir=work / "offload")
+    reference, ref_eval = evaluate_load(model_path, loader=load_model)
     arms: list[dict[str, Any]] = []
 
     track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
     original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
-                    metrics=_evaluate(reference, tokenizer, recipe, reference, progress), **_latency(
-                        reference, model_path, recipe))
+                    metrics=_evaluate(reference, tokenizer, recipe, reference, progress), eval=ref_eval,
+                    **_latency(reference, model_path, recipe))
     from .plan import CompressionPlan
 
     original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
@@ -186,7 +192,8 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         track.stage(name, "compressing",
                     header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
         if get_method(arm.method).family == "dense":
-            entry = _dense_arm(arm, name, model_path, stats, tmp, recipe, tokenizer, reference, progress)
+            entry = _dense_arm(arm, name, model_path, stats, tmp, recipe, tokenizer, reference, progress,
+                               evaluate_load)
             arms.append(dict(entry, path=str(out / "checkpoints" / name)))
             track.done(entry)
             continue
@@ -204,13 +211,13 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
                                 "quant": arm.quant.model_dump() if arm.quant else None}, quiet=not progress)
         del adapter
         track.stage(name, "evaluating")
-        model = load(ckpt, dtype="float32")
+        model, arm_eval = evaluate_load(ckpt, loader=load)
         entry = plan_arm_fields(plan, tensors)
         kind = "quant_baseline" if arm.method == "quant" else "compressed"
         entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
                      kind="materialized" if result.evaluation_only else kind, export_format=fmt,
                      path=str(out / "checkpoints" / name), compress_seconds=round(build_seconds, 3),
-                     metrics=_evaluate(model, tokenizer, recipe, reference, progress))
+                     metrics=_evaluate(model, tokenizer, recipe, reference, progress), eval=arm_eval)
         entry.update(_latency(model, ckpt, recipe))
         entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
         arms.append(entry)
@@ -219,7 +226,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
 
     results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
                    calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
-                   settings={"seed": recipe.seed}, notes=_notes(recipe))
+                   settings={"seed": recipe.seed, "eval_dtype": dtype}, notes=_notes(recipe, dtype, arms))
     shutil.rmtree(work)
     if not keep_checkpoints:
         shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
@@ -228,11 +235,11 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     return results
 
 
-def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress) -> dict[str, Any]:
+def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress,
+               evaluate_load) -> dict[str, Any]:
     """MoE → dense: the arm is the standard dense checkpoint itself, loaded with plain transformers."""
-    from transformers import AutoModelForCausalLM
-
     from .distill.dense_export import export_dense
+    from .models import load_model
     from .methods import parse_config
 
     ckpt = out / "checkpoints" / name
@@ -246,19 +253,21 @@ def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, 
 
         settings = dict(arm.distill)
         data = settings.pop("data", "fixture-calib")
-        run = distill(model_path, ckpt, data, out=out / ".distill" / name, teacher_dtype="float32", progress=progress,
+        # the teacher in the evaluation dtype (the checkpoint's own by default), not replicated in float32
+        run = distill(model_path, ckpt, data, out=out / ".distill" / name,
+                      teacher_dtype=evaluate_load.keywords["dtype"], progress=progress,
                       **settings)
         shutil.rmtree(ckpt)
         shutil.copytree(run.student_dir, ckpt)
         shutil.rmtree(out / ".distill", ignore_errors=True)
         distilled = dict(run.metrics, data=data, **settings)
         seconds = time.perf_counter() - t1
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32").eval()
+    model, arm_eval = evaluate_load(ckpt, loader=load_model)
     weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     entry = dict(name=name, method=arm.method, params=arm.params, kind="compressed", export_format="dense",
                  gate_semantics="n/a (dense FFN)", operator=None, path=str(ckpt), compress_seconds=round(seconds, 3),
                  student=summary.get("student_class"), distilled=distilled,
-                 metrics=_evaluate(model, tokenizer, recipe, reference, progress))
+                 metrics=_evaluate(model, tokenizer, recipe, reference, progress), eval=arm_eval)
     entry.update(_latency(model, ckpt, recipe))
     entry["bytes"].update(model=weights, disk=summary["bytes"], weights=weights)
     return entry
@@ -273,13 +282,18 @@ def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:
                 seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
 
 
-def _notes(recipe: Recipe) -> list[str]:
+def _notes(recipe: Recipe, dtype: str = "float32", arms: list[dict[str, Any]] = ()) -> list[str]:
+    offloaded = [a["name"] for a in arms if a.get("eval", {}).get("offloaded")]
+    extra = [f"Every model was evaluated in {dtype} (logits upcast to float32 for KL and perplexity)."]
+    if offloaded:
+        extra.append(f"Evaluated offloaded (accelerate device_map: what did not fit in memory was read from disk, "
+                     f"slower but the same numbers): {', '.join(offloaded)}.")
     return [f"Every arm is evaluated on the same {recipe.eval.ppl} windows (window {recipe.eval.window}) and the "
             f"same lm-eval documents (limit {recipe.eval.limit}); checkpoints were exported and loaded back "
             "before evaluation.",
             "Latency and memory are measured arm after arm, not interleaved: on a shared machine they drift with "
             "the load, so read them as indicative; benchmarks/bench_runtime_speed.py measures runtime speed side "
-            "by side with repeats."]
+            "by side with repeats.", *extra]
 
 
 TABLE_WIDTH = 100  # the ranking table is laid out for (at most) this many terminal columns

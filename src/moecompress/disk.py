@@ -45,3 +45,13 @@ def checkpoint_dir(candidate) -> Path | None:
         return None
     p = Path(str(candidate))
     return p if p.is_dir() and any(p.glob("*.safetensors")) else None
+
+
+def stored_dtype(directory: str | os.PathLike) -> str | None:
+    """The floating dtype holding most of `directory`'s bytes ("bfloat16" for the fixtures), or None when it
+    stores no floating tensor: what "the checkpoint's dtype" means for loading it in its own precision."""
+    by_dtype: dict[str, int] = {}
+    for dtype, size in stored_tensors(directory).values():
+        if dtype.startswith(("float", "bfloat")):
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + size
+    return max(by_dtype, key=by_dtype.get) if by_dtype else None

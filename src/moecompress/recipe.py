@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -47,10 +47,31 @@ class EvalSpec(BaseModel):
     num_fewshot: int | None = None
     batch_size: int = 8
     latency: bool = Field(True, description="measure prefill/decode tokens/s and peak memory")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the reference and every arm are loaded in for evaluation; auto = the "
+        "reference checkpoint's stored dtype (logits are upcast to float32 for KL and perplexity)")
+    max_memory: str | None = Field(
+        None, description="memory for one evaluated model (e.g. '40GB'); a model needing more is loaded with "
+        "device_map offloading. Default: 90% of the memory available when it is loaded")
     quant_baselines: list[str] = Field(
         default_factory=lambda: ["w4g128", "w3g128"],
         description="pure-quantization reference arms (method 'quant', GPTQ) on the routed experts: specs such as "
         "w4g128 (a bare bit width b means w<b>g128)")
+
+    @field_validator("max_memory")
+    @classmethod
+    def _size(cls, v):
+        if v is None:
+            return v
+        from .export.writer import parse_size
+
+        try:
+            ok = parse_size(v) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"'{v}' is not a positive size; write it like 40GB or 512MB")
+        return v
 
     @field_validator("quant_baselines", mode="before")
     @classmethod

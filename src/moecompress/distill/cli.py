@@ -129,7 +129,7 @@ def distill_command(
     gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="Recompute activations."),
     eval_every: int = typer.Option(50, help="Steps between validations."),
     save_every: int = typer.Option(50, help="Steps between checkpoints."),
-    teacher_dtype: str = typer.Option("auto", help="Teacher load dtype (auto|bfloat16|float32)."),
+    teacher_dtype: str = typer.Option("auto", help="Teacher load dtype (auto = the checkpoint's own, bf16 for bf16 checkpoints; bfloat16; float32)."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the last checkpoint in --out."),
     overwrite: bool = typer.Option(False, help="Delete --out and start over."),
     seed: int = typer.Option(0, help="Seed."),

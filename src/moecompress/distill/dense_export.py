@@ -23,6 +23,11 @@ converted layers of width k·I (+ shared)) are zero-padded to the widest: exact,
 Every non-FFN tensor is copied by name from the teacher, and a teacher tensor with no place in the
 student (or a student tensor with no source) is refused: that is the check that the attention and
 norm path really is identical.
+
+A teacher given as a checkpoint path is never loaded whole: it is read through the streamed view
+(`methods.streamed.StreamedAdapter`), one decoder layer resident at a time — once for the conversion,
+once more to copy that layer's attention and norm tensors into the student — so the peak is one
+teacher layer plus the student being built (and the converted FFNs, float64, until they are written).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch import nn
 from ..atomic import atomic_dir, dir_bytes
 from ..errors import MoECompressError
 from ..methods.dense import DenseConfig, DenseConversion, convert, ffn_apply, pad_ffn
+from ..methods.streamed import is_streamed
 from ..models import ExpertWeights, MoEAdapter
 
 PLAN_NAME = "dense_plan.json"
@@ -172,8 +178,48 @@ def _layer_ffns(adapter: MoEAdapter, conversion: DenseConversion, fold_shared: b
             if found is None:
                 raise MoECompressError(f"Decoder layer {i} has neither routed experts nor a gate/up/down MLP; this "
                                        "architecture cannot be converted to dense.")
+            if is_streamed(adapter):
+                adapter._ensure(i)  # a teacher dense layer (DeepSeek's first layers): bring it in to copy its MLP
             out[i] = _mlp_weights(found[1])
     return out
+
+
+def _copy_teacher(adapter: MoEAdapter, targets: dict[str, torch.Tensor]) -> None:
+    """Copy teacher tensor `key` into student tensor `targets[key]` for every key (same name in both models).
+
+    A loaded teacher is read from its state dict. The streamed view holds one decoder layer at a time, so
+    the keys are grouped by decoder layer and each layer is brought in once, copied, and evicted by the
+    next; the non-layer tensors (embeddings, final norm, lm_head) are read once, before the layers.
+    """
+    if not is_streamed(adapter):
+        teacher_sd = adapter.model.state_dict()
+        for key, t in targets.items():
+            t.copy_(teacher_sd[key].to(t.dtype))
+        return
+    prefix = adapter.reader.layers_prefix + "."
+    by_layer: dict[int | None, list[str]] = {}
+    for key in targets:
+        i = int(key[len(prefix):].split(".")[0]) if key.startswith(prefix) else None
+        by_layer.setdefault(i, []).append(key)
+    model = adapter.model
+    if None in by_layer:
+        adapter.reader.load_non_layer(model, "cpu", adapter.compute_dtype)
+        for key in by_layer.pop(None):
+            targets[key].copy_(_live(model, key).to(targets[key].dtype))
+    for i in sorted(by_layer):
+        adapter._ensure(i)
+        for key in by_layer[i]:
+            module, leaf = adapter._slots[i][key]
+            src = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+            targets[key].copy_(src.detach().to(targets[key].dtype))
+    adapter.release()
+
+
+def _live(model: nn.Module, key: str) -> torch.Tensor:
+    mod_name, _, leaf = key.rpartition(".")
+    module = model.get_submodule(mod_name)
+    t = module._parameters.get(leaf)
+    return (t if t is not None else module._buffers[leaf]).detach()
 
 
 def build_student(teacher, conversion: DenseConversion, target: StudentTarget | None = None):
@@ -184,7 +230,7 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
         raise MoECompressError("The conversion was made for a different student form (shared experts folded or "
                                "not); convert again with fold_shared matching the target.")
     model = adapter.model
-    dtype = next(p.dtype for p in model.parameters())
+    dtype = next(p.dtype for p in model.parameters())  # the streamed view's skeleton reports its compute dtype
     ffns = _layer_ffns(adapter, conversion, target.fold_shared)
     if target.kind == "dense":
         width = max(w.gate.shape[0] for w in ffns.values())
@@ -192,9 +238,11 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
         width = max(w.gate.shape[0] for i, w in ffns.items() if i in adapter.layers)
     student = _new_model(student_config(adapter, target, width), dtype)
     names_t = {id(m): n for n, m in model.named_modules()}
+    # names and shapes for the checks below; on the streamed view mostly meta tensors (copied by _copy_teacher)
     teacher_sd = model.state_dict()
     consumed: set[str] = set()
     filled: dict[str, torch.Tensor] = {}
+    from_teacher: list[str] = []  # student keys copied verbatim from the teacher tensor of the same name
     s_layers = MoEAdapter(student) if target.kind == "moe" else None
     s_decoder = (s_layers.decoder_layers if s_layers else _student_decoder(student))
     names_s = {id(m): n for n, m in student.named_modules()}
@@ -239,6 +287,7 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
                                    f"{tuple(student_sd[key].shape)} in the {target.model_type} student; the attention "
                                    "path differs — use --target moe.")
         filled[key] = teacher_sd[key]
+        from_teacher.append(key)
         consumed.add(key)
     if missing:
         raise MoECompressError(f"The {target.model_type} student needs {missing[0]}, which the teacher does not have; "
@@ -248,9 +297,11 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
         raise MoECompressError(f"The teacher's {leftover[0]} has no place in the {target.model_type} student; the "
                                "attention/norm path differs — use --target moe.")
     with torch.no_grad():
+        copied = set(from_teacher)
         for key, t in student_sd.items():
-            if filled.get(key) is not None:
+            if filled.get(key) is not None and key not in copied:
                 t.copy_(filled[key].to(t.dtype))
+        _copy_teacher(adapter, {key: student_sd[key] for key in from_teacher})
         if s_layers is not None:
             for i in adapter.moe_layers:
                 w = ffns[i]
@@ -360,16 +411,18 @@ def export_dense(model, out: str | Path, config: DenseConfig | None = None, *, c
                  dtype: str = "auto", progress: bool = True) -> dict:
     """Convert `model` (directory, hub id or loaded model) and write the dense student to `out`.
 
-    Returns a summary: path, student class and form, FFN width, bytes on disk of teacher and student.
+    A directory or hub id is streamed (module doc): `dtype` is the arithmetic and student dtype, "auto" the
+    checkpoint's own. Returns a summary: path, student class and form, FFN width, bytes on disk of teacher
+    and student, and ``teacher_layer_loads`` (decoder layer -> times read) for a streamed teacher.
     """
-    from ..models import load_model
-
     config = config or DenseConfig()
     source = None
     if isinstance(model, (str, Path)):
         source = str(model)
-        model = load_model(source, dtype=dtype)
-    adapter = MoEAdapter(model)
+        adapter = teacher_view(source, dtype)
+        model = adapter.model
+    else:
+        adapter = MoEAdapter(model)
     tokenizer = None
     tok_src = tokenizer_source or source
     if tok_src is not None and Path(tok_src).is_dir():
@@ -394,7 +447,27 @@ def export_dense(model, out: str | Path, config: DenseConfig | None = None, *, c
                "bytes": dir_bytes(out)}
     if source is not None and Path(source).is_dir():
         summary["teacher_bytes"] = dir_bytes(source)
+    if is_streamed(adapter):
+        adapter.release()
+        loads: dict[int, int] = {}
+        for counts in (adapter.layer_loads, adapter.forward_loads):
+            for i, n in counts.items():
+                loads[i] = loads.get(i, 0) + n
+        summary["teacher_layer_loads"] = dict(sorted(loads.items()))
     return summary
+
+
+def teacher_view(source: str, dtype: str = "auto"):
+    """The streamed, read-only view of teacher checkpoint `source` in `dtype` ("auto": its stored dtype)."""
+    from ..checkpoint import CheckpointReader
+    from ..disk import stored_dtype
+    from ..methods.streamed import StreamedAdapter
+    from ..models import parse_dtype
+
+    reader = CheckpointReader(source)
+    if dtype in (None, "auto"):
+        dtype = stored_dtype(reader.path) or "float32"
+    return StreamedAdapter(str(reader.path), compute_dtype=parse_dtype(dtype), reader=reader)
 
 
 def _width(student, target: StudentTarget) -> int:

@@ -4,8 +4,9 @@ The Trainer (and accelerate under it) owns devices, mixed precision, gradient ac
 gradient checkpointing, checkpoints and distributed wrapping, so the same code runs on one CPU,
 one GPU, DDP, FSDP2 or DeepSpeed ZeRO-3 — `accelerate launch --config_file configs/accelerate/<x>.yaml
 -m moecompress.cli distill ...`. Our part is `DistillTrainer.compute_loss` (`kd.py`), a frozen teacher
-kept outside the optimizer (replicated on each device; models are loaded before the
-TrainingArguments so ZeRO-3 partitions only the student), the data blocks and the validation curve.
+kept outside the optimizer (in the checkpoint's dtype, bf16 for bf16 checkpoints, never float32 by
+default; replicated on each device — docs/dense.md says what sharding it would take; models are loaded
+before the TrainingArguments so ZeRO-3 partitions only the student), the data blocks and the validation curve.
 
 Output layout of `distill(..., out=DIR)`::
 

@@ -250,13 +250,15 @@ def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: 
     "subtask/doc_id", with the subtasks' aggregates under ``subtasks``.
     """
     from lm_eval import simple_evaluate
+    import torch
     from lm_eval.models.huggingface import HFLM
 
     names, manager, local_only = resolve_tasks(tasks, include_path, online)
     if tokenizer is None:
         raise MoECompressError("lm-eval needs the model's tokenizer; pass the tokenizer (a checkpoint directory "
                                "without tokenizer files cannot be evaluated on tasks).")
-    lm_kwargs = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    # log-probabilities in float32 whatever the model's dtype (a bf16 log_softmax costs ~3 significant digits)
+    lm_kwargs = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
     if max_length is not None:
         lm_kwargs["max_length"] = max_length
     with _quiet_lm_eval():

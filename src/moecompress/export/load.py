@@ -65,7 +65,7 @@ def _check_shape(ref: torch.Tensor, t: torch.Tensor, name: str, where: Path) -> 
                                f"{tuple(ref.shape)}: the weights and plan.json do not belong together; re-export.")
 
 
-def _load_compact(d: Path, device_map, dtype, marker: dict):
+def _load_compact(d: Path, device_map, dtype, marker: dict, max_memory=None, offload_folder=None):
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -130,9 +130,11 @@ def _load_compact(d: Path, device_map, dtype, marker: dict):
     elif device_map is not None:
         from accelerate import dispatch_model, infer_auto_device_map
 
+        # the weights were read into memory above; dispatch moves what exceeds max_memory to disk
         dm = device_map if isinstance(device_map, dict) else infer_auto_device_map(
-            model, no_split_module_classes=getattr(model, "_no_split_modules", None))
-        model = dispatch_model(model, device_map=dm)
+            model, max_memory=max_memory, no_split_module_classes=getattr(model, "_no_split_modules", None))
+        model = dispatch_model(model, device_map=dm, offload_dir=offload_folder)
+        model.hf_device_map = dm
     gen_file = d / "generation_config.json"
     if gen_file.is_file():
         from transformers import GenerationConfig
@@ -146,9 +148,10 @@ def _load_compact(d: Path, device_map, dtype, marker: dict):
     return model
 
 
-def load(path, device_map=None, dtype="auto"):
+def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
     """Load an export: ``compact`` into the runtime, ``hf`` / ``materialized`` (or any HF checkpoint)
-    with plain transformers; the plan, when present, is attached as ``model._moecompress_plan``."""
+    with plain transformers; the plan, when present, is attached as ``model._moecompress_plan``.
+    max_memory / offload_folder: accelerate's offloading with ``device_map="auto"``."""
     from ..models import load_model
 
     d = Path(path).expanduser()
@@ -161,14 +164,15 @@ def load(path, device_map=None, dtype="auto"):
         marker = _read_json(marker_file, "moecompress marker")
         fmt = marker.get("format")
         if fmt in ("compact", "packed"):
-            return _load_compact(d, device_map, dtype, marker)
+            return _load_compact(d, device_map, dtype, marker, max_memory, offload_folder)
         if fmt not in ("hf", "materialized"):
             raise MoECompressError(f"{marker_file} names format '{fmt}', which this moecompress cannot read; "
                                    "upgrade moecompress or re-export.")
     elif not (d / "config.json").is_file():
         raise MoECompressError(f"{path} is neither a moecompress export nor a HuggingFace checkpoint (no "
                                f"{MARKER_FILE} or config.json); pass the directory an export wrote.")
-    model = load_model(str(d), dtype=dtype or "auto", device_map=device_map)
+    model = load_model(str(d), dtype=dtype or "auto", device_map=device_map, max_memory=max_memory,
+                       offload_folder=offload_folder)
     if (d / PLAN_FILE).is_file():
         model._moecompress_plan = CompressionPlan.from_json((d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE))
     return model

@@ -553,7 +553,8 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
 
     for i in adapter.moe_layers:
         handles.append(adapter.layer(i).block.register_forward_pre_hook(make_hook(i), with_kwargs=True))
-    dev = next(model.parameters()).device
+    # a streamed teacher's skeleton is on the meta device until its first forward: never send the ids there
+    dev = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     from rich.progress import Progress
 
     try:

@@ -104,8 +104,11 @@ def skeleton(config):
 
 
 def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bool = False,
-               experts_implementation: str | None = None):
-    """Load a causal LM from a directory or hub id (safetensors only, never pickled weights)."""
+               experts_implementation: str | None = None, max_memory: dict | None = None,
+               offload_folder: str | None = None):
+    """Load a causal LM from a directory or hub id (safetensors only, never pickled weights).
+
+    device_map / max_memory / offload_folder go to `from_pretrained` (accelerate offloading)."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(source, trust_remote_code)
@@ -114,6 +117,10 @@ def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bo
                   **_offline_kwargs(src))
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
+    if offload_folder is not None:
+        kwargs["offload_folder"] = offload_folder
     if experts_implementation:
         kwargs["experts_implementation"] = experts_implementation
     try:
