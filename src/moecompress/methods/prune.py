@@ -19,6 +19,7 @@ from ..scoring import criteria as C
 from ..scoring import doptimal_kernel, greedy_doptimal, nonuniform_keep, num_kept, rank, uniform_keep
 from ..scoring.distance import pairwise_distance
 from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+from .needs import register_method_stats
 from .registry import MethodContext, register_method
 
 Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
@@ -236,3 +237,19 @@ def build_prune(config: PruneConfig, context: MethodContext):
 
 
 register_method("prune", PruneConfig, build_prune, needs_stats, family="prune")
+
+
+def _register_stats() -> None:
+    """`calibrate --for-method prune` gathers what every criterion reads, so one store serves them all;
+    `--for-method CRITERION` what prune with that criterion (and the default operator) reads."""
+    every = set()
+    for criterion in CRITERION_STATS:
+        needs = needs_stats(PruneConfig(criterion=criterion))
+        register_method_stats(criterion, needs)
+        every |= set(needs)
+    register_method_stats("routing-mass", needs_stats(PruneConfig(criterion="mass")))
+    register_method_stats("sge", ["counts", "tokens", "routing_mass", "out_norm_mean", "out_norm_sq_mean"])
+    register_method_stats("prune", sorted(every))
+
+
+_register_stats()
