@@ -57,3 +57,10 @@ def test_for_method_names_cover_the_method_needs():
 
 def test_store_written_for_prune_holds_its_names(prune_store):
     assert set(stats_for_method("prune")) <= set(StatsStore.load(prune_store).names)
+
+
+def test_prune_criteria_are_the_registry():
+    """The config's criterion names and the scoring registry are one list (a new criterion: one entry)."""
+    from moecompress.scoring.registry import CRITERIA as REGISTRY
+
+    assert set(CRITERIA) == set(REGISTRY)
