@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from moecompress.api import apply_plan, export, load
-from moecompress.calibrate import calibrate, stats_for_method
+from moecompress.calibrate import calibrate
+from moecompress.methods import stats_for_method
 from moecompress.data import CalibrationData
 from moecompress.errors import MoECompressError
 from moecompress.methods import MethodContext, get_method, parse_config

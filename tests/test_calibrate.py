@@ -21,13 +21,12 @@ from moecompress.calibrate import (
     StatsStore,
     UnreachedExpertsWarning,
     calibrate,
-    register_method_stats,
-    stats_for_method,
 )
 from moecompress.calibrate.hooks import LayerObserver
 from moecompress.checkpoint import CheckpointReader
 from moecompress.data import CalibrationData, char_tokenizer
 from moecompress.errors import MoECompressError
+from moecompress.methods import register_method_stats, stats_for_method
 from moecompress.models import MoEAdapter, load_model
 from moecompress.testing import FAMILY_NAMES, save_tiny
 

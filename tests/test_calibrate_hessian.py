@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecompress.calibrate import StatsStore, calibrate, stats_for_method, union_hessian
+from moecompress.calibrate import StatsStore, calibrate, union_hessian
+from moecompress.methods import stats_for_method
 from moecompress.data import CalibrationData
 from moecompress.errors import MoECompressError
 from moecompress.models import load_model

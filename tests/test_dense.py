@@ -325,6 +325,7 @@ def test_collector_matches_the_calibration_engine(tmp_path):
     """`collect_dense_stats` and `moecompress calibrate --for-method dense` define the statistics alike,
     so `--calib` can be a text spec or a stats store interchangeably."""
     from moecompress.calibrate import calibrate
+    from moecompress.methods import stats_for_method
     from moecompress.calibrate.store import load_stats
     from moecompress.data import CalibrationData
     from moecompress.distill.dense_export import _read_store
@@ -332,7 +333,7 @@ def test_collector_matches_the_calibration_engine(tmp_path):
     model = tiny_model("deepseek_v2", seed=3)
     model.save_pretrained(tmp_path / "m")
     ids = torch.randint(3, 90, (4, 16), generator=torch.Generator().manual_seed(4))
-    calibrate(str(tmp_path / "m"), CalibrationData.from_tokens(ids), for_method="dense", out=tmp_path / "s",
+    calibrate(str(tmp_path / "m"), CalibrationData.from_tokens(ids), stats=stats_for_method("dense"), out=tmp_path / "s",
               dtype="float32", progress=False)
     store, ours = load_stats(tmp_path / "s"), collect_dense_stats(model, ids, progress=False)
     for i in store.layers:

@@ -116,7 +116,7 @@ def fix_permissions(root: str | os.PathLike) -> None:
 
 
 def write_marker(directory: str | os.PathLike, kind: str) -> None:
-    from . import __version__
+    from ._version import __version__
 
     (Path(directory) / MARKER).write_text(json.dumps({"kind": kind, "moecompress_version": __version__}) + "\n")
 

@@ -59,7 +59,7 @@ from .compress_cli import compress_command; app.command("compress")(compress_com
 from .compare_cli import compare_command; app.command("compare")(compare_command)  # noqa: E402,E702
 from .compare_cli import demo_command; app.command("demo")(demo_command)  # noqa: E402,E702
 from .grid_cli import grid_command; app.command("grid")(grid_command)  # noqa: E402,E702
-from .calibrate.cli import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
+from .calibrate_cli import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
 from .eval.cli import eval_command; app.command("eval")(eval_command)  # noqa: E402,E702
 from .analysis_cli import analyze_command; app.command("analyze")(analyze_command)  # noqa: E402,E702
 from .distill.cli import dense_command; app.command("dense")(dense_command)  # noqa: E402,E702

@@ -432,7 +432,7 @@ class CompressionPlan(_Strict):
             if s.construction != "elementwise_merge":
                 _fail(f"The {where} declares packing '{s.packing}' but is a {s.construction}; only element-wise "
                       "merges are packed.")
-            from .runtime.packed import parse_packing
+            from .puzzle.codes import parse_packing
 
             spec = parse_packing(s.packing)
             if len(s.sources) != spec.members or len(set(s.sources)) != spec.members:
@@ -498,12 +498,12 @@ class CompressionPlan(_Strict):
                     self._need_quant(tensors, s.tensor, s.quant, self.expert_shapes(sc, s))
                     continue
                 if s.packing is not None:
-                    from .runtime.packed import check_packed_tensors
+                    from .puzzle.codes import check_packed_tensors
 
                     check_packed_tensors(self, sc, s, tensors)
                     continue
                 if s.construction == "elementwise_merge" and f"{s.tensor}.gate" not in tensors:
-                    from .runtime.decoders import has_decoder
+                    from .decoders import has_decoder
 
                     if not any(k.startswith(s.tensor + ".") for k in tensors):
                         _fail(f"The plan tensors lack '{s.tensor}.*' for stored expert {s.id} of scope '{sc.id}'; "

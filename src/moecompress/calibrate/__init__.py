@@ -8,13 +8,13 @@ from .api import UnreachedExpertsWarning, calibrate
 from .collectors import COLLECTORS, STAT_PROVIDERS, Collector, collectors_for, register_collector
 from .dryrun import ResourceEstimate
 from .observe import Observation
-from .registry import DEFAULT_STATS, known_methods, register_method_stats, resolve_stats, stats_for_method
+from .registry import DEFAULT_STATS, resolve_stats
 from .runner import SequentialRunner
 from .hessian import union_hessian
 from .store import StatsStore
 
 __all__ = [
     "COLLECTORS", "DEFAULT_STATS", "STAT_PROVIDERS", "Collector", "Observation", "ResourceEstimate",
-    "SequentialRunner", "StatsStore", "UnreachedExpertsWarning", "calibrate", "collectors_for", "known_methods",
-    "register_collector", "register_method_stats", "resolve_stats", "stats_for_method", "union_hessian",
+    "SequentialRunner", "StatsStore", "UnreachedExpertsWarning", "calibrate", "collectors_for",
+    "register_collector", "resolve_stats", "union_hessian",
 ]

@@ -60,7 +60,6 @@ def calibrate(
     seq_len: int = 2048,
     out: str | Path | None = None,
     stats=None,
-    for_method=None,
     offload_dir: str | Path | None = None,
     resume: bool = False,
     dry_run: bool = False,
@@ -87,8 +86,9 @@ def calibrate(
             `CalibrationData`.
         seq_len / seed / padding / chat_template / tokenizer: how a spec becomes sequences.
         out: the store directory (written atomically; a finished store with these inputs is reused).
-        stats / for_method: statistic names (list or comma string) and/or a method whose needs to gather;
-            the routing statistics (counts, tokens, routing_mass, pp, cp) are always gathered.
+        stats: statistic names (list or comma string); the routing statistics (counts, tokens,
+            routing_mass, pp, cp) are always gathered. A method's needs: `moecompress.methods.stats_for_method`
+            (what ``calibrate --for-method`` passes here).
         offload_dir: keep hidden states on disk there instead of CPU memory.
         resume: continue an interrupted run from its last finished layer (identical result).
         dry_run: only estimate memory, disk and time (one-layer probe); returns a `ResourceEstimate`.
@@ -117,7 +117,7 @@ def calibrate(
         raise MoECompressError("Pass an output directory for the statistics (--out DIR).")
     if batch_size < 1:
         raise MoECompressError(f"--batch-size must be at least 1, not {batch_size}.")
-    names = resolve_stats(stats, for_method)
+    names = resolve_stats(stats)
     names = sorted(set(names) | set(DEFAULT_STATS))
     classes = collectors_for(names)
     params = {"moment_experts": moment_experts} if moment_experts is not None else {}

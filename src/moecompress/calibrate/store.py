@@ -48,7 +48,7 @@ def versions() -> dict[str, str]:
     import safetensors
     import transformers
 
-    from .. import __version__
+    from .._version import __version__
 
     return {"moecompress": __version__, "torch": torch.__version__.split("+")[0],
             "transformers": transformers.__version__, "safetensors": safetensors.__version__,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from .. import __version__
+from .._version import __version__
 from ..atomic import atomic_dir, dir_bytes
 from ..atomic import human_bytes as _human
 from ..errors import MoECompressError
@@ -89,7 +89,7 @@ def _write_recipe(tmp: Path, recipe) -> None:
 def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool) -> None:
     from rich.progress import track
 
-    from ..methods.merging import merged_router_state, router_tensor_prefix
+    from ..runtime.merged_router import merged_router_state, router_tensor_prefix
 
     adapter = source.adapter
     remaining = {sc.id: set(sc.layers) for sc in plan.scopes}

@@ -901,7 +901,7 @@ register_method("auto", AutoConfig, build_auto, needs_stats, family="auto")
 
 
 def _register_stats():
-    from ..calibrate import register_method_stats
+    from .needs import register_method_stats
 
     register_method_stats("auto", needs_stats(AutoConfig()))
 

@@ -36,6 +36,7 @@ from ..errors import MoECompressError
 from ..scoring.budget import num_kept
 from ..scoring.criteria import reap
 from ..scoring.distance import pairwise_distance
+from .registry import stat, unpack_context
 
 Selection = Literal["adaptive", "fixed_k"]
 ScoreKind = Literal["conmoe", "usage", "reap", "distance"]
@@ -268,32 +269,9 @@ def needs_stats(config: ConMoEConfig) -> list[str]:
     return need
 
 
-def _stat(stats, layer: int, name: str) -> torch.Tensor:
-    """One statistic of one layer from a StatsStore (`.get(layer, name)`) or a {layer: {name: tensor}} dict."""
-    if stats is None:
-        raise MoECompressError(f"This method needs calibration statistics ('{name}'); run moecompress calibrate first.")
-    if hasattr(stats, "get") and not isinstance(stats, dict):
-        return stats.get(layer, name)
-    try:
-        return stats[layer][name]
-    except KeyError:
-        raise MoECompressError(f"The statistics lack '{name}' for layer {layer}; re-run calibration for this method.") from None
-
-
-def _context(context):
-    """(adapter, stats) from a build context (attributes adapter/model and stats) or an (adapter, stats) pair."""
-    from ..models import MoEAdapter
-
-    if isinstance(context, tuple):
-        adapter, stats = context
-    else:
-        adapter = getattr(context, "adapter", None)
-        if adapter is None:
-            adapter = MoEAdapter(context.model)
-        stats = getattr(context, "stats", None)
-    if not isinstance(adapter, MoEAdapter):
-        adapter = MoEAdapter(adapter)
-    return adapter, stats
+# the stats / context seam shared by every method lives in methods/registry.py
+_stat = stat
+_context = unpack_context
 
 
 def scope_id(layers: list[int]) -> str:
@@ -407,13 +385,10 @@ def _register() -> None:
         cls = ConMoEConfig if not defaults else _variant(name, **defaults)
         register_method(name, cls, lambda cfg, ctx, _n=name: build_conmoe(cfg, ctx, method=_n), needs_stats,
                         family="consolidate")
-    try:  # let `moecompress calibrate --for-method conmoe-…` know what to collect
-        from ..calibrate.registry import register_method_stats
+    from .needs import register_method_stats  # `moecompress calibrate --for-method conmoe-…`
 
-        for name in VARIANTS:
-            register_method_stats(name, ["counts", "tokens", "reap", "routing_mass"])
-    except ImportError:
-        pass
+    for name in VARIANTS:
+        register_method_stats(name, ["counts", "tokens", "reap", "routing_mass"])
 
 
 _register()

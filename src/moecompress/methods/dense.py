@@ -47,6 +47,7 @@ from torch import nn
 from ..errors import MoECompressError
 from ..models import ExpertActivation, ExpertWeights, MoEAdapter
 from ..scoring import doptimal_kernel, greedy_doptimal
+from .needs import register_method_stats
 from .registry import register_method
 
 Criterion = Literal["frequency", "pp", "ps", "cp", "acp", "do-cp", "do-acp"]
@@ -632,9 +633,4 @@ def build(config: DenseConfig, context):
 
 register_method("dense", DenseConfig, build, needs_stats=needs_stats, family="dense")
 
-try:  # let `moecompress calibrate --for-method dense` gather exactly what this method reads
-    from ..calibrate.registry import register_method_stats
-
-    register_method_stats("dense", needs_stats())
-except (ImportError, ValueError):  # the calibration engine is optional: stats can be collected directly
-    pass
+register_method_stats("dense", needs_stats())  # `moecompress calibrate --for-method dense`

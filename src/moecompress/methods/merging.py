@@ -31,6 +31,11 @@ import torch
 
 from ..errors import MoECompressError
 from ..models import ExpertWeights
+from ..runtime.merged_router import (  # noqa: F401  (re-exported: plan-tensor conventions moved there)
+    install_merged_router,
+    merged_router_state,
+    router_tensor_prefix,
+)
 
 Linkage = Literal["average", "single", "complete"]
 Metric = Literal["euclidean", "cosine"]
@@ -299,11 +304,6 @@ class HCSMoEConfig(BaseModel):
     backend: Literal["auto", "scipy", "torch"] = Field("auto", description="clustering implementation")
 
 
-def router_tensor_prefix(layer: int) -> str:
-    """PlanTensors prefix of a layer's merged router rows (`.weight` [K, H], `.bias`, `.e_score_correction_bias`)."""
-    return f"router.layer{layer}"
-
-
 def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, torch.Tensor], router: RouterMode,
                 adapter=None, method: str = "merge", params: dict | None = None):
     """Plan (+ tensors) of per-layer merges: group g of layer l is stored expert g (a copy when alone, else a
@@ -361,61 +361,14 @@ def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, tor
     return plan, tensors
 
 
-def install_merged_router(model_or_adapter, plan, tensors) -> int:
-    """Write a router-merging plan's merged rows into the kept slots of the original routers (in place).
-
-    Under `renorm`, dropped slots are deleted from the router, so the kept rows alone decide routing:
-    overwriting them with the merged rows makes the original-size model (and its runtime / hf export)
-    route exactly like the K-expert merged router. Returns the number of layers changed (0 for plans
-    without merged router rows)."""
-    from ..models import MoEAdapter
-
-    adapter = model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
-    changed = 0
-    with torch.no_grad():
-        for lp in plan.layers:
-            prefix = router_tensor_prefix(lp.layer)
-            if f"{prefix}.weight" not in (tensors or {}):
-                continue
-            kept = [e for e, s in enumerate(lp.slots) if s != "drop"]
-            order = [lp.slots[e] for e in kept]
-            weight, bias, corr = adapter.router_params(lp.layer)
-            for name, param in (("weight", weight), ("bias", bias), ("e_score_correction_bias", corr)):
-                key = f"{prefix}.{name}"
-                if key in tensors and param is not None:
-                    param[kept] = tensors[key][order].to(param.dtype).to(param.device)
-            changed += 1
-    return changed
-
-
-def merged_router_state(plan, tensors, layer: int, state: dict, router_rel: str) -> dict:
-    """Layer `layer`'s state dict with the plan's merged router rows written into its kept slots.
-
-    The streamed counterpart of `install_merged_router`: the exporter applies it to each layer as it reads
-    it from the checkpoint, so a router-merging plan never needs the model in memory. `router_rel` is the
-    router's name prefix in `state` (``mlp.gate.``); rows are cast to the checkpoint tensor's dtype, exactly
-    as installing them in the float32 model and writing that model in the checkpoint's dtype did."""
-    prefix = router_tensor_prefix(layer)
-    if f"{prefix}.weight" not in (tensors or {}):
-        return state
-    lp = plan.layer(layer)
-    kept = [e for e, s in enumerate(lp.slots) if s != "drop"]
-    order = [lp.slots[e] for e in kept]
-    out = dict(state)
-    for name in ("weight", "bias", "e_score_correction_bias"):
-        key, rel = f"{prefix}.{name}", f"{router_rel}{name}"
-        if key in tensors and rel in state:
-            t = state[rel].detach().clone()
-            t[kept] = tensors[key][order].to(t.dtype)
-            out[rel] = t
-    return out
 
 
 def build_msmoe(config: MSMoEConfig, context, method: str = "m-smoe"):
     """Registry entry: M-SMoE plan (+ tensors) from counts and router-logit correlations."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
-    from .conmoe import _context, _stat
+    from .registry import stat as _stat
+    from .registry import unpack_context as _context
 
     adapter, stats = _context(context)
     groups, weights = {}, {}
@@ -432,7 +385,8 @@ def build_hcsmoe(config: HCSMoEConfig, context, method: str = "hc-smoe"):
     """Registry entry: HC-SMoE plan (+ tensors) from all-token mean outputs and counts."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
-    from .conmoe import _context, _stat
+    from .registry import stat as _stat
+    from .registry import unpack_context as _context
 
     adapter, stats = _context(context)
     groups, weights = {}, {}

@@ -18,19 +18,16 @@ from ..plan import CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp,
 from ..scoring import criteria as C
 from ..scoring import doptimal_kernel, greedy_doptimal, nonuniform_keep, num_kept, rank, uniform_keep
 from ..scoring.distance import pairwise_distance
+from ..scoring.registry import CRITERIA, get_criterion
 from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+from .needs import register_method_stats
 from .registry import MethodContext, register_method
 
 Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
 OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
 
-CRITERION_STATS: dict[str, list[str]] = {
-    "random": ["counts", "tokens"], "frequency": ["counts", "tokens"], "mass": ["counts", "tokens", "routing_mass"],
-    "pp": ["counts", "tokens", "pp"], "ps": ["counts", "tokens", "cp"], "cp": ["counts", "tokens", "cp"],
-    "acp": ["counts", "tokens", "cp", "out_norm_sq_mean"], "reap": ["counts", "tokens", "reap"],
-    "ean": ["counts", "tokens", "ean"], "mone": ["counts", "tokens", "routing_mass", "out_mean", "out_var"],
-    "do-cp": ["counts", "tokens", "cp", "gram"], "do-acp": ["counts", "tokens", "cp", "out_norm_sq_mean", "gram"],
-}
+# what each criterion reads: the one criteria registry (scoring/registry.py)
+CRITERION_STATS: dict[str, list[str]] = {n: list(c.stats) for n, c in CRITERIA.items()}
 OPERATOR_STATS: dict[str, list[str]] = {
     "reroute": [], "drop": [], "remap": [], "constant": ["out_mean"],
     "tilt": ["moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment", "cross_moment"],
@@ -68,33 +65,11 @@ def _get(stats, layer: int, name: str) -> torch.Tensor:
 
 
 def layer_scores(criterion: str, stats, layer: int, seed: int = 0) -> torch.Tensor:
-    """Score [E] of every expert of `layer` under `criterion` (scoring/criteria.py equations)."""
-    g = lambda name: _get(stats, layer, name)  # noqa: E731
-    counts = g("counts")
-    n = float(g("tokens"))
-    if criterion == "random":
-        return C.random_scores(len(counts), seed + layer)
-    if criterion == "frequency":
-        return C.frequency(counts)
-    if criterion == "mass":
-        return C.routing_mass(g("routing_mass"))
-    if criterion == "pp":
-        return g("pp")
-    if criterion == "ps":
-        return C.ps(g("cp") * counts, n)
-    if criterion == "cp":
-        return g("cp")
-    if criterion == "acp":
-        return C.acp(g("cp") * counts, counts, g("out_norm_sq_mean") * counts)
-    if criterion == "reap":
-        return g("reap")
-    if criterion == "ean":
-        return C.ean(g("ean"))
-    if criterion == "mone":
-        mean, var = g("out_mean"), g("out_var")
-        c = counts[:, None]
-        return C.mone(mean * c, (var + mean.square()) * c, counts, g("routing_mass"), n)
-    raise MoECompressError(f"Criterion '{criterion}' has no per-expert score; use it through select_experts.")
+    """Score [E] of every expert of `layer` under `criterion` (scoring/registry.py, scoring/criteria.py equations)."""
+    entry = get_criterion(criterion)
+    if entry.doptimal:
+        raise MoECompressError(f"Criterion '{criterion}' has no per-expert score; use it through select_experts.")
+    return entry.score(lambda name: _get(stats, layer, name), layer, seed)
 
 
 def select_experts(config: PruneConfig, adapter, stats) -> dict[int, list[int]]:
@@ -104,15 +79,13 @@ def select_experts(config: PruneConfig, adapter, stats) -> dict[int, list[int]]:
         for i in adapter.moe_layers:
             protected[i] = C.super_experts(_get(stats, i, "out_norm_sq_mean") * _get(stats, i, "counts"),
                                            _get(stats, i, "counts"))
-    if config.criterion.startswith("do-"):
+    if get_criterion(config.criterion).doptimal:
         if config.budget != "uniform":
             raise MoECompressError("D-optimal selection chooses a set per layer; use budget 'uniform' with it.")
         keep = {}
         for i in adapter.moe_layers:
             counts = _get(stats, i, "counts")
-            cp = _get(stats, i, "cp")
-            base = C.acp(cp * counts, counts, _get(stats, i, "out_norm_sq_mean") * counts) \
-                if config.criterion == "do-acp" else cp
+            base = get_criterion(config.criterion).score(lambda name, _i=i: _get(stats, _i, name), i, config.seed)
             k = num_kept(len(counts), config.ratio)
             chosen = greedy_doptimal(doptimal_kernel(base, _get(stats, i, "gram")), k)
             keep[i] = _with_protected(sorted(chosen), protected.get(i), base)
@@ -236,3 +209,19 @@ def build_prune(config: PruneConfig, context: MethodContext):
 
 
 register_method("prune", PruneConfig, build_prune, needs_stats, family="prune")
+
+
+def _register_stats() -> None:
+    """`calibrate --for-method prune` gathers what every criterion reads, so one store serves them all;
+    `--for-method CRITERION` what prune with that criterion (and the default operator) reads."""
+    every = set()
+    for criterion in CRITERION_STATS:
+        needs = needs_stats(PruneConfig(criterion=criterion))
+        register_method_stats(criterion, needs)
+        every |= set(needs)
+    register_method_stats("routing-mass", needs_stats(PruneConfig(criterion="mass")))
+    register_method_stats("sge", ["counts", "tokens", "routing_mass", "out_norm_mean", "out_norm_sq_mean"])
+    register_method_stats("prune", sorted(every))
+
+
+_register_stats()

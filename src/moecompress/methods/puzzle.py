@@ -31,7 +31,6 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..calibrate import register_method_stats
 from ..errors import MoECompressError
 from ..models import ExpertWeights
 from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
@@ -47,6 +46,7 @@ from ..puzzle import (
 )
 from ..puzzle.group import GroupMergedExperts
 from ..runtime.packed import packing_code, run_members
+from .needs import register_method_stats
 from .registry import MethodContext, register_method
 
 STATS = ["counts", "tokens", "in_channel_norm", "mid_channel_norm"]

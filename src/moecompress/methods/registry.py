@@ -47,6 +47,34 @@ class MethodEntry:
         return list(self.needs_stats(config) if callable(self.needs_stats) else self.needs_stats)
 
 
+def stat(stats, layer: int, name: str) -> torch.Tensor:
+    """One statistic of one layer from a StatsStore (`.get(layer, name)`) or a {layer: {name: tensor}} dict."""
+    if stats is None:
+        raise MoECompressError(f"This method needs calibration statistics ('{name}'); run moecompress calibrate first.")
+    if hasattr(stats, "get") and not isinstance(stats, dict):
+        return stats.get(layer, name)
+    try:
+        return stats[layer][name]
+    except KeyError:
+        raise MoECompressError(f"The statistics lack '{name}' for layer {layer}; re-run calibration for this method.") from None
+
+
+def unpack_context(context):
+    """(adapter, stats) from a build context (attributes adapter/model and stats) or an (adapter, stats) pair."""
+    from ..models import MoEAdapter
+
+    if isinstance(context, tuple):
+        adapter, stats = context
+    else:
+        adapter = getattr(context, "adapter", None)
+        if adapter is None:
+            adapter = MoEAdapter(context.model)
+        stats = getattr(context, "stats", None)
+    if not isinstance(adapter, MoEAdapter):
+        adapter = MoEAdapter(adapter)
+    return adapter, stats
+
+
 METHODS: dict[str, MethodEntry] = {}
 
 

@@ -4,6 +4,17 @@ Pure tensor code (no model access): merge (merge.py), choose pairs (pairing.py),
 quantize (quant.py), run (modules.py; Triton kernel in triton_kernel.py). See docs/puzzlemoe.md.
 """
 
+from .codes import (
+    Packing,
+    _expected_for,
+    check_packed_tensors,
+    expected_tensors,
+    member_suffixes,
+    packed_nbytes,
+    packing_code,
+    parse_packing,
+)
+from .group import GroupLinear, GroupMergedExperts
 from .merge import (
     DEFAULT_TAU,
     ExpertPairMerge,
@@ -60,6 +71,15 @@ from .quant import (
 from .triton_kernel import cuda_kernel_available, packed_pair_linear_triton, triton_available
 
 __all__ = [
+    "GroupLinear",
+    "GroupMergedExperts",
+    "Packing",
+    "check_packed_tensors",
+    "expected_tensors",
+    "member_suffixes",
+    "packed_nbytes",
+    "packing_code",
+    "parse_packing",
     "DEFAULT_TAU",
     "EXP_BIAS",
     "MAX_PACKABLE",

@@ -1,0 +1,74 @@
+"""One registry of expert-selection criteria: each entry is a name, the statistics it reads, and its score.
+
+A score function maps one layer's statistics to a per-expert score s ∈ R^E (float64, higher = kept), with
+the equations of scoring/criteria.py. ``get(name)`` returns the layer's statistic as float64; ``layer`` and
+``seed`` feed the random baseline. A *set* criterion (D-optimal, ``doptimal=True``) does not rank experts one
+by one: its score is the base importance b of the kernel L = diag(√b)·Gram·diag(√b) whose log-determinant
+the greedy selection maximises (scoring/doptimal.py).
+
+Prune reads this table for selection and for what to calibrate (``calibrate --for-method prune`` gathers the
+union of every entry's statistics). A new criterion is one `register_criterion` call here (plus its
+equation in criteria.py and its tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import MoECompressError
+from . import criteria as C
+
+Getter = Callable[[str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CriterionEntry:
+    name: str
+    stats: tuple[str, ...]
+    score: Callable[[Getter, int, int], torch.Tensor]  # (get, layer, seed) -> [E]
+    doptimal: bool = False
+
+
+CRITERIA: dict[str, CriterionEntry] = {}
+
+
+def register_criterion(name: str, stats, score: Callable[[Getter, int, int], torch.Tensor],
+                       doptimal: bool = False) -> None:
+    CRITERIA[name] = CriterionEntry(name, tuple(stats), score, doptimal)
+
+
+def get_criterion(name: str) -> CriterionEntry:
+    try:
+        return CRITERIA[name]
+    except KeyError:
+        raise MoECompressError(f"Unknown criterion '{name}'; known: {', '.join(CRITERIA)}.") from None
+
+
+def _acp(g: Getter) -> torch.Tensor:
+    counts = g("counts")
+    return C.acp(g("cp") * counts, counts, g("out_norm_sq_mean") * counts)
+
+
+def _mone(g: Getter) -> torch.Tensor:
+    counts, mean, var = g("counts"), g("out_mean"), g("out_var")
+    c = counts[:, None]
+    return C.mone(mean * c, (var + mean.square()) * c, counts, g("routing_mass"), float(g("tokens")))
+
+
+_BASE = ("counts", "tokens")
+register_criterion("random", _BASE, lambda g, layer, seed: C.random_scores(len(g("counts")), seed + layer))
+register_criterion("frequency", _BASE, lambda g, layer, seed: C.frequency(g("counts")))
+register_criterion("mass", (*_BASE, "routing_mass"), lambda g, layer, seed: C.routing_mass(g("routing_mass")))
+register_criterion("pp", (*_BASE, "pp"), lambda g, layer, seed: g("pp"))
+register_criterion("ps", (*_BASE, "cp"), lambda g, layer, seed: C.ps(g("cp") * g("counts"), float(g("tokens"))))
+register_criterion("cp", (*_BASE, "cp"), lambda g, layer, seed: g("cp"))
+register_criterion("acp", (*_BASE, "cp", "out_norm_sq_mean"), lambda g, layer, seed: _acp(g))
+register_criterion("reap", (*_BASE, "reap"), lambda g, layer, seed: g("reap"))
+register_criterion("ean", (*_BASE, "ean"), lambda g, layer, seed: C.ean(g("ean")))
+register_criterion("mone", (*_BASE, "routing_mass", "out_mean", "out_var"), lambda g, layer, seed: _mone(g))
+register_criterion("do-cp", (*_BASE, "cp", "gram"), lambda g, layer, seed: g("cp"), doptimal=True)
+register_criterion("do-acp", (*_BASE, "cp", "out_norm_sq_mean", "gram"), lambda g, layer, seed: _acp(g),
+                   doptimal=True)

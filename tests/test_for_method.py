@@ -1,0 +1,66 @@
+"""`calibrate --for-method prune` writes a store that serves `compress --method prune` for every criterion.
+
+The statistics a method needs are the methods layer's knowledge (methods/needs.py); calibration only
+gathers names. A store directory is never recalibrated (pipeline.resolve_calibration), so a criterion
+whose statistics were missing would be refused with "lack" — this is the test that they are not."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+from typer.testing import CliRunner
+
+from moecompress.calibrate import StatsStore
+from moecompress.cli import app
+from moecompress.methods import stats_for_method
+from moecompress.methods.prune import Criterion, PruneConfig, needs_stats
+from moecompress.testing import fixture_dir
+
+CRITERIA = typing.get_args(Criterion)
+
+
+@pytest.fixture(scope="module")
+def prune_store(tmp_path_factory):
+    out = tmp_path_factory.mktemp("for-method") / "S"
+    res = CliRunner().invoke(app, ["calibrate", str(fixture_dir("olmoe-tiny")), "--data", "fixture-calib:8",
+                                   "--seq-len", "64", "--out", str(out), "--for-method", "prune"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_prune_store_serves_every_criterion(prune_store, tmp_path, criterion):
+    before = (prune_store / "meta.json").read_bytes() if (prune_store / "meta.json").exists() else None
+    res = CliRunner().invoke(app, ["compress", str(fixture_dir("olmoe-tiny")), "--method", "prune", "--criterion",
+                                   criterion, "--ratio", "0.25", "--calib", str(prune_store),
+                                   "--out", str(tmp_path / "out"), "--format", "compact"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["method"] == "prune" and plan["params"]["criterion"] == criterion
+    # served from the store as written: nothing recalibrated next to the output
+    assert not (tmp_path / "out-calib").exists()
+    if before is not None:
+        assert (prune_store / "meta.json").read_bytes() == before
+
+
+def test_for_method_names_cover_the_method_needs():
+    """`--for-method prune` is the union over criteria; `--for-method C` covers prune with criterion C."""
+    union = set(stats_for_method("prune"))
+    for criterion in CRITERIA:
+        needs = set(needs_stats(PruneConfig(criterion=criterion)))
+        assert needs <= union and needs <= set(stats_for_method(criterion)), criterion
+    # the issue's counter-example: prune with criterion=frequency also reads out_norm_sq_mean (super experts)
+    assert "out_norm_sq_mean" in stats_for_method("frequency")
+
+
+def test_store_written_for_prune_holds_its_names(prune_store):
+    assert set(stats_for_method("prune")) <= set(StatsStore.load(prune_store).names)
+
+
+def test_prune_criteria_are_the_registry():
+    """The config's criterion names and the scoring registry are one list (a new criterion: one entry)."""
+    from moecompress.scoring.registry import CRITERIA as REGISTRY
+
+    assert set(CRITERIA) == set(REGISTRY)
