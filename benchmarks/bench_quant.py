@@ -60,12 +60,17 @@ def arms() -> list[dict]:
     return out
 
 
-def run_fixture(fixture: str, out: Path, max_tokens: int) -> dict:
+def run_fixture(fixture: str, out: Path, max_tokens: int, reuse: bool = False) -> dict:
+    """Run the fixture's compare (or, with `reuse`, read the report an earlier run left under `out`)."""
     from moecompress.compare import run_compare
-    from moecompress.eval.stats import apply_holm, paired_bootstrap
     from moecompress.recipe import parse_recipe
 
     spec = arms()
+    done = out / fixture / "results.json"
+    if reuse and done.is_file():
+        wall = out / fixture / "wall.json"
+        seconds = json.loads(wall.read_text())["seconds"] if wall.is_file() else None
+        return summarize(fixture, json.loads(done.read_text()), spec, seconds)
     recipe = parse_recipe(dict(
         model=f"fixture:{fixture}", calibration=CALIBRATION,
         eval=dict(ppl="fixture-heldout", window=WINDOW, max_tokens=max_tokens, tasks=[], latency=False,
@@ -76,6 +81,14 @@ def run_fixture(fixture: str, out: Path, max_tokens: int) -> dict:
     res = run_compare(recipe, out / fixture, overwrite=True, progress=False, keep_checkpoints=False,
                       pairs=[(a["name"], "original") for a in spec])
     seconds = time.perf_counter() - t0
+    (out / fixture / "wall.json").write_text(json.dumps({"seconds": seconds}))
+    return summarize(fixture, res, spec, seconds)
+
+
+def summarize(fixture: str, res: dict, spec: list[dict], seconds: float | None) -> dict:
+    """Per-arm rows and the structure + bits vs pure-GPTQ comparisons of one fixture's compare results."""
+    from moecompress.eval.stats import apply_holm, paired_bootstrap
+
     stream = next(k for k in res["arms"][0]["metrics"] if k.startswith("ppl:"))
     family = {a["name"]: a["family"] for a in spec}
     rows = []
@@ -101,17 +114,18 @@ def run_fixture(fixture: str, out: Path, max_tokens: int) -> dict:
         c.pop("per_task", None)
         comps.append(dict(c, a=r["name"], b=best["name"]))
     apply_holm(comps, 0.05)
-    return dict(fixture=fixture, seconds=round(seconds, 1), calibration_seconds=(res.get("calibration") or {}).get(
+    return dict(fixture=fixture, seconds=None if seconds is None else round(seconds, 1),
+                calibration_seconds=(res.get("calibration") or {}).get(
         "seconds"), arms=rows, comparisons=comps, original_bytes=by["original"]["bytes"])
 
 
-def run(fixtures, max_tokens: int, out: Path) -> None:
+def run(fixtures, max_tokens: int, out: Path, reuse: bool = False) -> None:
     import torch
 
     results = dict(machine=dict(platform=platform.platform(), torch=torch.__version__,
                                 threads=torch.get_num_threads()), group=GROUP, max_tokens=max_tokens,
                    calibration=CALIBRATION, window=WINDOW,
-                   fixtures=[run_fixture(f, out, max_tokens) for f in fixtures])
+                   fixtures=[run_fixture(f, out, max_tokens, reuse) for f in fixtures])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
@@ -149,7 +163,8 @@ def markdown(results: dict) -> str:
              "routed-expert bits per original routed weight; compression time excludes the shared calibration. "
              f"Machine: {results['machine']['platform']}, torch {results['machine']['torch']}.", ""]
     for fx in results["fixtures"]:
-        lines += [f"### {fx['fixture']} (run {fx['seconds'] / 60:.1f} min)", ""]
+        took = f" (run {fx['seconds'] / 60:.1f} min)" if fx["seconds"] else ""
+        lines += [f"### {fx['fixture']}{took}", ""]
         lines.append("| arm | family | precision | bits/weight | model bytes vs original | KL | ppl | compress s |")
         lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in sorted(fx["arms"], key=lambda r: -(r["bytes"] or 0)):
@@ -207,9 +222,11 @@ def main() -> None:
     p.add_argument("--fixtures", nargs="*", default=list(FIXTURES))
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench_quant")
+    p.add_argument("--reuse", action="store_true", help="summarize a fixture's finished compare under --out "
+                   "instead of recomputing it")
     a = p.parse_args()
     if a.command == "run":
-        run(a.fixtures, a.max_tokens, a.out)
+        run(a.fixtures, a.max_tokens, a.out, a.reuse)
         return
     import sys
 

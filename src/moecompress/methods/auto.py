@@ -438,6 +438,7 @@ def allocate(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budge
     def cost(l, k):
         return fronts[l][k].loss * scale[l]
 
+    sizes = {l: [p.bytes for p in fronts[l]] for l in layers}  # fronts are sorted by bytes
     tol = 1e-12
     while True:
         best = None  # (gain, tie-break, changes)
@@ -461,7 +462,7 @@ def allocate(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budge
                         continue
                     fb = fronts[b]
                     limit = fb[cur[b]].bytes - need
-                    q = bisect.bisect_right([p.bytes for p in fb], limit) - 1
+                    q = bisect.bisect_right(sizes[b], limit) - 1
                     if q < 0:
                         continue
                     net = gain - (cost(b, q) - cost(b, cur[b]))
