@@ -36,3 +36,15 @@ def test_disabled_context_changes_nothing(capsys):
     with quiet_libraries(enabled=False):
         out = _bars(capsys)
     assert "Loading weights" in out
+
+
+def test_lm_eval_git_probe_is_silent_outside_a_repository(tmp_path, capfd, monkeypatch):
+    import lm_eval.evaluator as ev
+
+    monkeypatch.chdir(tmp_path)  # not a git repository: git prints "fatal: ..." on fd 2
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    ev.get_git_commit_hash()
+    assert "fatal" in capfd.readouterr().err
+    with quiet_libraries():
+        assert ev.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""

@@ -38,6 +38,7 @@ def quiet_libraries(enabled: bool = True) -> Iterator[None]:
             log.setLevel(logging.ERROR)
             stack.callback(log.setLevel, old)
         _loguru(stack)
+        _lm_eval_git(stack)
         yield
 
 
@@ -102,3 +103,23 @@ def _loguru(stack: contextlib.ExitStack) -> None:
     for name in LOGURU:
         logger.disable(name)
         stack.callback(logger.enable, name)
+
+
+def _lm_eval_git(stack: contextlib.ExitStack) -> None:
+    """lm-eval records `git describe` of the working directory; outside a repository git's "fatal: not a git
+    repository" goes straight to the terminal (fd 2), once per evaluation. Ask git quietly instead."""
+    try:
+        import lm_eval.evaluator as ev
+    except ImportError:
+        return
+    import subprocess
+
+    def git_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return None
+
+    old = ev.get_git_commit_hash
+    ev.get_git_commit_hash = git_hash
+    stack.callback(setattr, ev, "get_git_commit_hash", old)
