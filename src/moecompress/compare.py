@@ -313,7 +313,14 @@ def ranking_table(results: dict[str, Any]) -> Table:
         if i == 0:
             table.add_column(col, justify="left", overflow="fold", ratio=1, min_width=12)
         else:
-            table.add_column(col, justify="left" if col == "kind" else "right", no_wrap=True)
+            # fold, never ellipsize: on a terminal narrower than TABLE_WIDTH cells wrap instead of being cut
+            table.add_column(col, justify="left" if col == "kind" else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def table_width(console) -> int:
+    """The ranking table's width: TABLE_WIDTH, or the terminal's when it is narrower (a file or pipe has no
+    width of its own, so it gets TABLE_WIDTH rather than rich's 80-column default)."""
+    return min(console.width, TABLE_WIDTH) if console.is_terminal else TABLE_WIDTH

@@ -17,13 +17,13 @@ def compare_command(
     """Compress several arms from one calibration, evaluate all on the same items, write the report."""
     from rich.console import Console
 
-    from .compare import TABLE_WIDTH, ranking_table, run_compare
+    from .compare import ranking_table, run_compare, table_width
     from .recipe import load_recipe, merge_recipes
 
     recipe = merge_recipes([load_recipe(p) for p in recipes])
     results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose)
     console = Console()
-    console.print(ranking_table(results), width=min(console.width, TABLE_WIDTH))
+    console.print(ranking_table(results), width=table_width(console))
     console.print(f"report: {out / 'report.md'} (table: {out / 'ranking.md'})")
 
 
@@ -40,7 +40,7 @@ def demo_command(
 
     from rich.console import Console
 
-    from .compare import TABLE_WIDTH, ranking_table, run_compare
+    from .compare import ranking_table, run_compare, table_width
     from .recipe import load_recipe
 
     console = Console()
@@ -53,6 +53,6 @@ def demo_command(
             target = out if len(models) == 1 else out / recipe.model.split(":")[-1]
             t0 = time.perf_counter()
             results = run_compare(recipe, target, overwrite=overwrite, keep_checkpoints=False, verbose=verbose)
-            console.print(ranking_table(results), width=min(console.width, TABLE_WIDTH))
+            console.print(ranking_table(results), width=table_width(console))
             console.print(f"report: {target / 'report.md'} (table: {target / 'ranking.md'}; "
                           f"{time.perf_counter() - t0:.0f} s)")
