@@ -184,6 +184,9 @@ def markdown(results: dict) -> str:
         lines.append(f"Gate²-weighted GPTQ Hessians give lower KL than uniform ones at {len(helps)} of "
                      f"{len(pairs)} bit widths ({', '.join(f'{b} bits: {_g(u)} → {_g(w)}' for b, u, w in pairs)}).")
         lines.append("")
+    lines.append("Uniform bits on top of a fixed structural ratio is measured here; choosing structure and bits "
+                 "together per expert under one byte budget is `auto` over structure × bits (its own section).")
+    lines.append("")
     lines.append(f"![quality vs bytes](benchmarks/results/{PLOT.name})")
     return "\n".join(lines) + "\n"
 
@@ -211,8 +214,9 @@ def plot(results: dict) -> None:
         ax.set_ylabel("KL to the original (log)")
         ax.set_title(fx["fixture"])
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(PLOT, dpi=110)
 
 
