@@ -377,11 +377,11 @@ def report() -> None:
                f"as ours. Repeated runs of one setting differ by up to {spread:.1f}× on this shared box (medians used)."),
               (f"- **Stored codes**: {100 * min(codes):.1f}–{100 * max(codes):.1f} % identical to the like-for-like "
                f"checkpoint per projection type, on {'/'.join(dtypes)} checkpoints. Their scales, rounded to bf16, "
-               f"equal ours in {100 * scales:.2f} % of groups: llm-compressor stores the scale in the "
-               "weight's dtype and chooses codes against it, we round every scale to bf16 (one format) and choose "
-               "codes against that, so on float32 weights some near-tie codes move and GPTQ's error feedback carries "
-               "each move into the later columns. The GPTQ loop itself is bit-identical to llm-compressor's on equal "
-               "weight, Hessian and scale (`scripts/gptq_crosscheck.py`)."), ""]
+               f"equal ours in {100 * scales:.2f} % of groups. Codes that differ start at near-ties: llm-compressor "
+               "divides by the scale in the weight's dtype (and, on float32 weights, against a float32 scale), we "
+               "divide in float32 against the stored bf16 scale; GPTQ's error feedback then carries each differing "
+               "code into the later columns of its row. The GPTQ loop itself is bit-identical to llm-compressor's on "
+               "equal weight, Hessian and scale (`scripts/gptq_crosscheck.py`)."), ""]
     write_section(SECTION, "\n".join(lines))
     print("\n".join(lines))
 
