@@ -84,7 +84,9 @@ def run(suite: str, out: Path, fixtures=FIXTURES) -> None:
 
 def _row(arm: dict, verdicts: dict) -> list[str]:
     ppl = next(v for k, v in arm["metrics"].items() if k.startswith("ppl:"))["aggregate"]
-    mc = arm["metrics"].get("fixture_mc", {}).get("aggregate", {}).get("acc")
+    # the first multiple-choice task evaluated (fixture_cloze in today's recipes, fixture_mc in older results)
+    mc_task = next((e for e in arm["metrics"].values() if e.get("output_type") == "multiple_choice"), {})
+    mc = mc_task.get("aggregate", {}).get("acc")
     mb = arm["bytes"].get("model", 0) / 2**20
     v = verdicts.get(arm["name"], "")
     return [arm["name"], f"{mb:.2f}", f"{ppl['kl']:.4f}", f"{ppl['ppl']:.2f}", f"{mc:.3f}" if mc is not None else "-",
