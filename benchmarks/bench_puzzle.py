@@ -188,10 +188,10 @@ def run_compare_part(fixture: str, out: Path) -> dict:
             row.update(routed_bytes=on_disk, routed_fraction=on_disk / routed, bits_per_weight=8 * on_disk / n_params,
                        disk=a["bytes"].get("weights"), clamp=plan["params"]["puzzle"]["clamp"],
                        removed=plan["params"]["puzzle"]["removed_fraction"], format=a.get("export_format"))
-        elif a["kind"] == "quant_baseline":
-            q = a.get("quant", {})
-            row.update(bits_per_weight=q.get("bits_per_weight"), routed_bytes=q.get("routed_bytes_after"),
-                       routed_fraction=q.get("routed_bytes_after") / routed)
+        elif a["kind"] == "quant_baseline":  # the GPTQ reference arms (method quant), sized by their plan
+            bpw = a.get("bits_per_weight")
+            row.update(bits_per_weight=bpw, routed_bytes=round(bpw * n_params / 8), routed_fraction=bpw / 16,
+                       disk=a["bytes"].get("weights"))
         table.append(row)
     paired = {c["a"]: c for c in res.get("comparisons", []) if c["task"] == stream}
     for row, a in zip(table, res["arms"]):
@@ -302,14 +302,14 @@ def markdown(results: dict) -> str:
                              f"{_f(a['mc'], 3)} | {_f(a['gen'], 3)} | {_f(a.get('compress_seconds'))} | "
                              f"{_paired(a.get('paired'))} |")
             by = {a["name"]: a for a in cp["arms"]}
-            if {"puzzle-50", "puzzle-50-evolve", "puzzle-50-q3", "rtn-3bit", "rtn-4bit"} <= set(by):
-                p50, ev, q3, r3, r4 = (by[k] for k in ("puzzle-50", "puzzle-50-evolve", "puzzle-50-q3", "rtn-3bit",
-                                                        "rtn-4bit"))
+            refs = ("puzzle-50", "puzzle-50-evolve", "puzzle-50-q3", "quant-w3g128-gptq", "quant-w4g128-gptq")
+            if set(refs) <= set(by):
+                p50, ev, q3, r3, r4 = (by[k] for k in refs)
                 lines += ["", f"Reading: puzzle-50 stores exactly {p50['routed_fraction']:.3f} of the bf16 routed bytes "
                           f"(KL {p50['kl']:.4f}); evolved pairs (proxy: channel-norm-weighted reconstruction error) give "
                           f"KL {ev['kl']:.4f} vs {p50['kl']:.4f} for random pairs; puzzle-50-q3 at "
                           f"{q3['bits_per_weight']:.2f} bits/weight has KL {q3['kl']:.4f} against {r3['kl']:.4f} for "
-                          f"RTN 3-bit ({r3['bits_per_weight']:.2f} bits) and {r4['kl']:.4f} for RTN 4-bit "
+                          f"GPTQ 3-bit ({r3['bits_per_weight']:.2f} bits) and {r4['kl']:.4f} for GPTQ 4-bit "
                           f"({r4['bits_per_weight']:.2f} bits)."]
             n_base = cp.get("baselines", sum(a["kind"] == "quant_baseline" for a in cp["arms"]))
             n_arms = sum(a["kind"] not in ("original", "quant_baseline") for a in cp["arms"])
