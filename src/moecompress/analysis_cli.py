@@ -14,7 +14,6 @@ def analyze_command(
 ) -> None:
     """For every routed expert, its nearest neighbour under ConMoE's distance within its scope: a
     source-layer → neighbour-layer heatmap, the per-layer cross-layer fraction, and the JSON behind them."""
-    from pathlib import Path
 
     from rich.console import Console
     from rich.table import Table

@@ -17,7 +17,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .errors import MoECompressError
 from .recipe import Recipe
 
 console = Console(stderr=True)

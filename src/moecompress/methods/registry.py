@@ -11,6 +11,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from pydantic import BaseModel, ValidationError
 
 from ..errors import MoECompressError

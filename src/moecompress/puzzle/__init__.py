@@ -6,7 +6,7 @@ quantize (quant.py), run (modules.py; Triton kernel in triton_kernel.py). See do
 
 from .codes import (
     Packing,
-    _expected_for,
+    expected_for,
     check_packed_tensors,
     expected_tensors,
     member_suffixes,
@@ -75,6 +75,7 @@ __all__ = [
     "GroupMergedExperts",
     "Packing",
     "check_packed_tensors",
+    "expected_for",
     "expected_tensors",
     "member_suffixes",
     "packed_nbytes",

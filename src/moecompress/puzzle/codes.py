@@ -94,7 +94,7 @@ def expected_tensors(spec: Packing, width: int, hidden: int, bias: bool,
     return out
 
 
-def _expected_for(plan, sc, s):
+def expected_for(plan, sc, s):
     spec = parse_packing(s.packing)
     return spec, expected_tensors(spec, plan.stored_width(sc, s), plan.model.hidden_size, plan.model.expert_bias,
                                   getattr(torch, plan.model.dtype))
@@ -102,7 +102,7 @@ def _expected_for(plan, sc, s):
 
 def check_packed_tensors(plan, sc, s, tensors: Mapping[str, torch.Tensor]) -> None:
     """Every tensor of packed stored expert `s` is present with the right shape and dtype (one sentence if not)."""
-    _, expected = _expected_for(plan, sc, s)
+    _, expected = expected_for(plan, sc, s)
     for rel, (shape, dtype) in expected.items():
         key = f"{s.tensor}.{rel}"
         t = tensors.get(key)
@@ -116,6 +116,6 @@ def check_packed_tensors(plan, sc, s, tensors: Mapping[str, torch.Tensor]) -> No
 
 def packed_nbytes(plan, sc, s) -> int:
     """Bytes of a packed stored expert's tensors, from its shapes alone."""
-    _, expected = _expected_for(plan, sc, s)
+    _, expected = expected_for(plan, sc, s)
     return sum(torch.empty((), dtype=dt).element_size() * int(torch.Size(shape).numel())
                for shape, dt in expected.values())

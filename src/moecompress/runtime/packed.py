@@ -40,7 +40,7 @@ from ..puzzle import (  # noqa: F401  (codes re-exported: they moved to puzzle/c
     PackedPairLinear,
     Packing,
     QuantPairLinear,
-    _expected_for,
+    expected_for,
     check_packed_tensors,
     expected_tensors,
     member_suffixes,
@@ -76,7 +76,7 @@ def merged_module(spec: Packing, rel: Mapping[str, torch.Tensor], act: ExpertAct
 def module_for(plan, sc, s, tensors: Mapping[str, torch.Tensor] | None, act: ExpertActivation,
                device=None) -> nn.Module:
     """The runtime module of packed stored expert `s`: from the plan tensors, or a meta shell (tensors None)."""
-    spec, expected = _expected_for(plan, sc, s)
+    spec, expected = expected_for(plan, sc, s)
     if tensors is None:
         rel = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in expected.items()}
     else:
