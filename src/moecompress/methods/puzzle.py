@@ -45,7 +45,8 @@ from ..puzzle import (
     random_grouping,
 )
 from ..puzzle.group import GroupMergedExperts
-from ..runtime.packed import packing_code, run_members
+from ..puzzle import packing_code
+from ..runtime.packed import run_members
 from .needs import register_method_stats
 from .registry import MethodContext, register_method
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..models import ExpertActivation, ExpertWeights
-from ..puzzle import (  # noqa: F401  (codes re-exported: they moved to puzzle/codes.py)
+from ..puzzle import (
     GroupLinear,
     GroupMergedExperts,
     PackedPairExperts,
@@ -41,14 +41,9 @@ from ..puzzle import (  # noqa: F401  (codes re-exported: they moved to puzzle/c
     Packing,
     QuantPairLinear,
     expected_for,
-    check_packed_tensors,
-    expected_tensors,
-    member_suffixes,
-    packed_nbytes,
-    packing_code,
-    parse_packing,
 )
 from .experts import StoredExperts
+
 
 def merged_module(spec: Packing, rel: Mapping[str, torch.Tensor], act: ExpertActivation, width: int,
                   hidden: int) -> nn.Module:
