@@ -27,3 +27,20 @@ def causal_loader(ids, mask, batch_size: int):
         return {"input_ids": i, "attention_mask": torch.zeros(allowed.shape).masked_fill(~allowed, neg)}
 
     return DataLoader(list(zip(ids, mask)), batch_size=batch_size, shuffle=False, collate_fn=collate)
+
+
+def calibration_data(tokens_file: str, mask: str, batch_size: int):
+    """(data for `oneshot`, sequences, sequence length, real tokens) from the shared token-id file: a 2-D-mask
+    `Dataset` (llm-compressor as shipped) or the 4-D causal loader above."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+
+    tokens = load_file(tokens_file)
+    ids, attn = tokens["input_ids"].to(torch.int64), tokens["attention_mask"].to(torch.int64)
+    n, seq_len = ids.shape
+    if mask == "2d":
+        data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": attn.tolist()})
+    else:
+        data = causal_loader(ids, attn, batch_size)
+    return data, n, seq_len, int(attn.sum())

@@ -48,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
 
 
-from _loader import causal_loader
+from _loader import calibration_data
 
 
 def warm_imports(model: str) -> None:
@@ -89,20 +89,12 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modeling.moe.linearize import linearize_moe
     from llmcompressor.modifiers.quantization import GPTQModifier
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    tokens = load_file(args.tokens)
-    ids, mask = tokens["input_ids"].to(torch.int64), tokens["attention_mask"].to(torch.int64)
-    n, seq_len = ids.shape
-    if args.mask == "2d":
-        data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
-    else:
-        data = causal_loader(ids, mask, args.batch_size)
+    data, n, seq_len, n_tokens = calibration_data(args.tokens, args.mask, args.batch_size)
     scheme = QuantizationScheme(
         targets=[EXPERT_TARGET],
         weights=QuantizationArgs(num_bits=args.bits, type="int", symmetric=True, strategy="group",
@@ -131,7 +123,7 @@ def main() -> int:
         "python": sys.version.split()[0],
         "model": str(args.model), "dtype": weight_dtype, "bits": args.bits, "group": args.group,
         "symmetric": True, "damp": args.damp, "actorder": args.actorder, "target": EXPERT_TARGET,
-        "sequences": int(n), "seq_len": int(seq_len), "tokens": int(mask.sum()), "batch_size": args.batch_size,
+        "sequences": int(n), "seq_len": int(seq_len), "tokens": n_tokens, "batch_size": args.batch_size,
         "threads": args.threads, "moe_calibrate_all_experts": args.all_experts, "propagate_error": args.propagate,
         "mask": args.mask, "pipeline": "sequential", "save": str(args.save),
         "load_s": t_loaded - t_run, "oneshot_s": t_oneshot - t_loaded, "save_s": t_done - t_oneshot,

@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from _loader import causal_loader
+from _loader import calibration_data
 
 
 def warm_imports(model: str) -> None:
@@ -85,12 +85,10 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     import llmcompressor.modifiers.pruning.reap.base as reap_base
-    from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modeling.moe.linearize import linearize_moe
     from llmcompressor.modifiers.pruning.reap import REAPPruningModifier
     from llmcompressor.modifiers.pruning.reap.utils import REAPSaliencyTracker
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     # --- observation only: remember the saliency each layer's decision used
@@ -111,13 +109,7 @@ def main() -> int:
     REAPSaliencyTracker.compute_retained_experts = compute
     reap_base.prune_moe_layer = prune
 
-    tokens = load_file(args.tokens)
-    ids, mask = tokens["input_ids"].to(torch.int64), tokens["attention_mask"].to(torch.int64)
-    n, seq_len = ids.shape
-    if args.mask == "2d":
-        data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
-    else:
-        data = causal_loader(ids, mask, args.batch_size)
+    data, n, seq_len, n_tokens = calibration_data(args.tokens, args.mask, args.batch_size)
 
     warm_imports(args.model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +143,7 @@ def main() -> int:
                                               "datasets", "accelerate")},
         "python": sys.version.split()[0],
         "model": str(args.model), "sparsity": args.sparsity, "sequences": int(n), "seq_len": int(seq_len),
-        "tokens": int(mask.sum()), "batch_size": args.batch_size, "threads": args.threads,
+        "tokens": n_tokens, "batch_size": args.batch_size, "threads": args.threads,
         "moe_calibrate_all_experts": args.all_experts, "propagate_error": args.propagate, "mask": args.mask,
         "pipeline": "sequential",
         "keep": dict(sorted(keep.items(), key=lambda kv: int(kv[0]))),
