@@ -202,3 +202,10 @@ def test_task_plot_is_omitted_when_no_task_discriminates(tmp_path):
     r["arms"] = r["arms"][:1] + [dict(r["arms"][0], name="copy", kind="compressed")]  # identical items
     text = write_report(r, tmp_path / "rep").read_text()
     assert not (tmp_path / "rep" / "task_deltas.png").exists() and "No per-task plot" in text
+
+
+def test_a_pipe_gets_the_full_table_width():
+    from moecompress.compare import TABLE_WIDTH, summary_console, table_width
+
+    console = summary_console()  # pytest captures stdout: not a terminal, so rich alone would assume 80
+    assert not console.is_terminal and console.width == TABLE_WIDTH and table_width(console) == TABLE_WIDTH

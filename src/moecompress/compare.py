@@ -319,6 +319,13 @@ def ranking_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def summary_console():
+    """The console the ranking table is printed on: a file or pipe has no width of its own (rich would assume
+    80 columns and squeeze the table), so it gets TABLE_WIDTH."""
+    c = Console()
+    return c if c.is_terminal else Console(width=TABLE_WIDTH)
+
+
 def table_width(console) -> int:
     """The ranking table's width: TABLE_WIDTH, or the terminal's when it is narrower (a file or pipe has no
     width of its own, so it gets TABLE_WIDTH rather than rich's 80-column default)."""

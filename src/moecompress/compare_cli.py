@@ -15,14 +15,13 @@ def compare_command(
     verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
 ) -> None:
     """Compress several arms from one calibration, evaluate all on the same items, write the report."""
-    from rich.console import Console
 
-    from .compare import ranking_table, run_compare, table_width
+    from .compare import ranking_table, run_compare, summary_console, table_width
     from .recipe import load_recipe, merge_recipes
 
     recipe = merge_recipes([load_recipe(p) for p in recipes])
     results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose)
-    console = Console()
+    console = summary_console()
     console.print(ranking_table(results), width=table_width(console))
     console.print(f"report: {out / 'report.md'} (table: {out / 'ranking.md'})")
 
@@ -38,12 +37,11 @@ def demo_command(
 
     from importlib import resources
 
-    from rich.console import Console
 
-    from .compare import ranking_table, run_compare, table_width
+    from .compare import ranking_table, run_compare, summary_console, table_width
     from .recipe import load_recipe
 
-    console = Console()
+    console = summary_console()
     names = ["demo-full.yaml"] if full else ["demo.yaml"]
     models = ["fixture:olmoe-tiny", "fixture:qwen3-moe-tiny"] if full else [None]
     for name in names:
