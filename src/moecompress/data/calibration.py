@@ -7,7 +7,10 @@ short windows are right-padded with an attention mask of 0; padding never counts
 
 Selection: a file/fixture source (or WikiText's single running text) yields every window its text
 fills and ``count`` of them are drawn without replacement with ``seed`` (kept in text order); a
-streamed hub source is read in seeded shuffled order until ``count`` windows are filled.
+streamed hub source is read in seeded shuffled order until ``count`` windows are filled. A
+``task:NAME:count`` term draws ``count`` of the task's documents with ``seed`` and gives one
+right-padded sequence per rendered prompt (a prompt longer than ``seq_len`` continues in the next
+row), whatever the packing mode: task prompts are short, separate questions, as the task asks them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import torch
 from ..errors import MoECompressError
 from .sources import FIXTURES, HUB_DATASETS, Document, file_documents, fixture_path, hub_documents
 from .spec import SourceSpec, parse_spec
+from .tasks import task_prompts
 
 DEFAULT_HUB_COUNT = 128
+DEFAULT_TASK_DOCS = 128  # ConMoE calibrates on 128 documents of each task
 
 
 @dataclass
@@ -35,9 +40,11 @@ class SourceInfo:
     domain: str
     sequences: int
     tokens: int
+    documents: int | None = None  # task terms: documents drawn (the checklist's calibration size)
+    split: str | None = None  # task terms: which split they came from
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass
@@ -174,6 +181,9 @@ class _Windows:
 
 def _source_documents(src: SourceSpec, seed: int, purpose: str) -> tuple[Iterator[Document], str, str, bool]:
     """(documents, origin, domain, streamed) of one spec term; streamed sources are read lazily."""
+    if src.kind == "task":
+        raise MoECompressError(f"'{src.term}' is a calibration term (task prompts, unlabeled); to score a model on "
+                               f"the task, pass it to --tasks ({src.name}) instead of a text spec.")
     if src.kind == "hub":
         info = HUB_DATASETS[src.name]
         split = src.split or (info.calib_split if purpose == "calib" else info.eval_split)
@@ -214,6 +224,12 @@ def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, p
     eos = getattr(tokenizer, "eos_token_id", None)
     all_ids, all_mask, infos = [], [], []
     for k, src in enumerate(terms):
+        if src.kind == "task":
+            ids, mask, info = _task_rows(src, tokenizer, seq_len, seed, chat_template)
+            all_ids.append(ids)
+            all_mask.append(mask)
+            infos.append(info)
+            continue
         docs, origin, domain, lazy = _source_documents(src, seed, "calib")
         want = src.count if src.count is not None else (DEFAULT_HUB_COUNT if src.kind == "hub" else None)
         win = _Windows(seq_len, padding, eos, _pad_id(tokenizer))
@@ -239,6 +255,19 @@ def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, p
         infos.append(SourceInfo(src.term, src.kind, origin, domain, len(pick), int(mask.sum())))
     return CalibrationData(torch.cat(all_ids), torch.cat(all_mask), spec, seq_len, seed, padding, chat_template,
                            infos)
+
+
+def _task_rows(src: SourceSpec, tokenizer, seq_len: int, seed: int, chat_template: bool):
+    """(input_ids, attention_mask, SourceInfo) of a ``task:`` term: one padded row per rendered prompt."""
+    tp = task_prompts(src.name, src.count if src.count is not None else DEFAULT_TASK_DOCS, seed, src.split)
+    win = _Windows(seq_len, True, getattr(tokenizer, "eos_token_id", None), _pad_id(tokenizer))
+    for ids in encode_documents(tokenizer, tp.prompts, chat_template):
+        win.add(list(ids))
+    ids, mask = win.tensors(list(range(len(win))))
+    overlap = ", the split it is evaluated on" if tp.overlaps_evaluation else ""
+    origin = f"lm-eval task {tp.task}, {tp.documents} of {tp.available} {tp.split} documents{overlap}"
+    domain = f"{tp.task} prompts (lm-eval zero-shot rendering, unlabeled)"
+    return ids, mask, SourceInfo(src.term, "task", origin, domain, len(win), int(mask.sum()), tp.documents, tp.split)
 
 
 @dataclass
