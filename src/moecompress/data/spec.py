@@ -5,6 +5,7 @@ Grammar (one term per source, ``+`` between terms)::
     spec  := term ('+' term)*
     term  := source ['@' split] [':' count]
     source:= hub name (c4, wikitext2, fineweb-edu, gsm8k) | fixture name (fixture-calib, fixture-heldout)
+           | fixture corpus (fixture-calib/technical, /scripture, /aphorisms; passages as documents)
            | 'task:' lm-eval task name (task:hellaswag, task:fixture_cloze)
            | path to a .txt / .jsonl / .json file, optionally '#field' for JSON records (default 'text')
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import MoECompressError
-from .sources import FIXTURES, HUB_DATASETS
+from .sources import FIXTURES, HUB_DATASETS, fixture_domain
 
 _EXAMPLE = ("e.g. c4:128, wikitext2:64, fixture-calib:32, task:hellaswag:128, path/to/file.txt or "
             "path/to/file.jsonl#text:64+gsm8k:64")
@@ -67,7 +68,7 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
         return SourceSpec(term, "task", name, None, split, count)
     if key in HUB_DATASETS:
         return SourceSpec(term, "hub", key, None, split, count)
-    if key in FIXTURES:
+    if key in FIXTURES or fixture_domain(key):
         return SourceSpec(term, "fixture", key, None, split, count)
     path, field = body, None
     if "#" in body and not Path(body).exists():
