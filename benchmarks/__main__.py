@@ -90,6 +90,10 @@ SECTIONS: dict[str, Section] = {
         "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",),
         run=(_b("bench_compress_memory.py", "run"),),
         report=(_b("bench_compress_memory.py", "report"),)),
+    "drift": Section(
+        "## Calibration domain: mask drift (issue 18)", ("drift.json",),
+        run=(_b("bench_drift.py", "run"),),
+        report=(_b("bench_drift.py", "report"),)),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
