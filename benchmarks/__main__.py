@@ -94,6 +94,10 @@ SECTIONS: dict[str, Section] = {
         "## Calibration domain: mask drift (issue 18)", ("drift.json",),
         run=(_b("bench_drift.py", "run"),),
         report=(_b("bench_drift.py", "report"),)),
+    "operators-bits": Section(
+        "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",),
+        run=(_b("bench_operators_bits.py", "run"),),
+        report=(_b("bench_operators_bits.py", "report"),)),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
