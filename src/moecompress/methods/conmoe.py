@@ -36,6 +36,7 @@ from ..errors import MoECompressError
 from ..scoring.budget import num_kept
 from ..scoring.criteria import reap
 from ..scoring.distance import pairwise_distance
+from ..scoring.registry import get_criterion
 from .registry import stat, unpack_context
 
 Selection = Literal["adaptive", "fixed_k"]
@@ -261,12 +262,25 @@ class ConMoEConfig(BaseModel):
     eps: float = Field(1e-8, gt=0.0)
 
 
+# ConMoE's per-expert scores are entries of the one criteria registry (scoring/registry.py): the contribution
+# a_e is REAP's score, the "usage" ablation c_e the frequency criterion's
+CONTRIBUTION, USAGE = "reap", "frequency"
+
+
 def needs_stats(config: ConMoEConfig) -> list[str]:
     """Statistics (calibration store names) a ConMoE config reads."""
-    need = ["counts", "tokens", "reap"]
+    need = list(get_criterion(CONTRIBUTION).stats)
+    if config.score == "usage":
+        need += get_criterion(USAGE).stats
     if config.fusion != "none":
         need.append("routing_mass")
-    return need
+    return list(dict.fromkeys(need))
+
+
+def expert_scores(stats, criterion: str, layers: list[int]) -> torch.Tensor:
+    """One registry criterion's per-expert scores over a scope's layers, concatenated in scope order."""
+    entry = get_criterion(criterion)
+    return torch.cat([entry.score(lambda name, _i=i: stat(stats, _i, name).double(), i, 0) for i in layers])
 
 
 # the stats / context seam shared by every method lives in methods/registry.py
@@ -290,8 +304,8 @@ def consolidate(adapter, stats, config: ConMoEConfig, progress: bool = False) ->
     for group in items:
         stacks = [adapter.experts(i) for i in group]
         d = scope_distance(stacks, config.eps)
-        a = torch.cat([_stat(stats, i, "reap").double() for i in group])
-        usage = torch.cat([_stat(stats, i, "counts").double() for i in group]) if config.score == "usage" else None
+        a = expert_scores(stats, CONTRIBUTION, group)
+        usage = expert_scores(stats, USAGE, group) if config.score == "usage" else None
         out.append(consolidate_scope(group, [adapter.num_experts(i) for i in group], d, a, config.ratio, usage,
                                      config.score, config.selection, config.eps))
     return out
@@ -387,8 +401,8 @@ def _register() -> None:
                         family="consolidate")
     from .needs import register_method_stats  # `moecompress calibrate --for-method conmoe-…`
 
-    for name in VARIANTS:
-        register_method_stats(name, ["counts", "tokens", "reap", "routing_mass"])
+    for name in VARIANTS:  # one store serves every variant and fusion
+        register_method_stats(name, needs_stats(ConMoEConfig(fusion="average", score="usage")))
 
 
 _register()

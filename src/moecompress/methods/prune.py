@@ -18,7 +18,7 @@ from ..plan import CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp,
 from ..scoring import criteria as C
 from ..scoring import doptimal_kernel, greedy_doptimal, nonuniform_keep, num_kept, rank, uniform_keep
 from ..scoring.distance import pairwise_distance
-from ..scoring.registry import CRITERIA, get_criterion
+from ..scoring.registry import criteria, get_criterion
 from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
 from .needs import register_method_stats
 from .registry import MethodContext, register_method
@@ -26,8 +26,9 @@ from .registry import MethodContext, register_method
 Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
 OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
 
-# what each criterion reads: the one criteria registry (scoring/registry.py)
-CRITERION_STATS: dict[str, list[str]] = {n: list(c.stats) for n, c in CRITERIA.items()}
+# what each criterion reads: the one criteria registry (scoring/registry.py); prune serves every criterion
+# under its own name (not the variants other methods use)
+CRITERION_STATS: dict[str, list[str]] = {n: list(get_criterion(n).stats) for n in criteria()}
 OPERATOR_STATS: dict[str, list[str]] = {
     "reroute": [], "drop": [], "remap": [], "constant": ["out_mean"],
     "tilt": ["moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment", "cross_moment"],
