@@ -56,7 +56,7 @@ def scopes(moe_layers: list[int], scope_size: int) -> list[list[int]]:
 
 
 def scope_budget(pool_size: int, ratio: float) -> int:
-    """K = max(1, round((1 − ρ)|E_G|)); rejects ρ outside [0, 1)."""
+    """K = max(1, round((1 − ρ)|E_G|)); ρ in [0, 1) is the config's to check (ConMoEConfig.ratio)."""
     return num_kept(pool_size, ratio)
 
 
