@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import MoECompressError
-from .collectors import collectors_for
-from .registry import DEFAULT_STATS, resolve_stats
+from .registry import DEFAULT_STATS, collectors_for, resolve_stats
 from .store import FORMAT, PartialRun, StatsStore, versions, write_store
 
 

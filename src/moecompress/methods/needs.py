@@ -11,7 +11,7 @@ Per-criterion needs (prune, dense, conmoe) come from the one criteria registry (
 
 from __future__ import annotations
 
-from ..calibrate.collectors import STAT_PROVIDERS
+from ..calibrate.registry import STAT_PROVIDERS
 from ..errors import MoECompressError
 
 # Methods whose needs are not declared by a method module; criteria register below in _builtin().
