@@ -33,11 +33,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
+from ..models import MoEAdapter
 from ..scoring.budget import num_kept
 from ..scoring.criteria import reap
 from ..scoring.distance import pairwise_distance
 from ..scoring.registry import get_criterion
-from .registry import stat, unpack_context
+from .context import StatsView, stat, unpack_context
 
 Selection = Literal["adaptive", "fixed_k"]
 ScoreKind = Literal["conmoe", "usage", "reap", "distance"]
@@ -277,22 +278,18 @@ def needs_stats(config: ConMoEConfig) -> list[str]:
     return list(dict.fromkeys(need))
 
 
-def expert_scores(stats, criterion: str, layers: list[int]) -> torch.Tensor:
+def expert_scores(stats: StatsView, criterion: str, layers: list[int]) -> torch.Tensor:
     """One registry criterion's per-expert scores over a scope's layers, concatenated in scope order."""
     entry = get_criterion(criterion)
     return torch.cat([entry.score(lambda name, _i=i: stat(stats, _i, name).double(), i, 0) for i in layers])
-
-
-# the stats / context seam shared by every method lives in methods/registry.py
-_stat = stat
-_context = unpack_context
 
 
 def scope_id(layers: list[int]) -> str:
     return f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}"
 
 
-def consolidate(adapter, stats, config: ConMoEConfig, progress: bool = False) -> list[ScopeConsolidation]:
+def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
+                progress: bool = False) -> list[ScopeConsolidation]:
     """ConMoE on every scope of a model: prototypes and the map (no plan yet)."""
     out = []
     groups = scopes(adapter.moe_layers, config.scope_size)
@@ -327,7 +324,7 @@ def conmoe_plan(info, results: list[ScopeConsolidation], config: ConMoEConfig, a
         mass = None
         stack = None
         if config.fusion != "none":
-            mass = torch.cat([_stat(stats, i, "routing_mass").double() for i in res.layers])
+            mass = torch.cat([stat(stats, i, "routing_mass").double() for i in res.layers])
         if config.fusion == "arcee":
             stack = stack_scope([adapter.experts(i) for i in res.layers])
         stored = []
@@ -358,7 +355,7 @@ def build_conmoe(config: ConMoEConfig, context, method: str = "conmoe"):
     """Registry entry: (plan, tensors) for a model + calibration statistics."""
     from ..plan import ModelInfo
 
-    adapter, stats = _context(context)
+    adapter, stats = unpack_context(context)
     results = consolidate(adapter, stats, config, progress=getattr(context, "progress", False))
     return conmoe_plan(ModelInfo.from_model(adapter), results, config, adapter, stats, method=method)
 

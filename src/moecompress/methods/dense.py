@@ -49,6 +49,7 @@ from ..errors import MoECompressError
 from ..models import ExpertActivation, ExpertWeights, MoEAdapter
 from ..scoring import doptimal_kernel, greedy_doptimal
 from ..scoring.registry import get_criterion
+from .context import MappingStats, MethodContext, StatsView
 from .needs import register_method_stats
 from .registry import register_method
 
@@ -581,17 +582,20 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
 
 
 # ----------------------------------------------------------------------------- method registry entry
-def stats_mapping(stats) -> Stats:
-    """{layer: {name: tensor}} from a mapping or a calibration `StatsStore` (``.layers`` / ``.layer(i)``)."""
+def stats_mapping(stats: StatsView | Stats | None) -> Stats:
+    """{layer: {name: tensor}} from a `StatsView` (a calibration `StatsStore`: ``.layers`` / ``.layer(i)``) or a
+    mapping (as it is, also when wrapped in `MappingStats`)."""
     if stats is None:
         raise MoECompressError("The dense method needs calibration statistics; run moecompress calibrate "
                                "--for-method dense first (or pass --calib SPEC).")
+    if isinstance(stats, MappingStats):
+        return stats.mapping
     if hasattr(stats, "layers") and hasattr(stats, "layer") and not isinstance(stats, Mapping):
         return {int(i): stats.layer(int(i)) for i in stats.layers}
     return stats
 
 
-def build(config: DenseConfig, context):
+def build(config: DenseConfig, context: MethodContext):
     """Registry entry: a CompressionPlan in which every router slot of a layer maps to its dense FFN.
 
     Each MoE layer stores one ``dense_group`` expert (the k concatenated groups, width k·I, supplied
