@@ -1,16 +1,23 @@
 """Calibration: stream a checkpoint layer by layer over calibration text and gather per-expert statistics."""
 
-from .api import UnreachedExpertsWarning, calibrate
+from .api import Calibration, CalibrationOptions, UnreachedExpertsWarning, calibrate
 from .collectors import Collector
 from .dryrun import ResourceEstimate
-from .observe import Observation
-from .registry import COLLECTORS, DEFAULT_STATS, STAT_PROVIDERS, collectors_for, register_collector, resolve_stats
-from .runner import SequentialRunner
 from .hessian import union_hessian
+from .observe import Observation
+from .registry import (
+    COLLECTORS,
+    DEFAULT_STATS,
+    STAT_PROVIDERS,
+    collectors_for,
+    register_collector,
+    resolve_stats,
+)
+from .runner import SequentialRunner
 from .store import StatsStore
 
 __all__ = [
-    "COLLECTORS", "DEFAULT_STATS", "STAT_PROVIDERS", "Collector", "Observation", "ResourceEstimate",
+    "COLLECTORS", "Calibration", "CalibrationOptions", "DEFAULT_STATS", "STAT_PROVIDERS", "Collector", "Observation", "ResourceEstimate",
     "SequentialRunner", "StatsStore", "UnreachedExpertsWarning", "calibrate", "collectors_for",
     "register_collector", "resolve_stats", "union_hessian",
 ]
