@@ -82,11 +82,11 @@ def test_distances_equal_a_direct_computation():
     assert jaccard_distance({1, 2, 3}, {2, 3, 4}) == pytest.approx(0.5) and jaccard_distance([], []) == 0.0
 
 
-def test_identical_specs_drift_zero_and_masks_are_compress_masks(tmp_path):
+def test_identical_specs_drift_zero_and_masks_are_compress_masks():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = mask_drift("fixture:olmoe-tiny", ["fixture-calib/scripture", "fixture-calib/scripture"], ["frequency"],
-                         [0.5], draws=2, sequences=2, seq_len=128, bootstrap=20, work_dir=tmp_path)
+                         [0.5], draws=2, sequences=2, seq_len=128, bootstrap=20)
     s = res.summary["frequency@0.5"]
     (pair,) = s["domain"]
     assert s["domain"][pair]["overall"] == 0.0 and s["overall"]["domain"] == 0.0
@@ -96,4 +96,30 @@ def test_identical_specs_drift_zero_and_masks_are_compress_masks(tmp_path):
         assert all(len(p) == 8 for p in mask.values())  # 50 % of 16 experts pruned in every layer
     assert res.calibration["fixture-calib/scripture #1"][0]["tokens"] == 2 * 128
     with pytest.raises(MoECompressError, match="two draws"):
-        mask_drift("fixture:olmoe-tiny", ["fixture-calib"], ["frequency"], [0.5], draws=1, work_dir=tmp_path)
+        mask_drift("fixture:olmoe-tiny", ["fixture-calib"], ["frequency"], [0.5], draws=1)
+
+
+def test_one_pass_over_groups_equals_one_calibration_per_group(tmp_path, tok):
+    """calibrate_groups: each group's statistics are bit-identical to calibrating that group alone."""
+    import torch
+
+    from moecompress.calibrate import calibrate
+    from moecompress.calibrate.groups import calibrate_groups
+    from moecompress.data import CalibrationData
+
+    model = resolve_fixture("fixture:qwen3-moe-tiny")
+    draws = disjoint_resamples("fixture-calib/aphorisms", tok, seq_len=64, sequences=4, resamples=2, seed=1)
+    joined = CalibrationData(torch.cat([d.data.input_ids for d in draws]),
+                             torch.cat([d.data.attention_mask for d in draws]), "joined", 64)
+    stats = ["reap", "out_norm_sq_mean"]
+    groups = calibrate_groups(model, joined, [4, 4], stats, batch_size=2)
+    for r, d in enumerate(draws):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            store = calibrate(model, d.data, seq_len=64, out=tmp_path / f"s{r}", stats=stats, batch_size=2,
+                              progress=False)
+        for layer in store.layers:
+            for name in ("counts", "reap", "out_norm_sq_mean"):
+                assert torch.equal(groups[r][layer][name], store.get(layer, name)), (r, layer, name)
+    with pytest.raises(MoECompressError, match="multiple of the batch size"):
+        calibrate_groups(model, joined, [3, 5], stats, batch_size=2)

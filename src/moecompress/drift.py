@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -131,15 +132,16 @@ def _mask_name(criterion: str, ratio: float) -> str:
 
 def mask_drift(model: str, specs: list[str], criteria: list[str], ratios: list[float], *, draws: int = 4,
                sequences: int | None = None, seq_len: int = 256, seed: int = 0, bootstrap: int = 1000,
-               work_dir: str | os.PathLike, batch_size: int = 8, progress: bool = False) -> MaskDrift:
+               batch_size: int = 8) -> MaskDrift:
     """Prune masks of `model` from `draws` disjoint, token-matched draws of every spec, for every
     criterion × ratio, and their drift summaries (module docstring).
 
     sequences: windows of `seq_len` per draw (None: the most that every spec can fill `draws` times).
-    work_dir: where each draw's stats store is written (one streamed calibration per draw)."""
-    from .calibrate import calibrate
-    from .data import disjoint_resamples, load_tokenizer
+    Each spec's draws are calibrated together in one streamed pass (`calibrate.groups`)."""
+    from .calibrate.groups import calibrate_groups
+    from .data import CalibrationData, disjoint_resamples, load_tokenizer
     from .methods import get_method, parse_config
+    from .methods.context import MappingStats
     from .methods.prune import select_experts
     from .methods.streamed import StreamedAdapter
     from .models.loading import resolve_fixture, resolve_source
@@ -157,17 +159,18 @@ def mask_drift(model: str, specs: list[str], criteria: list[str], ratios: list[f
     result = MaskDrift(str(model), list(specs), draws, sequences, seq_len, seed, list(view.moe_layers))
     result.masks = {name: {} for name in configs}
     labels = [s if specs.count(s) == 1 else f"{s} #{k + 1}" for k, s in enumerate(specs)]  # a spec twice: 2 rows
-    for k, (spec, label) in enumerate(zip(specs, labels)):
-        result.calibration[label] = []
-        for name in configs:
+    step = math.gcd(batch_size, sequences)  # batches never straddle two draws
+    all_experts = {i: set(range(view.num_experts(i))) for i in view.moe_layers}
+    for spec, label in zip(specs, labels):
+        picked = disjoint_resamples(spec, tok, seq_len, sequences, draws, seed)
+        joined = CalibrationData(torch.cat([d.data.input_ids for d in picked]),
+                                 torch.cat([d.data.attention_mask for d in picked]), spec, seq_len, seed)
+        per_draw = calibrate_groups(model, joined, [sequences] * draws, needs, batch_size=step)
+        result.calibration[label] = [{**d.data.to_dict(), "documents": d.documents} for d in picked]
+        for name, cfg in configs.items():
             result.masks[name][label] = []
-        for r, draw in enumerate(disjoint_resamples(spec, tok, seq_len, sequences, draws, seed)):
-            store = calibrate(model, draw.data, seq_len=seq_len, out=Path(work_dir) / f"spec{k}" / f"draw{r}",
-                              stats=needs, batch_size=batch_size, seed=seed, progress=progress)
-            result.calibration[label].append({**draw.data.to_dict(), "documents": draw.documents})
-            all_experts = {i: set(range(view.num_experts(i))) for i in view.moe_layers}
-            for name, cfg in configs.items():
-                kept = select_experts(cfg, view, store)
+            for stats in per_draw:
+                kept = select_experts(cfg, view, MappingStats(stats))
                 result.masks[name][label].append({i: sorted(all_experts[i] - set(kept[i])) for i in view.moe_layers})
     result.summary = {name: drift_summary(m, result.layers, bootstrap, seed) for name, m in result.masks.items()}
     return result
