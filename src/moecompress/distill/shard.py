@@ -3,10 +3,10 @@
 The Trainer (accelerate under it) shards only the model it trains, the student; the teacher is ours to
 place, and `place_teacher` picks the layout from the Trainer's accelerator:
 
-* FSDP2 (`distributed_type: FSDP`, `fsdp_version: 2`): `fully_shard` on each teacher decoder layer and then
-  on the root, frozen, `reshard_after_forward=True`, on the student's device mesh. Each rank keeps 1/N of
-  the teacher's parameters (DTensor shards) plus, during the teacher's forward, the one layer all-gathered
-  for it. The teacher is sharded on the CPU copy it was loaded into: `fully_shard` moves one unit at a time
+* FSDP2 (`distributed_type: FSDP`, `fsdp_version: 2`): `fully_shard` on each teacher decoder layer (and
+  the embeddings and LM head) and then on the root, frozen, `reshard_after_forward=True`, on the student's
+  device mesh. Each rank keeps 1/N of the teacher's parameters (DTensor shards) plus, during the teacher's
+  forward, the unit all-gathered for it (one layer at a time, FSDP2 may prefetch the next). The teacher is sharded on the CPU copy it was loaded into: `fully_shard` moves one unit at a time
   to the device and keeps only the local shard there, so the whole teacher is never on one device.
 * DeepSpeed ZeRO-3: the teacher gets its own ZeRO-3 engine without an optimizer (ZeRO-3 inference: the
   engine partitions the parameters it is given and gathers each module's around its forward) — the layout
@@ -58,17 +58,28 @@ def fsdp2_mesh(accelerator):
     return mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
 
 
+def fsdp2_units(teacher: nn.Module) -> list[nn.Module]:
+    """The teacher's FSDP2 units below the root: each decoder layer, the input embeddings and the LM head
+    (when not tied to the embeddings). Each is gathered only for its own forward; the root keeps the rest
+    (final norm, rotary buffers) and a tied embedding, gathered for the whole forward."""
+    units = list(MoEAdapter(teacher).decoder_layers)
+    emb, head = teacher.get_input_embeddings(), teacher.get_output_embeddings()
+    if head is not None and emb is not None and head.weight is emb.weight:
+        return units  # a tied weight must sit in one unit: the root's
+    return units + [m for m in (emb, head) if m is not None]
+
+
 def shard_fsdp2(teacher: nn.Module, mesh=None, offload_policy=None) -> nn.Module:
-    """Shard the frozen `teacher` with FSDP2: one `fully_shard` unit per decoder layer, then the root
-    (embeddings, final norm, LM head), every unit resharded after its forward. Returns the same module."""
+    """Shard the frozen `teacher` with FSDP2: `fully_shard` on each of `fsdp2_units`, then on the root,
+    every unit resharded after its forward. Returns the same module."""
     from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     if isinstance(teacher, FSDPModule):  # already sharded (the same teacher distilled twice in one process)
         return teacher
     teacher.eval().requires_grad_(False)
-    kwargs = dict(mesh=mesh, reshard_after_forward=True, offload_policy=offload_policy or OffloadPolicy())
-    for layer in MoEAdapter(teacher).decoder_layers:
-        fully_shard(layer, **kwargs)
+    kwargs = {"mesh": mesh, "reshard_after_forward": True, "offload_policy": offload_policy or OffloadPolicy()}
+    for unit in fsdp2_units(teacher):
+        fully_shard(unit, **kwargs)
     fully_shard(teacher, **kwargs)
     return teacher
 
