@@ -6,8 +6,9 @@ place, and `place_teacher` picks the layout from the Trainer's accelerator:
 * FSDP2 (`distributed_type: FSDP`, `fsdp_version: 2`): `fully_shard` on each teacher decoder layer (and
   the embeddings and LM head) and then on the root, frozen, `reshard_after_forward=True`, on the student's
   device mesh. Each rank keeps 1/N of the teacher's parameters (DTensor shards) plus, during the teacher's
-  forward, the unit all-gathered for it (one layer at a time, FSDP2 may prefetch the next). The teacher is sharded on the CPU copy it was loaded into: `fully_shard` moves one unit at a time
-  to the device and keeps only the local shard there, so the whole teacher is never on one device.
+  forward, the unit all-gathered for it (one layer at a time, FSDP2 may prefetch the next). The teacher
+  is sharded from the CPU copy it was loaded into: `fully_shard` moves one unit at a time to the device
+  and keeps only the local shard there, so the whole teacher is never on one device.
 * DeepSpeed ZeRO-3: the teacher gets its own ZeRO-3 engine without an optimizer (ZeRO-3 inference: the
   engine partitions the parameters it is given and gathers each module's around its forward) — the layout
   HF's TRL uses for frozen reference models. Imported only in that mode; not run on the development
