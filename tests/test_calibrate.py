@@ -469,3 +469,17 @@ def test_torchrun_two_processes_equal_one(models, tmp_path):
                 assert torch.equal(a, b), n
     assert two.token_count == single.token_count
     print(f"torchrun took {time.time() - t0:.1f}s")
+
+
+def test_calibrate_keywords_are_the_options():
+    """`calibrate(...)` is a thin wrapper: its keywords (the CLI's and the public API's) are `CalibrationOptions`'s
+    fields with the same defaults, so the two cannot drift apart."""
+    import dataclasses
+    import inspect
+
+    from moecompress.calibrate import CalibrationOptions, calibrate
+
+    params = list(inspect.signature(calibrate).parameters.values())[2:]  # after model, data
+    fields = dataclasses.fields(CalibrationOptions)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert all(p.default == f.default for p, f in zip(params, fields))

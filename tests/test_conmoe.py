@@ -189,8 +189,8 @@ def test_deterministic_ties_and_degenerate_inputs():
     again = consolidate_scope([0], [4], d, a, ratio=0.5)
     assert again.prototypes == res.prototypes and again.assignment == res.assignment
     # unreached experts (a = 0) never beat reached ones at equal b̄
-    with pytest.raises(MoECompressError, match="outside"):
-        consolidate_scope([0], [4], d, a, ratio=1.0)
+    with pytest.raises(MoECompressError, match="ratio"):  # ρ is validated once, by the config
+        parse_config("conmoe", {"ratio": 1.0})
     one = consolidate_scope([0], [4], d, a, ratio=0.99)
     assert one.budget == 1 and set(one.assignment) == {one.prototypes[0]}
     with pytest.raises(MoECompressError, match="scope_size"):

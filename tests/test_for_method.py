@@ -62,5 +62,23 @@ def test_store_written_for_prune_holds_its_names(prune_store):
 def test_prune_criteria_are_the_registry():
     """The config's criterion names and the scoring registry are one list (a new criterion: one entry)."""
     from moecompress.scoring.registry import CRITERIA as REGISTRY
+    from moecompress.scoring.registry import criteria
 
-    assert set(CRITERIA) == set(REGISTRY)
+    assert set(CRITERIA) == set(criteria())
+    assert all(REGISTRY[n].variant_of in REGISTRY for n in set(REGISTRY) - set(criteria()))
+
+
+def test_dense_and_conmoe_score_through_the_registry():
+    """Dense's criteria are registry entries (ACP / DO-ACP as means-evaluated variants); its needs and
+    ConMoE's come from those entries."""
+    from moecompress.methods import conmoe, dense
+    from moecompress.scoring.registry import get_criterion
+
+    assert set(dense.CRITERION_ENTRY) == set(dense.CRITERIA)
+    for name, entry in dense.CRITERION_ENTRY.items():
+        e = get_criterion(entry)
+        assert (e.variant_of or e.name) == name and e.doptimal == name.startswith("do-")
+        assert set(e.stats) <= set(dense.needs_stats(dense.DenseConfig(criterion=name)))
+    assert dense.needs_stats() == ["counts", "tokens", "routing_mass", "pp", "cp", "out_norm_sq_mean", "gram"]
+    assert set(get_criterion(conmoe.CONTRIBUTION).stats) <= set(conmoe.needs_stats(conmoe.ConMoEConfig()))
+    assert set(stats_for_method("conmoe")) == {"counts", "tokens", "reap", "routing_mass"}

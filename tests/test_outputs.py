@@ -66,7 +66,7 @@ def test_stale_temporaries_of_dead_runs_are_removed_and_reported(tmp_path, capsy
     removed = clean_stale(tmp_path / "out")
     assert removed == [(dead, 3000)]
     assert not dead.exists() and live.exists() and other.exists()
-    assert "2.93 KB" in capsys.readouterr().err
+    assert "2.93 KiB" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- signals, as a user sends them

@@ -122,4 +122,4 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
     assert "peak memory:" in stdout and "disk needed" in stdout and not out.exists()
     code, stdout, err = run_cli(base + ["--max-memory", "1MiB"], capsys)
     assert code == 2 and not out.exists()
-    assert "Compressing needs about" in err and "--max-memory allows 1.00 MB" in err and "Traceback" not in err
+    assert "Compressing needs about" in err and "--max-memory allows 1.00 MiB" in err and "Traceback" not in err

@@ -156,9 +156,9 @@ def dir_bytes(path: str | os.PathLike) -> int:
 
 
 def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KB' (binary units), for the sizes every verb prints."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    """1536 -> '1.50 KiB' (binary units, named as such), for the sizes every verb and report prints."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)

@@ -1,19 +1,27 @@
-"""`calibrate(...)`: the Python face of ``moecompress calibrate``."""
+"""`calibrate(...)`: the Python face of ``moecompress calibrate``.
+
+`calibrate` takes keywords (the CLI's options); they form a `CalibrationOptions`, and a `Calibration`
+resolves the inputs and runs it.
+"""
 
 from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import MoECompressError
-from .collectors import collectors_for
-from .registry import DEFAULT_STATS, resolve_stats
+from .registry import DEFAULT_STATS, collectors_for, resolve_stats
 from .store import FORMAT, PartialRun, StatsStore, versions, write_store
+
+# transform(i, layer, adapter, stats_i) -> a module whose outputs feed layer i + 1, or None (see `calibrate`)
+Transform = Callable[[int, nn.Module, object, dict | None], nn.Module | None]
 
 
 class UnreachedExpertsWarning(UserWarning):
@@ -54,6 +62,32 @@ def _check_finite(layer: int, stats: dict[str, torch.Tensor]) -> None:
                                    "overflowed in this dtype; re-run with --dtype float32.")
 
 
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """How a calibration runs, besides its model and data (the keywords of `calibrate`, documented there)."""
+
+    seq_len: int = 2048
+    out: str | Path | None = None
+    stats: Sequence[str] | str | None = None
+    offload_dir: str | Path | None = None
+    resume: bool = False
+    dry_run: bool = False
+    batch_size: int = 8
+    dtype: str | torch.dtype | None = "auto"
+    seed: int = 0
+    device: str | None = None
+    padding: bool = False
+    chat_template: bool = False
+    tokenizer: str | None = None
+    moment_experts: Any = None
+    hessian_layers: Any = None
+    transform: Transform | None = None
+    on_layer_end: Callable[[int, dict | None], None] | None = None
+    overwrite: bool = False
+    progress: bool = True
+    trust_remote_code: bool = False
+
+
 def calibrate(
     model: str,
     data,
@@ -72,7 +106,7 @@ def calibrate(
     tokenizer: str | None = None,
     moment_experts=None,
     hessian_layers=None,
-    transform: Callable[[int, nn.Module, object, dict | None], nn.Module | None] | None = None,
+    transform: Transform | None = None,
     on_layer_end: Callable[[int, dict | None], None] | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -104,171 +138,241 @@ def calibrate(
 
     Returns:
         `StatsStore` (or `ResourceEstimate` with dry_run).
+
+    The keywords are `CalibrationOptions`; ``Calibration(model, data, options).run()`` is the same call.
     """
-    from ..checkpoint import CheckpointReader
-    from ..data import CalibrationData, load_calibration, load_tokenizer
-    from ..models import parse_dtype
-    from . import distributed as dist
-    from .dryrun import estimate, probe_time, refuse_if_too_big
-    from .hooks import LayerObserver
-    from .runner import SequentialRunner
+    options = CalibrationOptions(
+        seq_len=seq_len, out=out, stats=stats, offload_dir=offload_dir, resume=resume, dry_run=dry_run,
+        batch_size=batch_size, dtype=dtype, seed=seed, device=device, padding=padding, chat_template=chat_template,
+        tokenizer=tokenizer, moment_experts=moment_experts, hessian_layers=hessian_layers, transform=transform,
+        on_layer_end=on_layer_end, overwrite=overwrite, progress=progress, trust_remote_code=trust_remote_code)
+    return Calibration(model, data, options)._run(warn_stacklevel=4)  # the warning names calibrate's caller
 
-    if out is None and not dry_run:
-        raise MoECompressError("Pass an output directory for the statistics (--out DIR).")
-    if batch_size < 1:
-        raise MoECompressError(f"--batch-size must be at least 1, not {batch_size}.")
-    names = resolve_stats(stats)
-    names = sorted(set(names) | set(DEFAULT_STATS))
-    classes = collectors_for(names)
-    params = {"moment_experts": moment_experts} if moment_experts is not None else {}
-    if hessian_layers is not None:
-        params["hessian_layers"] = _layer_ids(hessian_layers)
-    reader = CheckpointReader(model, trust_remote_code)
-    torch_dtype = None if dtype in (None, "auto") else parse_dtype(dtype)
-    rank, world = dist.world()
-    dev = dist.default_device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MoECompressError("--device cuda was requested but no CUDA device is available; pass --device cpu.")
-    if isinstance(data, CalibrationData):
-        calib = data
-    else:
-        calib = load_calibration(str(data), load_tokenizer(str(reader.path), tokenizer), seq_len, seed, padding,
-                                 chat_template)
-    out = None if out is None else Path(out)
-    fingerprint = reader.fingerprint()
-    identity = _identity(reader, fingerprint, calib, names, params, torch_dtype or "auto", dev, batch_size)
 
-    # a finished store at `out`: reuse it when it answers this request, refuse it when it is foreign
-    if out is not None and out.is_dir() and (out / "stats.json").is_file() and not overwrite and not dry_run:
-        existing = StatsStore.load(out, model_fingerprint=fingerprint, data_spec=calib.spec)
-        if existing.meta["data"]["fingerprint"] != calib.fingerprint():
-            raise MoECompressError(f"The stats store {out} was computed on other tokens of '{calib.spec}' (another "
-                                   "seq_len, seed or tokenizer); choose another --out or pass --overwrite.")
-        differ = _settings_differ(existing.meta, params, torch_dtype, batch_size, dev)
+class Calibration:
+    """One calibration run: the inputs resolved and checked on construction (no compute), `run()` does it.
+
+    `run` reuses a finished store that answers the request, refuses a foreign one, estimates resources
+    (and stops there for a dry run), then streams the model layer by layer: each MoE layer's collectors
+    observe its batches, its statistics are saved to the resumable partial run, and the store is written
+    when the last layer is done.
+    """
+
+    def __init__(self, model: str, data, options: CalibrationOptions = CalibrationOptions()):
+        from ..checkpoint import CheckpointReader
+        from ..data import CalibrationData, load_calibration, load_tokenizer
+        from ..models import parse_dtype
+        from . import distributed as dist
+
+        o = self.options = options
+        if o.out is None and not o.dry_run:
+            raise MoECompressError("Pass an output directory for the statistics (--out DIR).")
+        if o.batch_size < 1:
+            raise MoECompressError(f"--batch-size must be at least 1, not {o.batch_size}.")
+        names = resolve_stats(o.stats)
+        self.names = sorted(set(names) | set(DEFAULT_STATS))
+        self.classes = collectors_for(self.names)
+        self.params = {"moment_experts": o.moment_experts} if o.moment_experts is not None else {}
+        if o.hessian_layers is not None:
+            self.params["hessian_layers"] = _layer_ids(o.hessian_layers)
+        self.reader = CheckpointReader(model, o.trust_remote_code)
+        self.dtype = None if o.dtype in (None, "auto") else parse_dtype(o.dtype)
+        self.rank, self.world = dist.world()
+        self.device = dist.default_device(o.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise MoECompressError("--device cuda was requested but no CUDA device is available; pass --device cpu.")
+        if isinstance(data, CalibrationData):
+            self.calib = data
+        else:
+            self.calib = load_calibration(str(data), load_tokenizer(str(self.reader.path), o.tokenizer), o.seq_len,
+                                          o.seed, o.padding, o.chat_template)
+        self.out = None if o.out is None else Path(o.out)
+        self.fingerprint = self.reader.fingerprint()
+        self.identity = _identity(self.reader, self.fingerprint, self.calib, self.names, self.params,
+                                  self.dtype or "auto", self.device, o.batch_size)
+
+    def run(self):
+        """The `StatsStore` (or, for a dry run, the `ResourceEstimate`)."""
+        return self._run(warn_stacklevel=4)
+
+    def _run(self, warn_stacklevel: int):
+        # warn_stacklevel: the frame an unreached-experts warning names, counted from `_stream`
+        o = self.options
+        existing = self._existing_store()
+        if existing is not None:
+            return existing
+        if self.out is not None and not o.dry_run:
+            from ..atomic import check_output
+
+            check_output(self.out, o.overwrite, protect=[self.reader.path])  # before any compute
+        est = self._estimate()
+        if o.dry_run:
+            from .dryrun import probe_time
+
+            return probe_time(self.reader, self.calib, self.device, self.dtype, o.batch_size, self.world,
+                              self.classes, self.params, est)
+        from .dryrun import refuse_if_too_big
+
+        refuse_if_too_big(est)
+        return self._stream(warn_stacklevel)
+
+    def _existing_store(self) -> StatsStore | None:
+        """A finished store at `out`: reused when it answers this request, refused when it is foreign."""
+        o, out = self.options, self.out
+        if not (out is not None and out.is_dir() and (out / "stats.json").is_file() and not o.overwrite
+                and not o.dry_run):
+            return None
+        existing = StatsStore.load(out, model_fingerprint=self.fingerprint, data_spec=self.calib.spec)
+        if existing.meta["data"]["fingerprint"] != self.calib.fingerprint():
+            raise MoECompressError(f"The stats store {out} was computed on other tokens of '{self.calib.spec}' "
+                                   "(another seq_len, seed or tokenizer); choose another --out or pass --overwrite.")
+        differ = _settings_differ(existing.meta, self.params, self.dtype, o.batch_size, self.device)
         if differ:
             key, old, new = differ
             raise MoECompressError(f"The stats store {out} was computed with {key} {old}, not {new}; pass "
                                    "--overwrite to recompute it or choose another --out.")
-        if existing.has(*names):
+        if existing.has(*self.names):
             return existing
-        raise MoECompressError(f"The stats store {out} lacks {', '.join(n for n in names if not existing.has(n))}; "
-                               "pass --overwrite to recompute it with these statistics or choose another --out.")
-    if out is not None and not dry_run:
-        from ..atomic import check_output
+        raise MoECompressError(f"The stats store {out} lacks "
+                               f"{', '.join(n for n in self.names if not existing.has(n))}; pass --overwrite to "
+                               "recompute it with these statistics or choose another --out.")
 
-        check_output(out, overwrite, protect=[reader.path])  # before any compute
+    def _estimate(self):
+        from ..models import MoEAdapter
+        from .dryrun import estimate
 
-    double = transform is not None
-    from ..models import MoEAdapter
+        o = self.options
+        meta_adapter = MoEAdapter(self.reader._skeleton)  # the reader's own meta skeleton: structure only
+        return estimate(self.reader, self.calib, meta_adapter, self.device, self.dtype, o.batch_size, self.world,
+                        o.offload_dir, self.out or Path.cwd() / "stats", self.classes, self.params,
+                        o.transform is not None)
 
-    meta_adapter = MoEAdapter(reader._skeleton)  # the reader's own meta skeleton: structure only
-    est = estimate(reader, calib, meta_adapter, dev, torch_dtype, batch_size, world, offload_dir,
-                   out or Path.cwd() / "stats", classes, params, double)
-    if dry_run:
-        return probe_time(reader, calib, dev, torch_dtype, batch_size, world, classes, params, est)
-    refuse_if_too_big(est)
+    def _stream(self, warn_stacklevel: int) -> StatsStore:
+        """Run every decoder layer in order (resuming a partial run), then write the store."""
+        from . import distributed as dist
+        from .runner import SequentialRunner
 
-    partial = PartialRun(out)
-    finished, error = None, None
-    if rank == 0:
-        try:
-            finished = partial.start(identity, resume)
-        except MoECompressError as exc:
-            error = str(exc)
-    finished, error = dist.broadcast_object((finished, error))
-    if error:
-        raise MoECompressError(error)
-    runner = SequentialRunner(reader, calib, dev, torch_dtype, batch_size, rank, world, offload_dir, double,
-                              run_key=f"{fingerprint}:{calib.fingerprint()}:{rank}/{world}")
-    adapter = runner.adapter
-    moe = adapter.moe_layers
-    last = max(moe)
-    finished = sorted(i for i in finished if i in moe)
-    # layers finish in order: resume after the longest finished prefix of MoE layers
-    done = []
-    for i in moe:
-        if i in finished:
-            done.append(i)
-        else:
-            break
-    layer_stats: dict[int, dict] = {i: partial.load_layer(i) for i in done}
-    start = (max(done) + 1) if done else 0
+        o, rank = self.options, self.rank
+        partial = PartialRun(self.out)
+        finished, error = None, None
+        if rank == 0:
+            try:
+                finished = partial.start(self.identity, o.resume)
+            except MoECompressError as exc:
+                error = str(exc)
+        finished, error = dist.broadcast_object((finished, error))
+        if error:
+            raise MoECompressError(error)
+        runner = SequentialRunner(self.reader, self.calib, self.device, self.dtype, o.batch_size, rank, self.world,
+                                  o.offload_dir, o.transform is not None,
+                                  run_key=f"{self.fingerprint}:{self.calib.fingerprint()}:{rank}/{self.world}")
+        adapter = runner.adapter
+        moe = adapter.moe_layers
+        last = max(moe)
+        finished = sorted(i for i in finished if i in moe)
+        # layers finish in order: resume after the longest finished prefix of MoE layers
+        done = []
+        for i in moe:
+            if i in finished:
+                done.append(i)
+            else:
+                break
+        layer_stats: dict[int, dict] = {i: partial.load_layer(i) for i in done}
+        start = (max(done) + 1) if done else 0
 
-    with _progress(progress and rank == 0) as bar:
-        layers_task = bar.add_task("layers", total=last + 1, completed=start)
-        batch_task = bar.add_task("batches", total=len(runner.batches))
-        todo = start <= last  # a run killed after its last layer only has the store left to write
-        restored = bool(done) and todo and runner.restore(start - 1)
-        if todo:
-            runner.embed(store_hidden=not restored)
-        if done and todo and not restored:  # replay the finished prefix (forward only) to rebuild its outputs
-            for i in range(start):
-                bar.update(layers_task, description=f"replay layer {i}")
-                layer = runner.load_layer(i)
-                if i in moe:  # the statistics pass's exact computation path, so outputs are bit-identical
-                    obs = LayerObserver(adapter, i, [cls(adapter, i, "meta", **params) for cls in classes], mute=True)
-                    obs.attach()
-                    try:
-                        runner.run_layer(i, observer=obs)
-                    finally:
-                        obs.detach()
-                repl = transform(i, layer, adapter, layer_stats.get(i)) if transform is not None else None
-                if i not in moe or isinstance(repl, nn.Module):
-                    runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None)
-                _restore_block(adapter, i)
-                runner.commit(i)
-                runner.free_layer(i)
-        for i in range(start, last + 1):
-            bar.update(layers_task, description=f"layer {i}/{last}")
-            bar.reset(batch_task, total=len(runner.batches))
-            advance = (lambda: bar.advance(batch_task))
+        with _progress(o.progress and rank == 0) as bar:
+            layers_task = bar.add_task("layers", total=last + 1, completed=start)
+            batch_task = bar.add_task("batches", total=len(runner.batches))
+            todo = start <= last  # a run killed after its last layer only has the store left to write
+            restored = bool(done) and todo and runner.restore(start - 1)
+            if todo:
+                runner.embed(store_hidden=not restored)
+            if done and todo and not restored:
+                self._replay(runner, start, layer_stats, bar, layers_task)
+            for i in range(start, last + 1):
+                bar.update(layers_task, description=f"layer {i}/{last}")
+                bar.reset(batch_task, total=len(runner.batches))
+                stats_i = self._layer(runner, i, partial, lambda: bar.advance(batch_task))
+                if stats_i is not None:
+                    layer_stats[i] = stats_i
+                bar.advance(layers_task)
+                if o.on_layer_end is not None:
+                    o.on_layer_end(i, stats_i)
+
+        unreached = {i: torch.nonzero(layer_stats[i]["counts"] == 0).flatten().tolist() for i in moe}
+        unreached = {i: v for i, v in unreached.items() if v}
+        if unreached and rank == 0:
+            listing = "; ".join(f"layer {i}: experts {v}" for i, v in unreached.items())
+            warnings.warn(f"No calibration token reached some experts ({listing}); their statistics are 0. Use more "
+                          "or more varied calibration data if a method needs them.", UnreachedExpertsWarning,
+                          stacklevel=warn_stacklevel)
+        dist.barrier()
+        if rank == 0:
+            meta = _meta(self.reader, self.fingerprint, adapter, self.calib, self.names, self.params, self.dtype,
+                         o.batch_size, layer_stats, unreached, self.device)
+            store = write_store(self.out, partial, moe, meta)
+            partial.remove()
+        runner.cache.clear()
+        dist.barrier()
+        return store if rank == 0 else StatsStore.load(self.out)
+
+    def _replay(self, runner, start: int, layer_stats: dict[int, dict], bar, layers_task) -> None:
+        """Replay the finished prefix (forward only) to rebuild its outputs when no cached hidden state is left."""
+        from .hooks import LayerObserver
+
+        adapter, moe, transform = runner.adapter, runner.adapter.moe_layers, self.options.transform
+        for i in range(start):
+            bar.update(layers_task, description=f"replay layer {i}")
             layer = runner.load_layer(i)
-            stats_i = None
-            if i in moe:
-                collectors = [cls(adapter, i, dev, **params) for cls in classes]
-                obs = LayerObserver(adapter, i, collectors)
+            if i in moe:  # the statistics pass's exact computation path, so outputs are bit-identical
+                obs = LayerObserver(adapter, i, [cls(adapter, i, "meta", **self.params) for cls in self.classes],
+                                    mute=True)
                 obs.attach()
                 try:
-                    runner.run_layer(i, observer=obs, on_batch=advance)
+                    runner.run_layer(i, observer=obs)
                 finally:
                     obs.detach()
-                dist.all_reduce_sums(collectors)
-                stats_i = {}
-                for c in collectors:
-                    stats_i.update({k: v.detach().cpu() for k, v in c.finalize().items()})
-                _check_finite(i, stats_i)
-                if rank == 0:
-                    partial.save_layer(i, stats_i)
-                layer_stats[i] = stats_i
-                repl = transform(i, layer, adapter, stats_i) if transform is not None else None
-                if isinstance(repl, nn.Module):
-                    runner.run_layer(i, layer=repl)
-            else:
-                repl = transform(i, layer, adapter, None) if transform is not None else None
-                runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None, on_batch=advance)
+            repl = transform(i, layer, adapter, layer_stats.get(i)) if transform is not None else None
+            if i not in moe or isinstance(repl, nn.Module):
+                runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None)
             _restore_block(adapter, i)
-            dist.barrier()
             runner.commit(i)
             runner.free_layer(i)
-            bar.advance(layers_task)
-            if on_layer_end is not None:
-                on_layer_end(i, stats_i)
 
-    unreached = {i: torch.nonzero(layer_stats[i]["counts"] == 0).flatten().tolist() for i in moe}
-    unreached = {i: v for i, v in unreached.items() if v}
-    if unreached and rank == 0:
-        listing = "; ".join(f"layer {i}: experts {v}" for i, v in unreached.items())
-        warnings.warn(f"No calibration token reached some experts ({listing}); their statistics are 0. Use more or "
-                      "more varied calibration data if a method needs them.", UnreachedExpertsWarning, stacklevel=2)
-    dist.barrier()
-    if rank == 0:
-        meta = _meta(reader, fingerprint, adapter, calib, names, params, torch_dtype, batch_size, layer_stats,
-                     unreached, dev)
-        store = write_store(out, partial, moe, meta)
-        partial.remove()
-    runner.cache.clear()
-    dist.barrier()
-    return store if rank == 0 else StatsStore.load(out)
+    def _layer(self, runner, i: int, partial: PartialRun, advance: Callable[[], None]) -> dict | None:
+        """Layer i's pass: statistics of an MoE layer (saved to the partial run), then its outputs committed."""
+        from . import distributed as dist
+        from .hooks import LayerObserver
+
+        adapter, transform = runner.adapter, self.options.transform
+        layer = runner.load_layer(i)
+        stats_i = None
+        if i in adapter.moe_layers:
+            collectors = [cls(adapter, i, self.device, **self.params) for cls in self.classes]
+            obs = LayerObserver(adapter, i, collectors)
+            obs.attach()
+            try:
+                runner.run_layer(i, observer=obs, on_batch=advance)
+            finally:
+                obs.detach()
+            dist.all_reduce_sums(collectors)
+            stats_i = {}
+            for c in collectors:
+                stats_i.update({k: v.detach().cpu() for k, v in c.finalize().items()})
+            _check_finite(i, stats_i)
+            if self.rank == 0:
+                partial.save_layer(i, stats_i)
+            repl = transform(i, layer, adapter, stats_i) if transform is not None else None
+            if isinstance(repl, nn.Module):
+                runner.run_layer(i, layer=repl)
+        else:
+            repl = transform(i, layer, adapter, None) if transform is not None else None
+            runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None, on_batch=advance)
+        _restore_block(adapter, i)
+        dist.barrier()
+        runner.commit(i)
+        runner.free_layer(i)
+        return stats_i
 
 
 def _settings_differ(meta: dict, params: dict, dtype, batch_size: int, dev) -> tuple | None:

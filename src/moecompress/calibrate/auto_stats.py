@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectors import Collector, register_collector
+from .collectors import Collector
 from .observe import Observation
 
 SAMPLE_SIZE = 512
@@ -88,7 +88,6 @@ class _GateWeighted(Collector):
         return None
 
 
-@register_collector
 class AutoOutputCollector(_GateWeighted):
     name = "auto_output"
     base = ("auto_g2", "auto_g2_y", "auto_g2_yy")
@@ -108,7 +107,6 @@ class AutoOutputCollector(_GateWeighted):
         return _per_token(self, self.provides)
 
 
-@register_collector
 class AutoAffineCollector(_GateWeighted):
     name = "auto_affine"
     base = ("auto_g2_x", "auto_g2_xx", "auto_g2_xy")
@@ -130,7 +128,6 @@ class AutoAffineCollector(_GateWeighted):
         return _per_token(self, self.provides)
 
 
-@register_collector
 class AutoMidCollector(_GateWeighted):
     name = "auto_mid"
     base = ("auto_g2_a", "auto_g2_aa")
@@ -151,7 +148,6 @@ class AutoMidCollector(_GateWeighted):
         return _per_token(self, self.provides)
 
 
-@register_collector
 class AutoSubstituteCollector(Collector):
     name = "auto_substitute"
     provides = ("auto_remap", "auto_reroute_keep", "auto_reroute_renorm")
@@ -196,7 +192,6 @@ class AutoSubstituteCollector(Collector):
         return None
 
 
-@register_collector
 class AutoSampleCollector(Collector):
     name = "auto_sample"
     provides = ("auto_sample",)

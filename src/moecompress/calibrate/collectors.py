@@ -9,8 +9,10 @@ T_e = {t : e in K(t)} the tokens routed to e.
 A collector is a small class: it declares the statistics it ``provides`` and what it ``needs``
 (``routing``, ``outputs`` of routed tokens, ``intermediate`` activations, or ``all_outputs`` — every
 expert on every token), keeps float64 sums in ``self.sums`` (all-reduced across processes), and
-turns them into statistics in ``finalize``. Registering a new one (``@register_collector``) touches
-no other file. Experts no token reached get 0, never NaN.
+turns them into statistics in ``finalize``. Experts no token reached get 0, never NaN. This module holds
+the statistics several methods share; a statistic one method needs has a module of its own
+(intermediate, remap, auto_stats, hessian). Every built-in collector is registered by name in one
+explicit list, `calibrate.registry.BUILTIN_COLLECTORS`.
 """
 
 from __future__ import annotations
@@ -24,20 +26,6 @@ from ..models import MoEAdapter
 from .observe import Observation
 
 NEEDS = ("routing", "outputs", "intermediate", "all_outputs")
-COLLECTORS: dict[str, type[Collector]] = {}  # collector name -> class
-STAT_PROVIDERS: dict[str, str] = {}  # stat name -> collector name
-
-
-def register_collector(cls: type[Collector]) -> type[Collector]:
-    """Class decorator: make a collector and its statistics available by name."""
-    for stat in cls.provides:
-        owner = STAT_PROVIDERS.get(stat)
-        if owner is not None and owner != cls.name:
-            raise ValueError(f"statistic '{stat}' is already provided by collector '{owner}'")
-    COLLECTORS[cls.name] = cls
-    for stat in cls.provides:
-        STAT_PROVIDERS[stat] = cls.name
-    return cls
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -84,7 +72,6 @@ class Collector:
         return self.sums.get("count")
 
 
-@register_collector
 class RoutingCollector(Collector):
     r"""Routing only.
 
@@ -122,7 +109,6 @@ class RoutingCollector(Collector):
                 "cp": _safe_div(s["prob_sel"], s["count"])}
 
 
-@register_collector
 class ReapCollector(Collector):
     r"""Gate-weighted and plain output norms on routed tokens.
 
@@ -159,7 +145,6 @@ class ReapCollector(Collector):
                 "out_norm_mean": _safe_div(s["norm"], s["count"]), "out_norm_sq_mean": _safe_div(s["sq"], s["count"])}
 
 
-@register_collector
 class OutputMomentsCollector(Collector):
     r"""Mean and per-dimension variance of each expert's output over its routed tokens.
 
@@ -195,7 +180,6 @@ class OutputMomentsCollector(Collector):
         return {"out_mean": mean, "out_var": var}
 
 
-@register_collector
 class ChannelNormCollector(Collector):
     r"""Per-channel L2 norms of each expert's inputs over its routed tokens (Wanda/PuzzleMoE saliency).
 
@@ -230,7 +214,6 @@ class ChannelNormCollector(Collector):
         return {"in_channel_norm": self.sums["in_sq"].sqrt(), "mid_channel_norm": self.sums["mid_sq"].sqrt()}
 
 
-@register_collector
 class AllExpertsCollector(Collector):
     r"""Every expert run on every real token (explicit all-experts mode; E/k times the MoE compute).
 
@@ -265,7 +248,6 @@ class AllExpertsCollector(Collector):
         return None
 
 
-@register_collector
 class MomentCollector(Collector):
     r"""Input second moment and input/output cross moment of a subset S of experts, over routed tokens
     (the sufficient statistics of a least-squares fit f_e(h) ~ A h + b, e.g. the "tilted novice").
@@ -326,7 +308,6 @@ class MomentCollector(Collector):
         return None  # a subset only
 
 
-@register_collector
 class RouterCorrelationCollector(Collector):
     r"""Correlation of router logits across experts over all real tokens (M-SMoE's router similarity).
 
@@ -362,13 +343,3 @@ class RouterCorrelationCollector(Collector):
 
     def counts(self):
         return None
-
-
-def collectors_for(stats: list[str]) -> list[type[Collector]]:
-    """The collector classes that provide `stats` (each once, in registration order)."""
-    unknown = [s for s in stats if s not in STAT_PROVIDERS]
-    if unknown:
-        raise MoECompressError(f"Unknown statistic '{unknown[0]}'; known statistics: "
-                               f"{', '.join(sorted(STAT_PROVIDERS))}.")
-    names = {STAT_PROVIDERS[s] for s in stats}
-    return [cls for n, cls in COLLECTORS.items() if n in names]

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MoECompressError
 from ..atomic import human_bytes as _human
+from ..errors import MoECompressError
 
 _DISK_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 

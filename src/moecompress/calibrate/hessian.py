@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import MoECompressError
-from .collectors import Collector, register_collector
+from .collectors import Collector
 from .observe import Observation
 
 
@@ -94,7 +94,6 @@ class _HessianBase(Collector):
         return None
 
 
-@register_collector
 class HessianCollector(_HessianBase):
     r"""hessian_in_e = Σ_{t∈T_e} h_t h_tᵀ [E, H, H];  hessian_mid_e = Σ_{t∈T_e} a_e(h_t) a_e(h_t)ᵀ [E, I, I]."""
 
@@ -102,7 +101,6 @@ class HessianCollector(_HessianBase):
     provides = ("hessian_in", "hessian_mid")
 
 
-@register_collector
 class GateSquaredHessianCollector(_HessianBase):
     r"""hessian_in_g2_e = Σ_{t∈T_e} g_e(t)² h_t h_tᵀ;  hessian_mid_g2_e = Σ_{t∈T_e} g_e(t)² a_e a_eᵀ."""
 

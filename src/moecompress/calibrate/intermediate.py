@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .collectors import Collector, _safe_div, register_collector
+from .collectors import Collector, _safe_div
 from .observe import Observation
 
 
-@register_collector
 class IntermediateMeanCollector(Collector):
     name = "intermediate_mean"
     provides = ("mid_mean",)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .collectors import Collector, _safe_div, register_collector
+from .collectors import Collector, _safe_div
 from .observe import Observation
 
 
-@register_collector
 class RemapErrorCollector(Collector):
     name = "remap_error"
     provides = ("remap_error", "remap_count")

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..atomic import human_bytes
 from ..errors import MoECompressError
 from .schema import SCHEMA, Arm, Results, arm_bytes, validate_results
 from .stats import apply_holm, paired_bootstrap_tasks
@@ -156,13 +157,8 @@ def checklist_markdown(items: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------- format
 def _human(n: int | float | None) -> str:
-    if n is None:
-        return "—"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+    """A size as every verb prints it (`atomic.human_bytes`), "—" when unknown."""
+    return "—" if n is None else human_bytes(n)
 
 
 def _fmt(v: Any, digits: int = 4) -> str:

@@ -49,7 +49,8 @@ from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
 from . import auto_estimate as est
 from . import auto_quant as aq
 from .auto_estimate import Candidate, LayerMoments
-from .registry import MethodContext, register_method
+from .context import MethodContext
+from .registry import register_method
 
 CandidateName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap", "pair"]
 ALL_CANDIDATES = ("reroute", "drop", "constant", "tilt", "partial", "remap", "pair")

@@ -33,10 +33,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
+from ..models import MoEAdapter
 from ..scoring.budget import num_kept
 from ..scoring.criteria import reap
 from ..scoring.distance import pairwise_distance
-from .registry import stat, unpack_context
+from ..scoring.registry import get_criterion
+from .context import StatsView, stat, unpack_context
 
 Selection = Literal["adaptive", "fixed_k"]
 ScoreKind = Literal["conmoe", "usage", "reap", "distance"]
@@ -55,7 +57,7 @@ def scopes(moe_layers: list[int], scope_size: int) -> list[list[int]]:
 
 
 def scope_budget(pool_size: int, ratio: float) -> int:
-    """K = max(1, round((1 − ρ)|E_G|)); rejects ρ outside [0, 1)."""
+    """K = max(1, round((1 − ρ)|E_G|)); ρ in [0, 1) is the config's to check (ConMoEConfig.ratio)."""
     return num_kept(pool_size, ratio)
 
 
@@ -261,24 +263,33 @@ class ConMoEConfig(BaseModel):
     eps: float = Field(1e-8, gt=0.0)
 
 
+# ConMoE's per-expert scores are entries of the one criteria registry (scoring/registry.py): the contribution
+# a_e is REAP's score, the "usage" ablation c_e the frequency criterion's
+CONTRIBUTION, USAGE = "reap", "frequency"
+
+
 def needs_stats(config: ConMoEConfig) -> list[str]:
     """Statistics (calibration store names) a ConMoE config reads."""
-    need = ["counts", "tokens", "reap"]
+    need = list(get_criterion(CONTRIBUTION).stats)
+    if config.score == "usage":
+        need += get_criterion(USAGE).stats
     if config.fusion != "none":
         need.append("routing_mass")
-    return need
+    return list(dict.fromkeys(need))
 
 
-# the stats / context seam shared by every method lives in methods/registry.py
-_stat = stat
-_context = unpack_context
+def expert_scores(stats: StatsView, criterion: str, layers: list[int]) -> torch.Tensor:
+    """One registry criterion's per-expert scores over a scope's layers, concatenated in scope order."""
+    entry = get_criterion(criterion)
+    return torch.cat([entry.score(lambda name, _i=i: stat(stats, _i, name).double(), i, 0) for i in layers])
 
 
 def scope_id(layers: list[int]) -> str:
     return f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}"
 
 
-def consolidate(adapter, stats, config: ConMoEConfig, progress: bool = False) -> list[ScopeConsolidation]:
+def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
+                progress: bool = False) -> list[ScopeConsolidation]:
     """ConMoE on every scope of a model: prototypes and the map (no plan yet)."""
     out = []
     groups = scopes(adapter.moe_layers, config.scope_size)
@@ -290,8 +301,8 @@ def consolidate(adapter, stats, config: ConMoEConfig, progress: bool = False) ->
     for group in items:
         stacks = [adapter.experts(i) for i in group]
         d = scope_distance(stacks, config.eps)
-        a = torch.cat([_stat(stats, i, "reap").double() for i in group])
-        usage = torch.cat([_stat(stats, i, "counts").double() for i in group]) if config.score == "usage" else None
+        a = expert_scores(stats, CONTRIBUTION, group)
+        usage = expert_scores(stats, USAGE, group) if config.score == "usage" else None
         out.append(consolidate_scope(group, [adapter.num_experts(i) for i in group], d, a, config.ratio, usage,
                                      config.score, config.selection, config.eps))
     return out
@@ -313,7 +324,7 @@ def conmoe_plan(info, results: list[ScopeConsolidation], config: ConMoEConfig, a
         mass = None
         stack = None
         if config.fusion != "none":
-            mass = torch.cat([_stat(stats, i, "routing_mass").double() for i in res.layers])
+            mass = torch.cat([stat(stats, i, "routing_mass").double() for i in res.layers])
         if config.fusion == "arcee":
             stack = stack_scope([adapter.experts(i) for i in res.layers])
         stored = []
@@ -344,7 +355,7 @@ def build_conmoe(config: ConMoEConfig, context, method: str = "conmoe"):
     """Registry entry: (plan, tensors) for a model + calibration statistics."""
     from ..plan import ModelInfo
 
-    adapter, stats = _context(context)
+    adapter, stats = unpack_context(context)
     results = consolidate(adapter, stats, config, progress=getattr(context, "progress", False))
     return conmoe_plan(ModelInfo.from_model(adapter), results, config, adapter, stats, method=method)
 
@@ -387,8 +398,8 @@ def _register() -> None:
                         family="consolidate")
     from .needs import register_method_stats  # `moecompress calibrate --for-method conmoe-…`
 
-    for name in VARIANTS:
-        register_method_stats(name, ["counts", "tokens", "reap", "routing_mass"])
+    for name in VARIANTS:  # one store serves every variant and fusion
+        register_method_stats(name, needs_stats(ConMoEConfig(fusion="average", score="usage")))
 
 
 _register()

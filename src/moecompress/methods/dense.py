@@ -6,7 +6,8 @@ Per MoE layer with E experts of width I, router top-k = k:
    SF c_e;  PP (1/N) Σ_t p_e(t);  PS (1/N) Σ_{t: e∈top-k} p_e(t) = CP·c_e/N;
    CP (1/c_e) Σ_{t: e∈top-k} p_e(t);  ACP = CP·sqrt((1/c_e) Σ_{t: e∈top-k} ‖f_e(t)‖²);
    DO-CP / DO-ACP: greedy max of log det(K_S + λI), K_ij = sqrt(I_i I_j)·G_ij with G the expert-output
-   Gram matrix over all tokens and I the CP / ACP importance (`scoring.doptimal`).
+   Gram matrix over all tokens and I the CP / ACP importance (`scoring.doptimal`). Each is an entry of the one
+   criteria registry (`scoring.registry`, `CRITERION_ENTRY`).
 2. **Group** the K experts into k groups (Appendix G): RR (rank r → group r mod k), WC (average-linkage
    clustering of the flattened [gate; up; down] weights, cosine), RC (average linkage of router rows,
    cosine), AB (the k best are anchors, the rest join the anchor with the most similar router row),
@@ -47,6 +48,8 @@ from torch import nn
 from ..errors import MoECompressError
 from ..models import ExpertActivation, ExpertWeights, MoEAdapter
 from ..scoring import doptimal_kernel, greedy_doptimal
+from ..scoring.registry import get_criterion
+from .context import MappingStats, MethodContext, StatsView
 from .needs import register_method_stats
 from .registry import register_method
 
@@ -54,6 +57,10 @@ Criterion = Literal["frequency", "pp", "ps", "cp", "acp", "do-cp", "do-acp"]
 Grouping = Literal["rr", "wc", "rc", "ab", "oc"]
 Scaling = Literal["uniform", "proportional", "gate"]
 CRITERIA: tuple[str, ...] = ("frequency", "pp", "ps", "cp", "acp", "do-cp", "do-acp")
+# each criterion's entry in the one criteria registry (scoring/registry.py); ACP and DO-ACP are evaluated on the
+# store's means ("dense-acp"), which rounds differently from prune's ACP in the last bits
+CRITERION_ENTRY: dict[str, str] = {"frequency": "frequency", "pp": "pp", "ps": "ps", "cp": "cp", "acp": "dense-acp",
+                                   "do-cp": "do-cp", "do-acp": "dense-do-acp"}
 GROUPINGS: tuple[str, ...] = ("rr", "wc", "rc", "ab", "oc")
 SCALINGS: tuple[str, ...] = ("uniform", "proportional", "gate")
 _ALIASES = {"sf": "frequency", "freq": "frequency", "do_cp": "do-cp", "docp": "do-cp", "do_acp": "do-acp",
@@ -87,13 +94,15 @@ def canonical(name: str, allowed: tuple[str, ...], what: str) -> str:
 
 
 def needs_stats(config: DenseConfig | None = None) -> list[str]:
-    """Statistic names a conversion with `config` reads (all of them for None)."""
-    need = ["counts", "tokens", "routing_mass", "pp", "cp"]
-    if config is None or config.criterion in ("acp", "do-acp"):
-        need.append("out_norm_sq_mean")
-    if config is None or config.criterion.startswith("do-") or config.grouping == "oc":
+    """Statistic names a conversion with `config` reads (all of them for None): its criterion's (registry),
+    the routing mass and counts every scaling reads, and the Gram matrix for output clustering."""
+    criteria = CRITERIA if config is None else (config.criterion,)
+    need = ["counts", "tokens", "routing_mass"]
+    for c in criteria:
+        need += get_criterion(CRITERION_ENTRY[c]).stats
+    if config is None or config.grouping == "oc":
         need.append("gram")
-    return need
+    return list(dict.fromkeys(need))
 
 
 # ----------------------------------------------------------------------------- scores and selection
@@ -106,20 +115,10 @@ def _get(stats: Mapping[str, torch.Tensor], name: str, layer: int | None = None)
 
 
 def importance(stats: Mapping[str, torch.Tensor], criterion: str, layer: int | None = None) -> torch.Tensor:
-    """Per-expert base importance s_e [E] (float64) of a criterion; DO-* use their CP / ACP importance."""
-    criterion = canonical(criterion, CRITERIA, "criterion")
-    counts = _get(stats, "counts", layer)
-    if criterion == "frequency":
-        return counts
-    if criterion == "pp":
-        return _get(stats, "pp", layer)
-    n = float(_get(stats, "tokens", layer).reshape(-1)[0])
-    cp = _get(stats, "cp", layer)
-    if criterion == "ps":
-        return cp * counts / max(n, 1.0)
-    if criterion in ("cp", "do-cp"):
-        return cp
-    return cp * _get(stats, "out_norm_sq_mean", layer).clamp_min(0).sqrt()  # acp, do-acp
+    """Per-expert base importance s_e [E] (float64) of a criterion (its registry entry's score); DO-* use their
+    CP / ACP importance."""
+    entry = get_criterion(CRITERION_ENTRY[canonical(criterion, CRITERIA, "criterion")])
+    return entry.score(lambda name: _get(stats, name, layer), -1 if layer is None else layer, 0)
 
 
 def _by_score(scores: torch.Tensor) -> list[int]:
@@ -134,7 +133,7 @@ def select_experts(stats: Mapping[str, torch.Tensor], criterion: str, K: int, la
     if not 1 <= K <= len(s):
         raise MoECompressError(f"K={K} is outside 1..{len(s)} (the layer's experts); pass a K between top-k and "
                                f"{len(s)}.")
-    if criterion.startswith("do-"):
+    if get_criterion(CRITERION_ENTRY[criterion]).doptimal:
         return greedy_doptimal(doptimal_kernel(s, _get(stats, "gram", layer)), K)
     return _by_score(s)[:K]
 
@@ -583,17 +582,20 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
 
 
 # ----------------------------------------------------------------------------- method registry entry
-def stats_mapping(stats) -> Stats:
-    """{layer: {name: tensor}} from a mapping or a calibration `StatsStore` (``.layers`` / ``.layer(i)``)."""
+def stats_mapping(stats: StatsView | Stats | None) -> Stats:
+    """{layer: {name: tensor}} from a `StatsView` (a calibration `StatsStore`: ``.layers`` / ``.layer(i)``) or a
+    mapping (as it is, also when wrapped in `MappingStats`)."""
     if stats is None:
         raise MoECompressError("The dense method needs calibration statistics; run moecompress calibrate "
                                "--for-method dense first (or pass --calib SPEC).")
+    if isinstance(stats, MappingStats):
+        return stats.mapping
     if hasattr(stats, "layers") and hasattr(stats, "layer") and not isinstance(stats, Mapping):
         return {int(i): stats.layer(int(i)) for i in stats.layers}
     return stats
 
 
-def build(config: DenseConfig, context):
+def build(config: DenseConfig, context: MethodContext):
     """Registry entry: a CompressionPlan in which every router slot of a layer maps to its dense FFN.
 
     Each MoE layer stores one ``dense_group`` expert (the k concatenated groups, width k·I, supplied

@@ -36,6 +36,7 @@ from ..runtime.merged_router import (  # noqa: F401  (re-exported: plan-tensor c
     merged_router_state,
     router_tensor_prefix,
 )
+from .context import stat, unpack_context
 
 Linkage = Literal["average", "single", "complete"]
 Metric = Literal["euclidean", "cosine"]
@@ -367,14 +368,11 @@ def build_msmoe(config: MSMoEConfig, context, method: str = "m-smoe"):
     """Registry entry: M-SMoE plan (+ tensors) from counts and router-logit correlations."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
-    from .registry import stat as _stat
-    from .registry import unpack_context as _context
-
-    adapter, stats = _context(context)
+    adapter, stats = unpack_context(context)
     groups, weights = {}, {}
     for i in adapter.moe_layers:
-        usage = _stat(stats, i, "counts").double()
-        sim = _stat(stats, i, "router_logit_corr").double()
+        usage = stat(stats, i, "counts").double()
+        sim = stat(stats, i, "router_logit_corr").double()
         groups[i] = msmoe_groups(usage, sim, num_kept(adapter.num_experts(i), config.ratio))
         weights[i] = usage
     return merged_plan(ModelInfo.from_model(adapter), groups, weights, config.router, adapter, method,
@@ -385,16 +383,13 @@ def build_hcsmoe(config: HCSMoEConfig, context, method: str = "hc-smoe"):
     """Registry entry: HC-SMoE plan (+ tensors) from all-token mean outputs and counts."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
-    from .registry import stat as _stat
-    from .registry import unpack_context as _context
-
-    adapter, stats = _context(context)
+    adapter, stats = unpack_context(context)
     groups, weights = {}, {}
     for i in adapter.moe_layers:
-        feats = _stat(stats, i, "out_mean_all").double()
+        feats = stat(stats, i, "out_mean_all").double()
         groups[i] = hierarchical_clusters(feats, num_kept(adapter.num_experts(i), config.ratio), config.linkage,
                                           config.metric, config.backend)
-        weights[i] = _stat(stats, i, "counts").double()
+        weights[i] = stat(stats, i, "counts").double()
     return merged_plan(ModelInfo.from_model(adapter), groups, weights, config.router, adapter, method,
                        config.model_dump(mode="json"))
 

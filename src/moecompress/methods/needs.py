@@ -6,19 +6,18 @@ name into statistic names here. A method module declares its needs once, at regi
     from moecompress.methods.needs import register_method_stats
     register_method_stats("my-method", ["counts", "reap"])
 
-Per-criterion needs (prune, dense) come from the one criteria registry (`scoring.criteria`).
+Per-criterion needs (prune, dense, conmoe) come from the one criteria registry (`scoring.registry`).
 """
 
 from __future__ import annotations
 
-from ..calibrate.collectors import STAT_PROVIDERS
+from ..calibrate.registry import STAT_PROVIDERS
 from ..errors import MoECompressError
 
 # Methods whose needs are not declared by a method module; criteria register below in _builtin().
 _METHOD_STATS: dict[str, tuple[str, ...]] = {
     "tilt": ("counts", "tokens", "out_mean", "input_moment", "cross_moment", "moment_experts", "moment_count",
              "moment_in_mean", "moment_out_mean"),
-    "conmoe": ("counts", "tokens", "routing_mass", "reap"),
     "m-smoe": ("counts", "tokens", "routing_mass", "router_logit_corr"),
     "hc-smoe": ("counts", "tokens", "out_mean_all", "gram"),
     "puzzlemoe": ("counts", "tokens", "in_channel_norm", "mid_channel_norm"),

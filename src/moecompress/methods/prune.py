@@ -14,20 +14,23 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
+from ..models import MoEAdapter
 from ..plan import CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp, Scope, StoredExpert, TiltOp
 from ..scoring import criteria as C
 from ..scoring import doptimal_kernel, greedy_doptimal, nonuniform_keep, num_kept, rank, uniform_keep
 from ..scoring.distance import pairwise_distance
-from ..scoring.registry import CRITERIA, get_criterion
-from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+from ..scoring.registry import criteria, get_criterion
+from .context import MethodContext, StatsView
 from .needs import register_method_stats
-from .registry import MethodContext, register_method
+from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+from .registry import register_method
 
 Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
 OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
 
-# what each criterion reads: the one criteria registry (scoring/registry.py)
-CRITERION_STATS: dict[str, list[str]] = {n: list(c.stats) for n, c in CRITERIA.items()}
+# what each criterion reads: the one criteria registry (scoring/registry.py); prune serves every criterion
+# under its own name (not the variants other methods use)
+CRITERION_STATS: dict[str, list[str]] = {n: list(get_criterion(n).stats) for n in criteria()}
 OPERATOR_STATS: dict[str, list[str]] = {
     "reroute": [], "drop": [], "remap": [], "constant": ["out_mean"],
     "tilt": ["moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment", "cross_moment"],
@@ -60,11 +63,11 @@ def needs_stats(config: PruneConfig) -> list[str]:
                   | ({"out_norm_sq_mean"} if config.protect_super_experts else set()))
 
 
-def _get(stats, layer: int, name: str) -> torch.Tensor:
+def _get(stats: StatsView, layer: int, name: str) -> torch.Tensor:
     return stats.get(layer, name).double()
 
 
-def layer_scores(criterion: str, stats, layer: int, seed: int = 0) -> torch.Tensor:
+def layer_scores(criterion: str, stats: StatsView, layer: int, seed: int = 0) -> torch.Tensor:
     """Score [E] of every expert of `layer` under `criterion` (scoring/registry.py, scoring/criteria.py equations)."""
     entry = get_criterion(criterion)
     if entry.doptimal:
@@ -72,7 +75,7 @@ def layer_scores(criterion: str, stats, layer: int, seed: int = 0) -> torch.Tens
     return entry.score(lambda name: _get(stats, layer, name), layer, seed)
 
 
-def select_experts(config: PruneConfig, adapter, stats) -> dict[int, list[int]]:
+def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -> dict[int, list[int]]:
     """Kept expert ids per MoE layer (sorted), under the config's criterion and budget."""
     protected = {}
     if config.protect_super_experts:

@@ -42,13 +42,14 @@ from ..puzzle import (
     evolve_grouping,
     merge_expert_group,
     merge_expert_pair,
+    packing_code,
     random_grouping,
 )
 from ..puzzle.group import GroupMergedExperts
-from ..puzzle import packing_code
 from ..runtime.packed import run_members
+from .context import MethodContext
 from .needs import register_method_stats
-from .registry import MethodContext, register_method
+from .registry import register_method
 
 STATS = ["counts", "tokens", "in_channel_norm", "mid_channel_norm"]
 

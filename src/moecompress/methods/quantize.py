@@ -32,7 +32,8 @@ from ..plan import CompressionPlan, PlanTensors, Scope
 from ..quant import QuantizedTensor, gptq, rtn
 from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
-from .registry import MethodContext, register_method
+from .context import MethodContext
+from .registry import register_method
 
 Weighting = Literal["uniform", "gate2"]
 _HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}

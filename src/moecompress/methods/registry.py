@@ -1,8 +1,9 @@
 """Methods by name: a recipe is `{method: name, params: {...}}` validated by the method's pydantic config.
 
 A method is a config class plus a build function `build(config, context) -> (CompressionPlan, tensors)`,
-where `context` gives the adapter/model, the stats store and the seed. `needs_stats` names the
-calibration statistics it reads, so one calibration can serve the union of every arm's needs.
+where `context` (a `methods.context.MethodContext`) gives the adapter, the statistics (a `StatsView`) and
+the seed. `needs_stats` names the calibration statistics a config reads (prune, dense and ConMoE take them
+from their criteria's entries in `scoring.registry`), so one calibration can serve every arm's needs.
 """
 
 from __future__ import annotations
@@ -11,75 +12,31 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 from pydantic import BaseModel, ValidationError
 
 from ..errors import MoECompressError
+from .context import MethodContext
 
-
-@dataclass
-class MethodContext:
-    """What a method's build function receives besides its config.
-
-    adapter: the loaded model's `MoEAdapter` (weights in memory); stats: a calibration
-    `StatsStore` (``stats.get(layer, name)``) or None for stats-free methods; seed for any
-    randomness; progress: show rich progress bars.
-    """
-
-    adapter: Any
-    stats: Any = None
-    seed: int = 0
-    progress: bool = False
-
-    @property
-    def model(self):
-        return self.adapter.model
+Build = Callable[[BaseModel, MethodContext], tuple[Any, dict]]  # (config, context) -> (CompressionPlan, tensors)
 
 
 @dataclass(frozen=True)
 class MethodEntry:
     name: str
     config_cls: type[BaseModel]
-    build: Callable[..., Any]
+    build: Build
     needs_stats: Callable[[BaseModel], list[str]] | list[str] = field(default_factory=list)
     family: str = ""  # prune | consolidate | merge | elementwise | dense | auto
 
     def stats_for(self, config: BaseModel) -> list[str]:
+        """The statistic names a build with `config` reads."""
         return list(self.needs_stats(config) if callable(self.needs_stats) else self.needs_stats)
-
-
-def stat(stats, layer: int, name: str) -> torch.Tensor:
-    """One statistic of one layer from a StatsStore (`.get(layer, name)`) or a {layer: {name: tensor}} dict."""
-    if stats is None:
-        raise MoECompressError(f"This method needs calibration statistics ('{name}'); run moecompress calibrate first.")
-    if hasattr(stats, "get") and not isinstance(stats, dict):
-        return stats.get(layer, name)
-    try:
-        return stats[layer][name]
-    except KeyError:
-        raise MoECompressError(f"The statistics lack '{name}' for layer {layer}; re-run calibration for this method.") from None
-
-
-def unpack_context(context):
-    """(adapter, stats) from a build context (attributes adapter/model and stats) or an (adapter, stats) pair."""
-    from ..models import MoEAdapter
-
-    if isinstance(context, tuple):
-        adapter, stats = context
-    else:
-        adapter = getattr(context, "adapter", None)
-        if adapter is None:
-            adapter = MoEAdapter(context.model)
-        stats = getattr(context, "stats", None)
-    if not isinstance(adapter, MoEAdapter):
-        adapter = MoEAdapter(adapter)
-    return adapter, stats
 
 
 METHODS: dict[str, MethodEntry] = {}
 
 
-def register_method(name: str, config_cls: type[BaseModel], build: Callable[..., Any],
+def register_method(name: str, config_cls: type[BaseModel], build: Build,
                     needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "") -> None:
     METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
                                 else needs_stats, family)

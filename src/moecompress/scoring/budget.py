@@ -1,7 +1,8 @@
 """How many experts each layer keeps, separate from how experts are scored.
 
 Budgets return, per layer, the sorted list of kept expert indices. Ties break deterministically
-toward the lower expert index.
+toward the lower expert index. A reduction ratio ρ is validated once, at the boundary (the method's
+pydantic config: ``ratio`` in [0, 1)); these functions trust it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from ..errors import MoECompressError
 
 
 def num_kept(num_experts: int, ratio: float) -> int:
-    """round((1 − ρ)E), the uniform per-layer budget."""
-    if not 0.0 <= ratio < 1.0:
-        raise MoECompressError(f"Reduction ratio {ratio} is outside [0, 1); pass e.g. --ratio 0.5.")
+    """round((1 − ρ)E), the uniform per-layer budget (at least one expert)."""
     return max(1, round((1.0 - ratio) * num_experts))
 
 
@@ -70,8 +69,6 @@ def nonuniform_keep(layer_scores: dict[int, torch.Tensor], ratio: float, top_k: 
     round((1−ρ)·ΣE) best overall, with a floor of top-k experts in every layer."""
     total = sum(len(s) for s in layer_scores.values())
     budget = round((1.0 - ratio) * total)
-    if not 0.0 <= ratio < 1.0:
-        raise MoECompressError(f"Reduction ratio {ratio} is outside [0, 1); pass e.g. --ratio 0.5.")
     kept = {layer: rank(s)[: top_k[layer]] for layer, s in layer_scores.items()}
     if budget < sum(len(v) for v in kept.values()):
         raise MoECompressError(f"Ratio {ratio} leaves fewer than top-k experts in some layer; use a smaller ratio.")

@@ -50,6 +50,15 @@ def acp(selected_prob_sum: torch.Tensor, count: torch.Tensor, out_norm_sq_sum: t
     return cp(selected_prob_sum, count) * _safe_div(out_norm_sq_sum.double(), count.double()).sqrt()
 
 
+def acp_of_means(cp_mean: torch.Tensor, out_norm_sq_mean: torch.Tensor) -> torch.Tensor:
+    """ACP from the per-expert means a store holds: p̄_e · sqrt(E_{t: e∈top-k} ‖f_e(t)‖²).
+
+    The same equation as `acp`, evaluated without going back to sums, so it rounds differently in the last
+    bits; the dense method (MoE → dense, whose merge weights are normalised scores) uses this form.
+    """
+    return cp_mean.double() * out_norm_sq_mean.double().clamp_min(0).sqrt()
+
+
 def reap(gate_norm_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """REAP: (1/c_e) Σ_{t: e∈top-k} g_e(t)·‖f_e(t)‖₂."""
     return _safe_div(gate_norm_sum.double(), count.double())

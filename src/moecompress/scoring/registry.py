@@ -6,9 +6,13 @@ the equations of scoring/criteria.py. ``get(name)`` returns the layer's statisti
 by one: its score is the base importance b of the kernel L = diag(√b)·Gram·diag(√b) whose log-determinant
 the greedy selection maximises (scoring/doptimal.py).
 
-Prune reads this table for selection and for what to calibrate (``calibrate --for-method prune`` gathers the
-union of every entry's statistics). A new criterion is one `register_criterion` call here (plus its
-equation in criteria.py and its tests).
+Every method that scores experts reads this table, for selection and for what to calibrate: prune (its
+``criterion``; ``calibrate --for-method prune`` gathers the union of the prune criteria's statistics), dense
+(its ``criterion``, through `methods.dense.CRITERION_ENTRY`) and ConMoE (its contribution a_e is the ``reap``
+entry, its usage ablation the ``frequency`` entry). A *variant* (``variant_of``) is the same criterion
+evaluated another way, registered under its own name so that no method's results change: the dense method
+computes ACP from the store's means, prune from the sums it rebuilds (they differ in the last bits).
+A new criterion is one `register_criterion` call here (plus its equation in criteria.py and its tests).
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ class CriterionEntry:
     stats: tuple[str, ...]
     score: Callable[[Getter, int, int], torch.Tensor]  # (get, layer, seed) -> [E]
     doptimal: bool = False
+    variant_of: str | None = None  # the criterion this entry computes another way (same equation)
 
 
 CRITERIA: dict[str, CriterionEntry] = {}
 
 
 def register_criterion(name: str, stats, score: Callable[[Getter, int, int], torch.Tensor],
-                       doptimal: bool = False) -> None:
-    CRITERIA[name] = CriterionEntry(name, tuple(stats), score, doptimal)
+                       doptimal: bool = False, variant_of: str | None = None) -> None:
+    CRITERIA[name] = CriterionEntry(name, tuple(stats), score, doptimal, variant_of)
+
+
+def criteria() -> list[str]:
+    """The criteria by their own names (variants left out): what prune's ``criterion`` accepts."""
+    return [n for n, c in CRITERIA.items() if c.variant_of is None]
 
 
 def get_criterion(name: str) -> CriterionEntry:
@@ -72,3 +82,10 @@ register_criterion("mone", (*_BASE, "routing_mass", "out_mean", "out_var"), lamb
 register_criterion("do-cp", (*_BASE, "cp", "gram"), lambda g, layer, seed: g("cp"), doptimal=True)
 register_criterion("do-acp", (*_BASE, "cp", "out_norm_sq_mean", "gram"), lambda g, layer, seed: _acp(g),
                    doptimal=True)
+
+# the dense method's ACP / DO-ACP: the same equation evaluated on the store's means (criteria.acp_of_means)
+register_criterion("dense-acp", (*_BASE, "cp", "out_norm_sq_mean"),
+                   lambda g, layer, seed: C.acp_of_means(g("cp"), g("out_norm_sq_mean")), variant_of="acp")
+register_criterion("dense-do-acp", (*_BASE, "cp", "out_norm_sq_mean", "gram"),
+                   lambda g, layer, seed: C.acp_of_means(g("cp"), g("out_norm_sq_mean")), doptimal=True,
+                   variant_of="do-acp")

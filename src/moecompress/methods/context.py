@@ -1,0 +1,117 @@
+"""What a method's build function receives besides its config: the model view and the statistics.
+
+Two typed seams. The adapter is an `MoEAdapter` (during `compress`, its streamed subclass
+`methods.streamed.StreamedAdapter`: structure from a meta skeleton, one decoder layer of weights at a
+time). The statistics are a `StatsView`: the few things methods read from calibration, which a
+`calibrate.StatsStore` offers and `MappingStats` offers for in-memory ``{layer: {name: tensor}}``
+statistics (dense's full-forward statistics, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import MoECompressError
+from ..models import MoEAdapter
+
+
+class StatsView(Protocol):
+    """What a method reads from calibration statistics, by MoE layer and statistic name."""
+
+    @property
+    def layers(self) -> list[int]:
+        """The MoE layers that have statistics."""
+
+    @property
+    def names(self) -> list[str]:
+        """The statistic names held for every layer."""
+
+    def has(self, *names: str) -> bool:
+        """Whether every one of `names` is held."""
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        """Statistic `name` of layer `layer`; a missing one is refused in one sentence."""
+
+    def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
+        """Every statistic of one layer."""
+
+
+class MappingStats:
+    """A `StatsView` over in-memory statistics ``{layer: {name: tensor}}`` (tensors handed out as they are)."""
+
+    def __init__(self, mapping: Mapping[int, Mapping[str, torch.Tensor]]):
+        self.mapping = mapping
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.mapping)
+
+    @property
+    def names(self) -> list[str]:
+        per_layer = [set(v) for v in self.mapping.values()]
+        return sorted(set.intersection(*per_layer)) if per_layer else []
+
+    def has(self, *names: str) -> bool:
+        return all(n in v for v in self.mapping.values() for n in names)
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        try:
+            return self.mapping[layer][name]
+        except KeyError:
+            raise MoECompressError(f"The statistics lack '{name}' for layer {layer}; re-run calibration for this "
+                                   "method.") from None
+
+    def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
+        return self.mapping[layer]
+
+
+def stats_view(stats) -> StatsView | None:
+    """`stats` as a `StatsView`: a store (anything with ``get(layer, name)``) as it is, a mapping wrapped."""
+    return MappingStats(stats) if isinstance(stats, Mapping) else stats
+
+
+def stat(stats: StatsView | Mapping | None, layer: int, name: str) -> torch.Tensor:
+    """One statistic of one layer from a StatsView or a {layer: {name: tensor}} mapping."""
+    if stats is None:
+        raise MoECompressError(f"This method needs calibration statistics ('{name}'); run moecompress calibrate first.")
+    return stats_view(stats).get(layer, name)
+
+
+@dataclass
+class MethodContext:
+    """What a method's build function receives besides its config.
+
+    adapter: the model (an `MoEAdapter`; `StreamedAdapter` during `compress`); stats: calibration statistics
+    (a `StatsView`; a {layer: {name: tensor}} mapping is wrapped in `MappingStats`) or None for stats-free
+    methods; seed for any randomness; progress: show rich progress bars.
+    """
+
+    adapter: MoEAdapter
+    stats: StatsView | None = None
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self):
+        self.stats = stats_view(self.stats)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.adapter.model
+
+
+def unpack_context(context) -> tuple[MoEAdapter, StatsView | None]:
+    """(adapter, stats) from a build context (attributes adapter/model and stats) or an (adapter, stats) pair."""
+    if isinstance(context, tuple):
+        adapter, stats = context
+    else:
+        adapter = getattr(context, "adapter", None)
+        if adapter is None:
+            adapter = MoEAdapter(context.model)
+        stats = getattr(context, "stats", None)
+    if not isinstance(adapter, MoEAdapter):
+        adapter = MoEAdapter(adapter)
+    return adapter, stats_view(stats)

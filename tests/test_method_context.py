@@ -1,0 +1,34 @@
+"""The typed seams between methods and the rest: `MethodContext` (an `MoEAdapter`, a `StatsView`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecompress.calibrate import StatsStore
+from moecompress.errors import MoECompressError
+from moecompress.methods import MappingStats, MethodContext, StatsView
+from moecompress.methods.context import stat, unpack_context
+from moecompress.models import MoEAdapter
+from moecompress.testing import tiny_model
+
+
+def test_a_mapping_becomes_a_stats_view():
+    counts = torch.tensor([3, 1])
+    ctx = MethodContext(MoEAdapter(tiny_model("olmoe")), {1: {"counts": counts, "tokens": torch.tensor(4)}})
+    assert isinstance(ctx.stats, MappingStats)
+    assert ctx.stats.get(1, "counts") is counts and ctx.stats.layers == [1] and ctx.stats.has("counts", "tokens")
+    assert ctx.stats.names == ["counts", "tokens"] and not ctx.stats.has("reap")
+    with pytest.raises(MoECompressError, match="lack 'reap' for layer 1"):
+        ctx.stats.get(1, "reap")
+    assert stat({1: {"counts": counts}}, 1, "counts") is counts  # plain mappings still accepted
+    adapter, stats = unpack_context((ctx.adapter, {1: {"counts": counts}}))
+    assert adapter is ctx.adapter and isinstance(stats, MappingStats)
+    assert MethodContext(ctx.adapter).stats is None
+
+
+def test_the_stats_store_offers_the_view():
+    """Everything `StatsView` names, `StatsStore` has (methods read stores through that protocol)."""
+    members = [m for m in vars(StatsView) if not m.startswith("_")]
+    assert set(members) == {"layers", "names", "has", "get", "layer"}
+    assert all(hasattr(StatsStore, m) for m in members) and all(hasattr(MappingStats, m) for m in members)
