@@ -86,20 +86,25 @@ def test_auto_choice_is_todays(info, packed):
 
 
 def test_a_named_format_that_cannot_hold_the_plan_is_refused_in_one_sentence(info, packed):
+    """choose_format (compress/compare) names the flag; export's own sentence names the argument."""
     with pytest.raises(MoECompressError, match=r"'hf' format cannot express this plan \(layer 0 maps several slots.*"
-                                               r"format='compact'"):
+                                               r"use --format compact\.$"):
         choose_format(_remap(info), "hf")
-    with pytest.raises(MoECompressError, match=r"packed element-wise merges.*format='packed'"):
+    with pytest.raises(MoECompressError, match=r"packed element-wise merges.*use --format packed"):
         choose_format(packed, "hf")
-    with pytest.raises(MoECompressError, match=r"'compact' format cannot express this plan.*format='packed'"):
+    with pytest.raises(MoECompressError, match=r"'compact' format cannot express this plan.*use --format packed"):
         choose_format(packed, "compact")
-    with pytest.raises(MoECompressError, match="cannot delete or mask the dropped slots"):
+    with pytest.raises(MoECompressError, match="cannot delete or mask the dropped slots.*use --format hf"):
         choose_format(_half(info), "materialized")
     with pytest.raises(MoECompressError, match="Unknown export format 'gguf'; use one of hf, compact"):
         choose_format(_half(info), "gguf")
-    for exc_plan, name in ((_remap(info), "hf"), (packed, "compact")):
-        msg = FORMATS[name].refusal(exc_plan)
-        assert "\n" not in msg and msg.endswith(".")
+    assert HFFormat.refusal(_remap(info)).endswith("export it with format='compact' instead.")
+    assert HFFormat.refusal(packed).endswith("export it with format='packed' instead.")
+    assert CompactFormat.refusal(packed).endswith("export it with format='packed' instead.")
+    assert FORMATS["materialized"].refusal(_half(info)).endswith("use format='hf' or 'compact'.")
+    for plan, name in ((_remap(info), "hf"), (packed, "compact"), (_half(info), "materialized")):
+        assert "\n" not in FORMATS[name].refusal(plan) and FORMATS[name].reason(plan)
+        assert FORMATS[name].refusal(_half(info, keep=range(8))) is None  # the identity holds everywhere
 
 
 def test_quantized_hf_follows_the_family(tmp_path):
@@ -113,7 +118,7 @@ def test_quantized_hf_follows_the_family(tmp_path):
         plan, _ = quantize_plan(plan, {}, lambda l, e, a=adapter: a.layer(l).storage.read(e),
                                 QuantConfig(quant="w4c", algo="rtn"))
         assert choose_format(plan) == expected
-    with pytest.raises(MoECompressError, match="cannot hold the gpt_oss family's experts quantized"):
+    with pytest.raises(MoECompressError, match="cannot hold the gpt_oss family's experts quantized.*use --format compact"):
         choose_format(plan, "hf")
 
 

@@ -145,7 +145,7 @@ def test_plan_refuses_inconsistent_packed_experts():
     bad[key] = bad[key][:-1]
     with pytest.raises(MoECompressError, match="do not belong to this plan"):
         plan.check_tensors(bad)
-    with pytest.raises(MoECompressError, match="format='packed'"):
+    with pytest.raises(MoECompressError, match="use --format packed"):
         choose_format(plan, "compact")
     with pytest.raises(MoECompressError, match="packed element-wise merges"):
         choose_format(plan, "hf")

@@ -89,14 +89,15 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
 def choose_format(plan, requested: str = "auto") -> str:
     """The export format for `plan`: for ``auto`` the first of `export.formats.AUTO_ORDER` that holds it (`hf`
     when a vanilla config can express it, else `compact`, else `packed` for PuzzleMoE packed merges); a named
-    format when it holds the plan, else its one-sentence refusal."""
+    format when it holds the plan, else one sentence naming the format `auto` would use."""
     from .export.formats import auto_format, format_class
 
     if requested == "auto":
         return auto_format(plan)
-    refusal = format_class(requested).refusal(plan)
-    if refusal is not None:
-        raise MoECompressError(refusal)
+    why = format_class(requested).reason(plan)
+    if why is not None:
+        raise MoECompressError(f"The '{requested}' format cannot express this plan ({why}); use --format "
+                               f"{auto_format(plan)}.")
     return requested
 
 

@@ -233,22 +233,35 @@ class MaterializedFormat(Format):
     evaluation_only = True
 
     @classmethod
-    def refusal(cls, plan):
+    def _problem(cls, plan) -> tuple[str, str] | None:
+        """(reason clause, export's sentence) for the first thing this full-size format cannot hold, or None."""
         for lp in plan.layers:
             sc = plan.scope(lp.scope)
             if lp.operators():
-                return (f"The 'materialized' format cannot express the replacement operators of layer {lp.layer}; "
+                return (f"layer {lp.layer} has replacement operators",
+                        f"The 'materialized' format cannot express the replacement operators of layer {lp.layer}; "
                         "evaluate it with format='compact' or in memory (apply_plan).")
             if lp.dropped() and lp.gate in ("renorm", "keep"):
-                return (f"The 'materialized' format keeps the original router, so it cannot delete or mask the "
+                return (f"it keeps the original router, so it cannot delete or mask the dropped slots of layer "
+                        f"{lp.layer} (gate '{lp.gate}')",
+                        f"The 'materialized' format keeps the original router, so it cannot delete or mask the "
                         f"dropped slots of layer {lp.layer} (gate '{lp.gate}'); use format='hf' or 'compact'.")
             width = plan.model.layer(lp.layer).intermediate_size
             if any(plan.stored_width(sc, s) != width for s in sc.stored):
-                return (f"The 'materialized' format needs stored experts of the original width in layer {lp.layer}; "
-                        "use format='compact'.")
+                return (f"layer {lp.layer} stores experts of another width",
+                        f"The 'materialized' format needs stored experts of the original width in layer "
+                        f"{lp.layer}; use format='compact'.")
         return None
 
-    reason = refusal  # its refusals name their own alternatives (an evaluation format is never chosen by `auto`)
+    @classmethod
+    def reason(cls, plan):
+        problem = cls._problem(plan)
+        return None if problem is None else problem[0]
+
+    @classmethod
+    def refusal(cls, plan):
+        problem = cls._problem(plan)
+        return None if problem is None else problem[1]
 
     def finalize(self, tensors):
         return _revert(self.source.model, tensors)
