@@ -116,7 +116,8 @@ FAMILIES: dict[str, FamilySpec] = {
                              layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
         FamilySpec("granitemoe", _topk_then_softmax(bias=False), block_attrs=("block_sparse_moe",),
-                   router_attr="router", expert_count_key="num_local_experts", dense_family="granite", hf_quantized=False,
+                   router_attr="router", expert_count_key="num_local_experts", dense_family="granite",
+                   hf_quantized=False,
                    tiny=dict(_TINY, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)),
         # Beam: DeepSeek-V3 router, but routed_scaling_factor is applied by the block after the experts
         # (the fallback rejects it because the HF router's weights are unscaled); equal to scaling the weights.
