@@ -87,18 +87,17 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
 
 
 def choose_format(plan, requested: str = "auto") -> str:
-    """`packed` when the plan keeps PuzzleMoE packed merges, else `hf` when a vanilla config can express
-    it, else `compact` (or what was asked, if possible)."""
-    packed = plan.has_packed()
-    ok, why = plan.hf_expressible()
+    """The export format for `plan`: for ``auto`` the first of `export.formats.AUTO_ORDER` that holds it (`hf`
+    when a vanilla config can express it, else `compact`, else `packed` for PuzzleMoE packed merges); a named
+    format when it holds the plan, else one sentence naming the format `auto` would use."""
+    from .export.formats import auto_format, format_class
+
     if requested == "auto":
-        return "packed" if packed else ("hf" if ok else "compact")
-    if requested == "hf" and not ok:
-        raise MoECompressError(f"This plan cannot be a vanilla HF checkpoint ({why}); use --format "
-                               f"{'packed' if packed else 'compact'}.")
-    if requested == "compact" and packed:
-        raise MoECompressError("This plan stores packed PuzzleMoE merges, which only the packed format holds; "
-                               "use --format packed (or auto).")
+        return auto_format(plan)
+    why = format_class(requested).reason(plan)
+    if why is not None:
+        raise MoECompressError(f"The '{requested}' format cannot express this plan ({why}); use --format "
+                               f"{auto_format(plan)}.")
     return requested
 
 
