@@ -15,8 +15,9 @@ The `moecompress` verbs `calibrate`, `compress`, `eval`, `compare`, `demo` and `
 (`moecompress.cli`) and call these functions. The steps compress and compare share are in `pipeline.py`;
 `compare.py` runs a recipe's arms.
 
-The exporters, the runtime and evaluation import transformers' model classes and lm-eval (seconds); they
-are imported where a function needs them, so that `import moecompress` and `moecompress --help` stay fast.
+The exporters, the runtime, evaluation and the recipe schema (through the quantizer) import transformers
+and lm-eval (seconds); they are imported where a function needs them, so that `import moecompress` and
+`moecompress --help` stay fast.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,7 +39,9 @@ from .errors import MoECompressError
 from .methods import stats_to_gather
 from .pipeline import choose_format, make_plan, needs_for, quant_config, resolve_calibration
 from .plan import CompressionPlan
-from .recipe import Recipe, load_recipe, merge_recipes
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=None, for_method=None,
@@ -151,6 +154,8 @@ def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.Pat
     calibration, evaluate all on the same items, write report.md, ranking.md, PNGs and results.json under
     `out`; returns the results. pairs: the paired comparisons (default: every arm against the original).
     The report appears complete or not at all (`compare.run_compare`)."""
+    from .recipe import Recipe, load_recipe, merge_recipes
+
     if not isinstance(recipes, Recipe):
         items = [recipes] if isinstance(recipes, (str, os.PathLike)) else list(recipes)
         recipes = merge_recipes([r if isinstance(r, Recipe) else load_recipe(r) for r in items])

@@ -12,12 +12,13 @@ import shutil
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .recipe import Recipe
+if TYPE_CHECKING:  # the recipe schema imports the quantizer and through it the runtime and transformers
+    from .recipe import Recipe
 
 console = Console(stderr=True)
 

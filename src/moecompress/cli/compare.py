@@ -10,7 +10,6 @@ import typer
 
 from ..api import compare
 from ..compare import ranking_table, summary_console, table_width
-from ..recipe import load_recipe
 
 
 def compare_command(
@@ -34,6 +33,8 @@ def demo_command(
     verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
 ) -> None:
     """Offline end to end on the shipped fixtures: calibrate once, compress, evaluate, rank, report."""
+    from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
+
     console = summary_console()
     names = ["demo-full.yaml"] if full else ["demo.yaml"]
     models = ["fixture:olmoe-tiny", "fixture:qwen3-moe-tiny"] if full else [None]

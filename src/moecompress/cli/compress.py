@@ -15,7 +15,6 @@ from rich.table import Table
 from ..api import compress
 from ..compress_dryrun import estimate_compress, refuse_if_over
 from ..errors import MoECompressError
-from ..recipe import load_recipe
 from ..validate import check_range
 
 
@@ -67,6 +66,8 @@ def compress_command(
     params: dict = {}
     quant_setting = None
     if recipe is not None:
+        from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
+
         spec = load_recipe(recipe, model=model)
         if len(spec.arms) != 1:
             raise MoECompressError(f"{recipe} holds {len(spec.arms)} arms but compress builds one; use "

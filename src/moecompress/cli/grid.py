@@ -15,7 +15,6 @@ from rich.console import Console
 from ..api import compare
 from ..compare import ranking_table
 from ..errors import MoECompressError
-from ..recipe import ArmSpec, CalibrationSpec, EvalSpec, Recipe
 from ..validate import check_range, parse_floats
 from ._common import split_list
 
@@ -32,6 +31,8 @@ OPERATOR_CELLS = {
 
 def grid_arms(criteria: list[str], operators: list[str], ratios: list[float], rank: int) -> tuple[list, list]:
     """(arms, pairs): one arm per criterion × ratio × operator cell; pairs against that mask's constant."""
+    from ..recipe import ArmSpec  # the schema imports the quantizer and transformers: only here
+
     unknown = [o for o in operators if o not in OPERATOR_CELLS]
     if unknown:
         raise MoECompressError(f"Unknown operator cell '{unknown[0]}'; choose from {', '.join(OPERATOR_CELLS)}.")
@@ -63,6 +64,8 @@ def grid_command(
     overwrite: bool = typer.Option(False),
 ) -> None:
     """Hold each mask fixed, run every operator and gate scale on it, report paired intervals vs constant."""
+    from ..recipe import CalibrationSpec, EvalSpec, Recipe
+
     ratio_list = parse_floats("--ratios", ratios)
     for r in ratio_list:
         check_range("--ratios", r, 0.0, 1.0, lo_open=True, hi_open=True)
