@@ -48,10 +48,10 @@ def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=N
               seq_len: int = 2048, **options):
     """Gather per-expert statistics of checkpoint `model` over calibration `data` into a stats store at `out`.
 
-    stats: statistic names (list or comma string); for_method: also what this method (or comma-separated
-    methods) reads, resolved through the method registry (`methods.stats_to_gather`): calibration itself
-    knows statistics only by name. options: every other keyword of `moecompress.calibrate.api.calibrate`
-    (batch_size, dtype, seed, device, resume, dry_run, offload_dir, padding, moment_experts, overwrite, ...).
+    stats: statistic names (list or comma string); for_method: also what this method (or list of methods)
+    reads, resolved through the method registry (`methods.stats_to_gather`): calibration itself knows
+    statistics only by name. options: every other keyword of the calibration runner (`calibrate/api.py`:
+    batch_size, dtype, seed, device, resume, dry_run, offload_dir, padding, moment_experts, overwrite, ...).
     Returns the `StatsStore` (a `ResourceEstimate` with ``dry_run=True``)."""
     return gather_statistics(model, data, seq_len=seq_len, out=out, stats=stats_to_gather(stats, for_method),
                              **options)
