@@ -30,7 +30,7 @@ SECTIONS = {"pruning": "## Expert pruning: fixed-mask operator grid (issue 10)",
 
 
 def pruning_arms():
-    from moecompress.grid_cli import grid_arms
+    from moecompress.cli.grid import grid_arms
     from moecompress.recipe import ArmSpec
 
     arms, pairs = grid_arms(["mone", "reap", "frequency"], ["reroute-keep", "reroute-renorm", "drop", "tilt",

@@ -10,7 +10,7 @@
    and mask to `build/peer_gptq/<fixture>/tokens.safetensors`; both tools calibrate on exactly these ids;
 2. OUR side, in a child process (`ours`): `moecompress.calibrate.calibrate` streams the checkpoint over those
    tokens gathering the per-expert Hessians (`hessian_in`/`hessian_mid`: each expert's routed tokens only),
-   then `moecompress.pipeline.compress(model, "quant", {quant: w{b}g32, algo: gptq, actorder: True})` writes the
+   then `moecompress.compress(model, "quant", {quant: w{b}g32, algo: gptq, actorder: True})` writes the
    compressed-tensors checkpoint (format auto -> hf);
 3. THEIR side, in the peer virtualenv (`build/peer-venv/bin/python benchmarks/peer/llmc_gptq.py`): `oneshot` with
    a `GPTQModifier` whose one config group targets the routed experts' projections, W{b}A16 int symmetric group
@@ -100,7 +100,7 @@ def ours(model: str, tokens: str, bits: int, save: str, out: str, batch_size: in
     from moecompress.calibrate import calibrate
     from moecompress.data.calibration import CalibrationData
     from moecompress.methods.quantize import QuantConfig, quant_stats
-    from moecompress.pipeline import compress
+    from moecompress import compress
 
     t = load_file(tokens)
     data = CalibrationData.from_tokens(t["input_ids"], t["attention_mask"])

@@ -114,7 +114,7 @@ def test_shipped_demo_recipe_is_valid():
 
 
 def test_grid_holds_each_mask_fixed_and_pairs_against_constant():
-    from moecompress.grid_cli import grid_arms
+    from moecompress.cli.grid import grid_arms
 
     arms, pairs = grid_arms(["mone"], ["reroute-keep", "tilt"], [0.5], rank=8)
     assert [a.name for a in arms] == ["mone-50-constant", "mone-50-reroute-keep", "mone-50-tilt"]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moecompress.errors import MoECompressError
+from moecompress.export.formats import HFFormat
 from moecompress.methods import get_method, parse_config
 from moecompress.methods.merging import (
     agglomerative,
@@ -174,7 +175,7 @@ def test_router_merge_equals_a_standard_checkpoint_with_fewer_experts(model_type
                                                 (ad, _stats(model, counts, feats=feats)))
     for lp in plan.layers:
         assert lp.gate == "renorm" and sum(s != "drop" for s in lp.slots) == 4
-    assert plan.hf_expressible()[0]
+    assert HFFormat.reason(plan) is None
     fresh = tiny_model(model_type, seed=4)
     assert install_merged_router(fresh, plan, tensors) == len(ad.moe_layers)
     runtime = apply_plan(fresh, plan, tensors)

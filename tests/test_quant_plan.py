@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from moecompress.api import export, load
 from moecompress.errors import MoECompressError
+from moecompress.export.formats import HFFormat
 from moecompress.methods.quantize import QuantConfig, quantize_plan
 from moecompress.models import MoEAdapter, load_model
 from moecompress.pipeline import build_plan
@@ -94,7 +95,7 @@ def test_hf_export_is_compressed_tensors_and_loads(tmp_path, calibrated):
     path, store, adapter, _ = calibrated
     plan, tensors = build_plan(adapter, "prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"}, store)
     plan, tensors = quantize_plan(plan, tensors, _source(adapter), QuantConfig(quant="w4c"), store)
-    assert plan.hf_expressible()[0]
+    assert HFFormat.reason(plan) is None
     export(str(path), plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     qc = config["quantization_config"]
@@ -177,10 +178,10 @@ def test_gpt_oss_quantized_compact_roundtrip(tmp_path):
 def test_ragged_groups_stay_compact(tiny):
     path, adapter = tiny
     plan, _ = build_plan(adapter, "quant", {"quant": "w4g32", "algo": "rtn"}, None)
-    ok, why = plan.hf_expressible()  # down's input is 16 wide: a 32-group is ragged there
-    assert not ok and "group 32" in why
+    why = HFFormat.reason(plan)  # down's input is 16 wide: a 32-group is ragged there
+    assert why is not None and "group 32" in why
     plan, _ = build_plan(adapter, "quant", {"quant": "w4c", "algo": "rtn"}, None)
-    assert plan.hf_expressible() == (True, "")
+    assert HFFormat.reason(plan) is None
 
 
 @pytest.mark.parametrize("actorder", [False, True])

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+import moecompress
 from moecompress import pipeline
 from moecompress.api import export
 from moecompress.calibrate import calibrate
@@ -57,7 +58,7 @@ def views(monkeypatch):
 
 def test_reap_pruning_never_materialises_an_expert(tiny, views):
     root, path = tiny
-    pipeline.compress(str(path), "prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"},
+    moecompress.compress(str(path), "prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"},
                       calib=root / "stats", out=root / "reap", progress=False)
     (view,) = views
     assert view.layer_loads == {} and view.forward_loads == {}
@@ -97,8 +98,8 @@ def test_streamed_outputs_equal_the_float32_in_memory_path(tiny, method, params)
     fmt = pipeline.choose_format(old_plan)
     old = export(source, old_plan, root / f"{method}-old", format=fmt, tensors=old_tensors, quiet=True, overwrite=True)
     new_out = root / f"{method}-new"
-    new = pipeline.compress(str(path), method, params, calib=root / "stats", out=new_out, format=fmt, progress=False,
-                            overwrite=True)
+    new = moecompress.compress(str(path), method, params, calib=root / "stats", out=new_out, format=fmt,
+                               progress=False, overwrite=True)
     assert new.format == old.format
     names = sorted(p.name for p in (root / f"{method}-old").iterdir() if p.name != "recipe.yaml")
     assert names == sorted(p.name for p in new_out.iterdir() if p.name != "recipe.yaml")

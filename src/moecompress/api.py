@@ -1,18 +1,166 @@
-"""The Python API of plans: apply in memory, export to disk, load back.
+"""The public Python API: the verbs as functions, and plans applied, exported and loaded.
+
+    import moecompress
+    moecompress.calibrate("fixture:olmoe-tiny", "fixture-calib:16", seq_len=64, out="stats/", for_method="prune")
+    result = moecompress.compress("fixture:olmoe-tiny", "prune", {"criterion": "reap", "ratio": 0.5},
+                                  calib="stats/", out="pruned/")
+    results = moecompress.evaluate("pruned/", ppl="fixture-heldout", reference="fixture:olmoe-tiny")
+    results = moecompress.compare(["a.yaml", "b.yaml"], "report/")
+    model = moecompress.load("pruned/")
 
     model = moecompress.apply_plan(model, plan, tensors)          # in place, returns the model
     moecompress.export(model_or_dir, plan, "out/", format="compact")
-    model = moecompress.load("out/")
+
+The `moecompress` verbs `calibrate`, `compress`, `eval`, `compare`, `demo` and `grid` parse their options
+(`moecompress.cli`) and call these functions. The steps compress and compare share are in `pipeline.py`;
+`compare.py` runs a recipe's arms.
+
+The exporters, the runtime, evaluation and the recipe schema (through the quantizer) import transformers
+and lm-eval (seconds); they are imported where a function needs them, so that `import moecompress` and
+`moecompress --help` stay fast.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+# imported here, before moecompress/__init__ binds the functions `calibrate` and `compare` over the
+# attributes the subpackage `moecompress.calibrate` and the module `moecompress.compare` set: imported
+# later, they would set them again
+from .calibrate import calibrate as gather_statistics
+from .compare import run_compare
+from .errors import MoECompressError
+from .methods import stats_to_gather
+from .pipeline import choose_format, make_plan, needs_for, quant_config, resolve_calibration
 from .plan import CompressionPlan
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+
+def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=None, for_method=None,
+              seq_len: int = 2048, **options):
+    """Gather per-expert statistics of checkpoint `model` over calibration `data` into a stats store at `out`.
+
+    stats: statistic names (list or comma string); for_method: also what this method (or list of methods)
+    reads, resolved through the method registry (`methods.stats_to_gather`): calibration itself knows
+    statistics only by name. options: every other keyword of the calibration runner (`calibrate/api.py`:
+    batch_size, dtype, seed, device, resume, dry_run, offload_dir, padding, moment_experts, overwrite, ...).
+    Returns the `StatsStore` (a `ResourceEstimate` with ``dry_run=True``)."""
+    return gather_statistics(model, data, seq_len=seq_len, out=out, stats=stats_to_gather(stats, for_method),
+                             **options)
+
+
+def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
+             out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
+             dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None):
+    """Compress checkpoint `model` with `method` and write it to `out`; returns the `ExportResult`.
+
+    calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
+    format: auto | hf | compact | packed | materialized (`pipeline.choose_format`).
+    quant: optional weight quantization of every stored expert the method keeps (`pipeline.quant_config`)."""
+    from .atomic import check_output
+    from .models import resolve_source
+
+    out = Path(out)
+    model = resolve_source(model)
+    calib_dir = calib if calib is not None and Path(calib).is_dir() else None
+    protect = [model, calib_dir]
+    check_output(out, overwrite, protect)  # before any compute: a refusal must not cost a calibration
+    quant_config(quant)  # a bad quantization spec is refused before any compute too
+    needs = needs_for(method, params, quant)
+    stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
+                                progress=progress)
+    plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype, progress=progress)
+    recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
+              "seq_len": seq_len, "seed": seed, "quant": quant}
+    return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
+                  overwrite=overwrite, protect=protect)
+
+
+def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str | None = None, limit=None,
+             num_fewshot: int | None = None, batch_size: int = 1, include_path=None, window: int = 512,
+             stride: int | None = None, max_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
+             seed: int = 1234, trust_remote_code: bool = False, out: str | os.PathLike | None = None,
+             report: str | os.PathLike | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+    """Perplexity, next-token accuracy and KL to `reference` on `ppl`, and lm-eval `tasks`, of checkpoint
+    `model` (an export of any format, or an original); returns the results dict (schema moecompress.results/1,
+    one arm, per-item values).
+
+    out: also write the results as JSON to this file; report: also write report.md + PNGs into this directory.
+    Both are checked before any model is loaded (an existing one is replaced only with `overwrite`, and only
+    if moecompress wrote it)."""
+    from .atomic import atomic_dir, check_output
+    from .eval.report import write_report, write_results
+    from .eval.runner import evaluate_model, model_info, plan_arm_fields
+    from .models.loading import resolve_fixture
+    from .validate import check_range
+
+    if not tasks and not ppl:
+        raise MoECompressError("Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE.")
+    if reference and not ppl:
+        raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
+    check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
+    check_range("--batch-size", batch_size, 1)
+    check_range("--num-fewshot", num_fewshot, 0)
+    check_range("--window", window, 2)
+    check_range("--stride", stride, 1)
+    check_range("--max-tokens", max_tokens, 1)
+    out = Path(out) if out is not None else None
+    if out is not None and out.is_dir():
+        raise MoECompressError(f"--out {out} is a directory; pass a file path such as {out / 'results.json'}.")
+    if out is not None:
+        _check_results_file(out, overwrite)
+    if report is not None:
+        check_output(report, overwrite, flag="--report")
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    model = resolve_fixture(model)
+    reference = resolve_fixture(reference) if reference else None
+    m = _load_for_eval(model, dtype, device, trust_remote_code)
+    tok = _tokenizer(model, trust_remote_code)
+    ref = _load_for_eval(reference, dtype, device, trust_remote_code) if reference else None
+    metrics = evaluate_model(m, tok, tasks=tasks, ppl=ppl, reference=ref, limit=limit, num_fewshot=num_fewshot,
+                             batch_size=batch_size, include_path=include_path, window=window, stride=stride,
+                             max_tokens=max_tokens, seed=seed, progress=progress)
+    info = model_info(m, model)
+    arm = {"name": info["name"], "method": "checkpoint", "kind": "original", "path": str(model),
+           "bytes": info["bytes"], "metrics": metrics}
+    plan = getattr(m, "_moecompress_plan", None)
+    if plan is not None:  # an export: record what the plan says (gate semantics, operators, per-layer counts)
+        arm.update({k: v for k, v in plan_arm_fields(plan).items() if v is not None}, kind="compressed")
+    results = {"schema": "moecompress.results/1", "model": info, "arms": [arm],
+               "settings": {"window": window, "stride": stride or window, "max_tokens": max_tokens, "limit": limit,
+                            "num_fewshot": num_fewshot, "seed": seed, "reference": reference}}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_results(out, results)
+    if report is not None:
+        with atomic_dir(report, overwrite=overwrite, kind="report") as tmp:
+            write_report(results, tmp)
+    return results
+
+
+def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.PathLike], out: str | os.PathLike, *,
+            overwrite: bool = False, keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
+            progress: bool = True, verbose: bool = False) -> dict[str, Any]:
+    """Run every arm of `recipes` (a `Recipe`, or recipe files whose arms are compared together) from one
+    calibration, evaluate all on the same items, write report.md, ranking.md, PNGs and results.json under
+    `out`; returns the results. pairs: the paired comparisons (default: every arm against the original).
+    The report appears complete or not at all (`compare.run_compare`)."""
+    from .recipe import Recipe, load_recipe, merge_recipes
+
+    if not isinstance(recipes, Recipe):
+        items = [recipes] if isinstance(recipes, (str, os.PathLike)) else list(recipes)
+        recipes = merge_recipes([r if isinstance(r, Recipe) else load_recipe(r) for r in items])
+    return run_compare(recipes, out, overwrite=overwrite, progress=progress, keep_checkpoints=keep_checkpoints,
+                       pairs=pairs, verbose=verbose)
 
 
 def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None = None):
@@ -24,7 +172,8 @@ def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor]
 
 def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
            tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False, **kwargs):
-    """Write the compressed checkpoint (``compact`` | ``hf`` | ``materialized``); returns an `ExportResult`."""
+    """Write the compressed checkpoint (``compact`` | ``hf`` | ``packed`` | ``materialized``); returns an
+    `ExportResult`. kwargs: `export.core.export`'s (max_shard_size, quiet, protect)."""
     from .export import export as _export
 
     return _export(model_or_path, plan, out, format=format, tensors=tensors, recipe=recipe, overwrite=overwrite,
@@ -32,9 +181,47 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
 
 
 def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
-    """Load any export (compact into the runtime; hf / materialized with plain transformers).
+    """Load any export (compact/packed into the runtime; hf / materialized with plain transformers).
 
     max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate)."""
     from .export import load as _load
 
     return _load(path, device_map=device_map, dtype=dtype, max_memory=max_memory, offload_folder=offload_folder)
+
+
+def _load_for_eval(source: str, dtype: str, device: str | None, trust_remote_code: bool):
+    """A local export (compact into the runtime, hf/materialized) through `load`, else `models.load_model`."""
+    if Path(source).expanduser().is_dir() and not trust_remote_code:
+        return load(source, device_map=device, dtype=dtype)
+    from .models import load_model
+
+    return load_model(source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code)
+
+
+def _tokenizer(source: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError):
+        raise MoECompressError(f"No tokenizer could be loaded from {source}; copy the original model's tokenizer "
+                               "files into the checkpoint directory.") from None
+
+
+def _check_results_file(out: Path, overwrite: bool) -> None:
+    """`out`: a new file, or (with `overwrite`) a results file moecompress wrote; its directory writable."""
+    if out.exists():
+        if not overwrite:
+            raise MoECompressError(f"{out} already exists; choose another --out or pass --overwrite.")
+        try:
+            ours = str(json.loads(out.read_text()).get("schema", "")).startswith("moecompress.")
+        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise MoECompressError(f"{out} is not a results file written by moecompress, so --overwrite will not "
+                                   "replace it; pass another --out.")
+    parent = out.expanduser().absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise MoECompressError(f"Cannot write {out}: {parent} is not a writable directory; pass another --out.")

@@ -12,21 +12,15 @@ import shutil
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .recipe import Recipe
+if TYPE_CHECKING:  # the recipe schema imports the quantizer and through it the runtime and transformers
+    from .recipe import Recipe
 
 console = Console(stderr=True)
-
-
-def resolve_model(model: str) -> str:
-    """`fixture:NAME` -> the shipped fixture directory; anything else unchanged (see models.loading)."""
-    from .models.loading import resolve_fixture
-
-    return resolve_fixture(model)
 
 
 def _tokenizer(path: str):
@@ -69,11 +63,12 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     own bars and logs are silenced unless `verbose`, which instead shows every bar as it comes.
     """
     from .atomic import atomic_dir, check_output
+    from .models.loading import resolve_fixture
     from .validate import check_name
 
     out = Path(out)
     recipe = with_quant_baselines(recipe)
-    model_path = resolve_model(recipe.model)
+    model_path = resolve_fixture(recipe.model)
     calib_dir = recipe.calibration.data if Path(recipe.calibration.data).is_dir() else None
     protect = [model_path, calib_dir]
     for arm in recipe.arms:
@@ -149,14 +144,13 @@ def with_quant_baselines(recipe: Recipe) -> Recipe:
 def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
               pairs, track: ArmProgress | None = None) -> dict[str, Any]:
     """The body of `run_compare`: everything is written under `tmp`, paths in the results name `out`."""
-    from .api import export, load
+    from .eval.loading import eval_dtype, load_for_eval
     from .eval.report import write_report
     from .eval.runner import model_info, plan_arm_fields
+    from .export import export, load
     from .methods import get_method
     from .models import load_model
-    from .eval.loading import eval_dtype, load_for_eval
-    from .pipeline import (build_plan, choose_format, export_source, needs_for, open_view, quantize,
-                           resolve_calibration)
+    from .pipeline import choose_format, make_plan, needs_for, resolve_calibration
 
     work = tmp / ".work"  # the shared calibration: inside the temporary, so a kill leaves one thing to clean
     work.mkdir()
@@ -196,19 +190,16 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
             arms.append(dict(entry, path=str(out / "checkpoints" / name)))
             track.done(entry)
             continue
-        adapter = open_view(model_path)  # the arm's plan streams from the checkpoint, one layer at a time
-        t1 = time.perf_counter()
-        plan, tensors = build_plan(adapter, arm.method, arm.params, stats, recipe.seed, progress)
-        plan, tensors = quantize(adapter, plan, tensors, arm.quant, stats, progress)
-        adapter.release()
+        t1 = time.perf_counter()  # the arm's plan streams from the checkpoint, one layer at a time
+        plan, tensors = make_plan(model_path, arm.method, arm.params, stats, quant=arm.quant, seed=recipe.seed,
+                                  progress=progress)
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
         ckpt = tmp / "checkpoints" / name
         track.stage(name, "exporting")
-        result = export(export_source(model_path, adapter, plan, tensors), plan, ckpt, format=fmt, tensors=tensors,
+        result = export(model_path, plan, ckpt, format=fmt, tensors=tensors,
                         recipe={"model": recipe.model, "method": arm.method, "params": arm.params,
                                 "quant": arm.quant.model_dump() if arm.quant else None}, quiet=not progress)
-        del adapter
         track.stage(name, "evaluating")
         model, arm_eval = evaluate_load(ckpt, loader=load)
         entry = plan_arm_fields(plan, tensors)

@@ -1,7 +1,7 @@
-"""The verbs as Python functions: calibrate-if-needed → method → plan → export.
+"""The steps `compress` and `compare` share: statistics a method needs, calibration if needed, the plan
+(streamed from the checkpoint, then quantized) and the export format.
 
-    result = moecompress.compress("ckpt/", "prune", {"criterion": "reap", "ratio": 0.5},
-                                  calib="fixture-calib:64", out="out/")
+The verbs themselves (`moecompress.compress`, `moecompress.compare`, ...) are in `api.py`.
 """
 
 from __future__ import annotations
@@ -87,62 +87,39 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
 
 
 def choose_format(plan, requested: str = "auto") -> str:
-    """`packed` when the plan keeps PuzzleMoE packed merges, else `hf` when a vanilla config can express
-    it, else `compact` (or what was asked, if possible)."""
-    packed = plan.has_packed()
-    ok, why = plan.hf_expressible()
+    """The export format for `plan`: for ``auto`` the first of `export.formats.AUTO_ORDER` that holds it (`hf`
+    when a vanilla config can express it, else `compact`, else `packed` for PuzzleMoE packed merges); a named
+    format when it holds the plan, else one sentence naming the format `auto` would use."""
+    from .export.formats import auto_format, format_class
+
     if requested == "auto":
-        return "packed" if packed else ("hf" if ok else "compact")
-    if requested == "hf" and not ok:
-        raise MoECompressError(f"This plan cannot be a vanilla HF checkpoint ({why}); use --format "
-                               f"{'packed' if packed else 'compact'}.")
-    if requested == "compact" and packed:
-        raise MoECompressError("This plan stores packed PuzzleMoE merges, which only the packed format holds; "
-                               "use --format packed (or auto).")
+        return auto_format(plan)
+    why = format_class(requested).reason(plan)
+    if why is not None:
+        raise MoECompressError(f"The '{requested}' format cannot express this plan ({why}); use --format "
+                               f"{auto_format(plan)}.")
     return requested
-
-
-def export_source(model_path: str, adapter: MoEAdapter, plan, tensors):
-    """What to export from: always the checkpoint path, streamed layer by layer. Plans that also change
-    weights outside the experts (merged router rows of M-SMoE/HC-SMoE `router: merge`) carry them as plan
-    tensors, which the exporter writes into each layer as it streams it (`merging.merged_router_state`)."""
-    return model_path
 
 
 def open_view(model: str, dtype: str = "float32"):
     """The streamed, read-only method view of checkpoint `model` (`methods.streamed.StreamedAdapter`):
     weights one decoder layer at a time, handed out in `dtype` (the arithmetic dtype of the methods)."""
-    from .models import parse_dtype
     from .methods.streamed import StreamedAdapter
+    from .models import parse_dtype
 
     return StreamedAdapter(model, compute_dtype=parse_dtype(dtype))
 
 
-def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
-             out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
-             dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None):
-    """Compress checkpoint `model` with `method` and write it to `out`; returns the ExportResult.
+def make_plan(model: str, method: str, params: dict[str, Any] | None, stats=None, *, quant=None, seed: int = 0,
+              dtype: str = "float32", progress: bool = False):
+    """(plan, tensors) of `method` with `params` on checkpoint `model`, quantized when `quant` is given.
 
-    quant: optional weight quantization of every stored expert the method keeps (`quant_config`)."""
-    from .api import export
-
-    from .atomic import check_output
-    from .models import resolve_source
-
-    out = Path(out)
-    model = resolve_source(model)
-    calib_dir = calib if calib is not None and Path(calib).is_dir() else None
-    protect = [model, calib_dir]
-    check_output(out, overwrite, protect)  # before any compute: a refusal must not cost a calibration
-    quant_config(quant)  # a bad quantization spec is refused before any compute too
-    needs = needs_for(method, params, quant)
-    stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
-                                progress=progress)
-    adapter = open_view(model, dtype)  # one decoder layer at a time, never the whole model
+    The method sees the streamed view (`open_view`): one decoder layer in memory at a time, never the whole
+    model. Export from the checkpoint path afterwards: plans that also change weights outside the experts
+    (merged router rows of M-SMoE/HC-SMoE `router: merge`) carry them as plan tensors, which the exporter
+    writes into each layer as it streams it (`merging.merged_router_state`)."""
+    adapter = open_view(model, dtype)
     plan, tensors = build_plan(adapter, method, params, stats, seed, progress)
     plan, tensors = quantize(adapter, plan, tensors, quant, stats, progress)
     adapter.release()
-    recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
-              "seq_len": seq_len, "seed": seed, "quant": quant}
-    return export(export_source(model, adapter, plan, tensors), plan, out, format=choose_format(plan, format),
-                  tensors=tensors, recipe=recipe, overwrite=overwrite, protect=protect)
+    return plan, tensors

@@ -583,47 +583,8 @@ class CompressionPlan(_Strict):
         return max(self.stored_width(sc, s) for s in sc.stored)
 
     def has_packed(self) -> bool:
-        """Does any stored expert keep PuzzleMoE packed tensors (so only the `packed` format can store it)?"""
+        """Does any stored expert keep PuzzleMoE packed tensors?"""
         return any(s.packing is not None for sc in self.scopes for s in sc.stored)
-
-    def hf_expressible(self) -> tuple[bool, str]:
-        """Can a vanilla config express this plan (sliced experts + router rows)? (answer, reason if not)."""
-        if self.has_packed():
-            return False, "it stores packed element-wise merges"
-        specs = self.quant_specs()
-        if len(specs) > 1:
-            return False, "its stored experts have different precisions"
-        (spec,) = specs
-        if spec is not None and spec.group_size is not None:
-            dims = {self.model.hidden_size} | {li.intermediate_size for li in self.model.layers}
-            if any(d % spec.group_size for d in dims):
-                return False, (f"its quantization group {spec.group_size} leaves a shorter last group on input "
-                               f"dimensions {sorted(dims)}, which compressed-tensors cannot load")
-        counts = set()
-        for lp in self.layers:
-            sc = self.scope(lp.scope)
-            li = self.model.layer(lp.layer)
-            if sc.layers != [lp.layer]:
-                return False, f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
-            if lp.operators():
-                return False, f"layer {lp.layer} has replacement operators"
-            if not (lp.gate == "renorm" or (lp.gate == "keep" and li.keep_equals_renorm) or not lp.dropped()):
-                return False, f"layer {lp.layer} uses gate '{lp.gate}', which a standard router cannot express"
-            ids = lp.stored_ids()
-            if len(set(ids)) != len(ids):
-                return False, f"layer {lp.layer} maps several slots to one stored expert"
-            if any(self.stored_width(sc, s) != li.intermediate_size for s in sc.stored):
-                return False, f"layer {lp.layer} stores an expert of a different width"
-            if li.n_group > 1:
-                size = li.num_experts // li.n_group
-                per_group = {sum(1 for e in range(g * size, (g + 1) * size) if lp.slots[e] != "drop")
-                             for g in range(li.n_group)}
-                if len(per_group) != 1:
-                    return False, f"layer {lp.layer} keeps unequal numbers of experts per router group"
-            counts.add(len(ids))
-        if len(counts) != 1:
-            return False, f"layers keep different numbers of experts ({sorted(counts)})"
-        return True, ""
 
     def logical_bytes(self, tensors: Mapping[str, torch.Tensor] | None = None,
                       accounting: Literal["logical", "stored"] = "logical") -> ByteReport:

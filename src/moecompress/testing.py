@@ -6,32 +6,10 @@ from pathlib import Path
 
 import torch
 
-_COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0)
+from .models import FAMILIES
 
-TINY_CONFIGS: dict[str, dict] = {
-    "qwen3_moe": dict(_COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-                      num_experts_per_tok=2, norm_topk_prob=True),
-    "qwen2_moe": dict(_COMMON, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
-    "olmoe": dict(_COMMON, intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
-    "mixtral": dict(_COMMON, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2),
-    "deepseek_v2": dict(_COMMON, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
-                        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
-                        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8,
-                        num_key_value_heads=4, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                        routed_scaling_factor=1.5, num_hidden_layers=3),
-    "deepseek_v3": dict(_COMMON, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
-                        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
-                        q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8,
-                        num_key_value_heads=4, n_group=4, topk_group=2, norm_topk_prob=True,
-                        routed_scaling_factor=2.5, num_hidden_layers=3),
-    "gpt_oss": dict(_COMMON, head_dim=8, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention"], sliding_window=16,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "granitemoe": dict(_COMMON, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2),
-}
+# the tiny config of each declared family is family data (`FamilySpec.tiny`); families without one build none
+TINY_CONFIGS: dict[str, dict] = {f.model_type: f.tiny for f in FAMILIES.values() if f.tiny is not None}
 
 FAMILY_NAMES = tuple(TINY_CONFIGS)
 

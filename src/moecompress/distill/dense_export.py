@@ -44,14 +44,13 @@ from ..atomic import atomic_dir, dir_bytes
 from ..errors import MoECompressError
 from ..methods.dense import DenseConfig, DenseConversion, convert, ffn_apply, pad_ffn
 from ..methods.streamed import is_streamed
-from ..models import ExpertWeights, MoEAdapter
+from ..models import FAMILIES, ExpertWeights, MoEAdapter
+from ..models.families import expert_count_keys
 
 PLAN_NAME = "dense_plan.json"
-# teacher model_type -> dense model_type with the identical attention + norm path
-DENSE_TARGETS = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral", "granitemoe": "granite",
-                 "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
-_SELF_DENSE = ("deepseek_v2", "deepseek_v3")  # same class, all layers dense via first_k_dense_replace
-_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# teacher model_type -> dense model_type with the identical attention + norm path (`FamilySpec.dense_family`;
+# the teacher's own type: the same class with every layer dense through first_k_dense_replace)
+DENSE_TARGETS = {f.model_type: f.dense_family for f in FAMILIES.values() if f.dense_family is not None}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                     "generation_config.json")
@@ -74,17 +73,17 @@ def student_target(adapter: MoEAdapter, config: DenseConfig | None = None) -> St
     mt = adapter.model_type
     dense = DENSE_TARGETS.get(mt)
     if config.target == "moe":
-        if mt in _SELF_DENSE:
+        if dense == mt:
             raise MoECompressError(f"A {mt} student is always written dense (every layer dense through "
                                    "first_k_dense_replace, exact); drop --target moe.")
         return StudentTarget("moe", mt, "one-expert top-1 form requested")
     why_not = None
     if dense is None:
         why_not = f"transformers has no dense {mt} sibling with the identical attention and norm path"
-    elif mt == "qwen2_moe" and config.shared_gate == "exact":
+    elif adapter.family.shared_gate_attr is not None and config.shared_gate == "exact":
         why_not = "the sigmoid-gated shared expert is kept exactly (--shared-gate exact)"
-    elif mt == "qwen2_moe" and not getattr(adapter.config, "qkv_bias", True):
-        why_not = "this Qwen2-MoE has no q/k/v biases, which Qwen2 always has"
+    elif not getattr(adapter.config, "qkv_bias", True):  # a Qwen2-MoE switch the dense Qwen2 class lacks
+        why_not = f"this {mt} has no q/k/v biases, which {dense} always has"
     if why_not is None:
         return StudentTarget("dense", dense, f"{dense} has the same attention and norm path as {mt}")
     if config.target == "dense":
@@ -127,9 +126,8 @@ def student_config(adapter: MoEAdapter, target: StudentTarget, width: int):
     d = _config_dict(teacher)
     L = len(adapter.decoder_layers)
     if target.kind == "moe":
-        for key in _NUM_EXPERTS_KEYS:
-            if key in d:
-                d[key] = 1
+        for key in expert_count_keys(teacher):
+            d[key] = 1
         d["num_experts_per_tok"] = 1
         d["moe_intermediate_size" if "moe_intermediate_size" in d else "intermediate_size"] = width
         for key, value in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0)):
@@ -138,7 +136,7 @@ def student_config(adapter: MoEAdapter, target: StudentTarget, width: int):
         if "topk_method" in d:
             d["topk_method"] = "greedy"
         cfg = AutoConfig.for_model(target.model_type, **d)
-    elif target.model_type in _SELF_DENSE:
+    elif target.model_type == adapter.model_type:  # the same class, every layer dense
         d["first_k_dense_replace"] = L
         d["intermediate_size"] = width
         cfg = AutoConfig.for_model(target.model_type, **d)

@@ -5,8 +5,8 @@ gradient checkpointing, checkpoints and distributed wrapping, so the same code r
 one GPU, DDP, FSDP2 or DeepSpeed ZeRO-3 — `accelerate launch --config_file configs/accelerate/<x>.yaml
 -m moecompress.cli distill ...`. Our part is `DistillTrainer.compute_loss` (`kd.py`), a frozen teacher
 kept outside the optimizer (in the checkpoint's dtype, bf16 for bf16 checkpoints, never float32 by
-default; replicated on each device — docs/dense.md says what sharding it would take; models are loaded
-before the TrainingArguments so ZeRO-3 partitions only the student), the data blocks and the validation curve.
+default; replicated on each device, or sharded like the student under FSDP2 and ZeRO-3 — `shard.py`),
+the data blocks and the validation curve.
 
 Output layout of `distill(..., out=DIR)`::
 
@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
 from .kd import expanded_teacher, hidden_mse, kd_loss
+from .shard import place_teacher
 
 STUDENT_DIR, CKPT_DIR, CURVE, REPORT = "student", "checkpoints", "curve.png", "distill.json"
 
@@ -96,7 +97,8 @@ def _trainer_class():
         def __init__(self, *args, teacher, kd: DistillConfig, **kwargs):
             super().__init__(*args, **kwargs)
             self.kd = kd
-            self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)
+            # replicated on each device, or sharded like the student under FSDP2 / ZeRO-3 (shard.py)
+            self.teacher = place_teacher(teacher, self.accelerator, self.args.device, kd.expanded_top_k)
 
         def _teacher_out(self, ids, hidden: bool):
             with torch.no_grad(), expanded_teacher(self.teacher, self.kd.expanded_top_k):
@@ -274,7 +276,8 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
 
         check_output(out, overwrite, protect=[p for p in (teacher, student) if isinstance(p, (str, Path))])
         shutil.rmtree(out)
-    # models before TrainingArguments: under DeepSpeed ZeRO-3 only the student gets partitioned
+    # models before TrainingArguments, so both load whole (no ZeRO-3 zero.Init, no rank-0-only FSDP loading);
+    # the Trainer then shards the student and `place_teacher` the teacher
     teacher_model, teacher_src = _load(teacher, teacher_dtype)
     student_model, student_src = _load(student, "auto")
     from ..atomic import MARKER, write_marker

@@ -221,6 +221,11 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def write_results(path: Path, results: dict) -> None:
+    """The results dict as the JSON file `eval --out` writes (atomically: complete or absent)."""
+    _write_atomic(path, json.dumps(_json_safe(results), indent=1) + "\n")
+
+
 # --------------------------------------------------------------------------------------- ranking
 KIND_LABEL = {"original": "original", "quant_baseline": "quant ref", "compressed": "compressed",
               "materialized": "materialized"}

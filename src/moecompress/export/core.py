@@ -22,16 +22,15 @@ from pydantic import BaseModel
 from .._version import __version__
 from ..atomic import atomic_dir, dir_bytes
 from ..atomic import human_bytes as _human
-from ..errors import MoECompressError
 from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import stored_weights
 from ..runtime.build import _complete_bias, runtime_layout
-from .formats import FORMATS, child_name
+from .formats import child_name, format_class
+from .readers import BASE_CONFIG_FILE
 from .source import open_source
 from .writer import ShardWriter
 
 MARKER_FILE = "moecompress.json"
-BASE_CONFIG_FILE = "base_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -142,12 +141,11 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     (vanilla checkpoint when the family's config can express the plan) or ``materialized`` (full
     size, evaluation only).
     """
-    if format not in FORMATS:
-        raise MoECompressError(f"Unknown export format '{format}'; use one of {', '.join(FORMATS)}.")
+    fmt_class = format_class(format)
     source = open_source(model_or_path)
     plan.check_model(source.adapter)
     plan.check_tensors(tensors)
-    fmt = FORMATS[format](plan, tensors, source)
+    fmt = fmt_class(plan, tensors, source)
     fmt.check()
     protect = [*protect, source.source_dir]
     with atomic_dir(out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}") as tmp:
@@ -155,7 +153,7 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
         _stream(source, plan, fmt, writer, quiet)
         shards = writer.close()
         config = fmt.output_config()
-        if format in ("compact", "packed"):
+        if fmt.runtime_tensors:
             # no config.json on purpose: plain from_pretrained must not load a compact dir with random experts
             (tmp / BASE_CONFIG_FILE).write_text(config.to_json_string(use_diff=False))
         else:
@@ -181,7 +179,7 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
         weight_bytes = _weights_bytes(tmp)
         total = dir_bytes(tmp)
     logical = plan.logical_bytes(tensors)
-    written = plan.logical_bytes(tensors, accounting="stored" if format in ("compact", "packed") else "logical")
+    written = plan.logical_bytes(tensors, accounting="stored" if fmt.runtime_tensors else "logical")
     original = _weights_bytes(source.source_dir) if source.source_dir is not None else 0
     result = ExportResult(format=format, path=str(out), evaluation_only=fmt.evaluation_only, bytes_on_disk=total,
                           weight_bytes=weight_bytes, original_bytes=original or logical.original,

@@ -1,4 +1,10 @@
-"""What each output format writes for a layer, a completed scope, and the non-layer tensors.
+"""The export formats: one class each, saying which plans it holds, what it writes, and how it loads.
+
+A format class answers `reason(plan)` (why it cannot hold a plan, or None), writes a layer, a
+completed scope and the non-layer tensors (`core.export` streams them), and names its reader
+(`load`, used by `load.load` through the format the export's marker records). `FORMATS` is the
+registry; `AUTO_ORDER` is the preference `auto_format` (`--format auto`) follows. A new format is one
+class plus its `FORMATS` entry (docs/architecture.md, "Worked example: a new export format").
 
 * ``hf``: vanilla checkpoint — kept experts and their router rows (bias, score-correction bias)
   sliced, config's expert count updated, tensors in the family's on-disk naming (exactly what
@@ -20,13 +26,12 @@ import copy
 import torch
 
 from ..errors import MoECompressError
-from ..models import ExpertWeights, MoELayer, skeleton
+from ..models import FAMILIES, ExpertWeights, MoELayer, skeleton
+from ..models.families import expert_count_keys
 from ..plan import CompressionPlan, Scope
 from ..runtime import build_ops, native_tensors, runtime_layout
 from ..runtime.build import _complete_bias, scope_from_weights, stored_weights
-
-SCOPE_PREFIX = "moecompress.scopes."
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+from .readers import SCOPE_PREFIX, load_runtime, load_transformers
 
 
 def child_name(parent, child) -> str:
@@ -46,8 +51,29 @@ def _revert(model, tensors: dict) -> dict:
 
 
 class Format:
+    """One output format. Class level: which plans it holds and how its checkpoints load; an instance
+    writes one plan (``check`` first, then the per-layer / per-scope methods `core.export` calls)."""
+
     name = ""
-    evaluation_only = False
+    evaluation_only = False  # full size, for evaluation only (never a compressed model)
+    # writes the runtime's own tensors: base_config.json instead of config.json (plain from_pretrained must not
+    # load it with random experts), and its bytes are counted as stored (padding included)
+    runtime_tensors = False
+    load = staticmethod(load_transformers)  # (directory, device_map, dtype, max_memory, offload_folder) -> model
+
+    @classmethod
+    def reason(cls, plan: CompressionPlan) -> str | None:
+        """Why this format cannot hold `plan` (a clause), or None when it can."""
+        return None
+
+    @classmethod
+    def refusal(cls, plan: CompressionPlan) -> str | None:
+        """The one sentence `export` raises for a plan this format cannot hold (None when it can)."""
+        why = cls.reason(plan)
+        if why is None:
+            return None
+        return (f"The '{cls.name}' format cannot express this plan ({why}); export it with "
+                f"format='{auto_format(plan)}' instead.")
 
     def __init__(self, plan: CompressionPlan, tensors, source):
         self.plan, self.tensors, self.source = plan, tensors or {}, source
@@ -57,7 +83,10 @@ class Format:
         self.expert_names: dict[int, tuple[str, str, MoELayer, torch.dtype]] = {}
 
     def check(self) -> None:
-        pass
+        """Refuse a plan this format cannot hold (one sentence), before anything is written."""
+        refusal = self.refusal(self.plan)
+        if refusal is not None:
+            raise MoECompressError(refusal)
 
     def output_config(self):
         return self.source.config
@@ -105,20 +134,61 @@ class Format:
 class HFFormat(Format):
     name = "hf"
 
+    @classmethod
+    def reason(cls, plan: CompressionPlan) -> str | None:
+        """Can a vanilla config express this plan (sliced experts + router rows, the family's own checkpoint
+        layout; quantized: compressed-tensors)? None if so, else why not."""
+        if plan.has_packed():
+            return "it stores packed element-wise merges"
+        specs = plan.quant_specs()
+        if len(specs) > 1:
+            return "its stored experts have different precisions"
+        (spec,) = specs
+        if spec is not None:
+            family = FAMILIES.get(plan.model.model_type)
+            if family is not None and not family.hf_quantized:
+                return (f"compressed-tensors cannot hold the {plan.model.model_type} family's experts quantized: its "
+                        "checkpoints do not store them as per-expert gate/up/down_proj weights")
+            if spec.group_size is not None:
+                dims = {plan.model.hidden_size} | {li.intermediate_size for li in plan.model.layers}
+                if any(d % spec.group_size for d in dims):
+                    return (f"its quantization group {spec.group_size} leaves a shorter last group on input "
+                            f"dimensions {sorted(dims)}, which compressed-tensors cannot load")
+        counts = set()
+        for lp in plan.layers:
+            sc = plan.scope(lp.scope)
+            li = plan.model.layer(lp.layer)
+            if sc.layers != [lp.layer]:
+                return f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
+            if lp.operators():
+                return f"layer {lp.layer} has replacement operators"
+            if not (lp.gate == "renorm" or (lp.gate == "keep" and li.keep_equals_renorm) or not lp.dropped()):
+                return f"layer {lp.layer} uses gate '{lp.gate}', which a standard router cannot express"
+            ids = lp.stored_ids()
+            if len(set(ids)) != len(ids):
+                return f"layer {lp.layer} maps several slots to one stored expert"
+            if any(plan.stored_width(sc, s) != li.intermediate_size for s in sc.stored):
+                return f"layer {lp.layer} stores an expert of a different width"
+            if li.n_group > 1:
+                size = li.num_experts // li.n_group
+                per_group = {sum(1 for e in range(g * size, (g + 1) * size) if lp.slots[e] != "drop")
+                             for g in range(li.n_group)}
+                if len(per_group) != 1:
+                    return f"layer {lp.layer} keeps unequal numbers of experts per router group"
+            counts.add(len(ids))
+        if len(counts) != 1:
+            return f"layers keep different numbers of experts ({sorted(counts)})"
+        return None
+
     def check(self) -> None:
-        ok, why = self.plan.hf_expressible()
-        if not ok:
-            raise MoECompressError(f"The 'hf' format cannot express this plan ({why}); export it with "
-                                   "format='compact' instead.")
+        super().check()
         self.kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in self.plan.layers}
         self.k = len(next(iter(self.kept.values())))
         config = copy.deepcopy(self.source.config)
-        d = config.to_dict()
-        for key in EXPERT_COUNT_KEYS:
-            if key in d:
-                setattr(config, key, self.k)
+        for key in expert_count_keys(config):
+            setattr(config, key, self.k)
         self.out_skeleton = skeleton(config)  # before quantization_config: on-disk names of the dense experts
-        (self.quant,) = self.plan.quant_specs()  # hf_expressible: one precision for every stored expert
+        (self.quant,) = self.plan.quant_specs()  # `reason`: one precision for every stored expert
         if self.quant is not None:
             from .ct import quantization_config
 
@@ -162,20 +232,36 @@ class MaterializedFormat(Format):
     name = "materialized"
     evaluation_only = True
 
-    def check(self) -> None:
-        for lp in self.plan.layers:
-            sc = self.plan.scope(lp.scope)
+    @classmethod
+    def _problem(cls, plan) -> tuple[str, str] | None:
+        """(reason clause, export's sentence) for the first thing this full-size format cannot hold, or None."""
+        for lp in plan.layers:
+            sc = plan.scope(lp.scope)
             if lp.operators():
-                raise MoECompressError(f"The 'materialized' format cannot express the replacement operators of layer "
-                                       f"{lp.layer}; evaluate it with format='compact' or in memory (apply_plan).")
+                return (f"layer {lp.layer} has replacement operators",
+                        f"The 'materialized' format cannot express the replacement operators of layer {lp.layer}; "
+                        "evaluate it with format='compact' or in memory (apply_plan).")
             if lp.dropped() and lp.gate in ("renorm", "keep"):
-                raise MoECompressError(f"The 'materialized' format keeps the original router, so it cannot delete or "
-                                       f"mask the dropped slots of layer {lp.layer} (gate '{lp.gate}'); use "
-                                       "format='hf' or 'compact'.")
-            width = self.plan.model.layer(lp.layer).intermediate_size
-            if any(self.plan.stored_width(sc, s) != width for s in sc.stored):
-                raise MoECompressError(f"The 'materialized' format needs stored experts of the original width in layer "
-                                       f"{lp.layer}; use format='compact'.")
+                return (f"it keeps the original router, so it cannot delete or mask the dropped slots of layer "
+                        f"{lp.layer} (gate '{lp.gate}')",
+                        f"The 'materialized' format keeps the original router, so it cannot delete or mask the "
+                        f"dropped slots of layer {lp.layer} (gate '{lp.gate}'); use format='hf' or 'compact'.")
+            width = plan.model.layer(lp.layer).intermediate_size
+            if any(plan.stored_width(sc, s) != width for s in sc.stored):
+                return (f"layer {lp.layer} stores experts of another width",
+                        f"The 'materialized' format needs stored experts of the original width in layer "
+                        f"{lp.layer}; use format='compact'.")
+        return None
+
+    @classmethod
+    def reason(cls, plan):
+        problem = cls._problem(plan)
+        return None if problem is None else problem[0]
+
+    @classmethod
+    def refusal(cls, plan):
+        problem = cls._problem(plan)
+        return None if problem is None else problem[1]
 
     def finalize(self, tensors):
         return _revert(self.source.model, tensors)
@@ -212,11 +298,12 @@ class MaterializedFormat(Format):
 
 class CompactFormat(Format):
     name = "compact"
+    runtime_tensors = True
+    load = staticmethod(load_runtime)
 
-    def check(self) -> None:
-        if self.plan.has_packed():
-            raise MoECompressError("This plan stores packed PuzzleMoE merges, which the 'compact' format cannot hold; "
-                                   "export it with format='packed'.")
+    @classmethod
+    def reason(cls, plan):
+        return "it stores packed PuzzleMoE merges" if plan.has_packed() else None
 
     def moe_layer(self, i, rel_nonexpert, layer):
         out = self.full(i, rel_nonexpert)
@@ -239,8 +326,24 @@ class PackedFormat(CompactFormat):
 
     name = "packed"
 
-    def check(self) -> None:
-        pass
+    @classmethod
+    def reason(cls, plan):
+        return None
 
 
-FORMATS = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat)}
+FORMATS: dict[str, type[Format]] = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat)}
+# `auto`: the first of these that holds the plan — a vanilla checkpoint when the family's config can express it,
+# else the runtime's compact tensors, else (PuzzleMoE packed merges) the packed ones
+AUTO_ORDER = ("hf", "compact", "packed")
+
+
+def format_class(name: str) -> type[Format]:
+    """The format registered as `name` (one sentence if none is)."""
+    if name not in FORMATS:
+        raise MoECompressError(f"Unknown export format '{name}'; use one of {', '.join(FORMATS)}.")
+    return FORMATS[name]
+
+
+def auto_format(plan: CompressionPlan) -> str:
+    """The first format of `AUTO_ORDER` that holds `plan` (`packed` holds every plan)."""
+    return next(name for name in AUTO_ORDER if FORMATS[name].reason(plan) is None)

@@ -156,7 +156,8 @@ class MoEAdapter:
             block = getattr(layer, attr, None)
             if block is None:
                 continue
-            storage = ExpertStorage.detect(getattr(block, fam.experts_attr if fam else "experts", None) or nn.Module())
+            experts = getattr(block, fam.experts_attr if fam else "experts", None) or nn.Module()
+            storage = ExpertStorage.detect(experts, fam.layout if fam else None)
             if storage is None:
                 continue
             e = storage.num_experts

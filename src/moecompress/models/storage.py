@@ -24,6 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 Layout = Literal["fused", "gpt_oss", "modulelist"]
+"""How an experts module stores its experts (module doc): a family fact (`FamilySpec.layout`) or, for
+undeclared families, detected from the module's shapes."""
+FusedLayout = Literal["fused", "gpt_oss"]
+"""The fused layouts the runtime holds a scope's stored experts in (`runtime.experts.StoredExperts`): a
+``fused`` or ``gpt_oss`` storage keeps its own, per-expert ``modulelist`` storage runs ``fused``. The
+values are layout names (``gpt_oss``: transposed, gate/up interleaved, biased), recorded in export markers."""
 
 
 @dataclass
@@ -95,18 +101,25 @@ class ExpertStorage:
     names: dict[str, str] = field(default_factory=dict)  # modulelist: gate/up/down attribute names
 
     @staticmethod
-    def detect(module: nn.Module) -> "ExpertStorage | None":
+    def detect(module: nn.Module, fused: FusedLayout | None = None) -> "ExpertStorage | None":
+        """The storage of `module`, or None if it holds no experts we can read. fused: the layout of 3-D
+        ``gate_up_proj`` storage when the family declares it; otherwise a biased one is ``gpt_oss``."""
         gu = getattr(module, "gate_up_proj", None)
         if isinstance(gu, torch.Tensor) and gu.dim() == 3:
-            if getattr(module, "gate_up_proj_bias", None) is not None:
-                return ExpertStorage(module, "gpt_oss")
-            return ExpertStorage(module, "fused")
+            if fused is None:
+                fused = "gpt_oss" if getattr(module, "gate_up_proj_bias", None) is not None else "fused"
+            return ExpertStorage(module, fused)
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             first = module[0]
             for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
                 if all(isinstance(getattr(first, n, None), nn.Linear) for n in names):
                     return ExpertStorage(module, "modulelist", dict(zip(("gate", "up", "down"), names)))
         return None
+
+    @property
+    def fused_layout(self) -> FusedLayout:
+        """The runtime layout of these experts: ``gpt_oss`` keeps its own, every other storage runs fused."""
+        return "gpt_oss" if self.layout == "gpt_oss" else "fused"
 
     @property
     def num_experts(self) -> int:

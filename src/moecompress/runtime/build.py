@@ -8,10 +8,11 @@ import torch
 
 from ..errors import MoECompressError
 from ..models import ExpertWeights, MoEAdapter, MoELayer
+from ..models.storage import FusedLayout
 from ..plan import CompressionPlan, LayerPlan, Scope, StoredExpert
 from .block import CompressedMoEBlock
 from .decoders import get_decoder
-from .experts import Layout, StoredExperts
+from .experts import StoredExperts
 from .operators import SlotOperators
 from .packed import PackedScopeExperts, module_for
 from .quantized import QuantizedStoredExperts, StoredExpertSlot, packed_shapes, slot_tensor_names
@@ -19,9 +20,9 @@ from .quantized import QuantizedStoredExperts, StoredExpertSlot, packed_shapes, 
 SourceFn = Callable[[int, int], ExpertWeights]  # (layer, expert) -> weights (documented orientation)
 
 
-def runtime_layout(layer: MoELayer) -> Layout:
-    """GPT-OSS keeps its transposed, interleaved, biased layout; every other storage runs fused."""
-    return "gpt_oss" if layer.storage.layout == "gpt_oss" else "fused"
+def runtime_layout(layer: MoELayer) -> FusedLayout:
+    """The fused layout the runtime holds `layer`'s stored experts in (its storage's, `ExpertStorage.fused_layout`)."""
+    return layer.storage.fused_layout
 
 
 def _tensor_weights(tensors: Mapping[str, torch.Tensor], prefix: str) -> ExpertWeights:
@@ -90,7 +91,7 @@ def empty_slot(plan: CompressionPlan, sc: Scope, s: StoredExpert, dtype) -> Stor
     return StoredExpertSlot.from_tensors(s.quant, tensors)
 
 
-def _complete_bias(w: ExpertWeights, layout: Layout) -> ExpertWeights:
+def _complete_bias(w: ExpertWeights, layout: FusedLayout) -> ExpertWeights:
     if layout != "gpt_oss" or w.gate_bias is not None and w.up_bias is not None and w.down_bias is not None:
         return w
     z = lambda n, ref: torch.zeros(n, dtype=ref.dtype, device=ref.device)

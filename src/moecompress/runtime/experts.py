@@ -7,6 +7,9 @@ bit-identical to its slice of the HF parameter and the exporters can write them 
 * ``gpt_oss`` — ``gate_up_proj [K, H, 2I]`` (gate/up interleaved), ``gate_up_proj_bias [K, 2I]``,
   ``down_proj [K, I, H]``, ``down_proj_bias [K, H]``.
 
+The layout (`models.storage.FusedLayout`) comes from the layer's storage (`ExpertStorage.fused_layout`),
+never from the family's name.
+
 The forward mirrors transformers' experts implementations (``eager`` per-expert loop, or the
 ``grouped_mm`` kernel that the HF default uses) so an identity plan reproduces the original
 logits exactly; token/slot pairs whose index is the sentinel ``K`` (a slot that maps to an
@@ -15,16 +18,12 @@ operator or is dropped) are skipped, not computed.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..models import ExpertActivation, ExpertWeights
-
-Layout = Literal["fused", "gpt_oss"]
-
+from ..models.storage import FusedLayout
 
 _ACT_FNS: dict = {}
 
@@ -49,7 +48,7 @@ def _pad_rows(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def native_tensors(weights: list[ExpertWeights], layout: Layout, width: int | None = None,
+def native_tensors(weights: list[ExpertWeights], layout: FusedLayout, width: int | None = None,
                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Stack experts (documented orientation) into the family's fused tensors, zero-padded to `width`."""
     width = width or max(w.gate.shape[0] for w in weights)
@@ -96,13 +95,12 @@ except ImportError:  # pragma: no cover - older transformers
 class StoredExperts(nn.Module):
     """K experts in one fused tensor set; ``forward(x, index, weight)`` like an HF experts module."""
 
-    def __init__(self, num_experts: int, hidden_size: int, width: int, layout: Layout, act: ExpertActivation,
+    def __init__(self, num_experts: int, hidden_size: int, width: int, layout: FusedLayout, act: ExpertActivation,
                  dtype=torch.float32, device=None, config=None):
         super().__init__()
         self.num_experts, self.hidden_size, self.width, self.layout, self.act = (
             num_experts, hidden_size, width, layout, act)
-        self.is_transposed = layout == "gpt_oss"
-        self.has_bias = layout == "gpt_oss"
+        self.is_transposed = self.has_bias = layout == "gpt_oss"  # transposed, interleaved and biased together
         self._config = config  # read at each call: set_experts_implementation keeps working
         kw = dict(dtype=dtype, device=device)
         k, h, i = num_experts, hidden_size, width
@@ -116,7 +114,7 @@ class StoredExperts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(k, h, **kw), requires_grad=False)
 
     @classmethod
-    def from_weights(cls, weights: list[ExpertWeights], layout: Layout, act: ExpertActivation, width=None,
+    def from_weights(cls, weights: list[ExpertWeights], layout: FusedLayout, act: ExpertActivation, width=None,
                      dtype=None, config=None) -> StoredExperts:
         tensors = native_tensors(weights, layout, width, dtype)
         first = tensors["gate_up_proj"]
@@ -135,7 +133,7 @@ class StoredExperts(nn.Module):
         return getattr(self._config, "_experts_implementation", None) or "grouped_mm"
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.layout == "gpt_oss":
+        if self.is_transposed:  # gate/up interleaved on the last dim
             return self.act(gate_up[..., ::2], gate_up[..., 1::2])
         gate, up = gate_up.chunk(2, dim=-1)
         if self.act.kind != "glu":
@@ -169,7 +167,7 @@ class StoredExperts(nn.Module):
                 continue
             pos, tok = torch.where(mask[s])
             cur = x[tok]
-            if self.layout == "gpt_oss":
+            if self.is_transposed:
                 h = self._apply_gate(cur @ w["gate_up_proj"][s] + w["gate_up_proj_bias"][s])
                 y = h @ w["down_proj"][s] + w["down_proj_bias"][s]
             else:

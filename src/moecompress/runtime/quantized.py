@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ..models import ExpertActivation, ExpertWeights
+from ..models.storage import FusedLayout
 from ..quant import QuantizedTensor
 from ..quant.spec import QuantSpec
-from .experts import Layout, StoredExperts, native_tensors
+from .experts import StoredExperts, native_tensors
 
 PARTS = ("gate", "up", "down")
 _QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -84,7 +85,7 @@ def slot_tensor_names(spec: QuantSpec | None, bias: bool) -> list[str]:
 class QuantizedStoredExperts(StoredExperts):
     """K stored experts, some or all integer-quantized; ``forward(x, index, weight)`` as `StoredExperts`."""
 
-    def __init__(self, slots: list[StoredExpertSlot], hidden_size: int, width: int, layout: Layout,
+    def __init__(self, slots: list[StoredExpertSlot], hidden_size: int, width: int, layout: FusedLayout,
                  act: ExpertActivation, dtype: torch.dtype, config=None):
         nn.Module.__init__(self)
         self.num_experts, self.hidden_size, self.width, self.layout, self.act = (

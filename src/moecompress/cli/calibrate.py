@@ -1,6 +1,6 @@
-"""``moecompress calibrate``: a thin shell over `moecompress.calibrate.calibrate`.
+"""``moecompress calibrate``: a thin shell over `moecompress.calibrate` (`api.calibrate`).
 
-``--for-method`` is resolved here, in the front end, through the method registry
+``--for-method`` is resolved by the front end (`api.calibrate`), through the method registry
 (`moecompress.methods.stats_to_gather`): calibration itself only knows statistic names."""
 
 from __future__ import annotations
@@ -9,6 +9,12 @@ import json
 import os
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..api import calibrate
+from ..errors import MoECompressError
+from ..validate import check_range
 
 
 def calibrate_command(
@@ -42,21 +48,12 @@ def calibrate_command(
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
 ) -> None:
     """Gather per-expert statistics layer by layer into a stats store (streams the checkpoint)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from .calibrate import calibrate
-    from .errors import MoECompressError
-    from .methods import stats_to_gather
-    from .validate import check_range
-
     check_range("--seq-len", seq_len, 1)
     check_range("--batch-size", batch_size, 1)
     experts = _moment_experts(moment_experts) if moment_experts else None
     console = Console()
     try:
-        names = stats_to_gather(stats, for_method)
-        result = calibrate(model, data, seq_len=seq_len, out=out, stats=names,
+        result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
                            offload_dir=offload_dir, resume=resume, dry_run=dry_run, batch_size=batch_size,
                            dtype=dtype, seed=seed, device=device, padding=pad, chat_template=chat_template,
                            tokenizer=tokenizer, moment_experts=experts, hessian_layers=hessian_layers,
@@ -91,8 +88,6 @@ def calibrate_command(
 
 def _moment_experts(text: str):
     """'0,3,5' -> [0, 3, 5]; '{"1": [0, 2]}' -> {"1": [0, 2]}; anything else refused in one sentence."""
-    from .errors import MoECompressError
-
     bad = MoECompressError(f"--moment-experts '{text}' is neither '0,3,5' nor a JSON object {{\"layer\": [ids]}} "
                            "of non-negative integers; fix it.")
     try:

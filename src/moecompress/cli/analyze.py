@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..analysis import analyze_model, write_analysis
+from ..atomic import check_output
+from ..errors import MoECompressError
+from ..models.loading import resolve_fixture
 
 
 def analyze_command(
@@ -14,18 +21,8 @@ def analyze_command(
 ) -> None:
     """For every routed expert, its nearest neighbour under ConMoE's distance within its scope: a
     source-layer → neighbour-layer heatmap, the per-layer cross-layer fraction, and the JSON behind them."""
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from .analysis import analyze_model, write_analysis
-    from .errors import MoECompressError
-
     if scope < 1:
         raise MoECompressError(f"--scope must be at least 1 (got {scope}); use 1 for layer-local or e.g. 4.")
-    from .atomic import check_output
-    from .models.loading import resolve_fixture
-
     model = resolve_fixture(model)
     check_output(out, overwrite, protect=[model])
     res = analyze_model(model, scope_size=scope, trust_remote_code=trust_remote_code, progress=True)

@@ -1,10 +1,15 @@
-"""`moecompress compare RECIPE...` and `moecompress demo`."""
+"""`moecompress compare RECIPE...` and `moecompress demo` (compare on the shipped recipes): `api.compare`."""
 
 from __future__ import annotations
 
+import time
+from importlib import resources
 from pathlib import Path
 
 import typer
+
+from ..api import compare
+from ..compare import ranking_table, summary_console, table_width
 
 
 def compare_command(
@@ -15,12 +20,7 @@ def compare_command(
     verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
 ) -> None:
     """Compress several arms from one calibration, evaluate all on the same items, write the report."""
-
-    from .compare import ranking_table, run_compare, summary_console, table_width
-    from .recipe import load_recipe, merge_recipes
-
-    recipe = merge_recipes([load_recipe(p) for p in recipes])
-    results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose)
+    results = compare(recipes, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose)
     console = summary_console()
     console.print(ranking_table(results), width=table_width(console))
     console.print(f"report: {out / 'report.md'} (table: {out / 'ranking.md'})")
@@ -33,13 +33,7 @@ def demo_command(
     verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
 ) -> None:
     """Offline end to end on the shipped fixtures: calibrate once, compress, evaluate, rank, report."""
-    import time
-
-    from importlib import resources
-
-
-    from .compare import ranking_table, run_compare, summary_console, table_width
-    from .recipe import load_recipe
+    from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
 
     console = summary_console()
     names = ["demo-full.yaml"] if full else ["demo.yaml"]
@@ -50,7 +44,7 @@ def demo_command(
             recipe = base if model is None else base.model_copy(update={"model": model})
             target = out if len(models) == 1 else out / recipe.model.split(":")[-1]
             t0 = time.perf_counter()
-            results = run_compare(recipe, target, overwrite=overwrite, keep_checkpoints=False, verbose=verbose)
+            results = compare(recipe, target, overwrite=overwrite, keep_checkpoints=False, verbose=verbose)
             console.print(ranking_table(results), width=table_width(console))
             console.print(f"report: {target / 'report.md'} (table: {target / 'ranking.md'}; "
                           f"{time.perf_counter() - t0:.0f} s)")

@@ -1,19 +1,25 @@
-"""`moecompress compress`: one method, one output checkpoint."""
+"""`moecompress compress`: one method, one output checkpoint (`api.compress`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
 
-from .errors import MoECompressError
+from ..api import compress
+from ..compress_dryrun import estimate_compress, refuse_if_over
+from ..errors import MoECompressError
+from ..validate import check_range
 
 
 def parse_params(pairs: list[str]) -> dict:
     """`key=value` strings -> dict, values parsed as YAML scalars (numbers, booleans, lists)."""
-    import yaml
-
     params = {}
     for pair in pairs:
         if "=" not in pair:
@@ -54,18 +60,13 @@ def compress_command(
                                              "(e.g. 16GB; default: the memory available now)."),
 ) -> None:
     """Compress MODEL with one method and write a checkpoint that is really smaller."""
-    from rich.console import Console
-
-    from .pipeline import compress
-    from .validate import check_range
-
     check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
     check_range("--rank", rank, 1)
     check_range("--seq-len", seq_len, 1)
     params: dict = {}
     quant_setting = None
     if recipe is not None:
-        from .recipe import load_recipe
+        from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
 
         spec = load_recipe(recipe, model=model)
         if len(spec.arms) != 1:
@@ -85,10 +86,7 @@ def compress_command(
     elif quant is not None:
         quant_setting = dict(quant=quant, algo=quant_algo, weighting=quant_weighting)
     if dry_run or max_memory is not None:
-        import psutil
-
-        from .compress_dryrun import estimate_compress, refuse_if_over
-        from .export.writer import parse_size
+        from ..export.writer import parse_size  # the exporters take seconds to import: only here
 
         try:
             limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
@@ -111,10 +109,6 @@ def compress_command(
 
 def auto_table(plan_json: Path):
     """`auto`'s per-layer choices as a table — representation × bits — or None for other methods."""
-    import json
-
-    from rich.table import Table
-
     if not plan_json.is_file():
         return None
     rows = json.loads(plan_json.read_text()).get("params", {}).get("auto", {}).get("layers")

@@ -1,4 +1,4 @@
-"""`moecompress grid`: the fixed-mask operator grid of the replacement-operators paper.
+"""`moecompress grid`: the fixed-mask operator grid of the replacement-operators paper (`api.compare`).
 
 For every criterion × ratio the mask is computed once; every operator and gate scale then runs on
 that same mask, and each cell is compared with the constant (MoNE) operator on the same mask by
@@ -10,6 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.console import Console
+
+from ..api import compare
+from ..compare import ranking_table
+from ..errors import MoECompressError
+from ..validate import check_range, parse_floats
+from ._common import split_list
 
 OPERATOR_CELLS = {
     "constant": {"operator": "constant"},
@@ -24,8 +31,7 @@ OPERATOR_CELLS = {
 
 def grid_arms(criteria: list[str], operators: list[str], ratios: list[float], rank: int) -> tuple[list, list]:
     """(arms, pairs): one arm per criterion × ratio × operator cell; pairs against that mask's constant."""
-    from .errors import MoECompressError
-    from .recipe import ArmSpec
+    from ..recipe import ArmSpec  # the schema imports the quantizer and transformers: only here
 
     unknown = [o for o in operators if o not in OPERATOR_CELLS]
     if unknown:
@@ -58,23 +64,17 @@ def grid_command(
     overwrite: bool = typer.Option(False),
 ) -> None:
     """Hold each mask fixed, run every operator and gate scale on it, report paired intervals vs constant."""
-    from rich.console import Console
+    from ..recipe import CalibrationSpec, EvalSpec, Recipe
 
-    from .compare import ranking_table, run_compare
-    from .recipe import CalibrationSpec, EvalSpec, Recipe
-
-    from .validate import check_range, parse_floats
-
-    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     ratio_list = parse_floats("--ratios", ratios)
     for r in ratio_list:
         check_range("--ratios", r, 0.0, 1.0, lo_open=True, hi_open=True)
     check_range("--rank", rank, 1)
     check_range("--limit", limit, 1)
-    arms, pairs = grid_arms(split(criteria), split(operators), ratio_list, rank)
+    arms, pairs = grid_arms(split_list(criteria), split_list(operators), ratio_list, rank)
     recipe = Recipe(model=model, calibration=CalibrationSpec(data=calib),
-                    eval=EvalSpec(ppl=ppl, tasks=split(tasks), limit=limit, latency=False, quant_baselines=[]),
+                    eval=EvalSpec(ppl=ppl, tasks=split_list(tasks), limit=limit, latency=False, quant_baselines=[]),
                     arms=arms)
-    results = run_compare(recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs)
+    results = compare(recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs)
     Console().print(ranking_table(results))
     Console().print(f"grid report: {out / 'report.md'}")
