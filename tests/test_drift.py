@@ -123,3 +123,18 @@ def test_one_pass_over_groups_equals_one_calibration_per_group(tmp_path, tok):
                 assert torch.equal(groups[r][layer][name], store.get(layer, name)), (r, layer, name)
     with pytest.raises(MoECompressError, match="multiple of the batch size"):
         calibrate_groups(model, joined, [3, 5], stats, batch_size=2)
+
+
+def test_analyze_mask_drift_cli_writes_the_study(tmp_path, capsys):
+    import json
+
+    from moecompress.testing import run_cli
+
+    code, out, err = run_cli(["analyze", "fixture:qwen3-moe-tiny", "--mask-drift", "--criterion", "frequency",
+                              "--ratio", "0.25", "--draws", "2", "--sequences", "2", "--seq-len", "128",
+                              "--bootstrap", "20", "--out", str(tmp_path / "d")], capsys)
+    assert code == 0, err
+    res = json.loads((tmp_path / "d" / "drift.json").read_text())
+    assert res["specs"] == [f"fixture-calib/{d}" for d in FIXTURE_DOMAINS["fixture-calib"]]
+    assert set(res["summary"]) == {"frequency@0.25"} and (tmp_path / "d" / "drift_frequency_0.25.png").is_file()
+    assert "drift ratio" in out and (tmp_path / "d" / ".moecompress").is_file()
