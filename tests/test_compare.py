@@ -167,4 +167,5 @@ def test_an_arm_calibrated_on_a_task_is_scored_on_it_like_any_other(tiny_with_to
     assert len(set(ids.values())) == 1 and len(ids["in-domain"]) == 6  # scored on the task like every arm
     report = (out / "report.md").read_text()
     assert "arm in-domain: domain fixture_cloze prompts" in report
+    assert "lm-eval task fixture_cloze, 8 of 400 test documents" in own["origin"]  # task, split, documents
     assert "Arms with their own calibration" in report

@@ -290,8 +290,10 @@ def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:
         return None
     data = stats.meta.get("data", {})
     domains = "; ".join(sorted({s.get("domain", "") for s in data.get("sources", []) if s.get("domain")}))
-    return dict(domain=domains or None, source=data.get("spec", cal.data), tokens=stats.token_count,
-                seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
+    # what each term drew (for a task term: the task, its split and how many documents)
+    origin = "; ".join(s["origin"] for s in data.get("sources", []) if s.get("origin"))
+    return dict(domain=domains or None, source=data.get("spec", cal.data), origin=origin or None,
+                tokens=stats.token_count, seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
 
 
 def _notes(recipe: Recipe, dtype: str = "float32", arms: list[dict[str, Any]] = ()) -> list[str]:

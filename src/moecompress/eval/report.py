@@ -127,8 +127,8 @@ def checklist(results: dict | Results) -> list[dict]:
               "tokens": cal.tokens if cal else None}
     missing = [k for k, v in fields.items() if v in (None, "")]
     own = [(a.name, c) for a in res.arms if (c := (a.model_extra or {}).get("calibration"))]
-    each = "".join(f"; arm {n}: domain {c.get('domain')}, source {c.get('source')}, {c.get('tokens') or 0:,} tokens"
-                   for n, c in own)
+    each = "".join(f"; arm {n}: domain {c.get('domain')}, source {c.get('source')} ({c.get('origin')}), "
+                   f"{c.get('tokens') or 0:,} tokens" for n, c in own)
     if not missing:
         items.append((True, f"domain: {cal.domain}; source: {cal.source}; tokens: {cal.tokens:,}{each}."))
     elif own and cal is None:  # every arm calibrated on its own spec
