@@ -90,6 +90,14 @@ SECTIONS: dict[str, Section] = {
         "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",),
         run=(_b("bench_compress_memory.py", "run"),),
         report=(_b("bench_compress_memory.py", "report"),)),
+    "drift": Section(
+        "## Calibration domain: mask drift (issue 18)", ("drift.json",),
+        run=(_b("bench_drift.py", "run"),),
+        report=(_b("bench_drift.py", "report"),)),
+    "operators-bits": Section(
+        "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",),
+        run=(_b("bench_operators_bits.py", "run"),),
+        report=(_b("bench_operators_bits.py", "report"),)),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }

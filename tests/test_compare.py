@@ -139,3 +139,33 @@ def test_dense_arm_before_and_after_distillation(tiny_with_tokenizer, tmp_path, 
     assert arms["dense-kd"]["distilled"]["tokens"] == 512
     assert arms["dense"]["bytes"]["model"] < arms["original"]["bytes"]["model"]
     assert not (out / ".distill").exists()
+
+
+def test_an_arm_calibrated_on_a_task_is_scored_on_it_like_any_other(tiny_with_tokenizer, tmp_path, capsys):
+    """In-domain arms (issue 18): an arm's own calibration spec, recorded per arm; same items for every arm."""
+    p = tmp_path / "indomain.yaml"
+    arm = dict(method="prune", params=dict(criterion="frequency", ratio=0.5, gate="renorm"))
+    p.write_text(yaml.safe_dump(dict(
+        model=str(tiny_with_tokenizer), calibration={"data": "fixture-calib:4", "seq_len": 64},
+        eval=dict(ppl="fixture-heldout", window=64, max_tokens=256, tasks=["fixture_cloze"], limit=6, latency=False,
+                  quant_baselines=[]),
+        arms=[dict(arm, name="general"),
+              dict(arm, name="in-domain", calibration={"data": "task:fixture_cloze:8", "seq_len": 512}),
+              dict(arm, name="in-domain-tilt", params=dict(arm["params"], operator="tilt", rank=4),
+                   calibration={"data": "task:fixture_cloze:8", "seq_len": 512})])))
+    out = tmp_path / "report"
+    code, _, err = run_cli(["compare", str(p), "--out", str(out)], capsys)
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    by = {a["name"]: a for a in results["arms"]}
+    assert "calibration" not in by["general"] and results["calibration"]["source"] == "fixture-calib:4"
+    own = by["in-domain"]["calibration"]
+    assert own == by["in-domain-tilt"]["calibration"]  # one calibration serves both arms naming the spec
+    assert own["source"] == "task:fixture_cloze:8" and "fixture_cloze prompts" in own["domain"]
+    assert own["tokens"] != results["calibration"]["tokens"]
+    ids = {n: tuple(a["metrics"]["fixture_cloze"]["items"]["ids"]) for n, a in by.items()}
+    assert len(set(ids.values())) == 1 and len(ids["in-domain"]) == 6  # scored on the task like every arm
+    report = (out / "report.md").read_text()
+    assert "arm in-domain: domain fixture_cloze prompts" in report
+    assert "lm-eval task fixture_cloze, 8 of 400 test documents" in own["origin"]  # task, split, documents
+    assert "Arms with their own calibration" in report

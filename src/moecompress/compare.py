@@ -69,8 +69,8 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     out = Path(out)
     recipe = with_quant_baselines(recipe)
     model_path = resolve_fixture(recipe.model)
-    calib_dir = recipe.calibration.data if Path(recipe.calibration.data).is_dir() else None
-    protect = [model_path, calib_dir]
+    specs = [recipe.calibration] + [a.calibration for a in recipe.arms if a.calibration is not None]
+    protect = [model_path] + [c.data for c in specs if Path(c.data).is_dir()]  # stats stores this run reads
     for arm in recipe.arms:
         check_name(arm.display_name())
     # the previous report stays in place until this one is complete (atomic_dir renames at the end)
@@ -155,14 +155,35 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     work = tmp / ".work"  # the shared calibration: inside the temporary, so a kill leaves one thing to clean
     work.mkdir()
     tokenizer = _tokenizer(model_path)
-    needs = sorted({s for arm in recipe.arms for s in needs_for(arm.method, arm.params, arm.quant)})
     cal = recipe.calibration
     track = track or ArmProgress(0, enabled=False)
-    t0 = time.perf_counter()
-    stats = resolve_calibration(model_path, cal.data, needs, seq_len=cal.seq_len, seed=cal.seed,
-                                batch_size=cal.batch_size, work_dir=work, dtype="float32", progress=progress)
-    calib_seconds = time.perf_counter() - t0
+
+    def calibrate_for(spec, arms, where: Path):
+        needs = sorted({s for arm in arms for s in needs_for(arm.method, arm.params, arm.quant)})
+        t = time.perf_counter()
+        st = resolve_calibration(model_path, spec.data, needs, seq_len=spec.seq_len, seed=spec.seed,
+                                 batch_size=spec.batch_size, work_dir=where, dtype="float32", progress=progress)
+        return st, time.perf_counter() - t
+
+    # one calibration serves every arm without its own; an arm with its own spec (its domain) shares it only
+    # with the arms that name the same spec
+    own = sorted({a.calibration.model_dump_json() for a in recipe.arms if a.calibration is not None})
+    shared_arms = [a for a in recipe.arms if a.calibration is None]
+    stats, calib_seconds = calibrate_for(cal, shared_arms, work) if shared_arms else (None, 0.0)
     track.calibrated(calib_seconds)
+    arm_stats: dict[str, tuple] = {}
+    for k, key in enumerate(own):
+        group = [a for a in recipe.arms if a.calibration is not None and a.calibration.model_dump_json() == key]
+        spec = group[0].calibration
+        st, sec = calibrate_for(spec, group, work / f"arm-calibration-{k}")
+        arm_stats[key] = (st, _calibration_info(st, spec, sec))
+
+    def stats_of(arm):
+        return stats if arm.calibration is None else arm_stats[arm.calibration.model_dump_json()][0]
+
+    def own_calibration(arm) -> dict:
+        return {} if arm.calibration is None else {"calibration": arm_stats[arm.calibration.model_dump_json()][1]}
+
     # every evaluated model in one dtype (default: the checkpoint's own), offloaded when it does not fit
     dtype = eval_dtype(recipe.eval.dtype, model_path)
     evaluate_load = partial(load_for_eval, dtype=dtype, max_memory=recipe.eval.max_memory,
@@ -185,14 +206,14 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         track.stage(name, "compressing",
                     header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
         if get_method(arm.method).family == "dense":
-            entry = _dense_arm(arm, name, model_path, stats, tmp, recipe, tokenizer, reference, progress,
+            entry = _dense_arm(arm, name, model_path, stats_of(arm), tmp, recipe, tokenizer, reference, progress,
                                evaluate_load)
-            arms.append(dict(entry, path=str(out / "checkpoints" / name)))
+            arms.append(dict(entry, path=str(out / "checkpoints" / name), **own_calibration(arm)))
             track.done(entry)
             continue
         t1 = time.perf_counter()  # the arm's plan streams from the checkpoint, one layer at a time
-        plan, tensors = make_plan(model_path, arm.method, arm.params, stats, quant=arm.quant, seed=recipe.seed,
-                                  progress=progress)
+        plan, tensors = make_plan(model_path, arm.method, arm.params, stats_of(arm), quant=arm.quant,
+                                  seed=recipe.seed, progress=progress)
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
         ckpt = tmp / "checkpoints" / name
@@ -210,6 +231,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
                      metrics=_evaluate(model, tokenizer, recipe, reference, progress), eval=arm_eval)
         entry.update(_latency(model, ckpt, recipe))
         entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
+        entry.update(own_calibration(arm))
         arms.append(entry)
         track.done(entry)
         del model
@@ -268,8 +290,10 @@ def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:
         return None
     data = stats.meta.get("data", {})
     domains = "; ".join(sorted({s.get("domain", "") for s in data.get("sources", []) if s.get("domain")}))
-    return dict(domain=domains or None, source=data.get("spec", cal.data), tokens=stats.token_count,
-                seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
+    # what each term drew (for a task term: the task, its split and how many documents)
+    origin = "; ".join(s["origin"] for s in data.get("sources", []) if s.get("origin"))
+    return dict(domain=domains or None, source=data.get("spec", cal.data), origin=origin or None,
+                tokens=stats.token_count, seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
 
 
 def _notes(recipe: Recipe, dtype: str = "float32", arms: list[dict[str, Any]] = ()) -> list[str]:

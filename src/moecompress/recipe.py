@@ -10,7 +10,8 @@
     format: auto                  # auto | hf | compact | packed | materialized
 
 A file may instead hold ``arms: [{name, method, params, format}, ...]`` beside the shared
-``model``/``calibration``/``eval`` keys.
+``model``/``calibration``/``eval`` keys; an arm may name its own ``calibration`` (its domain), which
+only the arms naming the same spec share.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class ArmSpec(BaseModel):
     quant: QuantConfig | None = Field(
         None, description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
         "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}")
+    calibration: CalibrationSpec | None = Field(
+        None, description="this arm's own calibration (e.g. in-domain: {data: 'task:gsm8k:128'}); default: the "
+        "recipe's shared one. Arms naming the same spec share one calibration; every arm is still scored on the "
+        "same evaluation items")
 
     @field_validator("quant", mode="before")
     @classmethod

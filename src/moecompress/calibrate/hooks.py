@@ -27,17 +27,22 @@ class LayerObserver:
     """Feeds one MoE layer's collectors for every batch of a pass; call `attach` / `detach` around it."""
 
     def __init__(self, adapter: MoEAdapter, layer: int, collectors: list[Collector], mute: bool = False):
-        self.adapter, self.layer, self.collectors = adapter, layer, collectors
+        self.adapter, self.layer = adapter, layer
         self.mute = mute  # same computation path (bit-identical outputs), no statistics: resume replays
         needs = set().union(*(c.needs for c in collectors)) if collectors else set()
         self.need_outputs = bool(needs & {"outputs", "intermediate"})
         self.need_mid = "intermediate" in needs
-        self.all_collectors = [c for c in collectors if "all_outputs" in c.needs]
+        self.use(collectors)
         self.valid: torch.Tensor | None = None
         self._handle = None
         self._original = None
         e, h = adapter.num_experts(layer), adapter.hidden_size
         self.chunk_tokens = max(16, (1 << 24) // max(1, e * h))  # E x c x H floats per all-experts chunk
+
+    def use(self, collectors: list[Collector]) -> None:
+        """Feed these collectors from the next batch on (same classes as at construction; `groups.py`)."""
+        self.collectors = collectors
+        self.all_collectors = [c for c in collectors if "all_outputs" in c.needs]
 
     def set_valid(self, mask: torch.Tensor) -> None:
         """Real-token mask [B, T] of the next batch (1 = real, 0 = padding)."""

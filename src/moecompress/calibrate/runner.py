@@ -149,10 +149,13 @@ class SequentialRunner:
 
     @torch.no_grad()
     def run_layer(self, i: int, layer: nn.Module | None = None, observer=None, write: bool = True,
-                  on_batch: Callable | None = None, on_output: Callable | None = None) -> None:
+                  on_batch: Callable | None = None, on_output: Callable | None = None,
+                  before_batch: Callable[[int], None] | None = None) -> None:
         """Push every batch through decoder layer i (optionally observed); outputs become the next inputs."""
         layer = self.layers[i] if layer is None else layer
         for b, _ in self.batches:
+            if before_batch is not None:
+                before_batch(b)
             h = self.cache.read(b).to(self.device)
             if observer is not None:
                 observer.set_valid(self._masks[b].to(self.device))

@@ -7,7 +7,10 @@ short windows are right-padded with an attention mask of 0; padding never counts
 
 Selection: a file/fixture source (or WikiText's single running text) yields every window its text
 fills and ``count`` of them are drawn without replacement with ``seed`` (kept in text order); a
-streamed hub source is read in seeded shuffled order until ``count`` windows are filled.
+streamed hub source is read in seeded shuffled order until ``count`` windows are filled. A
+``task:NAME:count`` term draws ``count`` of the task's documents with ``seed`` and gives one
+right-padded sequence per rendered prompt (a prompt longer than ``seq_len`` continues in the next
+row), whatever the packing mode: task prompts are short, separate questions, as the task asks them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,22 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import MoECompressError
-from .sources import FIXTURES, HUB_DATASETS, Document, file_documents, fixture_path, hub_documents
+from .sources import (
+    FIXTURE_DOMAINS,
+    FIXTURES,
+    HUB_DATASETS,
+    Document,
+    file_documents,
+    fixture_documents,
+    fixture_domain,
+    fixture_path,
+    hub_documents,
+)
 from .spec import SourceSpec, parse_spec
+from .tasks import task_prompts
 
 DEFAULT_HUB_COUNT = 128
+DEFAULT_TASK_DOCS = 128  # ConMoE calibrates on 128 documents of each task
 
 
 @dataclass
@@ -35,9 +50,11 @@ class SourceInfo:
     domain: str
     sequences: int
     tokens: int
+    documents: int | None = None  # task terms: documents drawn (the checklist's calibration size)
+    split: str | None = None  # task terms: which split they came from
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass
@@ -174,6 +191,9 @@ class _Windows:
 
 def _source_documents(src: SourceSpec, seed: int, purpose: str) -> tuple[Iterator[Document], str, str, bool]:
     """(documents, origin, domain, streamed) of one spec term; streamed sources are read lazily."""
+    if src.kind == "task":
+        raise MoECompressError(f"'{src.term}' is a calibration term (task prompts, unlabeled); to score a model on "
+                               f"the task, pass it to --tasks ({src.name}) instead of a text spec.")
     if src.kind == "hub":
         info = HUB_DATASETS[src.name]
         split = src.split or (info.calib_split if purpose == "calib" else info.eval_split)
@@ -186,7 +206,9 @@ def _source_documents(src: SourceSpec, seed: int, purpose: str) -> tuple[Iterato
         path = fixture_path(src.name)
         if not path.is_file():
             raise MoECompressError(f"The fixture text {path} is missing; reinstall moecompress from a full clone.")
-        return iter(file_documents(str(path), None)), f"{src.name} ({path.name})", FIXTURES[src.name][1], False
+        dom = fixture_domain(src.name)
+        domain = FIXTURES[src.name][1] if dom is None else FIXTURE_DOMAINS[dom[0]][dom[1]][2]
+        return iter(fixture_documents(src.name)), f"{src.name} ({path.name})", domain, False
     return iter(file_documents(src.name, src.field)), src.name, f"local file {src.name}", False
 
 
@@ -214,6 +236,12 @@ def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, p
     eos = getattr(tokenizer, "eos_token_id", None)
     all_ids, all_mask, infos = [], [], []
     for k, src in enumerate(terms):
+        if src.kind == "task":
+            ids, mask, info = _task_rows(src, tokenizer, seq_len, seed, chat_template)
+            all_ids.append(ids)
+            all_mask.append(mask)
+            infos.append(info)
+            continue
         docs, origin, domain, lazy = _source_documents(src, seed, "calib")
         want = src.count if src.count is not None else (DEFAULT_HUB_COUNT if src.kind == "hub" else None)
         win = _Windows(seq_len, padding, eos, _pad_id(tokenizer))
@@ -239,6 +267,105 @@ def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, p
         infos.append(SourceInfo(src.term, src.kind, origin, domain, len(pick), int(mask.sum())))
     return CalibrationData(torch.cat(all_ids), torch.cat(all_mask), spec, seq_len, seed, padding, chat_template,
                            infos)
+
+
+def _task_rows(src: SourceSpec, tokenizer, seq_len: int, seed: int, chat_template: bool):
+    """(input_ids, attention_mask, SourceInfo) of a ``task:`` term: one padded row per rendered prompt."""
+    tp = task_prompts(src.name, src.count if src.count is not None else DEFAULT_TASK_DOCS, seed, src.split)
+    win = _Windows(seq_len, True, getattr(tokenizer, "eos_token_id", None), _pad_id(tokenizer))
+    for ids in encode_documents(tokenizer, tp.prompts, chat_template):
+        win.add(list(ids))
+    ids, mask = win.tensors(list(range(len(win))))
+    overlap = ", the split it is evaluated on" if tp.overlaps_evaluation else ""
+    origin = f"lm-eval task {tp.task}, {tp.documents} of {tp.available} {tp.split} documents{overlap}"
+    domain = f"{tp.task} prompts (lm-eval zero-shot rendering, unlabeled)"
+    return ids, mask, SourceInfo(src.term, "task", origin, domain, len(win), int(mask.sum()), tp.documents, tp.split)
+
+
+@dataclass
+class Resample:
+    """One draw of a spec for resampling studies: its sequences and which of the spec's documents it used."""
+
+    data: CalibrationData
+    documents: list[int]  # indices into the spec's documents (terms concatenated in order), each used once
+
+
+def _pool(spec: str, tokenizer, seed: int, chat_template: bool, need: int) -> list[list[int]]:
+    """Token ids of the spec's documents, terms concatenated; a streamed hub term is read until `need` tokens."""
+    pool: list[list[int]] = []
+    for src in parse_spec(spec):
+        if src.kind == "task":
+            raise MoECompressError(f"'{src.term}' draws task documents itself; resample a text spec instead.")
+        docs, _, _, lazy = _source_documents(src, seed, "calib")
+        if lazy and not need:
+            raise MoECompressError(f"'{src.term}' is streamed from the hub; give the number of sequences per draw.")
+        have = 0
+        for group in _chunks(docs, 64):
+            for ids in encode_documents(tokenizer, group, chat_template):
+                pool.append(list(ids))
+                have += len(ids)
+            if lazy and have >= need:
+                break
+    return pool
+
+
+def _deal(pool: list[list[int]], order: list[int], need: int, resamples: int) -> list[list[int]] | None:
+    """Documents (in `order`) each draw takes to reach `need` packed tokens (+1 EOS each), or None if they run out."""
+    draws, pos = [], 0
+    for _ in range(resamples):
+        used, have = [], 0
+        while have < need and pos < len(order):
+            used.append(order[pos])
+            have += len(pool[order[pos]]) + 1
+            pos += 1
+        if have < need:
+            return None
+        draws.append(used)
+    return draws
+
+
+def max_resample_sequences(pool: list[list[int]], order: list[int], seq_len: int, resamples: int) -> int:
+    """The most windows of `seq_len` each of `resamples` disjoint draws can fill (0 if not even one)."""
+    n = sum(len(d) + 1 for d in pool) // (resamples * seq_len)
+    while n > 0 and _deal(pool, order, n * seq_len, resamples) is None:
+        n -= 1
+    return n
+
+
+def disjoint_resamples(spec: str, tokenizer, seq_len: int, sequences: int | None, resamples: int, seed: int = 0,
+                       chat_template: bool = False) -> list[Resample]:
+    """`resamples` draws of `spec`, each exactly `sequences` packed windows of `seq_len` tokens, on disjoint documents.
+
+    The spec's documents are shuffled with `seed` and dealt out in that order: draw r takes documents until
+    its packed stream (EOS after each document, as `load_calibration` packs) fills its windows; the document
+    cut at the end of a draw is not used again, so no document feeds two draws. Same spec and seed, same
+    draws. `sequences=None` takes the most the spec can fill; too little text gives one sentence saying how
+    many it can.
+    """
+    if resamples < 1 or (sequences is not None and sequences < 1):
+        raise MoECompressError(f"Resampling needs at least one sequence and one draw (got {sequences} sequences, "
+                               f"{resamples} draws).")
+    pool = _pool(spec, tokenizer, seed, chat_template, (sequences or 0) * seq_len * resamples)
+    order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
+    most = max_resample_sequences(pool, order, seq_len, resamples)
+    if sequences is None:
+        sequences = most
+    if sequences > most or most == 0:
+        raise MoECompressError(f"The data '{spec}' is too short for {resamples} disjoint draws of {sequences} x "
+                               f"{seq_len} tokens; it fills at most {most} sequences per draw, so ask for that many "
+                               "or fewer draws.")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out = []
+    for r, used in enumerate(_deal(pool, order, sequences * seq_len, resamples)):
+        win = _Windows(seq_len, False, eos, _pad_id(tokenizer))
+        for d in used:
+            win.add(pool[d])
+        ids, mask = win.tensors(list(range(sequences)))
+        info = SourceInfo(f"{spec}#draw{r}", "resample", f"{spec}, draw {r} of {resamples} (seed {seed})",
+                          spec, sequences, int(mask.sum()), len(used))
+        out.append(Resample(CalibrationData(ids, mask, f"{spec}#draw{r}", seq_len, seed, False, chat_template,
+                                            [info]), sorted(used)))
+    return out
 
 
 @dataclass

@@ -52,12 +52,45 @@ FIXTURES: dict[str, tuple[str, str]] = {
     "fixture-heldout": ("heldout.txt", _FIXTURE_DOMAIN),
 }
 
+# The three corpora inside each fixture text, as runs of its documents (scripts/build_fixture_corpus.py writes
+# the Python docs, then the Bible books, then the dictionary letters, each split keeping that order).
+# tests/test_drift_data.py checks every run's content.
+FIXTURE_DOMAINS: dict[str, dict[str, tuple[int, int, str]]] = {
+    "fixture-calib": {"technical": (0, 35, "technical documentation (CPython 3.11 docs)"),
+                      "scripture": (35, 40, "scripture (World English Bible)"),
+                      "aphorisms": (40, 43, "aphorisms (The Devil's Dictionary)")},
+    "fixture-heldout": {"technical": (0, 40, "technical documentation (CPython 3.11 docs)"),
+                        "scripture": (40, 48, "scripture (World English Bible)"),
+                        "aphorisms": (48, 51, "aphorisms (The Devil's Dictionary)")},
+}
+
 # documents inside a .txt file are separated by two empty lines (the fixture corpus format)
 _DOC_BREAK = re.compile(r"\n[ \t]*\n[ \t]*\n+")
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n+")
 
 
 def fixture_path(name: str) -> Path:
-    return Path(__file__).resolve().parent.parent / "fixtures" / "data" / FIXTURES[name][0]
+    return Path(__file__).resolve().parent.parent / "fixtures" / "data" / FIXTURES[name.split("/")[0]][0]
+
+
+def fixture_domain(name: str) -> tuple[str, str] | None:
+    """(fixture, domain) of a fixture domain term such as ``fixture-calib/scripture``, else None."""
+    base, _, dom = name.partition("/")
+    return (base, dom) if dom and dom in FIXTURE_DOMAINS.get(base, {}) else None
+
+
+def fixture_documents(name: str) -> list[str]:
+    """The documents of a fixture text, or of one of its corpora (``fixture-calib/aphorisms``).
+
+    A corpus has too few documents for disjoint resamples (the dictionary is three letters), so a domain
+    term's documents are its *passages*: the paragraphs of its documents (a dictionary entry, a paragraph
+    of verses, a paragraph of documentation)."""
+    docs = text_documents(fixture_path(name).read_text(encoding="utf-8"))
+    dom = fixture_domain(name)
+    if dom is None:
+        return docs
+    a, b, _ = FIXTURE_DOMAINS[dom[0]][dom[1]]
+    return [p.strip("\n") for d in docs[a:b] for p in _PARAGRAPH_BREAK.split(d) if p.strip()]
 
 
 def text_documents(text: str) -> list[str]:

@@ -5,10 +5,14 @@ Grammar (one term per source, ``+`` between terms)::
     spec  := term ('+' term)*
     term  := source ['@' split] [':' count]
     source:= hub name (c4, wikitext2, fineweb-edu, gsm8k) | fixture name (fixture-calib, fixture-heldout)
+           | fixture corpus (fixture-calib/technical, /scripture, /aphorisms; passages as documents)
+           | 'task:' lm-eval task name (task:hellaswag, task:fixture_cloze)
            | path to a .txt / .jsonl / .json file, optionally '#field' for JSON records (default 'text')
 
 ``count`` is a number of sequences of the requested length; without it a hub source gives 128
-and a file or fixture gives every sequence its text fills.
+and a file or fixture gives every sequence its text fills. For a ``task:`` term it is a number of
+the task's documents (default 128), each rendered as lm-eval's zero-shot prompt, unlabeled, one
+sequence per prompt (data/tasks.py); ``@split`` picks train, validation or test.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import MoECompressError
-from .sources import FIXTURES, HUB_DATASETS
+from .sources import FIXTURES, HUB_DATASETS, fixture_domain
 
-_EXAMPLE = "e.g. c4:128, wikitext2:64, fixture-calib:32, path/to/file.txt or path/to/file.jsonl#text:64+gsm8k:64"
+_EXAMPLE = ("e.g. c4:128, wikitext2:64, fixture-calib:32, task:hellaswag:128, path/to/file.txt or "
+            "path/to/file.jsonl#text:64+gsm8k:64")
 _FILE_SUFFIXES = (".txt", ".jsonl", ".json")
 
 
@@ -30,8 +35,8 @@ class SourceSpec:
     """One term of a data spec."""
 
     term: str
-    kind: Literal["hub", "fixture", "file"]
-    name: str  # hub short name, fixture name or file path
+    kind: Literal["hub", "fixture", "file", "task"]
+    name: str  # hub short name, fixture name, lm-eval task name or file path
     field: str | None = None  # JSON records: the text field
     split: str | None = None
     count: int | None = None
@@ -55,9 +60,15 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
     if not body:
         raise MoECompressError(f"The data spec '{spec}' has an empty term; {_EXAMPLE}.")
     key = body.lower()
+    if key.startswith("task:"):
+        name = body[len("task:"):].strip()
+        if not name:
+            raise MoECompressError(f"The data spec term '{term}' names no task; write task:NAME:COUNT, e.g. "
+                                   "task:fixture_cloze:64 or task:hellaswag:128.")
+        return SourceSpec(term, "task", name, None, split, count)
     if key in HUB_DATASETS:
         return SourceSpec(term, "hub", key, None, split, count)
-    if key in FIXTURES:
+    if key in FIXTURES or fixture_domain(key):
         return SourceSpec(term, "fixture", key, None, split, count)
     path, field = body, None
     if "#" in body and not Path(body).exists():

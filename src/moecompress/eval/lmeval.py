@@ -9,148 +9,15 @@ every document's score, which is what the paired bootstrap in `stats.py` needs.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import logging
 import math
 import os
-import re
-from functools import lru_cache
-from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
+from ..data.tasks import FIXTURE_TASKS, _quiet_lm_eval, local_task_paths, parse_tasks, resolve_tasks  # noqa: F401
 from ..errors import MoECompressError
-
-#: Directory of the local tasks shipped next to the fixtures (fixture_cloze, fixture_nextword, and the older fixture_mc, fixture_gen).
-FIXTURE_TASKS = Path(__file__).resolve().parent.parent / "fixtures" / "tasks"
 
 # the metric used for the "task average" and the plots when a task reports several
 _PRIMARY_ORDER = ("acc", "exact_match", "acc_norm", "f1", "mcc", "bleu", "word_perplexity")
-
-
-def _as_list(x) -> list:
-    if x is None:
-        return []
-    if isinstance(x, (str, os.PathLike)):
-        return [x]
-    return list(x)
-
-
-def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
-    """'a,b c' or ['a', 'b'] -> ['a', 'b', 'c'] (order kept, duplicates dropped)."""
-    items = re.split(r"[,\s]+", tasks) if isinstance(tasks, str) else [t for s in tasks for t in re.split(r"[,\s]+", s)]
-    out: list[str] = []
-    for t in items:
-        if t and t not in out:
-            out.append(t)
-    return out
-
-
-def local_task_paths(include_path=None) -> list[Path]:
-    """The shipped fixture task directory plus the user's include paths (which must exist)."""
-    paths = [FIXTURE_TASKS]
-    for p in _as_list(include_path):
-        p = Path(p).expanduser()
-        if not p.is_dir():
-            raise MoECompressError(f"The task directory {p} does not exist; pass a directory holding lm-eval "
-                                   "task YAML files (and their JSONL data) as include_path.")
-        paths.append(p.resolve())
-    return paths
-
-
-def _task_manager(paths: Sequence[Path], include_defaults: bool):
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults)
-
-
-@lru_cache(maxsize=1)
-def _standard_names_fast() -> frozenset[str]:
-    """Names of lm-eval's built-in tasks/groups/tags by a regex scan of its YAML files (~0.5 s).
-
-    Indexing them with lm-eval's TaskManager parses ~14k YAML files (10+ s on 2 cores); the scan
-    misses only template-generated subtasks, and it is used only to word error messages offline.
-    """
-    import lm_eval.tasks
-
-    root = Path(lm_eval.tasks.__file__).parent
-    names: set[str] = set()
-    line = re.compile(r"^(?:task|group|tag):[ \t]*([^\n]*)$", re.M)
-    for f in root.rglob("*.yaml"):
-        try:
-            text = f.read_text(encoding="utf-8", errors="ignore")
-        except OSError:
-            continue
-        for m in line.finditer(text):
-            v = m.group(1).strip()
-            if not v or v.startswith("!"):
-                continue
-            for name in v.strip("[]").split(","):
-                name = name.strip().strip("'\"")
-                if re.fullmatch(r"[\w.\-]+", name):
-                    names.add(name)
-    return frozenset(names)
-
-
-def _close(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
-    return difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.6)
-
-
-def resolve_tasks(tasks, include_path=None, online: bool | None = None):
-    """Check task names; return (task names, TaskManager, local_only) or raise a one-sentence MoECompressError.
-
-    Local tasks (the shipped fixture tasks and `include_path`) always work. Built-in lm-eval tasks
-    download their data from the HuggingFace hub, so offline they are refused; an unknown name is
-    refused with its closest matches.
-    """
-    names = parse_tasks(tasks)
-    if not names:
-        raise MoECompressError("No lm-eval task given; pass task names such as fixture_cloze,fixture_nextword "
-                               "(local) or arc_easy,hellaswag (hub).")
-    paths = local_task_paths(include_path)
-    local = _task_manager(paths, include_defaults=False)
-    missing = [t for t in names if t not in local.all_tasks]
-    if not missing:
-        return names, local, True
-    from ..models.loading import hub_reachable
-
-    if online is None:
-        online = hub_reachable()
-    if not online:
-        fast = _standard_names_fast()
-        local_list = ", ".join(local.all_tasks)
-        for t in missing:
-            if t in fast:
-                raise MoECompressError(
-                    f"The lm-eval task '{t}' downloads its data from the HuggingFace hub, which is not reachable; "
-                    f"run where the hub is reachable, or use a local task ({local_list}, or your own YAML + JSONL "
-                    "passed with --include-path).")
-        t = missing[0]
-        near = _close(t, list(local.all_tasks) + list(fast))
-        hint = f"did you mean {', '.join(near)}? " if near else ""
-        raise MoECompressError(
-            f"Unknown lm-eval task '{t}': {hint}Offline only local tasks run ({local_list}, or your own YAML + "
-            "JSONL passed with --include-path).")
-    full = _task_manager(paths, include_defaults=True)
-    for t in missing:
-        if t not in full.all_tasks:
-            near = _close(t, full.all_tasks)
-            hint = f"did you mean {', '.join(near)}?" if near else "see `lm_eval ls tasks` for the list."
-            raise MoECompressError(f"Unknown lm-eval task '{t}': {hint}")
-    return names, full, False
-
-
-@contextlib.contextmanager
-def _quiet_lm_eval(level: int = logging.ERROR):
-    """lm-eval warns on every run about in-memory models and custom datasets; keep errors only."""
-    names = ["lm_eval"] + [n for n in logging.root.manager.loggerDict if n.startswith("lm_eval.")]
-    old = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(level)
-    try:
-        yield
-    finally:
-        for n, lvl in old.items():
-            logging.getLogger(n).setLevel(lvl)
 
 
 @contextlib.contextmanager

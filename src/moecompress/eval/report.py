@@ -126,10 +126,15 @@ def checklist(results: dict | Results) -> list[dict]:
     fields = {"domain": cal.domain if cal else None, "source": cal.source if cal else None,
               "tokens": cal.tokens if cal else None}
     missing = [k for k, v in fields.items() if v in (None, "")]
+    own = [(a.name, c) for a in res.arms if (c := (a.model_extra or {}).get("calibration"))]
+    each = "".join(f"; arm {n}: domain {c.get('domain')}, source {c.get('source')} ({c.get('origin')}), "
+                   f"{c.get('tokens') or 0:,} tokens" for n, c in own)
     if not missing:
-        items.append((True, f"domain: {cal.domain}; source: {cal.source}; tokens: {cal.tokens:,}."))
+        items.append((True, f"domain: {cal.domain}; source: {cal.source}; tokens: {cal.tokens:,}{each}."))
+    elif own and cal is None:  # every arm calibrated on its own spec
+        items.append((True, each.lstrip("; ") + "."))
     else:
-        items.append((False, f"calibration {', '.join(missing)} not recorded."))
+        items.append((False, f"calibration {', '.join(missing)} not recorded{each}."))
 
     # 5. matched-storage quantization baseline
     quant = [a for a in res.arms if a.kind == "quant_baseline" and a.metrics]
@@ -641,6 +646,12 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
         out += ["## Calibration", ""]
         cal = res.calibration.model_dump(exclude_none=True)
         out.append(_table(["", ""], [(k, v) for k, v in cal.items()]))
+        out.append("")
+    own = [(a.name, c) for a in res.arms if (c := (a.model_extra or {}).get("calibration"))]
+    if own:
+        out += ["Arms with their own calibration (every arm is scored on the same items):", ""]
+        out.append(_table(["arm", "domain", "source", "tokens"],
+                          [(n, c.get("domain"), c.get("source"), f"{c.get('tokens') or 0:,}") for n, c in own]))
         out.append("")
 
     shown = [(k, p) for k, p in plots.items() if p is not None]
