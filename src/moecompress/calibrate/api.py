@@ -191,7 +191,7 @@ def calibrate(
             done.append(i)
         else:
             break
-    layer_stats: dict[int, dict] = {i: partial.load_layer(i) for i in done}
+    layer_stats: dict[int, dict] = {i: _summary(partial.load_layer(i)) for i in done}
     start = (max(done) + 1) if done else 0
 
     with _progress(progress and rank == 0) as bar:
@@ -212,7 +212,8 @@ def calibrate(
                         runner.run_layer(i, observer=obs)
                     finally:
                         obs.detach()
-                repl = transform(i, layer, adapter, layer_stats.get(i)) if transform is not None else None
+                repl = (transform(i, layer, adapter, partial.load_layer(i) if i in layer_stats else None)
+                        if transform is not None else None)
                 if i not in moe or isinstance(repl, nn.Module):
                     runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None)
                 _restore_block(adapter, i)
@@ -239,7 +240,7 @@ def calibrate(
                 _check_finite(i, stats_i)
                 if rank == 0:
                     partial.save_layer(i, stats_i)
-                layer_stats[i] = stats_i
+                layer_stats[i] = _summary(stats_i)  # the layer's file holds the values; keep no second copy
                 repl = transform(i, layer, adapter, stats_i) if transform is not None else None
                 if isinstance(repl, nn.Module):
                     runner.run_layer(i, layer=repl)
@@ -269,6 +270,13 @@ def calibrate(
     runner.cache.clear()
     dist.barrier()
     return store if rank == 0 else StatsStore.load(out)
+
+
+def _summary(stats_i: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the end of a run reads of a finished layer's statistics: every name with its shape (meta tensors,
+    no memory) and the expert counts (unreached experts). Keeping every layer's full statistics until the store
+    is written held them all at once: input/cross moments alone are E·H² float64 values per layer."""
+    return {k: v if k == "counts" else torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in stats_i.items()}
 
 
 def _settings_differ(meta: dict, params: dict, dtype, batch_size: int, dev) -> tuple | None:
