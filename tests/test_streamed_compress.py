@@ -123,3 +123,20 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
     code, stdout, err = run_cli(base + ["--max-memory", "1MiB"], capsys)
     assert code == 2 and not out.exists()
     assert "Compressing needs about" in err and "--max-memory allows 1.00 MB" in err and "Traceback" not in err
+
+
+def test_a_conmoe_scope_holds_its_layers_at_their_stored_precision(tiny, monkeypatch):
+    root, path = tiny
+    view = pipeline.open_view(str(path))
+    i = view.moe_layers[0]
+    w = view.experts_at_rest(i)
+    assert w.gate.dtype == torch.bfloat16 and view.resident is None  # a bf16 checkpoint; the float32 layer evicted
+    ref = MoEAdapter(load_model(str(path), dtype="float32")).experts(i)
+    for name in ("gate", "up", "down"):  # exact: the float32 values were upcast from these
+        assert torch.equal(getattr(w, name).float(), getattr(ref, name)), name
+    held = []
+    monkeypatch.setattr(streamed.StreamedAdapter, "experts_at_rest",
+                        lambda self, j, _f=streamed.StreamedAdapter.experts_at_rest: held.append(_f(self, j)) or held[-1])
+    stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("conmoe", {"scope_size": 2}))
+    pipeline.build_plan(pipeline.open_view(str(path)), "conmoe", {"ratio": 0.5, "scope_size": 2}, stats)
+    assert len(held) == len(view.moe_layers) and all(h.gate.dtype == torch.bfloat16 for h in held)

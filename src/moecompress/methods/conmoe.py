@@ -288,7 +288,9 @@ def consolidate(adapter, stats, config: ConMoEConfig, progress: bool = False) ->
 
         items = track(groups, description="ConMoE scopes", transient=True)
     for group in items:
-        stacks = [adapter.experts(i) for i in group]
+        # a streamed view holds the scope's earlier layers at their stored precision (distances are float64 either way)
+        held = getattr(adapter, "experts_at_rest", adapter.experts)
+        stacks = [held(i) for i in group]
         d = scope_distance(stacks, config.eps)
         a = torch.cat([_stat(stats, i, "reap").double() for i in group])
         usage = torch.cat([_stat(stats, i, "counts").double() for i in group]) if config.score == "usage" else None

@@ -85,6 +85,7 @@ class StreamedAdapter(MoEAdapter):
             s = layer.storage
             layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
         self.resident: int | None = None
+        self._stored_dtype: dict[int, torch.dtype | None] = {}  # layer -> its one on-disk float dtype (None: mixed)
         self.layer_loads: dict[int, int] = {}
         self.forward_loads: dict[int, int] = {}
         self._non_layer = False
@@ -103,9 +104,12 @@ class StreamedAdapter(MoEAdapter):
         held twice: one native tensor at the checkpoint's precision is the only transient)."""
         from ..checkpoint import _recreate_buffers
 
+        stored = set()
         for native in self.reader._by_layer.get(i, []):
             for name, t in self.reader._state([native]).items():
                 module, leaf = self._slots[i][name]
+                if t.is_floating_point():
+                    stored.add(t.dtype)
                 t = t.to(self.compute_dtype) if t.is_floating_point() else t
                 if leaf in module._parameters:
                     module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
@@ -114,6 +118,7 @@ class StreamedAdapter(MoEAdapter):
         for module in {m for m, _ in self._slots[i].values()}:
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 _recreate_buffers(module, "cpu")
+        self._stored_dtype[i] = stored.pop() if len(stored) == 1 else None
 
     def _free(self, i: int) -> None:
         for module, leaf in self._slots[i].values():
@@ -147,6 +152,18 @@ class StreamedAdapter(MoEAdapter):
     # ---------------------------------------------------------------- weights (copies in compute dtype)
     def expert_dtype(self, i: int) -> torch.dtype:
         return self.compute_dtype
+
+    def experts_at_rest(self, i: int) -> ExpertWeights:
+        """Layer i's experts stacked, copied at the checkpoint's own precision when the layer is stored in one
+        float dtype (exact: the compute-dtype values were upcast from it), else in the compute dtype. For a method
+        that holds several layers at once (a ConMoE scope): each held layer costs its size on disk, not its size
+        upcast; the resident layer is evicted once copied, so it is not held beside the copies."""
+        w = self.layer(i).storage.read_all()
+        dtype = self._stored_dtype.get(i) or self.compute_dtype
+        out = w.map(lambda t: t.detach().to(dtype, copy=True))
+        del w
+        self.release()
+        return out
 
     def router_params(self, i: int):
         layer = self.layer(i)
