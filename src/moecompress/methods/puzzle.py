@@ -285,7 +285,10 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         from rich.progress import track
 
         layers_iter = track(layers_iter, description="PuzzleMoE merging", transient=True)
-    scopes, layer_plans, tensors = [], [], {}
+    from .streamed import plan_tensor_store
+
+    scopes, layer_plans = [], []
+    tensors = plan_tensor_store(adapter)  # streamed view: on disk layer by layer, not every layer's merges in memory
     summary: dict = {"layers": [], "clamp": ClampReport()}
     removed = total = 0
     for i in layers_iter:

@@ -20,7 +20,9 @@ forward (auto's sensitivities and measured KL) loads each decoder layer just bef
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -188,3 +190,48 @@ class StreamedAdapter(MoEAdapter):
 
 def is_streamed(adapter) -> bool:
     return isinstance(adapter, StreamedAdapter)
+
+
+class SpilledTensors(Mapping):
+    """Plan tensors kept on disk, one safetensors file per `update` batch (a layer's), read back one tensor per
+    lookup. A method that produces tensors for every layer (PuzzleMoE's packed merges) holds them here on the
+    streamed view, so building the plan keeps one layer's worth in memory instead of every layer's until the
+    export. The files live in a private temporary directory, removed when the mapping is collected."""
+
+    def __init__(self):
+        import shutil
+        import tempfile
+        import weakref
+
+        self.dir = Path(tempfile.mkdtemp(prefix="moecompress-plan-tensors-"))
+        self._file: dict[str, Path] = {}
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+
+    def update(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        path = self.dir / f"part{len(set(self._file.values())):05d}.safetensors"
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path))
+        self._file.update(dict.fromkeys(tensors, path))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._file[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._file
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+
+def plan_tensor_store(adapter) -> "SpilledTensors | dict":
+    """Where a method collects its plan tensors: on disk for the streamed view (`SpilledTensors`), else a dict."""
+    return SpilledTensors() if is_streamed(adapter) else {}
