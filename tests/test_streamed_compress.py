@@ -26,6 +26,7 @@ ARMS = [
     ("conmoe", {"ratio": 0.5, "scope_size": 2}),
     ("m-smoe", {"ratio": 0.5, "router": "merge"}),  # merged router rows: applied by the exporter while streaming
     ("puzzlemoe", {"ratio": 0.5}),  # packed merges of every layer: plan tensors spilled to disk layer by layer
+    ("dense", {"criterion": "frequency", "grouping": "wc", "K": 4}),  # a dense FFN per layer, spilled likewise
 ]
 
 
