@@ -292,6 +292,7 @@ def consolidate(adapter, stats, config: ConMoEConfig, progress: bool = False) ->
         held = getattr(adapter, "experts_at_rest", adapter.experts)
         stacks = [held(i) for i in group]
         d = scope_distance(stacks, config.eps)
+        del stacks  # before the next scope's layers are read: one scope's weights held at a time, not two
         a = torch.cat([_stat(stats, i, "reap").double() for i in group])
         usage = torch.cat([_stat(stats, i, "counts").double() for i in group]) if config.score == "usage" else None
         out.append(consolidate_scope(group, [adapter.num_experts(i) for i in group], d, a, config.ratio, usage,
