@@ -164,26 +164,29 @@ def report() -> None:
              f"wall (median) | target ≤ {d['target']} |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     summaries = {}
+    tags = [_summary(row).get("src") for row in d["families"].values()]
+    main_src = max(set(tags), key=tags.count) if tags else None
     for name in FAMILIES:
         row = d["families"].get(name)
         if row is None:
             lines.append(f"| {name} | `{' '.join(FAMILIES[name])}` | not run | | | | | |")
             continue
         r = summaries[name] = _summary(row)
+        if r.get("src") != main_src:  # measured on another src/ tree than the rest of the table
+            name = f"{name} (src/ `{r.get('src') or 'not recorded'}`, {r.get('date') or 'an earlier run'})"
         if not r["n_ok"]:
             rc = r.get("rc")
             err = [ln for ln in (r.get("error") or "").splitlines() if "Error" in ln][-1:] or [
                 f"killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else f"exit code {rc}"]
             lines.append(f"| {name} | `{' '.join(row.get('args') or FAMILIES[name])}` | failed: "
-                         f"{err[0][:160]} | | | {r['n']} | {r.get('wall_s', '')} s | ❌ |")
+                         f"{err[0].strip()[:260]} | | | {r['n']} | {r.get('wall_s', '')} s | ❌ |")
             continue
         ok = "✅" if r["ratio"] <= d["target"] else "❌"
         lines.append(f"| {name} | `{' '.join(row.get('args') or r['args'])}` | {r['peak_rss_bytes'] / gb:.2f} GB | "
                      f"**{r['ratio']:.3f}** | {r['low_ratio']:.3f} | {r['n_ok']} | {r['wall_s']:.0f} s | {ok} |")
     rows = [r for r in summaries.values() if r["n_ok"]]
-    srcs = sorted({r.get("src") for r in rows if r.get("src")})
-    if srcs:
-        lines += ["", f"Source measured (git tree of `src/`): {', '.join(f'`{x}`' for x in srcs)}. A family's runs "
+    if main_src:
+        lines += ["", f"Source measured (git tree of `src/`): `{main_src}` unless a row names another. A family's runs "
                   "are kept while `src/` is unchanged; its row shows the highest peak of those runs."]
     if rows:
         ok = [r for r in rows if r["ratio"] <= d["target"]]
