@@ -220,7 +220,7 @@ def report() -> None:
         f"decoder stack calibration runs: no final norm / lm_head); {sp['ratio_routing']:.2f}× a full-model "
         "forward that also runs the final norm and lm_head.", "",
         f"**(a) Calibration speed** — {sp['model']}; {sp['sequences']} × {sp['seq_len']} tokens of "
-        f"`fixture-calib` ({sp['tokens']:,} tokens), batch {sp['batch_size']}, {sp.get('dtype', 'float32')}; plain forward and "
+        f"`fixture-calib` ({sp['tokens']:,} tokens), batch {sp['batch_size']}, computed in {sp.get('dtype', 'float32')} (model and calibration alike); plain forward and "
         f"calibration alternate in one run, median of {sp['repeats']} repeats each.", "",
         "| run | median s | ÷ decoder-only forward (like for like) | ÷ full-model forward | target |",
         "| --- | ---: | ---: | ---: | --- |",
