@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,7 +14,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def write_section(title: str, text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """`text` starts with the `title` heading line; everything up to the next `## ` heading is replaced."""
+    """`text` starts with the `title` heading line; everything up to the next `## ` heading is replaced.
+    The preamble's list of sections still due for a re-run is recomputed too (`preamble`)."""
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     text = text.rstrip("\n") + "\n"
     if title in doc:
@@ -22,7 +24,37 @@ def write_section(title: str, text: str, path: Path = ROOT / "BENCHMARKS.md") ->
         doc = doc[:start] + text + ("\n" + doc[nxt + 1:] if nxt >= 0 else "")
     else:
         doc = doc.rstrip("\n") + "\n\n" + text
+    first = doc.find("\n## ")
+    if doc.startswith("# Benchmarks\n") and first >= 0:
+        doc = "# Benchmarks\n\n" + preamble(doc) + "\n" + doc[first + 1:]
     path.write_text(doc)
+
+
+def stale_sections(doc: str) -> list[str]:
+    """Headings in `doc` whose results files under benchmarks/results/ are not all there: sections measured
+    before results were committed, i.e. on the float32 fixtures that preceded issue 17's bf16 ones."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_sections", ROOT / "benchmarks" / "__main__.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    headings = [line for line in doc.splitlines() if line.startswith("## ")]
+    out = []
+    for sec in mod.SECTIONS.values():
+        if sec.title in headings and not all((RESULTS / r).exists() for r in sec.results):
+            out.append(sec.title)
+    return sorted(out, key=headings.index)
+
+
+def preamble(doc: str) -> str:
+    """BENCHMARKS.md's opening paragraph, with the sections still due for a re-run computed from `doc`."""
+    stale = [t.removeprefix("## ") for t in stale_sections(doc)]
+    due = (f"These sections have no results file there yet and were last measured on the earlier float32 "
+           f"fixtures; they are due for a re-run with their command: {'; '.join(stale)}." if stale else
+           "Every section has its results file there, i.e. was measured on the bf16 fixtures.")
+    return ("Every section below is written by the command it names (`python -m benchmarks --list`), from results "
+            "committed under `benchmarks/results/`. The shipped fixtures are bf16 since issue 17. " + due + "\n")
 
 
 def results_path(name: str) -> Path:
@@ -50,6 +82,21 @@ def load_results(name: str):
 def machine() -> str:
     """The machine, as measured now (goes into each results file, so a report never hand-types it)."""
     return f"{platform.machine()}, {os.cpu_count()} CPU cores"
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # as the families spell it
+
+
+def model_shape(path: Path) -> dict:
+    """The architecture fields a report cites, read from checkpoint `path`'s config.json (never typed by hand).
+    The routed-expert count is stored under a family-specific key (Qwen3-MoE: ``num_local_experts`` since
+    transformers 5); it is reported as ``num_experts``."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    shape = {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "moe_intermediate_size",
+                                     "num_experts_per_tok")}
+    shape["num_experts"] = next((cfg[k] for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
+    shape["dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
+    return shape
 
 
 def rel(path: Path) -> str:

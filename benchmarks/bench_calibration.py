@@ -112,6 +112,17 @@ def speed(sequences: int, seq_len: int, batch_size: int, repeats: int) -> dict:
     return res
 
 
+def _copy_tokenizer(dest: Path) -> None:
+    """The fixture's tokenizer (same vocabulary size) next to the wide checkpoint, so `moecompress compress
+    W --calib SPEC` can tokenize its calibration text (without one, transformers builds an empty tokenizer)."""
+    import shutil
+
+    src = _tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file() and not (dest / name).is_file():
+            shutil.copy2(src / name, dest / name)
+
+
 def build_wide() -> Path:
     """Write the wide random MoE one decoder layer per shard, in save_pretrained's per-expert key format."""
     from safetensors.torch import save_file
@@ -121,12 +132,14 @@ def build_wide() -> Path:
     from moecompress.models import skeleton
 
     if (WIDE / "model.safetensors.index.json").is_file():
+        _copy_tokenizer(WIDE)  # a copy built before the tokenizer was part of it
         print(f"{WIDE} exists")
         return WIDE
     tmp = WIDE.with_name(WIDE.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model("qwen3_moe", **WIDE_SHAPE)
     config.save_pretrained(tmp)
+    _copy_tokenizer(tmp)
     model = skeleton(config)
     native = model.state_dict()
     n = config.num_hidden_layers
@@ -207,18 +220,21 @@ def report() -> None:
         f"decoder stack calibration runs: no final norm / lm_head); {sp['ratio_routing']:.2f}× a full-model "
         "forward that also runs the final norm and lm_head.", "",
         f"**(a) Calibration speed** — {sp['model']}; {sp['sequences']} × {sp['seq_len']} tokens of "
-        f"`fixture-calib` ({sp['tokens']:,} tokens), batch {sp['batch_size']}, {sp.get('dtype', 'float32')}; plain forward and "
+        f"`fixture-calib` ({sp['tokens']:,} tokens), batch {sp['batch_size']}, computed in {sp.get('dtype', 'float32')} (model and calibration alike); plain forward and "
         f"calibration alternate in one run, median of {sp['repeats']} repeats each.", "",
-        "| run | median s | ÷ plain forward | target |", "| --- | ---: | ---: | --- |",
-        f"| plain full-model forward (model already in memory) | {s['plain']:.2f} | {1:.2f} | |",
+        "| run | median s | ÷ decoder-only forward (like for like) | ÷ full-model forward | target |",
+        "| --- | ---: | ---: | ---: | --- |",
         f"| plain decoder-only forward (no final norm / lm_head, as calibration) | {s['plain_decoder']:.2f} | "
-        f"{s['plain_decoder'] / s['plain']:.2f} | |",
+        f"{1:.2f} | {s['plain_decoder'] / s['plain']:.2f} | |",
+        f"| plain full-model forward (model already in memory) | {s['plain']:.2f} | "
+        f"{s['plain'] / s['plain_decoder']:.2f} | {1:.2f} | |",
         f"| `calibrate` routing statistics (counts, tokens, routing_mass, pp, cp), streamed layer by layer, "
-        f"store written | {s['routing']:.2f} | {sp['ratio_routing']:.2f} | ≤ {TARGET_SPEED} "
-        f"{'✅' if sp['ratio_routing_vs_decoder'] <= TARGET_SPEED else '❌'} "
-        f"(**{sp['ratio_routing_vs_decoder']:.2f}** × the decoder-only forward, like for like) |",
+        f"store written | {s['routing']:.2f} | **{sp['ratio_routing_vs_decoder']:.2f}** | {sp['ratio_routing']:.2f} | "
+        f"≤ {TARGET_SPEED} {'✅' if sp['ratio_routing_vs_decoder'] <= TARGET_SPEED else '❌'} |",
         f"| `calibrate` + REAP/EAN/output norms, mean and variance (expert outputs shared with the block) | "
-        f"{s['reap']:.2f} | {sp['ratio_reap']:.2f} | (reference) |", "",
+        f"{s['reap']:.2f} | {s['reap'] / s['plain_decoder']:.2f} | {sp['ratio_reap']:.2f} | (reference) |", "",
+        f"Spread over the {sp['repeats']} repeats (min–max s): "
+        + "; ".join(f"{k} {min(v):.2f}–{max(v):.2f}" for k, v in sp["times_s"].items()) + ".", "",
         "Where calibration's time goes beyond the decoder forward: docs/calibration.md (fixed costs per run, "
         "router re-evaluation per token).", "",
         f"**(b) Peak memory** — wide random Qwen3-MoE (hidden {mem['shape']['hidden_size']}, "

@@ -483,3 +483,28 @@ def test_calibrate_keywords_are_the_options():
     fields = dataclasses.fields(CalibrationOptions)
     assert [p.name for p in params] == [f.name for f in fields]
     assert all(p.default == f.default for p, f in zip(params, fields))
+
+
+def test_finished_layers_statistics_are_not_kept_in_memory(models, tmp_path):
+    """A layer's statistics live in its file once saved: the run keeps no copy of earlier layers (with input/cross
+    moments of every expert that copy was E·H² float64 values per layer, all layers at once)."""
+    import gc
+    import weakref
+
+    data = _padded_data()
+    refs, alive = {}, {}
+
+    def on_end(i, stats):
+        if stats is None:
+            return
+        gc.collect()
+        alive[i] = [j for j, r in refs.items() if r() is not None]  # earlier layers' moments still reachable
+        refs[i] = weakref.ref(stats["input_moment"])
+
+    store = calibrate(str(models["qwen3_moe"]), data, out=tmp_path / "s", stats=["input_moment", "cross_moment"],
+                      batch_size=4, progress=False, on_layer_end=on_end)
+    layers = store.layers
+    assert len(layers) >= 2 and sorted(alive) == layers
+    assert all(not earlier for earlier in alive.values()), alive  # none, from the second layer on
+    meta = json.loads((store.path / "stats.json").read_text())
+    assert meta["shapes"]["input_moment"] == list(store.get(layers[0], "input_moment").shape)

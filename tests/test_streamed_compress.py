@@ -26,6 +26,8 @@ ARMS = [
     ("prune", {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}),
     ("conmoe", {"ratio": 0.5, "scope_size": 2}),
     ("m-smoe", {"ratio": 0.5, "router": "merge"}),  # merged router rows: applied by the exporter while streaming
+    ("puzzlemoe", {"ratio": 0.5}),  # packed merges of every layer: plan tensors spilled to disk layer by layer
+    ("dense", {"criterion": "frequency", "grouping": "wc", "K": 4}),  # a dense FFN per layer, spilled likewise
 ]
 
 
@@ -124,3 +126,40 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
     code, stdout, err = run_cli(base + ["--max-memory", "1MiB"], capsys)
     assert code == 2 and not out.exists()
     assert "Compressing needs about" in err and "--max-memory allows 1.00 MiB" in err and "Traceback" not in err
+
+
+def test_a_conmoe_scope_holds_its_layers_at_their_stored_precision(tiny, monkeypatch):
+    root, path = tiny
+    view = pipeline.open_view(str(path))
+    i = view.moe_layers[0]
+    w = view.experts_at_rest(i)
+    assert w.gate.dtype == torch.bfloat16 and view.resident is None  # a bf16 checkpoint; the float32 layer evicted
+    ref = MoEAdapter(load_model(str(path), dtype="float32")).experts(i)
+    for name in ("gate", "up", "down"):  # exact: the float32 values were upcast from these
+        assert torch.equal(getattr(w, name).float(), getattr(ref, name)), name
+    held = []
+    monkeypatch.setattr(streamed.StreamedAdapter, "experts_at_rest",
+                        lambda self, j, _f=streamed.StreamedAdapter.experts_at_rest: held.append(_f(self, j)) or held[-1])
+    stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("conmoe", {"scope_size": 2}))
+    pipeline.build_plan(pipeline.open_view(str(path)), "conmoe", {"ratio": 0.5, "scope_size": 2}, stats)
+    assert len(held) == len(view.moe_layers) and all(h.gate.dtype == torch.bfloat16 for h in held)
+
+
+def test_puzzlemoe_plan_tensors_stay_on_disk_until_read(tiny):
+    import gc
+
+    root, path = tiny
+    params = {"ratio": 0.5}
+    stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("puzzlemoe", params))
+    _, ref = pipeline.build_plan(MoEAdapter(load_model(str(path), dtype="float32")), "puzzlemoe", params, stats)
+    _, spilled = pipeline.build_plan(pipeline.open_view(str(path)), "puzzlemoe", params, stats)
+    assert isinstance(spilled, streamed.SpilledTensors) and sorted(spilled) == sorted(ref) and ref
+    files = sorted(spilled.dir.glob("*.safetensors"))
+    assert len(files) == len(pipeline.open_view(str(path)).moe_layers)  # one file per layer, nothing held
+    for k, t in ref.items():
+        got = spilled[k]
+        assert got.dtype == t.dtype and torch.equal(got, t), k
+    where = spilled.dir
+    del spilled
+    gc.collect()
+    assert not where.exists()  # the temporary files go with the mapping

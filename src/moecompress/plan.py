@@ -622,8 +622,8 @@ class CompressionPlan(_Strict):
                 elif s.construction == "elementwise_merge" and (s.packing is not None or tensors is None
                                                                or f"{s.tensor}.gate" not in tensors):
                     if tensors is not None and any(k.startswith(f"{s.tensor}.") for k in tensors):
-                        stored += sum(t.numel() * t.element_size() for k, t in tensors.items()
-                                      if k.startswith(f"{s.tensor}."))
+                        mine = (tensors[k] for k in tensors if k.startswith(f"{s.tensor}."))  # keys first: a
+                        stored += sum(t.numel() * t.element_size() for t in mine)  # lazy mapping reads only these
                     elif s.nbytes is not None:
                         stored += s.nbytes
                     else:

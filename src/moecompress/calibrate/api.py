@@ -277,7 +277,7 @@ class Calibration:
                 done.append(i)
             else:
                 break
-        layer_stats: dict[int, dict] = {i: partial.load_layer(i) for i in done}
+        layer_stats: dict[int, dict] = {i: _summary(partial.load_layer(i)) for i in done}
         start = (max(done) + 1) if done else 0
 
         with _progress(o.progress and rank == 0) as bar:
@@ -288,13 +288,13 @@ class Calibration:
             if todo:
                 runner.embed(store_hidden=not restored)
             if done and todo and not restored:
-                self._replay(runner, start, layer_stats, bar, layers_task)
+                self._replay(runner, start, layer_stats, partial, bar, layers_task)
             for i in range(start, last + 1):
                 bar.update(layers_task, description=f"layer {i}/{last}")
                 bar.reset(batch_task, total=len(runner.batches))
                 stats_i = self._layer(runner, i, partial, lambda: bar.advance(batch_task))
                 if stats_i is not None:
-                    layer_stats[i] = stats_i
+                    layer_stats[i] = _summary(stats_i)  # the layer's file holds the values; keep no second copy
                 bar.advance(layers_task)
                 if o.on_layer_end is not None:
                     o.on_layer_end(i, stats_i)
@@ -316,7 +316,8 @@ class Calibration:
         dist.barrier()
         return store if rank == 0 else StatsStore.load(self.out)
 
-    def _replay(self, runner, start: int, layer_stats: dict[int, dict], bar, layers_task) -> None:
+    def _replay(self, runner, start: int, layer_stats: dict[int, dict], partial: PartialRun, bar,
+                layers_task) -> None:
         """Replay the finished prefix (forward only) to rebuild its outputs when no cached hidden state is left."""
         from .hooks import LayerObserver
 
@@ -332,7 +333,8 @@ class Calibration:
                     runner.run_layer(i, observer=obs)
                 finally:
                     obs.detach()
-            repl = transform(i, layer, adapter, layer_stats.get(i)) if transform is not None else None
+            repl = (transform(i, layer, adapter, partial.load_layer(i) if i in layer_stats else None)
+                    if transform is not None else None)
             if i not in moe or isinstance(repl, nn.Module):
                 runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None)
             _restore_block(adapter, i)
@@ -373,6 +375,13 @@ class Calibration:
         runner.commit(i)
         runner.free_layer(i)
         return stats_i
+
+
+def _summary(stats_i: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the end of a run reads of a finished layer's statistics: every name with its shape (meta tensors,
+    no memory) and the expert counts (unreached experts). Keeping every layer's full statistics until the store
+    is written held them all at once: input/cross moments alone are E·H² float64 values per layer."""
+    return {k: v if k == "counts" else torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in stats_i.items()}
 
 
 def _settings_differ(meta: dict, params: dict, dtype, batch_size: int, dev) -> tuple | None:

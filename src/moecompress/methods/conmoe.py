@@ -299,8 +299,11 @@ def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
 
         items = track(groups, description="ConMoE scopes", transient=True)
     for group in items:
-        stacks = [adapter.experts(i) for i in group]
+        # a streamed view holds the scope's earlier layers at their stored precision (distances are float64 either way)
+        held = getattr(adapter, "experts_at_rest", adapter.experts)
+        stacks = [held(i) for i in group]
         d = scope_distance(stacks, config.eps)
+        del stacks  # before the next scope's layers are read: one scope's weights held at a time, not two
         a = expert_scores(stats, CONTRIBUTION, group)
         usage = expert_scores(stats, USAGE, group) if config.score == "usage" else None
         out.append(consolidate_scope(group, [adapter.num_experts(i) for i in group], d, a, config.ratio, usage,

@@ -608,28 +608,37 @@ def build(config: DenseConfig, context: MethodContext):
     """
     from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
 
+    from .streamed import plan_tensor_store
+
     adapter = context.adapter
-    conv = convert(adapter, stats_mapping(context.stats), config, fold_shared=False,
-                   progress=getattr(context, "progress", False))
+    stats = stats_mapping(context.stats)
     info = ModelInfo.from_model(adapter)
-    tensors: dict[str, torch.Tensor] = {}
-    scopes, layers = [], []
+    tensors = plan_tensor_store(adapter)  # streamed view: on disk layer by layer
+    scopes, layers, layer_plans = [], [], []
     for i in adapter.moe_layers:
-        lp = conv.layers[i].plan
+        # one layer at a time, as `convert` does it, but its float64 FFN is dropped once its plan tensors are made
+        # (converting every layer first held all of them at once)
+        if i not in stats:
+            raise MoECompressError(f"The calibration statistics have no entry for MoE layer {i}; they were made "
+                                   "for another model — recalibrate this one.")
+        dl = convert_layer(adapter, i, stats[i], config, False)
+        lp = dl.plan
+        layer_plans.append(lp)
         dtype = adapter.expert_dtype(i)
-        ffn = conv.layers[i].routed
+        ffn = dl.routed
         mass = lp["mean_topk_mass"] if lp["mean_topk_mass"] > 0 else 1.0
         key = f"dense.{i}"
-        for name, t in ffn.tensors().items():
-            t = t / mass if name in ("down", "down_bias") else t
-            tensors[f"{key}.{name}"] = t.to(dtype)
+        tensors.update({f"{key}.{name}": (t / mass if name in ("down", "down_bias") else t).to(dtype)
+                        for name, t in ffn.tensors().items()})
+        width = int(ffn.gate.shape[0])
+        del dl, ffn
         sources = [(i, e) for g in lp["groups"] for e in g["experts"]]
         weights = [g["alpha"] for g in lp["groups"]] if lp["K"] == lp["top_k"] else None
         scopes.append(Scope(id=f"layer{i}", layers=[i], stored=[StoredExpert(
             id=0, sources=sources, construction="dense_group", weights=weights, tensor=key,
-            intermediate_size=int(ffn.gate.shape[0]))]))
+            intermediate_size=width)]))
         layers.append(LayerPlan(layer=i, scope=f"layer{i}", gate="aggregate", slots=[0] * lp["num_experts"]))
-    params = dict(config.model_dump(), layers=conv.plan["layers"])
+    params = dict(config.model_dump(), layers=layer_plans)
     return CompressionPlan(model=info, scopes=scopes, layers=layers, method="dense", params=params), tensors
 
 

@@ -286,13 +286,18 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         from rich.progress import track
 
         layers_iter = track(layers_iter, description="PuzzleMoE merging", transient=True)
-    scopes, layer_plans, tensors = [], [], {}
+    from .streamed import is_streamed, plan_tensor_store
+
+    scopes, layer_plans = [], []
+    tensors = plan_tensor_store(adapter)  # streamed view: on disk layer by layer, not every layer's merges in memory
     summary: dict = {"layers": [], "clamp": ClampReport()}
     removed = total = 0
     for i in layers_iter:
         e_count = adapter.num_experts(i)
         norms = layer_norms(stats, i, e_count) if config.saliency == "activation" else None
         experts = {e: adapter.get_expert(i, e) for e in range(e_count)}
+        if is_streamed(adapter):  # the copies are all the layer's merging reads: evict it before merging
+            adapter.release()
         groups, search = choose_groups(config, adapter, i, norms, experts)
         cands = [merge_candidate(adapter, i, grp, norms=norms, tau=config.tau, quant_bits=config.quant_bits,
                                  quant_group=config.quant_group, underflow=config.underflow, experts=experts)

@@ -20,7 +20,9 @@ forward (auto's sensitivities and measured KL) loads each decoder layer just bef
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -85,6 +87,7 @@ class StreamedAdapter(MoEAdapter):
             s = layer.storage
             layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
         self.resident: int | None = None
+        self._stored_dtype: dict[int, torch.dtype | None] = {}  # layer -> its one on-disk float dtype (None: mixed)
         self.layer_loads: dict[int, int] = {}
         self.forward_loads: dict[int, int] = {}
         self._non_layer = False
@@ -103,9 +106,12 @@ class StreamedAdapter(MoEAdapter):
         held twice: one native tensor at the checkpoint's precision is the only transient)."""
         from ..checkpoint import _recreate_buffers
 
+        stored = set()
         for native in self.reader._by_layer.get(i, []):
             for name, t in self.reader._state([native]).items():
                 module, leaf = self._slots[i][name]
+                if t.is_floating_point():
+                    stored.add(t.dtype)
                 t = t.to(self.compute_dtype) if t.is_floating_point() else t
                 if leaf in module._parameters:
                     module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
@@ -114,6 +120,7 @@ class StreamedAdapter(MoEAdapter):
         for module in {m for m, _ in self._slots[i].values()}:
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 _recreate_buffers(module, "cpu")
+        self._stored_dtype[i] = stored.pop() if len(stored) == 1 else None
 
     def _free(self, i: int) -> None:
         for module, leaf in self._slots[i].values():
@@ -148,6 +155,18 @@ class StreamedAdapter(MoEAdapter):
     def expert_dtype(self, i: int) -> torch.dtype:
         return self.compute_dtype
 
+    def experts_at_rest(self, i: int) -> ExpertWeights:
+        """Layer i's experts stacked, copied at the checkpoint's own precision when the layer is stored in one
+        float dtype (exact: the compute-dtype values were upcast from it), else in the compute dtype. For a method
+        that holds several layers at once (a ConMoE scope): each held layer costs its size on disk, not its size
+        upcast; the resident layer is evicted once copied, so it is not held beside the copies."""
+        w = self.layer(i).storage.read_all()
+        dtype = self._stored_dtype.get(i) or self.compute_dtype
+        out = w.map(lambda t: t.detach().to(dtype, copy=True))
+        del w
+        self.release()
+        return out
+
     def router_params(self, i: int):
         layer = self.layer(i)
         self._ensure(i)
@@ -171,3 +190,48 @@ class StreamedAdapter(MoEAdapter):
 
 def is_streamed(adapter) -> bool:
     return isinstance(adapter, StreamedAdapter)
+
+
+class SpilledTensors(Mapping):
+    """Plan tensors kept on disk, one safetensors file per `update` batch (a layer's), read back one tensor per
+    lookup. A method that produces tensors for every layer (PuzzleMoE's packed merges) holds them here on the
+    streamed view, so building the plan keeps one layer's worth in memory instead of every layer's until the
+    export. The files live in a private temporary directory, removed when the mapping is collected."""
+
+    def __init__(self):
+        import shutil
+        import tempfile
+        import weakref
+
+        self.dir = Path(tempfile.mkdtemp(prefix="moecompress-plan-tensors-"))
+        self._file: dict[str, Path] = {}
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+
+    def update(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        path = self.dir / f"part{len(set(self._file.values())):05d}.safetensors"
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path))
+        self._file.update(dict.fromkeys(tensors, path))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._file[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._file
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+
+def plan_tensor_store(adapter) -> "SpilledTensors | dict":
+    """Where a method collects its plan tensors: on disk for the streamed view (`SpilledTensors`), else a dict."""
+    return SpilledTensors() if is_streamed(adapter) else {}
