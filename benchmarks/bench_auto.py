@@ -285,9 +285,11 @@ def run_compare_part(fixture: str, out: Path, max_tokens: int = 16384) -> dict:
     apply_holm(comps, 0.05)
     for a in res["arms"]:
         agg = a["metrics"][stream]["aggregate"]
+        ids, kls = kl_items(a["name"])
         table.append(dict(name=a["name"], method=a["method"], bytes=a["bytes"].get("model"),
                           weights=a["bytes"].get("weights"), kl=agg.get("kl"), ppl=agg.get("ppl"),
-                          compress_seconds=a.get("compress_seconds")))
+                          compress_seconds=a.get("compress_seconds"),
+                          window_ids=list(ids), window_kl=[float(x) for x in kls]))  # what the bootstrap paired
     hist = {}
     for level in (50, 25):
         plan = json.loads((dest / "checkpoints" / f"auto-{level}" / "plan.json").read_text())
@@ -330,6 +332,16 @@ def markdown(results: dict) -> str:
         if rhos:
             summary += (f". Its estimator ranks single-slot candidates, whole-layer states and whole plans on "
                         f"held-out text with Spearman ρ between {min(rhos):.2f} and {max(rhos):.2f} (tables below)")
+        lost = [(f, c) for f, c in comps if c["verdict"] != "A better"]
+        if lost:
+            def _arm_bytes(f, c):
+                arms = {x["name"]: x for x in results[f]["compare"]["arms"]}
+                return arms[c["b"]]["bytes"] - arms[c["a"]]["bytes"]
+
+            summary += (". Not won: " + "; ".join(
+                f"{c['b']} on {f} ({c['verdict'].replace('A better', 'auto better').replace('B better', 'arm better')}, "
+                f"Δ KL {c['delta']:+.3g}, Holm p = {c.get('p_adjusted') or float('nan'):.3g}, arm bytes "
+                f"{_arm_bytes(f, c) / 1e6:+.2f} MB vs auto)" for f, c in lost))
         lines += [summary + ".", ""]
     ratios = []  # estimated / measured held-out plan KL, per fixture and budget (default sensitivity)
     for f, r in results.items():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -226,14 +225,11 @@ def report() -> None:
                   "student back to back on the shared CPU: indicative only (docs/dense.md says why).",
                   ""]
     text = "\n".join(parts).rstrip() + "\n"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _bench_md import write_section
+
     bench = ROOT / "BENCHMARKS.md"
-    old = bench.read_text() if bench.is_file() else "# Benchmarks\n"
-    if SECTION in old:
-        pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.DOTALL)
-        new = pattern.sub(lambda _: text.rstrip() + "\n", old, count=1)
-    else:
-        new = old.rstrip() + "\n\n" + text
-    bench.write_text(new)
+    write_section(SECTION, text, bench)
     print(f"updated {bench}")
 
 

@@ -110,10 +110,11 @@ def run(formats: list[str]) -> dict:
 
 def _shape(path: Path) -> str:
     """The checkpoint's architecture, read from its config (never typed by hand)."""
-    c = json.loads((path / "config.json").read_text())
+    from _bench_md import model_shape
+
+    c = model_shape(path)
     return (f"{c['model_type']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_experts']} "
-            f"experts x width {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}, "
-            f"{c.get('dtype') or c.get('torch_dtype')}")
+            f"experts x width {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}, {c['dtype']}")
 
 
 def _gb(n: float) -> str:
@@ -140,7 +141,8 @@ def report() -> str:
         f"benchmarks/bench_runtime_speed.py --repeats {s['repeats']} --threads {s['threads']}`); results "
         "`benchmarks/results/runtime_speed.json`, every run's ratios in `benchmarks/results/runtime_speed_runs.jsonl`.  ",
         f"Machine: {s['machine']}, {s['threads']} thread; date {s['date']}.  ",
-        f"Model: {s['model']}; float32. Plan: {s['plan']}. Prefill: {s['prefill_tokens']} tokens in "
+        f"Model: {s['model']} (stored {s.get('checkpoint_dtype') or 'dtype not recorded'}), run in "
+        f"{s.get('dtype', 'float32')}. Plan: {s['plan']}. Prefill: {s['prefill_tokens']} tokens in "
         f"one forward; decode: {s['decode_tokens']} greedy tokens with KV cache, batch 1. Medians of "
         f"{s['repeats']} repeats, arm order rotated every repeat.",
         "",
@@ -153,17 +155,38 @@ def report() -> str:
                      f"{t['decode'] / o['decode']:.2f}x |")
     runs_file = results_path("runtime_speed_runs.jsonl")
     runs = [json.loads(x) for x in runs_file.read_text().splitlines() if x.strip()] if runs_file.is_file() else []
-    runs = [r for r in runs if r.get("model") == s["model"]]  # only runs on the model this table shows
+    # only runs on the model (and compute dtype) this table shows
+    runs = [r for r in runs if r.get("model") == s["model"] and r.get("dtype", "float32") == s.get("dtype", "float32")]
+    t = s.get("times_s", {})
+    if "original" in t and "runtime-50%" in t:
+        import statistics
+
+        def per_repeat(kind):  # original time / runtime time within each repeat (the two ran back to back)
+            return sorted(a / b for a, b in zip(t["original"][kind], t["runtime-50%"][kind]))
+
+        def quartiles(v):
+            q = statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0]] * 3
+            return q[0], q[2]
+
+        parts = []
+        for kind in ("prefill", "decode"):
+            v = per_repeat(kind)
+            q1, q3 = quartiles(v)
+            what = "parity" if q1 <= 1.0 <= q3 else ("faster" if q1 > 1.0 else "slower")
+            parts.append(f"{kind} {min(v):.2f}x–{max(v):.2f}x (quartiles {q1:.2f}x–{q3:.2f}x: {what})")
+        lines += ["", f"Within this run, runtime-50% vs original per repeat: " + "; ".join(parts) + "."]
     if runs:
         fmt = lambda r: f"{r['prefill']:.2f}x / {r['decode']:.2f}x"
-        lines += ["", f"All {len(runs)} runs on this model (runtime-50% vs original, prefill / decode): "
+        lines += ["", f"{'All ' + str(len(runs)) + ' runs' if len(runs) > 1 else 'The one run'} on this model "
+                  "(runtime-50% vs original, prefill / decode): "
                   + "; ".join(fmt(r["ratio_runtime"]) for r in runs) + ". The hf-export arm, which does "
                   "the same expert compute: " + "; ".join(fmt(r["ratio_hf"]) for r in runs) + "."]
         mean = {k: sum(r["ratio_runtime"][k] for r in runs) / len(runs) for k in ("prefill", "decode")}
-        lines += ["", f"Mean over the runs: {mean['prefill']:.2f}x prefill, {mean['decode']:.2f}x decode; prefill "
-                  f"{_verdict([r['ratio_runtime']['prefill'] for r in runs])}, decode "
-                  f"{_verdict([r['ratio_runtime']['decode'] for r in runs])}. Why a pruned plan runs the same "
-                  "expert FLOPs per token at a fixed top-k: docs/plan.md."]
+        if len(runs) > 1:
+            lines += ["", f"Mean over the runs: {mean['prefill']:.2f}x prefill, {mean['decode']:.2f}x decode; prefill "
+                      f"{_verdict([r['ratio_runtime']['prefill'] for r in runs])}, decode "
+                      f"{_verdict([r['ratio_runtime']['decode'] for r in runs])}."]
+        lines += ["", "Why a pruned plan runs the same expert FLOPs per token at a fixed top-k: docs/plan.md."]
     lines += ["", "Target: the runtime with half the experts is not slower than the original (ratios at least "
               f"{1:.2f}x within the noise of a shared machine).", ""]
     m = load_results("export_memory.json")
@@ -188,6 +211,19 @@ def report() -> str:
                      f"{_gb(r['rss_after_imports_bytes'])} | {_gb(r['output_weight_bytes'])} | "
                      f"{_gb(dir_b) if dir_b else '—'} | {_gb(logical)} | {pct(r['output_weight_bytes'])} | "
                      f"{pct(dir_b)} | {r['shards']} | {r['seconds']:.0f} s |")
+    fm = m["formats"]
+    if fm:
+        worst = max(fm.values(), key=lambda r: r["ratio"])
+        lines += ["", f"Peak RSS ÷ checkpoint: at most {worst['ratio']:.3f} over {len(fm)} format(s), target "
+                  f"<= {TARGET_MEMORY} {'met' if worst['ratio'] <= TARGET_MEMORY else 'NOT met'}."]
+        w = [abs(r["output_weight_bytes"] / r["logical_bytes"] - 1) for r in fm.values()]
+        dirs = [abs(r["output_dir_bytes"] / r["logical_bytes"] - 1) for r in fm.values() if r.get("output_dir_bytes")]
+        bytes_line = (f"Bytes on disk against the plan's logical size: the output weights are within "
+                      f"{100 * max(w):.2f} % of it")
+        if dirs:
+            bytes_line += (f"; the whole output directory (weights plus config, plan, index and recipe) is within "
+                           f"{100 * max(dirs):.2f} %")
+        lines += ["", bytes_line + "."]
     lines += ["", f"Target: peak RSS / checkpoint size <= {TARGET_MEMORY}.", ""]
     text = "\n".join(lines).rstrip() + "\n"
     write_section(SECTION, text)

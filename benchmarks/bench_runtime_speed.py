@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import results_path, save_results
+from _bench_md import model_shape, results_path, save_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +64,7 @@ def run(repeats: int, threads: int) -> dict:
     from moecompress import apply_plan, export
     from moecompress.models import load_model
     from moecompress.plan import CompressionPlan, ModelInfo
+    from moecompress.testing import fixture_dir
 
     torch.set_num_threads(threads)
     build, what = _model()
@@ -91,7 +92,8 @@ def run(repeats: int, threads: int) -> dict:
             m = arms[name]
             times[name]["prefill"].append(_prefill(m, prefill_ids))
             times[name]["decode"].append(_decode(m, prompt, new_tokens))
-    res = {"model": what, "threads": threads, "repeats": repeats, "prefill_tokens": prefill_ids.numel(),
+    res = {"model": what, "dtype": str(next(original.parameters()).dtype).removeprefix("torch."),
+           "checkpoint_dtype": model_shape(fixture_dir("qwen3-moe-tiny"))["dtype"], "threads": threads, "repeats": repeats, "prefill_tokens": prefill_ids.numel(),
            "decode_tokens": new_tokens, "plan": "renorm, every second expert kept (50% of routed experts)",
            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), torch {torch.__version__}",
            "date": time.strftime("%Y-%m-%d"), "times_s": times, "tokens_per_s": {}}
@@ -105,7 +107,7 @@ def run(repeats: int, threads: int) -> dict:
         res[f"ratio_{name}"] = {k: res["tokens_per_s"][name][k] / o[k] for k in ("prefill", "decode")}
     save_results("runtime_speed.json", res)
     with open(results_path("runtime_speed_runs.jsonl"), "a") as f:  # every run, so the report can show the spread
-        f.write(json.dumps({"date": res["date"], "model": what, "repeats": repeats,
+        f.write(json.dumps({"date": res["date"], "model": what, "dtype": res["dtype"], "repeats": repeats,
                             "ratio_runtime": res["ratio_runtime-50%"], "ratio_hf": res["ratio_hf-export-50%"]}) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "times_s"}, indent=2))
     return res
