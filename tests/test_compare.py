@@ -132,8 +132,9 @@ def test_dense_arm_before_and_after_distillation(tiny_with_tokenizer, tmp_path, 
                                            lr=1e-3, data="fixture-calib"), **dense),
     ], tasks=[], quant_baselines=[])
     out = tmp_path / "report"
-    code, _, err = run_cli(["compare", *files, "--out", str(out)], capsys)
+    code, stdout, err = run_cli(["compare", *files, "--out", str(out)], capsys)
     assert code == 0, err
+    assert "'loss'" not in stdout + err and "'eval_loss'" not in stdout + err  # no Trainer log dicts printed
     arms = {a["name"]: a for a in json.loads((out / "results.json").read_text())["arms"]}
     assert arms["dense"]["export_format"] == "dense" and arms["dense"].get("distilled") is None
     assert arms["dense-kd"]["distilled"]["tokens"] == 512

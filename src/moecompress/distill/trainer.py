@@ -338,6 +338,11 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     trainer = Trainer(model=student_model, args=args, train_dataset=train_set, eval_dataset=val_set,
                       data_collator=default_data_collator, teacher=teacher_model, kd=config,
                       callbacks=callbacks or [])
+    if not progress:
+        from transformers.trainer_callback import PrinterCallback
+
+        # with its bars off the Trainer prints every log dict instead; the caller's display stays the only one
+        trainer.remove_callback(PrinterCallback)
     last = last_complete_checkpoint(ckpt_dir) if resume else None
     t0 = time.time()
     trainer.train(resume_from_checkpoint=last)
