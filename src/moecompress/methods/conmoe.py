@@ -300,8 +300,7 @@ def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
         items = track(groups, description="ConMoE scopes", transient=True)
     for group in items:
         # a streamed view holds the scope's earlier layers at their stored precision (distances are float64 either way)
-        held = getattr(adapter, "experts_at_rest", adapter.experts)
-        stacks = [held(i) for i in group]
+        stacks = [adapter.experts_at_rest(i) for i in group]
         d = scope_distance(stacks, config.eps)
         del stacks  # before the next scope's layers are read: one scope's weights held at a time, not two
         a = expert_scores(stats, CONTRIBUTION, group)

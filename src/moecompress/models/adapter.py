@@ -256,6 +256,11 @@ class MoEAdapter:
         """All experts of layer i stacked (views of the model's storage where possible)."""
         return self.layer(i).storage.read_all()
 
+    def experts_at_rest(self, i: int) -> ExpertWeights:
+        """Layer i's experts for a method that holds several layers at once (a ConMoE scope): in memory they are
+        `experts(i)`; a streamed view (`methods/streamed.py`) copies them at the checkpoint's precision."""
+        return self.experts(i)
+
     def expert_dtype(self, i: int) -> torch.dtype:
         """The dtype `experts(i)` / `storage.read` hand out (what plan tensors are fitted in), without a copy."""
         return self.layer(i).storage.read(0).gate.dtype
