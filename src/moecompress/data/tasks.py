@@ -142,7 +142,7 @@ def resolve_tasks(tasks, include_path=None, online: bool | None = None):
 
 
 @contextlib.contextmanager
-def _quiet_lm_eval(level: int = logging.ERROR):
+def quiet_lm_eval(level: int = logging.ERROR):
     """lm-eval warns on every run about in-memory models and custom datasets; keep errors only."""
     names = ["lm_eval"] + [n for n in logging.root.manager.loggerDict if n.startswith("lm_eval.")]
     old = {n: logging.getLogger(n).level for n in names}
@@ -194,7 +194,7 @@ def load_task(name: str, include_path=None):
     names, manager, _ = resolve_tasks(name, include_path)
     if len(names) != 1:
         raise MoECompressError(f"A task data term names one lm-eval task, not '{name}'; write task:NAME:COUNT.")
-    with _quiet_lm_eval():  # lm-eval warns about custom datasets on every load
+    with quiet_lm_eval():  # lm-eval warns about custom datasets on every load
         loaded = manager.load(names[0])
     task = loaded["tasks"].get(names[0])
     if task is None:

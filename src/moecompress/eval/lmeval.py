@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from ..data.tasks import FIXTURE_TASKS, _quiet_lm_eval, local_task_paths, parse_tasks, resolve_tasks  # noqa: F401
+from ..data.tasks import FIXTURE_TASKS, quiet_lm_eval, local_task_paths, parse_tasks, resolve_tasks  # noqa: F401
 from ..errors import MoECompressError
 
 # the metric used for the "task average" and the plots when a task reports several
@@ -128,9 +128,9 @@ def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: 
     lm_kwargs = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
     if max_length is not None:
         lm_kwargs["max_length"] = max_length
-    with _quiet_lm_eval():
+    with quiet_lm_eval():
         lm = HFLM(**lm_kwargs)
-    with _offline_env(local_only), _quiet_lm_eval():
+    with _offline_env(local_only), quiet_lm_eval():
         out = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, log_samples=True,
                               task_manager=manager, random_seed=seed, numpy_random_seed=seed,
                               torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=gen_kwargs,
