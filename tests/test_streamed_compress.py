@@ -163,3 +163,30 @@ def test_puzzlemoe_plan_tensors_stay_on_disk_until_read(tiny):
     del spilled
     gc.collect()
     assert not where.exists()  # the temporary files go with the mapping
+
+
+def test_tilt_gathers_moments_of_the_removed_experts_only_and_equals_one_pass(tmp_path):
+    from moecompress.calibrate import StatsStore
+    from moecompress.methods.prune import PruneConfig, select_experts
+    from moecompress.models import resolve_source
+
+    params = {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}
+    model = str(resolve_source("fixture:qwen3-moe-tiny"))
+    one = calibrate(model, "fixture-calib:4", seq_len=32, out=tmp_path / "one",
+                    stats=pipeline.needs_for("prune", params), progress=False)  # moments of every expert
+    moecompress.compress(model, "prune", params, calib=tmp_path / "one", out=tmp_path / "ref", progress=False)
+    moecompress.compress(model, "prune", params, calib="fixture-calib:4", seq_len=32, out=tmp_path / "two",
+                         progress=False)
+    first = StatsStore.load(tmp_path / "two-calib" / "stats")
+    moments = StatsStore.load(tmp_path / "two-calib" / "stats-moments")
+    assert not first.has("input_moment") and moments.has("input_moment", "cross_moment")
+    keep = select_experts(PruneConfig(**params), pipeline.open_view(model), one)
+    for i in moments.layers:
+        removed = sorted(set(range(len(one.get(i, "counts")))) - set(keep[i]))
+        assert moments.get(i, "moment_experts").tolist() == removed
+        assert torch.equal(moments.get(i, "input_moment"), one.get(i, "input_moment")[removed])
+        assert torch.equal(moments.get_row(i, "cross_moment", 1), one.get(i, "cross_moment")[removed[1]])
+    shards = sorted(p.name for p in (tmp_path / "ref").iterdir() if p.suffix == ".safetensors")
+    assert shards
+    for name in shards:
+        assert filecmp.cmp(tmp_path / "ref" / name, tmp_path / "two" / name, shallow=False), name

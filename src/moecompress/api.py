@@ -37,7 +37,7 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import stats_to_gather
-from .pipeline import choose_format, make_plan, needs_for, quant_config, resolve_calibration
+from .pipeline import calibrate_for, choose_format, make_plan, quant_config
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
@@ -74,9 +74,8 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     protect = [model, calib_dir]
     check_output(out, overwrite, protect)  # before any compute: a refusal must not cost a calibration
     quant_config(quant)  # a bad quantization spec is refused before any compute too
-    needs = needs_for(method, params, quant)
-    stats = resolve_calibration(model, calib, needs, seq_len=seq_len, seed=seed, work_dir=out.parent / f"{out.name}-calib",
-                                progress=progress)
+    stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
+                          work_dir=out.parent / f"{out.name}-calib", progress=progress)
     plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype, progress=progress)
     recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
               "seq_len": seq_len, "seed": seed, "quant": quant}

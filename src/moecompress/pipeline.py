@@ -19,10 +19,10 @@ from .models import MoEAdapter
 
 def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list[str], *, seq_len: int = 256,
                         seed: int = 0, batch_size: int = 8, work_dir: str | os.PathLike | None = None,
-                        dtype: str = "auto", progress: bool = True, moment_experts=None):
+                        dtype: str = "auto", progress: bool = True, moment_experts=None, name: str = "stats"):
     """A StatsStore holding at least `needs`: an existing store directory, or a data spec to calibrate on.
 
-    A spec is calibrated into `work_dir/stats` (reused when a finished store with the same inputs
+    A spec is calibrated into `work_dir/<name>` (reused when a finished store with the same inputs
     exists there). Returns None when the method needs no statistics and none was given.
     """
     from .calibrate import StatsStore, calibrate
@@ -36,9 +36,38 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
         store = StatsStore.load(calib, model_fingerprint=model_fingerprint(model))
         store.require(*needs)
         return store
-    out = Path(work_dir or ".") / "stats"
+    out = Path(work_dir or ".") / name
     return calibrate(model, str(calib), seq_len=seq_len, out=out, stats=sorted(set(needs)), batch_size=batch_size,
                      dtype=dtype, seed=seed, progress=progress, moment_experts=moment_experts, overwrite=True)
+
+
+def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, params: dict[str, Any] | None,
+                  quant=None, *, seq_len: int = 256, seed: int = 0, work_dir: str | os.PathLike | None = None,
+                  progress: bool = True):
+    """The statistics `method` with `params` (and `quant`) reads, as `resolve_calibration` gives them.
+
+    A method whose build reads input/cross moments of a subset of experts (prune's tilt: the removed
+    ones, `MethodEntry.moment_experts`), calibrated from a data spec, is calibrated in two passes:
+    first every other statistic, then the moments of the experts that first pass's selection names
+    (`work_dir/stats-moments`). Moments are per-expert sums over the same tokens either way, so the plan is
+    bit-identical to one pass over every expert; the heaviest statistics shrink to the removed experts."""
+    from .calibrate.collectors import MomentCollector
+    from .methods.context import ChainedStats
+
+    needs = needs_for(method, params, quant)
+    entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
+    staged = moments and entry.moment_experts is not None and calib is not None and not Path(calib).is_dir()
+    common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress)
+    if not staged:
+        return resolve_calibration(model, calib, needs, **common)
+    first = resolve_calibration(model, calib, [n for n in needs if n not in moments], **common)
+    view = open_view(model)
+    subset = entry.moment_experts(parse_config(method, params), view, first)
+    view.release()
+    if subset is None:
+        return first
+    second = resolve_calibration(model, calib, moments, **common, moment_experts=subset, name="stats-moments")
+    return ChainedStats(first, second)
 
 
 def model_fingerprint(model: str) -> str | None:

@@ -28,12 +28,14 @@ from .observe import Observation
 NEEDS = ("routing", "outputs", "intermediate", "all_outputs")
 
 
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den with 0 where den == 0 (an expert no token reached)."""
+def _safe_div(num: torch.Tensor, den: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """num / den with 0 where den == 0 (an expert no token reached); ``out=num`` divides in place (the
+    [S, H, H] moment sums would otherwise exist twice, or three times with a zero-filled temporary)."""
     den = den.to(num.dtype)
     while den.dim() < num.dim():
         den = den.unsqueeze(-1)
-    return torch.where(den > 0, num / den.clamp(min=1), torch.zeros_like(num))
+    q = torch.div(num, den.clamp(min=1), out=out)
+    return q.masked_fill_(den == 0, 0.0)
 
 
 class Collector:
@@ -61,6 +63,7 @@ class Collector:
         """All-experts mode: outputs [E, c, H] of every expert on the real tokens `rows` of the batch."""
 
     def finalize(self) -> dict[str, torch.Tensor]:  # pragma: no cover - interface
+        """The layer's statistics from the (reduced) sums; called once, so it may divide the sums in place."""
         raise NotImplementedError
 
     def stat_bytes(self) -> int:
@@ -302,7 +305,7 @@ class MomentCollector(Collector):
         s, c = self.sums, self.sums["count"]
         return {"moment_experts": torch.tensor(self.experts, dtype=torch.int64), "moment_count": c.clone(),
                 "moment_in_mean": _safe_div(s["in_sum"], c), "moment_out_mean": _safe_div(s["out_sum"], c),
-                "input_moment": _safe_div(s["xx"], c), "cross_moment": _safe_div(s["xy"], c)}
+                "input_moment": _safe_div(s["xx"], c, out=s["xx"]), "cross_moment": _safe_div(s["xy"], c, out=s["xy"])}
 
     def counts(self):
         return None  # a subset only

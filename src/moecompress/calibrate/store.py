@@ -133,6 +133,13 @@ class StatsStore:
 
     def get(self, layer: int, name: str) -> torch.Tensor:
         """Statistic `name` of decoder layer `layer` (see docs/calibration.md for definitions and shapes)."""
+        return self._read(layer, name, ...)
+
+    def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
+        """``get(layer, name)[index]``, reading only that row from the file (one expert's moments)."""
+        return self._read(layer, name, index)
+
+    def _read(self, layer: int, name: str, index) -> torch.Tensor:
         if layer not in self.meta["layers"]:
             raise MoECompressError(f"The stats store has no layer {layer}; its MoE layers are {self.layers}.")
         self.require(name)
@@ -140,7 +147,7 @@ class StatsStore:
 
         try:
             with safe_open(str(self._file(layer)), framework="pt") as f:
-                return f.get_tensor(name)
+                return f.get_tensor(name) if index is ... else f.get_slice(name)[index]
         except Exception:
             raise MoECompressError(f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
                                    "re-run calibration.") from None

@@ -111,9 +111,9 @@ def approximate_moments(stats, layer: int) -> LayerMoments:
         m.s_xx = torch.zeros(len(counts), h, h, dtype=torch.float64)
         m.s_xy = torch.zeros(len(counts), h, h, dtype=torch.float64)
         for k, e in enumerate(sel):
-            m.s_x[e] = g2[e] * stats.get(layer, "moment_in_mean")[k].double()
-            m.s_xx[e] = g2[e] * stats.get(layer, "input_moment")[k].double()
-            m.s_xy[e] = g2[e] * stats.get(layer, "cross_moment")[k].double()
+            m.s_x[e] = g2[e] * stats.get_row(layer, "moment_in_mean", k).double()
+            m.s_xx[e] = g2[e] * stats.get_row(layer, "input_moment", k).double()
+            m.s_xy[e] = g2[e] * stats.get_row(layer, "cross_moment", k).double()
     return m
 
 
@@ -233,7 +233,7 @@ def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: f
             return None
         s = sel.index(e)
         n = float(stats.get(m.layer, "moment_count")[s])
-        mom = lambda name: stats.get(m.layer, name)[s].double() * n  # means -> sums
+        mom = lambda name: stats.get_row(m.layer, name, s).double() * n  # means -> sums
         tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
                         rank=rank, ridge=ridge)
     if tilt.rank == 0:

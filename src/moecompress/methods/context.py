@@ -39,6 +39,9 @@ class StatsView(Protocol):
     def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
         """Every statistic of one layer."""
 
+    def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
+        """``get(layer, name)[index]`` without reading the rest (one expert's [H, H] moments of an [S, H, H])."""
+
 
 class MappingStats:
     """A `StatsView` over in-memory statistics ``{layer: {name: tensor}}`` (tensors handed out as they are)."""
@@ -67,6 +70,40 @@ class MappingStats:
 
     def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
         return self.mapping[layer]
+
+    def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
+        return self.get(layer, name)[index]
+
+
+class ChainedStats:
+    """A `StatsView` over several views: each statistic from the first view holding it (e.g. a first
+    calibration's selection statistics and a second one's moments of the experts that selection removed)."""
+
+    def __init__(self, *views: StatsView):
+        self.views = views
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(set.intersection(*(set(v.layers) for v in self.views)))
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({n for v in self.views for n in v.names})
+
+    def has(self, *names: str) -> bool:
+        return all(any(v.has(n) for v in self.views) for n in names)
+
+    def _view(self, name: str) -> StatsView:
+        return next((v for v in self.views if v.has(name)), self.views[0])  # the first refuses a missing one
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        return self._view(name).get(layer, name)
+
+    def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
+        return {n: self.get(layer, n) for n in self.names}
+
+    def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
+        return self._view(name).get_row(layer, name, index)
 
 
 def stats_view(stats) -> StatsView | None:

@@ -142,7 +142,8 @@ def _operator_for(config: PruneConfig, adapter, stats, layer: int, e: int, kept:
                                    "re-run calibration with --for-method tilt.")
         s = sel.index(e)
         n = float(stats.get(layer, "moment_count")[s])
-        mom = lambda name: _get(stats, layer, name)[s] * n  # noqa: E731  means -> sums
+        # one expert's rows only: the [S, H, H] moments of a layer are never read whole
+        mom = lambda name: stats.get_row(layer, name, s).double() * n  # noqa: E731  means -> sums
         tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
                         rank=min(config.rank, adapter.hidden_size), ridge=config.ridge)
         if tilt.rank == 0:  # an expert no token reached: its constant is 0
@@ -211,7 +212,17 @@ def build_prune(config: PruneConfig, context: MethodContext):
     return CompressionPlan(model=info, scopes=scopes, layers=layers, method="prune", params=params), tensors
 
 
-register_method("prune", PruneConfig, build_prune, needs_stats, family="prune")
+def tilt_moment_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -> dict[int, list[int]] | None:
+    """The experts whose input/cross moments a tilt build reads: the ones `select_experts` removes (None: the
+    config reads no moments). Their [S, H, H] moments are the largest statistics there are (two H x H per
+    expert), so `compress` gathers them for these experts only, in a second pass (pipeline.calibrate_for)."""
+    if config.operator != "tilt" or config.rank == 0:
+        return None
+    keep = select_experts(config, adapter, stats)
+    return {i: sorted(set(range(adapter.num_experts(i))) - set(keep[i])) for i in adapter.moe_layers}
+
+
+register_method("prune", PruneConfig, build_prune, needs_stats, family="prune", moment_experts=tilt_moment_experts)
 
 
 def _register_stats() -> None:

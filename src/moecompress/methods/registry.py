@@ -27,6 +27,9 @@ class MethodEntry:
     build: Build
     needs_stats: Callable[[BaseModel], list[str]] | list[str] = field(default_factory=list)
     family: str = ""  # prune | consolidate | merge | elementwise | dense | auto
+    # (config, adapter, stats without moments) -> {layer: experts whose moments the build reads}, or None when
+    # it reads none: lets `compress` gather the [S, H, H] moments in a second pass for those experts only
+    moment_experts: Callable[[BaseModel, Any, Any], dict[int, list[int]] | None] | None = None
 
     def stats_for(self, config: BaseModel) -> list[str]:
         """The statistic names a build with `config` reads."""
@@ -37,9 +40,10 @@ METHODS: dict[str, MethodEntry] = {}
 
 
 def register_method(name: str, config_cls: type[BaseModel], build: Build,
-                    needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "") -> None:
+                    needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "",
+                    moment_experts=None) -> None:
     METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
-                                else needs_stats, family)
+                                else needs_stats, family, moment_experts)
 
 
 def get_method(name: str) -> MethodEntry:
