@@ -289,6 +289,15 @@ def test_allocation_matches_brute_force_on_small_instances():
     assert worse <= 3  # a knapsack heuristic: optimal on (almost) every small instance
 
 
+def test_allocation_refuses_non_finite_losses_instead_of_looping():
+    front = A.pareto([A.LayerPoint("replace", [], 1, float("nan")), A.LayerPoint("replace", [], 3, 1.0)])
+    ok = A.pareto([A.LayerPoint("replace", [], 1, 1.0), A.LayerPoint("replace", [], 2, 0.5)])
+    with pytest.raises(MoECompressError, match="non-finite loss or sensitivity for layer 1"):
+        A.allocate({0: ok, 1: front}, {0: 1.0, 1: 1.0}, 4)
+    with pytest.raises(MoECompressError, match="layer 0"):
+        A.allocate({0: ok, 1: ok}, {0: float("inf"), 1: 1.0}, 4)
+
+
 def test_pair_decisions_are_joint_and_disjoint(olmoe, tmp_path):
     """PuzzleMoE pairs: both slots of a pair are decided together, no slot is in two pairs, every member slot
     computes its own member of its packed merge, and the packed export reloads to the same logits."""

@@ -298,6 +298,7 @@ class Calibration:
                 bar.advance(layers_task)
                 if o.on_layer_end is not None:
                     o.on_layer_end(i, stats_i)
+                del stats_i  # else this layer's sums stay alive while the next layer accumulates its own
 
         unreached = {i: torch.nonzero(layer_stats[i]["counts"] == 0).flatten().tolist() for i in moe}
         unreached = {i: v for i, v in unreached.items() if v}

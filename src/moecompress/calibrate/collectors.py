@@ -258,8 +258,8 @@ class MomentCollector(Collector):
     moment_experts = S (int64 [S]);  moment_count_s = |T_s|;
     moment_in_mean_s = (1/|T_s|) \sum_{t\in T_s} h_t                    [S, H];
     moment_out_mean_s = (1/|T_s|) \sum_{t\in T_s} f_s(h_t)              [S, H];
-    input_moment_s = (1/|T_s|) \sum_{t\in T_s} h_t h_t^T                [S, H, H];
-    cross_moment_s = (1/|T_s|) \sum_{t\in T_s} h_t f_s(h_t)^T           [S, H, H] (rows: input dims).
+    input_moment_s = (1/|T_s|) \sum_{t\in T_s} h_t h_t^T                [S, H, H] float32;
+    cross_moment_s = (1/|T_s|) \sum_{t\in T_s} h_t f_s(h_t)^T           [S, H, H] float32 (rows: input dims).
 
     Parameter ``moment_experts``: None (all experts), a list of expert ids, or {layer: [ids]}.
     """
@@ -284,8 +284,10 @@ class MomentCollector(Collector):
         self.zeros("count", S, dtype=torch.int64)
         self.zeros("in_sum", S, self.H)
         self.zeros("out_sum", S, self.H)
-        self.zeros("xx", S, self.H, self.H)
-        self.zeros("xy", S, self.H, self.H)
+        # the [S, H, H] sums are the largest statistics there are: each batch's products are formed in float64 and
+        # added into float32 sums (as GPTQ keeps its Hessians), which halves them in memory and on disk
+        self.zeros("xx", S, self.H, self.H, dtype=torch.float32)
+        self.zeros("xy", S, self.H, self.H, dtype=torch.float32)
 
     def update(self, obs: Observation) -> None:
         s = self.sums
