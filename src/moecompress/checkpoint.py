@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .errors import MoECompressError
+from .memory import release_freed_memory
 
 __all__ = ["CheckpointReader", "checkpoint_fingerprint"]
 
@@ -322,6 +323,7 @@ class CheckpointReader:
             for n, b in list(module._buffers.items()):
                 if b is not None and not b.is_meta:
                     module._buffers[n] = torch.empty_like(b, device="meta")
+        release_freed_memory()
 
     def _check_materialised(self, layer: nn.Module, prefix: str, device) -> None:
         for module in layer.modules():

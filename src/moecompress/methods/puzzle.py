@@ -160,6 +160,26 @@ class MergeCandidate:
         return run_members(self.module, list(xs))
 
 
+class UpcastExperts(Mapping):
+    """One layer's experts stacked at rest, each handed out in `dtype` when read: the values the method's
+    float32 copies held (bf16 -> float32 is exact), at half their memory, and in one block per tensor
+    rather than three small blocks per expert (which the C heap fragmented over a model's layers)."""
+
+    def __init__(self, stacked: ExpertWeights, dtype: torch.dtype, num_experts: int):
+        self.stacked, self.dtype, self.num_experts = stacked, dtype, num_experts
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        if not 0 <= e < self.num_experts:
+            raise KeyError(e)
+        return self.stacked.map(lambda t: t[e].to(self.dtype))
+
+    def __iter__(self):
+        return iter(range(self.num_experts))
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+
 def merge_candidate(adapter, layer: int, members: Sequence[int], *, norms: Sequence[InputNorms] | None = None,
                     stats=None, tau: float = 0.4, quant_bits: int | None = None, quant_group: int = 128,
                     underflow: str = "nearest", experts: Mapping[int, ExpertWeights] | None = None) -> MergeCandidate:
@@ -286,7 +306,7 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         from rich.progress import track
 
         layers_iter = track(layers_iter, description="PuzzleMoE merging", transient=True)
-    from .streamed import is_streamed, plan_tensor_store
+    from .streamed import plan_tensor_store
 
     scopes, layer_plans = [], []
     tensors = plan_tensor_store(adapter)  # streamed view: on disk layer by layer, not every layer's merges in memory
@@ -295,9 +315,8 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
     for i in layers_iter:
         e_count = adapter.num_experts(i)
         norms = layer_norms(stats, i, e_count) if config.saliency == "activation" else None
-        experts = {e: adapter.get_expert(i, e) for e in range(e_count)}
-        if is_streamed(adapter):  # the copies are all the layer's merging reads: evict it before merging
-            adapter.release()
+        # held at rest (a streamed view: the checkpoint's bf16, and the layer evicted), upcast per read
+        experts = UpcastExperts(adapter.experts_at_rest(i), adapter.expert_dtype(i), e_count)
         groups, search = choose_groups(config, adapter, i, norms, experts)
         cands = [merge_candidate(adapter, i, grp, norms=norms, tau=config.tau, quant_bits=config.quant_bits,
                                  quant_group=config.quant_group, underflow=config.underflow, experts=experts)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..memory import release_freed_memory
 from ..models import MoEAdapter
 from ..models.storage import ExpertStorage, ExpertWeights
 
@@ -144,6 +145,7 @@ class StreamedAdapter(MoEAdapter):
         if self.resident is not None:
             self._free(self.resident)
             self.resident = None
+            release_freed_memory()
 
     # ---------------------------------------------------------------- streaming forwards
     def _pre_model(self, module, args) -> None:
