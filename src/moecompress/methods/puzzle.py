@@ -171,7 +171,7 @@ class UpcastExperts(Mapping):
     def __getitem__(self, e: int) -> ExpertWeights:
         if not 0 <= e < self.num_experts:
             raise KeyError(e)
-        return self.stacked.map(lambda t: t[e].to(self.dtype))
+        return self.stacked.map(lambda t: t[e].to(self.dtype, copy=True))  # never a view into the stack
 
     def __iter__(self):
         return iter(range(self.num_experts))

@@ -88,6 +88,7 @@ class StreamedAdapter(MoEAdapter):
             s = layer.storage
             layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
         self.resident: int | None = None
+        self._at_rest = False  # the resident layer is as stored (experts_at_rest), not in the compute dtype
         self._stored_dtype: dict[int, torch.dtype | None] = {}  # layer -> its one on-disk float dtype (None: mixed)
         self.layer_loads: dict[int, int] = {}
         self.forward_loads: dict[int, int] = {}
@@ -102,9 +103,9 @@ class StreamedAdapter(MoEAdapter):
         """An independent copy: one expert read must not pin its whole fused layer tensor after eviction."""
         return None if t is None else t.detach().clone()
 
-    def _install(self, i: int) -> None:
-        """Read layer i tensor by tensor, upcasting each to the compute dtype as it arrives (the layer is never
-        held twice: one native tensor at the checkpoint's precision is the only transient)."""
+    def _install(self, i: int, dtype: torch.dtype | None) -> None:
+        """Read layer i tensor by tensor, casting each to `dtype` (None: as stored) as it arrives (the layer is
+        never held twice: one native tensor at the checkpoint's precision is the only transient)."""
         from ..checkpoint import _recreate_buffers
 
         stored = set()
@@ -113,7 +114,7 @@ class StreamedAdapter(MoEAdapter):
                 module, leaf = self._slots[i][name]
                 if t.is_floating_point():
                     stored.add(t.dtype)
-                t = t.to(self.compute_dtype) if t.is_floating_point() else t
+                t = t.to(dtype) if t.is_floating_point() and dtype is not None else t
                 if leaf in module._parameters:
                     module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
                 else:
@@ -131,12 +132,12 @@ class StreamedAdapter(MoEAdapter):
                 meta = torch.empty_like(t, device="meta")
                 store[leaf] = nn.Parameter(meta, requires_grad=False) if store is module._parameters else meta
 
-    def _ensure(self, i: int, forward: bool = False) -> None:
-        """Make decoder layer i resident (in the compute dtype), evicting the previous one."""
-        if self.resident != i:
+    def _ensure(self, i: int, forward: bool = False, at_rest: bool = False) -> None:
+        """Make decoder layer i resident in the compute dtype (`at_rest`: as stored), evicting the previous one."""
+        if self.resident != i or self._at_rest != at_rest:
             self.release()
-            self._install(i)
-            self.resident = i
+            self._install(i, None if at_rest else self.compute_dtype)
+            self.resident, self._at_rest = i, at_rest
             counts = self.forward_loads if forward else self.layer_loads
             counts[i] = counts.get(i, 0) + 1
 
@@ -158,16 +159,16 @@ class StreamedAdapter(MoEAdapter):
         return self.compute_dtype
 
     def experts_at_rest(self, i: int) -> ExpertWeights:
-        """Layer i's experts stacked, copied at the checkpoint's own precision when the layer is stored in one
-        float dtype (exact: the compute-dtype values were upcast from it), else in the compute dtype. For a method
-        that holds several layers at once (a ConMoE scope): each held layer costs its size on disk, not its size
-        upcast; the resident layer is evicted once copied, so it is not held beside the copies."""
-        w = self.layer(i).storage.read_all()
-        dtype = self._stored_dtype.get(i) or self.compute_dtype
-        out = w.map(lambda t: t.detach().to(dtype, copy=True))
-        del w
-        self.release()
-        return out
+        """Layer i's experts stacked at the checkpoint's own precision when the layer is stored in one float dtype
+        (exact: the compute-dtype values are upcast from it), else in the compute dtype. The layer is read as
+        stored (not upcast) and evicted; what is handed out are its expert tensors themselves, so a method that
+        holds several layers at once (a ConMoE scope) or a layer's experts (PuzzleMoE) pays their size on disk."""
+        self._ensure(i, at_rest=True)
+        w = ExpertStorage.read_all(self.layer(i).storage)  # views of the layer as stored: no upcast, no copy
+        self.release()  # the views keep only the expert tensors alive
+        if self._stored_dtype[i] is None:  # mixed float dtypes on disk: hand them out in the compute dtype
+            w = w.map(lambda t: t.to(self.compute_dtype))
+        return w
 
     def router_params(self, i: int):
         layer = self.layer(i)
