@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import BaseModel
 
 # imported here, before moecompress/__init__ binds the functions `calibrate` and `compare` over the
 # attributes the subpackage `moecompress.calibrate` and the module `moecompress.compare` set: imported
@@ -78,7 +79,8 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
                           work_dir=out.parent / f"{out.name}-calib", progress=progress)
     plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype, progress=progress)
     recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
-              "seq_len": seq_len, "seed": seed, "quant": quant}
+              "seq_len": seq_len, "seed": seed,
+              "quant": quant.model_dump(mode="json") if isinstance(quant, BaseModel) else quant}
     return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
                   overwrite=overwrite, protect=protect)
 

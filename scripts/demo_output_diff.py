@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Every compression arm of the demo recipe, exported by two source trees, compared tensor by tensor.
+
+    python scripts/demo_output_diff.py --old-src /path/to/old/src [--out build/demo_diff] [--arms a,b]
+
+Each tree runs in its own interpreter (PYTHONPATH): it calibrates the recipe's union statistics once, as
+`compare` does, then compresses every arm (the distillation arm's student is the dense arm's; `distill`
+is not part of compress) from that store. The report lists, per arm, whether every file is byte-identical
+and, for tensors that differ, how many elements and the largest difference relative to the tensor's
+largest magnitude. Results: <out>/diff.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = r"""
+import json, sys, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+import moecompress
+from moecompress import pipeline
+from moecompress.calibrate import calibrate
+from moecompress.models import resolve_source
+from moecompress.recipe import load_recipe
+
+recipe_path, out, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+r = load_recipe(recipe_path)
+arms = [a for a in r.arms if a.distill is None and (names == "all" or a.name in names.split(","))]
+model = str(resolve_source(r.model))
+needs = sorted({s for a in arms for s in pipeline.needs_for(a.method, a.params, a.quant)})
+c = r.calibration
+store = calibrate(model, c.data, seq_len=c.seq_len, seed=c.seed, out=out / "stats", stats=needs, progress=False,
+                  overwrite=True)
+for a in arms:
+    moecompress.compress(model, a.method, a.params, calib=store.path, out=out / a.name, quant=a.quant.model_dump() if a.quant else None,
+                         seed=c.seed, progress=False, overwrite=True)
+    print("done", a.name, flush=True)
+"""
+
+
+def produce(src: Path, out: Path, arms: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
+    recipe = ROOT / "src" / "moecompress" / "recipes" / "demo.yaml"
+    subprocess.run([sys.executable, "-c", _CHILD, str(recipe), str(out), arms], env=env, check=True)
+
+
+def compare(a: Path, b: Path) -> dict:
+    import torch
+    from safetensors import safe_open
+
+    rows = {}
+    for arm in sorted(p.name for p in a.iterdir() if p.is_dir() and p.name != "stats"):
+        files = sorted(p.name for p in (a / arm).iterdir() if p.suffix in (".safetensors", ".json"))
+        row = {"identical": True, "tensors": {}}
+        for f in files:
+            if (a / arm / f).read_bytes() == (b / arm / f).read_bytes():
+                continue
+            row["identical"] = False
+            if f.endswith(".json"):
+                row.setdefault("json_differs", []).append(f)
+                continue
+            with safe_open(str(a / arm / f), "pt") as fa, safe_open(str(b / arm / f), "pt") as fb:
+                for k in fa.keys():
+                    x, y = fa.get_tensor(k), fb.get_tensor(k)
+                    if torch.equal(x, y):
+                        continue
+                    xd, yd = x.double(), y.double()
+                    scale = float(xd.abs().max()) or 1.0
+                    row["tensors"][k] = {"elements": int((x != y).sum()), "of": x.numel(),
+                                         "max_rel_diff": float((xd - yd).abs().max()) / scale}
+        rows[arm] = row
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old-src", required=True, type=Path)
+    ap.add_argument("--out", default=ROOT / "build" / "demo_diff", type=Path)
+    ap.add_argument("--arms", default="all")
+    a = ap.parse_args()
+    produce(a.old_src, a.out / "old", a.arms)
+    produce(ROOT / "src", a.out / "new", a.arms)
+    rows = compare(a.out / "old", a.out / "new")
+    (a.out / "diff.json").write_text(json.dumps(rows, indent=1) + "\n")
+    for arm, row in rows.items():
+        worst = max((t["max_rel_diff"] for t in row["tensors"].values()), default=0.0)
+        n = sum(t["elements"] for t in row["tensors"].values())
+        what = "identical" if row["identical"] else f"{len(row['tensors'])} tensors differ, {n} elements, max rel {worst:.2e}"
+        print(f"{arm}: {what}" + (f" (json: {row['json_differs']})" if row.get("json_differs") else ""))
+
+
+if __name__ == "__main__":
+    main()
