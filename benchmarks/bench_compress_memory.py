@@ -43,6 +43,10 @@ FAMILIES = {
     # uniform sensitivities, no measured KL: auto's KL probes are full-model forwards (streamed, one layer
     # resident, but dozens of passes over 5 GB on this 2-core box); its plan building is what is measured here
     "auto": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform", "--param", "measure=false"],
+    # auto without the candidates whose statistics are [E, H, H] per layer (tilt and partial fits, GPTQ Hessians)
+    "auto, no H×H statistics": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform",
+                                "--param", "measure=false", "--param", "candidates=[reroute,drop,constant,remap,pair]",
+                                "--param", "quant_algo=rtn"],
 }
 
 _CHILD = """
@@ -176,7 +180,7 @@ def report() -> None:
             name = f"{name} (src/ `{r.get('src') or 'not recorded'}`, {r.get('date') or 'an earlier run'})"
         if not r["n_ok"]:
             rc = r.get("rc")
-            err = [ln for ln in (r.get("error") or "").splitlines() if "Error" in ln][-1:] or [
+            err = [ln for ln in (r.get("error") or "").splitlines() if "Error" in ln or ln.startswith("error:")][-1:] or [
                 f"killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else f"exit code {rc}"]
             lines.append(f"| {name} | `{' '.join(row.get('args') or FAMILIES[name])}` | failed: "
                          f"{err[0].strip()[:260]} | | | {r['n']} | {r.get('wall_s', '')} s | ❌ |")
@@ -194,13 +198,19 @@ def report() -> None:
         lines += ["", f"{len(ok)} of {len(rows)} measured families meet the target; the highest is {worst['family']} "
                   f"at {worst['ratio']:.3f} × the checkpoint."]
     e, h = sh.get("num_experts"), sh.get("hidden_size")
-    tilt = summaries.get("prune + tilt")
-    if e and h and tilt and (not tilt["n_ok"] or tilt["ratio"] > d["target"]):
-        per_layer = 2 * e * h * h * 8  # input and cross moments, [E, H, H] float64 each
-        lines += ["", f"`prune + tilt` calibrates the input and cross moments of every expert (two [E, H, H] float64 "
-                  f"sums per layer): {per_layer / gb:.2f} GB per layer, {per_layer / d['disk_bytes']:.3f} × the "
-                  "checkpoint, before the layer, its activations and the interpreter. `compress` does not pass "
-                  "`moment_experts`, so the experts the plan keeps are measured too."]
+    if e and h and "prune + tilt" in summaries:
+        removed = e // 2  # the family's ratio 0.5
+        per_layer = 2 * removed * h * h * 4  # input and cross moments, [S, H, H] float32 each
+        lines += ["", f"`prune + tilt` calibrates twice: first everything its selection reads, then the input and cross "
+                  f"moments of the {removed} experts per layer it removes (two [S, H, H] float32 sums: "
+                  f"{per_layer / gb:.2f} GB per layer, {per_layer / d['disk_bytes']:.3f} × the checkpoint)."]
+    auto = summaries.get("auto")
+    if auto and not auto["n_ok"]:
+        lines += ["", "`auto` with its default candidates and bits is refused before it starts: its gate²-weighted tilt "
+                  "and partial fits and its GPTQ Hessians are [E, H, H] and [E, I, I] statistics of every expert of every "
+                  "layer, stored for the whole model before its knapsack runs (the refusal above gives their size). "
+                  "Streaming them needs each layer's frontier built while that layer's statistics are in memory; that "
+                  "is not built. The row below it drops those candidates (no tilt or partial, RTN instead of GPTQ)."]
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(sh["dtype"])
     if width:  # what the pre-issue-19 `compress` held in weights alone: the whole model upcast to float32
         lines += ["", f"Before issue 19, `compress` loaded the whole model in float32: its weights alone are "

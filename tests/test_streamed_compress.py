@@ -128,6 +128,25 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
     assert "Compressing needs about" in err and "--max-memory allows 1.00 MiB" in err and "Traceback" not in err
 
 
+def test_dry_run_counts_the_statistics_a_data_spec_calibration_gathers(tiny):
+    from moecompress.compress_dryrun import estimate_compress
+
+    root, path = tiny
+    params = {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}
+    needs = pipeline.needs_for("prune", params)
+    bare = estimate_compress(str(path), "prune", params, "fixture-calib:8", 16)
+    every = estimate_compress(str(path), "prune", params, "fixture-calib:8", 16, stats=needs)
+    staged = estimate_compress(str(path), "prune", params, "fixture-calib:8", 16, stats=needs,
+                               moment_fraction=pipeline.moment_fraction("prune", params))
+    view = pipeline.open_view(str(path))
+    h, layers = view.hidden_size, len(view.moe_layers)
+    moments_all = sum(2 * view.num_experts(i) * h * h * 4 for i in view.moe_layers)  # float32 [E, H, H] x 2
+    assert pipeline.moment_fraction("prune", params) == 0.5 and layers
+    assert every.disk_bytes - bare.disk_bytes >= moments_all
+    assert moments_all // 2 <= staged.disk_bytes - bare.disk_bytes < every.disk_bytes - bare.disk_bytes
+    assert bare.calibration_bytes < staged.calibration_bytes < every.calibration_bytes
+
+
 def test_a_conmoe_scope_holds_its_layers_at_their_stored_precision(tiny, monkeypatch):
     root, path = tiny
     view = pipeline.open_view(str(path))

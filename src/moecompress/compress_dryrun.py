@@ -42,8 +42,14 @@ class CompressEstimate:
 
 
 def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
-                      dtype_bytes: int = 4) -> CompressEstimate:
-    """The estimate of the module doc for `compress(model, method, params, calib=calib)`."""
+                      dtype_bytes: int = 4, stats: list[str] = (), moment_fraction: float | None = None
+                      ) -> CompressEstimate:
+    """The estimate of the module doc for `compress(model, method, params, calib=calib)`.
+
+    stats: the statistics the method reads (their collectors' one-layer sums count towards calibration's
+    memory, held twice as at finalize, and every layer's statistics towards the disk). moment_fraction: the
+    method gathers input/cross moments in a second pass for this fraction of each layer's experts (prune's
+    tilt: the removed ones, `MethodEntry.moment_experts`), else for every expert."""
     import psutil
     from safetensors import safe_open
 
@@ -70,12 +76,16 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     baseline = psutil.Process().memory_info().rss
     hidden = int(reader.config.hidden_size)
 
-    calib_bytes, calib_passes = 0, 0
+    calib_bytes, calib_passes, stats_bytes = 0, 0, 0
     if calib is not None and not Path(calib).is_dir():
         spec = str(calib)
         seqs = int(spec.rsplit(":", 1)[1]) if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else 64
         calib_bytes = int(factor * layer_disk + 2 * seqs * seq_len * hidden * 4)
         calib_passes = 1
+        if stats:
+            acc, stats_bytes = _statistics(adapter, list(stats), moment_fraction)
+            calib_bytes += 2 * acc
+            calib_passes += moment_fraction is not None
     scope = int((params or {}).get("scope_size", 1)) if method == "conmoe" else 1
     plan_bytes = int(layer_disk * scale * (scope + 1) + layer_disk)  # resident + scope copies + one tensor read
     if method in _FORWARD_METHODS:
@@ -84,8 +94,26 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     peak = baseline + max(calib_bytes, plan_bytes, export_bytes)
     passes = calib_passes + 1 + (0 if method == "prune" else 1)
     return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
-                            export_bytes=export_bytes, disk_bytes=ckpt, checkpoint_bytes=ckpt,
+                            export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
                             time_s=t_layer * reader.num_layers * passes)
+
+
+def _statistics(adapter, stats: list[str], moment_fraction: float | None) -> tuple[int, int]:
+    """(largest one-layer collector sums, statistics of every layer) in bytes, from the collectors' shapes;
+    with `moment_fraction`, the moments are a second pass over that fraction of each layer's experts."""
+    from .calibrate.collectors import MomentCollector
+    from .calibrate.dryrun import stat_sizes
+    from .calibrate.registry import collectors_for
+
+    moe = adapter.moe_layers
+    moments = [s for s in stats if s in MomentCollector.provides]
+    if moment_fraction is None or not moments:
+        return stat_sizes(adapter, moe, collectors_for(stats), {})
+    first = [s for s in stats if s not in moments]
+    acc1, fin1 = stat_sizes(adapter, moe, collectors_for(first), {}) if first else (0, 0)
+    subset = {i: list(range(round(adapter.num_experts(i) * moment_fraction))) for i in moe}
+    acc2, fin2 = stat_sizes(adapter, moe, [MomentCollector], {"moment_experts": subset})
+    return max(acc1, acc2), fin1 + fin2
 
 
 def refuse_if_over(est: CompressEstimate, max_memory: int) -> None:

@@ -70,6 +70,14 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
     return ChainedStats(first, second)
 
 
+def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:
+    """For the dry-run: the fraction of each layer's experts `calibrate_for`'s second pass gathers moments of
+    (a staged method's removal ratio; None when moments, if any, are gathered for every expert)."""
+    if get_method(method).moment_experts is None:
+        return None
+    return getattr(parse_config(method, params), "ratio", None)
+
+
 def model_fingerprint(model: str) -> str | None:
     """The checkpoint fingerprint a stats store records (None for a hub id, which has no local files)."""
     from .checkpoint import checkpoint_fingerprint

@@ -94,7 +94,7 @@ def _elem(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _stat_sizes(adapter, layers, collector_classes, params) -> tuple[int, int]:
+def stat_sizes(adapter, layers, collector_classes, params) -> tuple[int, int]:
     """(largest one-layer accumulator bytes, finalized statistic bytes of all `layers`), from collector shapes on
     meta. Accumulators are float64 sums; most statistics keep their shapes and dtypes, the Hessians are stored
     in float32 (each collector's `stat_bytes`)."""
@@ -135,7 +135,7 @@ def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, 
     tokens = batch_size * data.seq_len
     batch_ws = tokens * hidden * comp_elem * 12 + tokens * k * inter * comp_elem * 3 \
         + batch_size * heads * data.seq_len * data.seq_len * 4
-    acc, stats_total = _stat_sizes(adapter, moe, collector_classes, params)
+    acc, stats_total = stat_sizes(adapter, moe, collector_classes, params)
     baseline = psutil.Process().memory_info().rss
     on_gpu = torch.device(device).type == "cuda"
     # reading a layer holds its mapped shard pages and the copies; per-expert keys add the stacked and
