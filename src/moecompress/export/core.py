@@ -93,7 +93,7 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
     adapter = source.adapter
     remaining = {sc.id: set(sc.layers) for sc in plan.scopes}
     scope_of = {lp.layer: plan.scope(lp.scope) for lp in plan.layers}
-    buffered: dict[int, Any] = {}  # expert stacks of a cross-layer scope's layers read before it completes
+    buffered: dict[tuple[int, int], Any] = {}  # sources of cross-layer scopes read before the scope completes
     n_layers = len(adapter.decoder_layers)
     for i in track(range(n_layers), description=f"export {fmt.name}", disable=quiet, transient=True):
         source.load_layer(i)
@@ -111,20 +111,21 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
         sc = scope_of[i]
         remaining[sc.id].discard(i)
         if remaining[sc.id]:
-            if any(l == i and s.construction != "elementwise_merge" for s in sc.stored for l, _ in s.sources):
-                # the layer's expert tensors themselves, kept past free_layer: one block per tensor, no copy
-                buffered[i] = layer.storage.read_all().map(torch.Tensor.detach)
+            for s in sc.stored:
+                for l, e in s.sources:
+                    if l == i and (s.construction != "elementwise_merge"):
+                        buffered[(l, e)] = layer.storage.read(e).map(lambda t: t.detach().clone())
         else:
             def src(l, e, layer=layer, i=i):
-                return buffered[l].map(lambda t: t[e]) if l != i else layer.storage.read(e)
+                return buffered[(l, e)] if l != i else layer.storage.read(e)
 
             # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
             weights = [None if s.packing is not None or s.quant is not None else
                        _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
                        for s in sc.stored]
-            writer.add_all(fmt.scope(sc, weights))
-            for key in [k for k in buffered if k in sc.layers]:
+            for key in [k for k in buffered if k[0] in sc.layers]:  # merged sources go before the scope is stacked
                 del buffered[key]
+            writer.add_all(fmt.scope(sc, weights))
             del weights
         source.free_layer(i)
     writer.add_all(fmt.other(source.other_state()))
