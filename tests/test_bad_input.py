@@ -202,3 +202,17 @@ def test_bad_input(ws, capsys, monkeypatch, argv, fragment):
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert fragment in lines[0]
     assert after == before, sorted(set(after) ^ set(before))
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_not_encoded_to_nothing(tmp_path, capsys):
+    src = fixture_dir("olmoe-tiny")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in src.iterdir():  # weights and config, no tokenizer files
+        if f.suffix in (".json", ".safetensors") and not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, bare / f.name)
+    out = tmp_path / "stats"
+    code, _, err = run_cli(["calibrate", str(bare), "--data", "fixture-calib:2", "--seq-len", "16",
+                            "--for-method", "reap", "--out", str(out)], capsys)
+    assert code == 2 and not out.exists() and "Traceback" not in err
+    assert "No tokenizer could be loaded from" in err and "pass --tokenizer" in err

@@ -434,8 +434,14 @@ def load_tokenizer(source: str, tokenizer: str | None = None):
     from ..models.loading import hub_reachable
 
     name = tokenizer or source
+    refusal = (f"No tokenizer could be loaded from {name}; pass --tokenizer with a directory or hub id holding "
+               "the model's tokenizer.")
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=not hub_reachable())
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=not hub_reachable())
     except Exception:
-        raise MoECompressError(f"No tokenizer could be loaded from {name}; pass --tokenizer with a directory or "
-                               "hub id holding the model's tokenizer.") from None
+        raise MoECompressError(refusal) from None
+    # a directory with a config.json but no tokenizer files gives the family's tokenizer class with an empty
+    # vocabulary (two special tokens), which would encode every text to nothing
+    if len(tok) <= 2 and not tok("a b c").input_ids:
+        raise MoECompressError(refusal)
+    return tok
