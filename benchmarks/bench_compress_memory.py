@@ -44,7 +44,7 @@ FAMILIES = {
     # resident, but dozens of passes over 5 GB on this 2-core box); its plan building is what is measured here
     "auto": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform", "--param", "measure=false"],
     # auto without the candidates whose statistics are [E, H, H] per layer (tilt and partial fits, GPTQ Hessians)
-    "auto, no H×H statistics": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform",
+    "auto (no H×H statistics)": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform",
                                 "--param", "measure=false", "--param", "candidates=[reroute,drop,constant,remap,pair]",
                                 "--param", "quant_algo=rtn"],
 }

@@ -3,9 +3,9 @@
 
     python scripts/demo_output_diff.py --old-src /path/to/old/src [--out build/demo_diff] [--arms a,b]
 
-Each tree runs in its own interpreter (PYTHONPATH): it calibrates the recipe's union statistics once, as
-`compare` does, then compresses every arm (the distillation arm's student is the dense arm's; `distill`
-is not part of compress) from that store. The report lists, per arm, whether every file is byte-identical
+Each tree runs in its own interpreters (PYTHONPATH): it calibrates the recipe's union statistics once, as
+`compare` does, then compresses every arm from that store, one process per arm (the distillation arm's
+student is the dense arm's: `distill` is not part of compress). The report lists, per arm, whether every file is byte-identical
 and, for tensors that differ, how many elements and the largest difference relative to the tensor's
 largest magnitude. Results: <out>/diff.json.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
-import json, sys, warnings
+import sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
 import moecompress
@@ -31,25 +31,32 @@ from moecompress.calibrate import calibrate
 from moecompress.models import resolve_source
 from moecompress.recipe import load_recipe
 
-recipe_path, out, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+recipe_path, out, what = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 r = load_recipe(recipe_path)
-arms = [a for a in r.arms if a.distill is None and (names == "all" or a.name in names.split(","))]
-model = str(resolve_source(r.model))
-needs = sorted({s for a in arms for s in pipeline.needs_for(a.method, a.params, a.quant)})
-c = r.calibration
-store = calibrate(model, c.data, seq_len=c.seq_len, seed=c.seed, out=out / "stats", stats=needs, progress=False,
-                  overwrite=True)
-for a in arms:
-    moecompress.compress(model, a.method, a.params, calib=store.path, out=out / a.name, quant=a.quant.model_dump() if a.quant else None,
-                         seed=c.seed, progress=False, overwrite=True)
-    print("done", a.name, flush=True)
+arms = [a for a in r.arms if a.distill is None]
+model, c = str(resolve_source(r.model)), r.calibration
+if what == "--calibrate":
+    needs = sorted({s for a in arms for s in pipeline.needs_for(a.method, a.params, a.quant)})
+    calibrate(model, c.data, seq_len=c.seq_len, seed=c.seed, out=out / "stats", stats=needs, progress=False,
+              overwrite=True)
+else:
+    a = next(a for a in arms if a.name == what)
+    moecompress.compress(model, a.method, a.params, calib=out / "stats", out=out / a.name, seed=c.seed,
+                         quant=a.quant.model_dump() if a.quant else None, progress=False, overwrite=True)
 """
 
 
 def produce(src: Path, out: Path, arms: str) -> None:
+    """One interpreter for the union calibration, then one per arm: an arm never sees another arm's state."""
+    import yaml
+
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
     recipe = ROOT / "src" / "moecompress" / "recipes" / "demo.yaml"
-    subprocess.run([sys.executable, "-c", _CHILD, str(recipe), str(out), arms], env=env, check=True)
+    names = [a["name"] for a in yaml.safe_load(recipe.read_text())["arms"] if "distill" not in a]
+    for what in ["--calibrate"] + [n for n in names if arms == "all" or n in arms.split(",")]:
+        subprocess.run([sys.executable, "-c", _CHILD, str(recipe), str(out), what], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        print(src, what, flush=True)
 
 
 def compare(a: Path, b: Path) -> dict:
