@@ -380,11 +380,19 @@ def calibration_ids(stats, adapter, sequences: int, seq_len: int, seed: int = 0)
 
 
 # ----------------------------------------------------------------------------- KL measurements
+def input_device(model) -> torch.device:
+    """Where a forward's inputs go: the device of the model's first materialised parameter. Not
+    ``model.device``: on the streamed view every parameter is meta until the forward's hooks load it, and
+    ids moved to meta gave garbage logits on the first forward (auto's reference log-probs)."""
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
 def _logprobs(model, ids: torch.Tensor, batch: int = 4) -> torch.Tensor:
     out = []
+    device = input_device(model)
     with torch.no_grad():
         for s in range(0, len(ids), batch):
-            logits = model(ids[s:s + batch].to(model.device)).logits
+            logits = model(ids[s:s + batch].to(device)).logits
             out.append(torch.log_softmax(logits.double(), -1).cpu())
     return torch.cat(out)
 
