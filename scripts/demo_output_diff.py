@@ -75,14 +75,26 @@ def compare(a: Path, b: Path) -> dict:
                 row.setdefault("json_differs", []).append(f)
                 continue
             with safe_open(str(a / arm / f), "pt") as fa, safe_open(str(b / arm / f), "pt") as fb:
+                if set(fa.keys()) != set(fb.keys()):  # another plan: the tensors do not correspond
+                    row["other_plan"] = sorted(set(fa.keys()) ^ set(fb.keys()))[:4]
+                    continue
                 for k in fa.keys():
                     x, y = fa.get_tensor(k), fb.get_tensor(k)
+                    if x.shape != y.shape:
+                        row.setdefault("other_plan", []).append(k)
+                        continue
                     if torch.equal(x, y):
                         continue
                     xd, yd = x.double(), y.double()
                     scale = float(xd.abs().max()) or 1.0
                     row["tensors"][k] = {"elements": int((x != y).sum()), "of": x.numel(),
                                          "max_rel_diff": float((xd - yd).abs().max()) / scale}
+                    if k.endswith("tilt_U"):  # a tilt's factors are a basis: compare the operator U Vᵀ itself
+                        v = k[:-1] + "V"
+                        m1 = xd @ fa.get_tensor(v).double().transpose(-1, -2)
+                        m2 = yd @ fb.get_tensor(v).double().transpose(-1, -2)
+                        rel = (m1 - m2).flatten(1).norm(dim=1) / m1.flatten(1).norm(dim=1).clamp(min=1e-30)
+                        row["tensors"][k]["operator_rel_diff"] = float(rel.max())
         rows[arm] = row
     return rows
 
@@ -92,15 +104,21 @@ def main() -> None:
     ap.add_argument("--old-src", required=True, type=Path)
     ap.add_argument("--out", default=ROOT / "build" / "demo_diff", type=Path)
     ap.add_argument("--arms", default="all")
+    ap.add_argument("--reuse-old", action="store_true", help="keep <out>/old from an earlier run")
     a = ap.parse_args()
-    produce(a.old_src, a.out / "old", a.arms)
+    if not a.reuse_old:
+        produce(a.old_src, a.out / "old", a.arms)
     produce(ROOT / "src", a.out / "new", a.arms)
     rows = compare(a.out / "old", a.out / "new")
     (a.out / "diff.json").write_text(json.dumps(rows, indent=1) + "\n")
     for arm, row in rows.items():
         worst = max((t["max_rel_diff"] for t in row["tensors"].values()), default=0.0)
         n = sum(t["elements"] for t in row["tensors"].values())
-        what = "identical" if row["identical"] else f"{len(row['tensors'])} tensors differ, {n} elements, max rel {worst:.2e}"
+        op = max((t.get("operator_rel_diff", 0.0) for t in row["tensors"].values()), default=0.0)
+        what = "identical" if row["identical"] else (f"{len(row['tensors'])} tensors differ, {n} elements, max rel "
+                                                     f"{worst:.2e}" + (f", tilt operators U Vᵀ max rel {op:.2e}" if op else ""))
+        if row.get("other_plan"):
+            what = f"another plan (tensors differ in name or shape, e.g. {row['other_plan'][0]})"
         print(f"{arm}: {what}" + (f" (json: {row['json_differs']})" if row.get("json_differs") else ""))
 
 

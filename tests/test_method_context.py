@@ -8,7 +8,7 @@ import torch
 from moecompress.calibrate import StatsStore
 from moecompress.errors import MoECompressError
 from moecompress.methods import MappingStats, MethodContext, StatsView
-from moecompress.methods.context import stat, unpack_context
+from moecompress.methods.context import ChainedStats, stat, unpack_context
 from moecompress.models import MoEAdapter
 from moecompress.testing import tiny_model
 
@@ -30,5 +30,16 @@ def test_a_mapping_becomes_a_stats_view():
 def test_the_stats_store_offers_the_view():
     """Everything `StatsView` names, `StatsStore` has (methods read stores through that protocol)."""
     members = [m for m in vars(StatsView) if not m.startswith("_")]
-    assert set(members) == {"layers", "names", "has", "get", "layer"}
-    assert all(hasattr(StatsStore, m) for m in members) and all(hasattr(MappingStats, m) for m in members)
+    assert set(members) == {"layers", "names", "has", "get", "layer", "get_row"}
+    assert all(hasattr(cls, m) for cls in (StatsStore, MappingStats, ChainedStats) for m in members)
+
+
+def test_chained_stats_reads_each_statistic_from_the_first_view_holding_it():
+    a = MappingStats({1: {"counts": torch.tensor([3, 4])}, 2: {"counts": torch.tensor([5, 6])}})
+    b = MappingStats({1: {"input_moment": torch.arange(8.0).reshape(2, 2, 2)}})
+    chain = ChainedStats(a, b)
+    assert chain.layers == [1] and chain.names == ["counts", "input_moment"] and chain.has("counts", "input_moment")
+    assert chain.get(1, "counts") is a.get(1, "counts")
+    assert torch.equal(chain.get_row(1, "input_moment", 1), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+    with pytest.raises(MoECompressError, match="lack 'reap' for layer 1"):
+        chain.get(1, "reap")

@@ -18,11 +18,11 @@ def test_dense_streams_teacher_one_layer_at_a_time_and_matches_loaded_path(tmp_p
     resident_at_install: list[int] = []
     install = StreamedAdapter._install
 
-    def spy(self, i):
+    def spy(self, i, dtype):
         # decoder layers holding real tensors when layer i is brought in: the previous one must be gone
         resident_at_install.append(sum(any(not p.is_meta for p in layer.parameters())
                                        for layer in self.decoder_layers))
-        install(self, i)
+        install(self, i, dtype)
 
     monkeypatch.setattr(StreamedAdapter, "_install", spy)
     cfg = DenseConfig(criterion="frequency", grouping="wc", scaling="uniform", mass_scale=True, K=8)
