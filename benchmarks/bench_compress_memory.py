@@ -182,8 +182,11 @@ def report() -> None:
             rc = r.get("rc")
             err = [ln for ln in (r.get("error") or "").splitlines() if "Error" in ln or ln.startswith("error:")][-1:] or [
                 f"killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else f"exit code {rc}"]
+            killed = isinstance(rc, int) and rc < 0 and r.get("peak_rss_bytes")
+            peak = (f" at {r['peak_rss_bytes'] / gb:.2f} GB" if killed else "")
+            ratio = f"≥ {r['peak_rss_bytes'] / d['disk_bytes']:.3f}" if killed else ""
             lines.append(f"| {name} | `{' '.join(row.get('args') or FAMILIES[name])}` | failed: "
-                         f"{err[0].strip()[:260]} | | | {r['n']} | {r.get('wall_s', '')} s | ❌ |")
+                         f"{err[0].strip()[:260]}{peak} | {ratio} | | {r['n']} | {r.get('wall_s', '')} s | ❌ |")
             continue
         ok = "✅" if r["ratio"] <= d["target"] else "❌"
         lines.append(f"| {name} | `{' '.join(row.get('args') or r['args'])}` | {r['peak_rss_bytes'] / gb:.2f} GB | "
@@ -211,6 +214,11 @@ def report() -> None:
                   "layer, stored for the whole model before its knapsack runs (the refusal above gives their size). "
                   "Streaming them needs each layer's frontier built while that layer's statistics are in memory; that "
                   "is not built. The row below it drops those candidates (no tilt or partial, RTN instead of GPTQ)."]
+    reduced = summaries.get("auto (no H×H statistics)")
+    if reduced and not reduced["n_ok"] and isinstance(reduced.get("rc"), int) and reduced["rc"] < 0:
+        lines += ["", "`auto (no H×H statistics)` was stopped by hand while it was still building its layer problems: "
+                  "each PuzzleMoE pair candidate keeps its packed merge in memory until the knapsack has run, so the "
+                  "resident set grows with every layer (its peak when stopped is in the table)."]
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(sh["dtype"])
     if width:  # what the pre-issue-19 `compress` held in weights alone: the whole model upcast to float32
         lines += ["", f"Before issue 19, `compress` loaded the whole model in float32: its weights alone are "
