@@ -33,6 +33,11 @@ def _b(script: str, *args: str) -> tuple[str, ...]:
     return (PY, f"benchmarks/{script}", *args)
 
 
+def _run_report(title: str, results: tuple[str, ...], script: str) -> Section:
+    """A section whose generator measures with `SCRIPT run` and writes the section with `SCRIPT report`."""
+    return Section(title, results, run=(_b(script, "run"),), report=(_b(script, "report"),))
+
+
 SECTIONS: dict[str, Section] = {
     "calibration": Section(
         "## Calibration (issue 3)", ("calibration_speed.json", "calibration_memory.json"),
@@ -45,10 +50,8 @@ SECTIONS: dict[str, Section] = {
         run=(_b("bench_runtime_speed.py", "--repeats", "15", "--threads", "1"), _b("bench_export_memory.py", "build"),
              _b("bench_export_memory.py", "run", "--formats", "compact", "hf")),
         report=(_b("bench_export_memory.py", "report"),)),
-    "peer": Section(
-        "## Peer check: REAP vs llm-compressor (issue 10)", ("peer_reap.json",),
-        run=(_b("peer_llmcompressor_reap.py", "run"),),
-        report=(_b("peer_llmcompressor_reap.py", "report"),)),
+    "peer": _run_report(
+        "## Peer check: REAP vs llm-compressor (issue 10)", ("peer_reap.json",), "peer_llmcompressor_reap.py"),
     "puzzle": Section(
         "## PuzzleMoE (issue 7)", ("puzzle/",),
         run=(_b("bench_puzzle.py", "--out", "build/bench_puzzle"),),
@@ -57,10 +60,8 @@ SECTIONS: dict[str, Section] = {
         "## Expert pruning: fixed-mask operator grid (issue 10)", ("pruning/",),
         run=(_b("bench_methods.py", "pruning", "--out", "build/bench_pruning"),),
         report=(_b("bench_methods.py", "pruning", "--write"),)),
-    "demo": Section(
-        "## Demo (issue 5)", ("demo.json",),
-        run=(_b("bench_demo.py", "run"),),
-        report=(_b("bench_demo.py", "report"),)),
+    "demo": _run_report(
+        "## Demo (issue 5)", ("demo.json",), "bench_demo.py"),
     "dense": Section(
         "## MoE to dense (issue 8)", ("dense/", "dense_distill_olmoe-tiny.png", "dense_distill_qwen3-moe-tiny.png"),
         run=(_b("bench_dense.py", "sweep"), _b("bench_dense.py", "distill", "--distill-fixture", "qwen3-moe-tiny"),
@@ -74,30 +75,18 @@ SECTIONS: dict[str, Section] = {
         "## Budget-optimal auto (issue 9)", ("auto/",),
         run=(_b("bench_auto.py", "--out", "build/bench_auto"),),
         report=(_b("bench_auto.py", "--report", "benchmarks/results/auto", "--write"),)),
-    "quant": Section(
-        "## Quantization: structure × bits (issue 13)", ("quant.json", "quant_quality_vs_bytes.png"),
-        run=(_b("bench_quant.py", "run"),),
-        report=(_b("bench_quant.py", "report"),)),
-    "peer-gptq": Section(
-        "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",),
-        run=(_b("peer_llmcompressor_gptq.py", "run"),),
-        report=(_b("peer_llmcompressor_gptq.py", "report"),)),
-    "auto-bits": Section(
-        "## auto over structure × bits (issue 14)", ("auto_bits.json", "auto_bits_frontier.png"),
-        run=(_b("bench_auto_bits.py", "run"),),
-        report=(_b("bench_auto_bits.py", "report"),)),
-    "compress-memory": Section(
-        "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",),
-        run=(_b("bench_compress_memory.py", "run"),),
-        report=(_b("bench_compress_memory.py", "report"),)),
-    "drift": Section(
-        "## Calibration domain: mask drift (issue 18)", ("drift.json",),
-        run=(_b("bench_drift.py", "run"),),
-        report=(_b("bench_drift.py", "report"),)),
-    "operators-bits": Section(
-        "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",),
-        run=(_b("bench_operators_bits.py", "run"),),
-        report=(_b("bench_operators_bits.py", "report"),)),
+    "quant": _run_report(
+        "## Quantization: structure × bits (issue 13)", ("quant.json", "quant_quality_vs_bytes.png"), "bench_quant.py"),
+    "peer-gptq": _run_report(
+        "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",), "peer_llmcompressor_gptq.py"),
+    "auto-bits": _run_report(
+        "## auto over structure × bits (issue 14)", ("auto_bits.json", "auto_bits_frontier.png"), "bench_auto_bits.py"),
+    "compress-memory": _run_report(
+        "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",), "bench_compress_memory.py"),
+    "drift": _run_report(
+        "## Calibration domain: mask drift (issue 18)", ("drift.json",), "bench_drift.py"),
+    "operators-bits": _run_report(
+        "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",), "bench_operators_bits.py"),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
