@@ -147,7 +147,7 @@ def test_dry_run_counts_the_statistics_a_data_spec_calibration_gathers(tiny):
     assert bare.calibration_bytes < staged.calibration_bytes < every.calibration_bytes
 
 
-def test_a_conmoe_scope_holds_its_layers_at_their_stored_precision(tiny, monkeypatch):
+def test_a_conmoe_scope_is_read_one_projection_at_a_time_at_stored_precision(tiny, monkeypatch):
     root, path = tiny
     view = pipeline.open_view(str(path))
     i = view.moe_layers[0]
@@ -156,12 +156,29 @@ def test_a_conmoe_scope_holds_its_layers_at_their_stored_precision(tiny, monkeyp
     ref = MoEAdapter(load_model(str(path), dtype="float32")).experts(i)
     for name in ("gate", "up", "down"):  # exact: the float32 values were upcast from these
         assert torch.equal(getattr(w, name).float(), getattr(ref, name)), name
-    held = []
-    monkeypatch.setattr(streamed.StreamedAdapter, "experts_at_rest",
-                        lambda self, j, _f=streamed.StreamedAdapter.experts_at_rest: held.append(_f(self, j)) or held[-1])
-    stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("conmoe", {"scope_size": 2}))
-    pipeline.build_plan(pipeline.open_view(str(path)), "conmoe", {"ratio": 0.5, "scope_size": 2}, stats)
-    assert len(held) == len(view.moe_layers) and all(h.gate.dtype == torch.bfloat16 for h in held)
+    import weakref
+
+    reads, alive = [], []  # (layer, projection) in read order; weak references to what was handed out
+    real = streamed.StreamedAdapter.expert_part_at_rest
+
+    def spy(self, j, name):
+        t = real(self, j, name)
+        assert t.dtype == torch.bfloat16 and t._base is None  # stored precision, not a view pinning gate_up_proj
+        # the scope is read one projection at a time: every earlier projection's tensors are gone
+        assert all(r() is None for (_, n), r in zip(reads, alive) if n != name), (j, name)
+        reads.append((j, name))
+        alive.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(streamed.StreamedAdapter, "expert_part_at_rest", spy)
+    params = {"ratio": 0.5, "scope_size": 2}
+    stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("conmoe", params))
+    plan, _ = pipeline.build_plan(pipeline.open_view(str(path)), "conmoe", params, stats)
+    layers = view.moe_layers
+    assert reads == [(j, n) for g in (layers[k:k + 2] for k in range(0, len(layers), 2))
+                     for n in ("gate", "up", "down") for j in g]
+    ref_plan, _ = pipeline.build_plan(MoEAdapter(load_model(str(path), dtype="float32")), "conmoe", params, stats)
+    assert plan.to_json() == ref_plan.to_json()
 
 
 def test_puzzlemoe_plan_tensors_stay_on_disk_until_read(tiny):

@@ -20,7 +20,6 @@ Typical use (the calibration runner and the exporters)::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
@@ -219,29 +218,24 @@ class CheckpointReader:
         """Read and convert the given native keys (on-disk dtype, CPU)."""
         from safetensors import safe_open
 
+        def read(key: str) -> torch.Tensor:
+            # one handle per on-disk key: closing it unmaps the pages just copied out of the shard, so a native
+            # tensor merged from per-expert keys never has all of its source pages resident at once
+            with safe_open(str(self._key_file[key]), framework="pt") as f:
+                return f.get_slice(key)[...]
+
         out: dict[str, torch.Tensor] = {}
         for native in natives:
-            # handles live for one native tensor only: closing them unmaps the pages just copied out of the
-            # shard, so they leave the resident set before the next tensor is read
-            with contextlib.ExitStack() as stack:
-                handles: dict[Path, object] = {}
-
-                def read(key: str, handles=handles, stack=stack) -> torch.Tensor:
-                    shard = self._key_file[key]
-                    if shard not in handles:
-                        handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt"))
-                    return handles[shard].get_slice(key)[...]
-
-                template, sources = self._targets[native]
-                if template is None:
-                    out[native] = read(sources[0][0])
-                    continue
-                conv = deepcopy(template)
-                for key, pattern in sources:
-                    conv.add_tensor(native, key, pattern, functools.partial(read, key))
-                realized = conv.convert(native, model=self._skeleton, config=self.config)
-                for name, value in realized.items():
-                    out[name] = value[0] if isinstance(value, list) else value
+            template, sources = self._targets[native]
+            if template is None:
+                out[native] = read(sources[0][0])
+                continue
+            conv = deepcopy(template)
+            for key, pattern in sources:
+                conv.add_tensor(native, key, pattern, functools.partial(read, key))
+            realized = conv.convert(native, model=self._skeleton, config=self.config)
+            for name, value in realized.items():
+                out[name] = value[0] if isinstance(value, list) else value
         return out
 
     def native_state(self, i: int) -> dict[str, torch.Tensor]:

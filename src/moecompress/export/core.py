@@ -110,14 +110,17 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
         writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))
         sc = scope_of[i]
         remaining[sc.id].discard(i)
-        if remaining[sc.id]:
+        cross = len(sc.layers) > 1
+        if remaining[sc.id] or cross:
             for s in sc.stored:
                 for l, e in s.sources:
                     if l == i and (s.construction != "elementwise_merge"):
                         buffered[(l, e)] = layer.storage.read(e).map(lambda t: t.detach().clone())
-        else:
+        if cross and not remaining[sc.id]:
+            source.free_layer(i)  # its sources are copied out: the whole layer is not held while the scope is stacked
+        if not remaining[sc.id]:
             def src(l, e, layer=layer, i=i):
-                return buffered[(l, e)] if l != i else layer.storage.read(e)
+                return buffered[(l, e)] if l != i or cross else layer.storage.read(e)
 
             # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
             weights = [None if s.packing is not None or s.quant is not None else
@@ -127,7 +130,8 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
                 del buffered[key]
             writer.add_all(fmt.scope(sc, weights))
             del weights
-        source.free_layer(i)
+        if not (cross and not remaining[sc.id]):
+            source.free_layer(i)
     writer.add_all(fmt.other(source.other_state()))
 
 

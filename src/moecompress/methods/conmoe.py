@@ -36,7 +36,7 @@ from ..errors import MoECompressError
 from ..models import MoEAdapter
 from ..scoring.budget import num_kept
 from ..scoring.criteria import reap
-from ..scoring.distance import pairwise_distance
+from ..scoring.distance import projection_distance
 from ..scoring.registry import get_criterion
 from .context import StatsView, stat, unpack_context
 
@@ -201,39 +201,67 @@ def consolidate_scope(layers: list[int], num_experts: list[int], distance: torch
 
 
 _DIRECT_LIMIT = 1 << 26  # elements per projection below which the whole scope goes through one cdist
+PROJECTIONS = ("gate", "up", "down")
 
 
-def scope_distance(expert_stacks: list, eps: float = 1e-8, chunk: int = 16) -> torch.Tensor:
+def scope_distance(expert_stacks, eps: float = 1e-8, chunk: int = 16) -> torch.Tensor:
     """d over the concatenation of per-layer stacks ([E_l, ...] each), as `pairwise_distance` of the
     stacked scope, but in blocks of `chunk` experts (float64 per block) when the scope is large, so a
-    scope of big experts never needs a float64 (or even a concatenated) copy of all its weights."""
-    shapes = {tuple(st.gate.shape[1:]) for st in expert_stacks} | {tuple(st.down.shape[1:]) for st in expert_stacks}
-    if len(shapes) > 2:
-        raise MoECompressError("Layers in one consolidation scope have experts of different shapes; use scope_size 1.")
-    sizes = [st.gate.shape[0] for st in expert_stacks]
-    n = sum(sizes)
-    if sum(st.gate.numel() for st in expert_stacks) <= _DIRECT_LIMIT:
-        return pairwise_distance(stack_scope(expert_stacks), eps)
-    owner = [(j, e) for j, size in enumerate(sizes) for e in range(size)]
-    total = torch.zeros(n, n, dtype=torch.float64)
-    for name in ("gate", "up", "down"):
-        flats = [getattr(st, name).reshape(st.gate.shape[0], -1) for st in expert_stacks]
+    scope of big experts never needs a float64 (or even a concatenated) copy of all its weights.
 
-        def rows(lo: int, hi: int, flats=flats) -> torch.Tensor:
-            return torch.stack([flats[j][e] for j, e in owner[lo:hi]]).double()
+    `expert_stacks` is a list of per-layer ExpertWeights, or a callable ``name -> [per-layer [E_l, ...]
+    tensors]`` of one projection (gate, up, down): the distance is a sum of per-projection terms, so a
+    caller that reads the scope one projection at a time holds a third of its weights, not all of them.
+    """
+    if callable(expert_stacks):
+        part = expert_stacks
+    else:
+        def part(name: str) -> list[torch.Tensor]:
+            return [getattr(st, name) for st in expert_stacks]
 
-        norms = torch.stack([flats[j][e].double().norm() for j, e in owner])
-        for i in range(0, n, chunk):
-            a = rows(i, min(n, i + chunk))
-            for j in range(i, n, chunk):
-                b = a if j == i else rows(j, min(n, j + chunk))
-                term = 2 * torch.cdist(a, b) / (norms[i:i + chunk, None] + norms[None, j:j + chunk] + 2 * eps)
-                total[i:i + chunk, j:j + chunk] += term
-                if j != i:
-                    total[j:j + chunk, i:i + chunk] += term.T
+    total = None
+    for name in PROJECTIONS:
+        tensors = part(name)
+        if len({tuple(t.shape[1:]) for t in tensors}) > 1:
+            raise MoECompressError("Layers in one consolidation scope have experts of different shapes; "
+                                   "use scope_size 1.")
+        if total is None:
+            sizes = [t.shape[0] for t in tensors]
+            n = sum(sizes)
+            direct = sum(t.numel() for t in tensors) <= _DIRECT_LIMIT
+            if not direct:
+                owner = [(j, e) for j, size in enumerate(sizes) for e in range(size)]
+                total = torch.zeros(n, n, dtype=torch.float64)
+        if direct:  # the whole scope in one cdist: exactly `pairwise_distance` of the stacked scope
+            flat = torch.cat([t.detach() for t in tensors]).reshape(n, -1).double()
+            term = projection_distance(flat, eps)
+            total = term if total is None else total + term
+            del flat
+        else:
+            _add_blockwise(total, [t.reshape(t.shape[0], -1) for t in tensors], owner, eps, chunk)
+        del tensors
     d = total / 3.0
     d.fill_diagonal_(0.0)
     return d
+
+
+def _add_blockwise(total: torch.Tensor, flats: list[torch.Tensor], owner: list[tuple[int, int]], eps: float,
+                   chunk: int) -> None:
+    """total += one projection's distance term, `chunk` × `chunk` blocks at a time (rows upcast per block)."""
+    n = len(owner)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        return torch.stack([flats[j][e] for j, e in owner[lo:hi]]).double()
+
+    norms = torch.stack([flats[j][e].double().norm() for j, e in owner])
+    for i in range(0, n, chunk):
+        a = rows(i, min(n, i + chunk))
+        for j in range(i, n, chunk):
+            b = a if j == i else rows(j, min(n, j + chunk))
+            term = 2 * torch.cdist(a, b) / (norms[i:i + chunk, None] + norms[None, j:j + chunk] + 2 * eps)
+            total[i:i + chunk, j:j + chunk] += term
+            if j != i:
+                total[j:j + chunk, i:i + chunk] += term.T
 
 
 def stack_scope(expert_stacks: list) -> object:
@@ -299,10 +327,8 @@ def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
 
         items = track(groups, description="ConMoE scopes", transient=True)
     for group in items:
-        # a streamed view holds the scope's earlier layers at their stored precision (distances are float64 either way)
-        stacks = [adapter.experts_at_rest(i) for i in group]
-        d = scope_distance(stacks, config.eps)
-        del stacks  # before the next scope's layers are read: one scope's weights held at a time, not two
+        # one projection of the scope at a time, at the stored precision (distances are float64 either way)
+        d = scope_distance(lambda name, group=group: [adapter.expert_part_at_rest(i, name) for i in group], config.eps)
         a = expert_scores(stats, CONTRIBUTION, group)
         usage = expert_scores(stats, USAGE, group) if config.score == "usage" else None
         out.append(consolidate_scope(group, [adapter.num_experts(i) for i in group], d, a, config.ratio, usage,

@@ -170,6 +170,12 @@ class StreamedAdapter(MoEAdapter):
             w = w.map(lambda t: t.to(self.compute_dtype))
         return w
 
+    def expert_part_at_rest(self, i: int, name: str) -> torch.Tensor:
+        """One projection of layer i's experts as stored, in a tensor of its own: a fused storage's gate (a slice
+        of ``gate_up_proj``) is copied out, so the whole fused tensor is not kept alive for it."""
+        t = getattr(self.experts_at_rest(i), name)
+        return t if t._base is None else t.clone(memory_format=torch.contiguous_format)
+
     def router_params(self, i: int):
         layer = self.layer(i)
         self._ensure(i)

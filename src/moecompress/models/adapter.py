@@ -261,6 +261,11 @@ class MoEAdapter:
         `experts(i)`; a streamed view (`methods/streamed.py`) copies them at the checkpoint's precision."""
         return self.experts(i)
 
+    def expert_part_at_rest(self, i: int, name: str) -> torch.Tensor:
+        """One projection (``gate``, ``up`` or ``down``) of layer i's stacked experts, as `experts_at_rest` holds
+        it: a method that needs a scope's projections one at a time (ConMoE distances) holds a third of them."""
+        return getattr(self.experts_at_rest(i), name)
+
     def expert_dtype(self, i: int) -> torch.dtype:
         """The dtype `experts(i)` / `storage.read` hand out (what plan tensors are fitted in), without a copy."""
         return self.layer(i).storage.read(0).gate.dtype

@@ -54,9 +54,15 @@ def native_tensors(weights: list[ExpertWeights], layout: FusedLayout, width: int
     width = width or max(w.gate.shape[0] for w in weights)
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     if layout == "fused":
-        gate_up = torch.stack([cast(torch.cat([_pad_rows(w.gate, width, 0), _pad_rows(w.up, width, 0)], 0))
-                               for w in weights])
-        down = torch.stack([cast(_pad_rows(w.down, width, 1)) for w in weights])
+        # filled in place: stacking per-expert concatenations would hold the scope's gate/up twice
+        first = cast(weights[0].gate[:0])
+        k, h = len(weights), weights[0].gate.shape[1]
+        gate_up = first.new_zeros(k, 2 * width, h)
+        down = first.new_zeros(k, weights[0].down.shape[0], width)
+        for e, w in enumerate(weights):
+            i = w.gate.shape[0]
+            gate_up[e, :i], gate_up[e, width:width + i] = cast(w.gate), cast(w.up)
+            down[e, :, :i] = cast(w.down)
         return {"gate_up_proj": gate_up, "down_proj": down}
     gus, gubs, downs, dbs = [], [], [], []
     for w in weights:

@@ -11,6 +11,13 @@ import torch
 from ..models import ExpertWeights
 
 
+def projection_distance(flat: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """One projection's term 2‖W_e − W_e'‖_F / (‖W_e‖_F + ‖W_e'‖_F + 2ε) for rows `flat` [E, D] -> [E, E]."""
+    norms = flat.norm(dim=1)
+    diff = torch.cdist(flat, flat)
+    return 2 * diff / (norms[:, None] + norms[None, :] + 2 * eps)
+
+
 def pairwise_distance(experts: ExpertWeights, eps: float = 1e-8) -> torch.Tensor:
     """d for every pair of a stack of E experts (gate/up [E, I, H], down [E, H, I]) -> [E, E] float64.
 
@@ -18,10 +25,7 @@ def pairwise_distance(experts: ExpertWeights, eps: float = 1e-8) -> torch.Tensor
     """
     total = None
     for w in (experts.gate, experts.up, experts.down):
-        flat = w.detach().reshape(w.shape[0], -1).double()
-        norms = flat.norm(dim=1)
-        diff = torch.cdist(flat, flat)
-        term = 2 * diff / (norms[:, None] + norms[None, :] + 2 * eps)
+        term = projection_distance(w.detach().reshape(w.shape[0], -1).double(), eps)
         total = term if total is None else total + term
     d = total / 3.0
     d.fill_diagonal_(0.0)
