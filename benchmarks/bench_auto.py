@@ -87,14 +87,14 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
 
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
-    setup = A.prepare(A.AutoConfig(budget=0.5), adapter, store)  # the default: per-(layer, kind) sensitivity
+    setup = A.prepare(A.AutoConfig(budget=0.5), adapter, store, keep_tensors=True)  # the default: per-(layer, kind) sensitivity
     prepare_s = time.perf_counter() - t0
-    lay = A.prepare(A.AutoConfig(budget=0.5, sensitivity="probe"), adapter, store)  # per-layer probe (+ noise)
+    lay = A.prepare(A.AutoConfig(budget=0.5, sensitivity="probe"), adapter, store, keep_tensors=True)  # per-layer probe (+ noise)
     info, problems = setup.info, setup.problems
     held_ref = est._logprobs(adapter.model, held)
 
     def measure(states):
-        return A.measure_states(adapter, info, problems, states, held, held_ref)
+        return A.measure_states(adapter, info, states, held, held_ref)
 
     # (a) single-slot changes: every candidate of a sample of slots, the pair of each with its nearest partner
     rng = random.Random(seed)

@@ -174,13 +174,13 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 4, windows: int
                                       for k in range(min(windows, n))])
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
-    setup = A.prepare(A.AutoConfig(budget=0.25, quant_group=GROUP), adapter, store)
+    setup = A.prepare(A.AutoConfig(budget=0.25, quant_group=GROUP), adapter, store, keep_tensors=True)
     prepare_s = time.perf_counter() - t0
     info, problems = setup.info, setup.problems
     ref = est._logprobs(adapter.model, held)
 
     def measure(states):
-        return A.measure_states(adapter, info, problems, states, held, ref)
+        return A.measure_states(adapter, info, states, held, ref)
 
     rng = random.Random(seed)
     single, layer_rows = [], []

@@ -139,3 +139,47 @@ def test_mixed_precision_plan_exports_compact_and_reloads_equal(olmoe, tmp_path)
 def test_bits_must_include_16():
     with pytest.raises((MoECompressError, ValueError), match="bits must include 16"):
         parse_config("auto", dict(bits=[4, 2]))
+
+
+@pytest.mark.parametrize("budget, bits, candidates, rebuilt", [
+    (0.3, [16, 8, 4, 3, 2], list(A.ALL_CANDIDATES), {"quant"}),
+    (0.5, [16], ["drop", "constant", "tilt", "partial"], {"tilt", "constant", "partial"})])
+def test_candidates_shed_their_tensors_and_the_plan_rebuilds_them_exactly(olmoe, budget, bits, candidates, rebuilt):
+    """`prepare` keeps (bytes, loss) per candidate, no tensors or codes; the layer-by-layer plan restores the chosen
+    states' tensors and equals the plan of the states that kept theirs (all at once, as before)."""
+    _, store, adapter, _ = olmoe
+    config = A.AutoConfig(budget=budget, bits=bits, candidates=candidates, **{**FAST, "ranks": [2, 4]})
+    lean = A.prepare(config, adapter, store)
+    cands = [c for prob in lean.problems.values() for slot in prob.options for c in slot]
+    assert {c.kind for c in cands} >= rebuilt
+    assert not any(c.tensors for c in cands) and not any(c.op is not None for c in cands if c.kind == "quant")
+    assert all(r._merge is None for prob in lean.problems.values() for r in prob.pairs)
+    assert all(m.s_xx is None and m.fold1 is None and m.sample is not None for m in lean.moments.values())
+
+    full = A.prepare(config, adapter, store, keep_tensors=True)
+    assert [[(c.kind, c.param, c.error) for c in p.choice] for f in full.fronts.values() for p in f] == \
+        [[(c.kind, c.param, c.error) for c in p.choice] for f in lean.fronts.values() for p in f]
+    idx = A.allocate(full.fronts, full.sens, full.budget)
+    chosen = {i: full.fronts[i][k] for i, k in idx.items()}
+    kinds = {c.kind for pt in chosen.values() for c in pt.choice}
+    assert kinds & rebuilt  # the rebuild has something to do
+    source = lambda l, e: adapter.layer(l).storage.read(e)
+    ref_plan, ref_tensors = A.plan_from_points(full.info, chosen, source=source)
+    plan, tensors = A.plan_layer_by_layer(config, adapter, store, lean.info,
+                                          {i: lean.fronts[i][k] for i, k in idx.items()})
+    assert plan.to_json() == ref_plan.to_json() and sorted(tensors) == sorted(ref_tensors)
+    for k, t in ref_tensors.items():
+        assert tensors[k].dtype == t.dtype and torch.equal(tensors[k], t), k
+
+
+def test_a_rebuilt_candidate_that_differs_is_a_bug_not_a_plan(olmoe):
+    _, store, adapter, _ = olmoe
+    config = A.AutoConfig(budget=0.3, **FAST)
+    setup = A.prepare(config, adapter, store)
+    i = adapter.moe_layers[0]
+    pt = next(p for p in setup.fronts[i] if any(c.kind == "quant" for c in p.choice))
+    e = next(e for e, c in enumerate(pt.choice) if c.kind == "quant")
+    tampered = list(pt.choice)
+    tampered[e] = A.Candidate("quant", pt.choice[e].loss * 2 + 1, pt.choice[e].param, pt.choice[e].bytes)
+    with pytest.raises(RuntimeError, match="came out differently"):
+        A.restore(config, adapter, store, setup.info, i, A.LayerPoint(pt.mode, tampered, pt.bytes, pt.loss))

@@ -556,6 +556,12 @@ def keep_point(prob: LayerProblem) -> LayerPoint:
     return LayerPoint("replace", state, prob.bytes_of(state), 0.0)
 
 
+def keep_point_of(li) -> LayerPoint:
+    """The untouched layer from its `ModelInfo` entry alone (no candidates needed)."""
+    keep = Candidate("keep", 0.0, 0, li.bytes_per_expert)
+    return LayerPoint("replace", [keep] * li.num_experts, li.bytes_per_expert * li.num_experts, 0.0)
+
+
 def probe_point(front: list[LayerPoint], target_bytes: float) -> LayerPoint | None:
     """The frontier state used to probe a layer's sensitivity: the largest one within `target_bytes`
     that loses something (else the cheapest that does); None when no state loses anything."""
@@ -743,61 +749,64 @@ def restrict(prob: LayerProblem, kind: str) -> tuple[LayerProblem, str]:
     return sub, (kind if kind.startswith("reroute") else "replace")
 
 
-def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoSetup:
-    """Candidates and frontiers of every layer, and the sensitivities (a few forward passes)."""
+def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_tensors: bool = False) -> AutoSetup:
+    """Candidates and frontiers of every layer, and the sensitivities (a few forward passes).
+
+    One layer at a time: its candidates, its sensitivity probes (the layer compressed alone), its front; then
+    the layer sheds what its candidates hold beyond (bytes, loss) (`shed`), so the setup keeps numbers for
+    every layer but tensors, codes and moments for none (`restore` rebuilds a chosen state's tensors).
+    keep_tensors: keep every candidate's tensors and the full layer moments (benchmarks that measure single
+    candidates in memory)."""
     from rich.progress import track
 
     info = ModelInfo.from_model(adapter)
     budget = routed_budget(config, info)
     stored = config.accounting == "stored"
     layers = adapter.moe_layers
-    fronts, moments, problems = {}, {}, {}
-    for i in track(layers, description="auto: candidates", disable=not progress, transient=True):
-        prob, m = layer_problem(config, adapter, stats, info, i, stored)
-        moments[i], problems[i] = m, prob
-        if config.sensitivity != "kind":
-            fronts[i] = layer_front(prob, config, info.layer(i))
-
     ids, ids_note, ref = None, None, None
     if config.sensitivity != "uniform" or config.measure:
         ids, ids_note = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
                                             config.seed)
         ref = est._logprobs(adapter.model, ids)
-    probes: dict[int, tuple[int, float, float]] = {}
-    kind_sens: dict[int, dict[str, float]] = {}
     noise = {i: 1.0 for i in layers}
     if config.sensitivity != "uniform":
         noise = est.layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
     ratio = budget / info.expert_bytes
-    if config.sensitivity == "probe":
-        for i in layers:
-            pt = probe_point(fronts[i], ratio * problems[i].expert_bytes * problems[i].num_experts)
-            if pt is None:
-                continue  # nothing to probe with: keep the noise sensitivity
-            kl = measure_states(adapter, info, problems, {i: pt}, ids, ref)
-            probes[i] = (pt.bytes, pt.loss, kl)
-            raw[i] = max(kl, 0.0) / pt.loss
-    if config.sensitivity == "kind":
-        # s_{l,k}: KL per unit of estimated error of representation k in layer l, probed with the layer
-        # compressed by k alone at the budget ratio; every candidate's loss becomes s_{l,k}·L_e (KL units)
-        for i in track(layers, description="auto: sensitivities", disable=not progress, transient=True):
-            prob = problems[i]
-            target = ratio * prob.expert_bytes * prob.num_experts
+    fronts, moments, problems = {}, {}, {}
+    probes: dict[int, tuple[int, float, float]] = {}
+    kind_sens: dict[int, dict[str, float]] = {}
+    for i in track(layers, description="auto: candidates", disable=not progress, transient=True):
+        prob, m = layer_problem(config, adapter, stats, info, i, stored)
+        target = ratio * prob.expert_bytes * prob.num_experts
+        if config.sensitivity == "kind":
+            # s_{l,k}: KL per unit of estimated error of representation k in layer l, probed with the layer
+            # compressed by k alone at the budget ratio; every candidate's loss becomes s_{l,k}·L_e (KL units)
             found = {}
             for kind in kinds_of(prob):
                 sub, mode = restrict(prob, kind)
                 pt = probe_point(pareto(layer_frontier(sub, mode)), target)
                 if pt is None:
                     continue
-                kl = measure_states(adapter, info, problems, {i: pt}, ids, ref)
+                kl = measure_states(adapter, info, {i: pt}, ids, ref)
                 if kl > 0:
                     found[kind] = _sig(kl / pt.loss, 4)
             fallback = sorted(found.values())[len(found) // 2] if found else _sig(noise[i], 4)
             kind_sens[i] = {k: found.get(k, fallback) for k in kinds_of(prob)}
             _apply_kind_scale(prob, kind_sens[i])
-            fronts[i] = layer_front(prob, config, info.layer(i))
             raw[i] = 1.0
+        fronts[i] = layer_front(prob, config, info.layer(i))
+        if config.sensitivity == "probe":
+            pt = probe_point(fronts[i], target)
+            if pt is not None:  # else nothing to probe with: keep the noise sensitivity
+                kl = measure_states(adapter, info, {i: pt}, ids, ref)
+                probes[i] = (pt.bytes, pt.loss, kl)
+                raw[i] = max(kl, 0.0) / pt.loss
+        if not keep_tensors:
+            shed(prob)
+            m = LayerMoments(i, m.w, m.s_y, m.s_yy, sample=m.sample)  # the token sample is read again at the end
+        moments[i], problems[i] = m, prob
+        del m
     sens = {i: _sig(raw[i], 4) for i in layers}
     uniform: dict[int, dict[int, int]] = {}
     for b in config.quant_bits:
@@ -807,6 +816,66 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False) -> AutoS
                 uniform.setdefault(b, {})[i] = problems[i].bytes_of(state)
     return AutoSetup(info, budget, problems, moments, fronts, sens, {i: _sig(v, 4) for i, v in noise.items()},
                      probes, ids, ids_note, ref, kind_sens, uniform)
+
+
+REBUILT_KINDS = frozenset({"constant", "tilt", "partial", "quant"})  # candidates whose tensors `shed` drops
+
+
+def shed(prob: LayerProblem) -> None:
+    """Drop what a layer's candidates hold beyond their (bytes, loss): operator tensors, quantized codes and
+    packed-pair merges. The fronts and the allocation read only those numbers; a layer's candidates would
+    otherwise keep about its own size in memory (codes at every bit width), every layer's together more
+    than the checkpoint. `restore` rebuilds the tensors of the one state chosen per layer."""
+    for slot in prob.options:
+        for c in slot:
+            if c.kind in REBUILT_KINDS:
+                c.tensors = {}
+                if c.kind == "quant":
+                    c.op = None
+    for ref in prob.pairs:
+        ref._merge = None  # rebuilt from the weights by `PairRef.merge()` when the plan needs it
+
+
+def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, point: LayerPoint) -> LayerPoint:
+    """`point` with the tensors its candidates shed, computed again for this layer from the same statistics and
+    weights (the same deterministic fits and GPTQ codes; only the kinds and bit widths the state uses)."""
+    used = {c.kind for c in point.choice} & REBUILT_KINDS
+    if not used:
+        return point
+    bits = sorted({16} | {c.param for c in point.choice if c.kind == "quant"}, reverse=True)
+    sub = config.model_copy(update={"candidates": [k for k in config.candidates if k in used], "bits": bits})
+    prob, _ = layer_problem(sub, adapter, stats, info, layer, config.accounting == "stored")
+    choice = []
+    for e, c in enumerate(point.choice):
+        if c.kind in used:
+            new = next((o for o in prob.options[e] if o.kind == c.kind and o.param == c.param), None)
+            if new is None or new.error != c.error:
+                raise RuntimeError(f"auto: layer {layer} slot {e}'s {c.label} came out differently when rebuilt; "
+                                   "this is a bug, please report it.")
+            c = Candidate(c.kind, c.loss, c.param, c.bytes, op=new.op, gate=c.gate, tensors=new.tensors, raw=c.raw)
+        choice.append(c)
+    return LayerPoint(point.mode, choice, point.bytes, point.loss)
+
+
+def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo,
+                        chosen: dict[int, LayerPoint]) -> tuple[CompressionPlan, object]:
+    """`plan_from_points` of the chosen states, built one layer at a time: each layer's state is restored, its
+    part of the plan made and its tensors put in the method's tensor store (on disk for a streamed view)."""
+    from .streamed import plan_tensor_store
+
+    keeps = {li.layer: keep_point_of(li) for li in info.layers}
+    source = lambda l, e: adapter.layer(l).storage.read(e)
+    tensors = plan_tensor_store(adapter)
+    scopes, layers = [], []
+    for li in info.layers:
+        i = li.layer
+        pt = restore(config, adapter, stats, info, i, chosen[i])
+        part, part_tensors = plan_from_points(info, {**keeps, i: pt}, source=source)
+        scopes.append(part.scope(part.layer(i).scope))
+        layers.append(part.layer(i))
+        tensors.update(part_tensors)
+        del pt, part_tensors
+    return CompressionPlan(model=info, scopes=scopes, layers=layers, method="auto", params={}), tensors
 
 
 def _apply_kind_scale(prob: LayerProblem, scale: dict[str, float]) -> None:
@@ -821,10 +890,10 @@ def _apply_kind_scale(prob: LayerProblem, scale: dict[str, float]) -> None:
         ref.scale = scale["pair"]
 
 
-def measure_states(adapter, info: ModelInfo, problems: dict[int, LayerProblem], states: dict[int, LayerPoint],
-                   ids: torch.Tensor, ref: torch.Tensor) -> float:
+def measure_states(adapter, info: ModelInfo, states: dict[int, LayerPoint], ids: torch.Tensor,
+                   ref: torch.Tensor) -> float:
     """KL(original ‖ model with `states` in their layers, every other layer untouched) on `ids`."""
-    chosen = {j: states.get(j) or keep_point(problems[j]) for j in problems}
+    chosen = {li.layer: states.get(li.layer) or keep_point_of(li) for li in info.layers}
     plan, tensors = plan_from_points(info, chosen, source=lambda l, e: adapter.layer(l).storage.read(e))
     with est.plan_installed(adapter, plan, tensors, sorted(states)):
         return est.kl_to(ref, adapter.model, ids)
@@ -857,7 +926,7 @@ def build_auto(config: AutoConfig, context: MethodContext):
     chosen_idx = allocate(fronts, sens, budget)
     chosen_idx = uniform_bits_check(fronts, sens, budget, chosen_idx, setup.uniform)
     chosen = {i: fronts[i][chosen_idx[i]] for i in layers}
-    plan, tensors = plan_from_points(info, chosen, source=lambda l, e: adapter.layer(l).storage.read(e))
+    plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen)
 
     # the per-layer table: what was chosen, estimated and measured
     table = []
