@@ -183,3 +183,22 @@ def test_a_rebuilt_candidate_that_differs_is_a_bug_not_a_plan(olmoe):
     tampered[e] = A.Candidate("quant", pt.choice[e].loss * 2 + 1, pt.choice[e].param, pt.choice[e].bytes)
     with pytest.raises(RuntimeError, match="came out differently"):
         A.restore(config, adapter, store, setup.info, i, A.LayerPoint(pt.mode, tampered, pt.bytes, pt.loss))
+
+
+def test_quantized_keeps_do_not_depend_on_how_many_experts_are_quantized_together(olmoe):
+    """A layer quantized in chunks (what bounds auto's memory) gives the codes and estimates of one batch."""
+    _, store, adapter, _ = olmoe
+    i = adapter.moe_layers[0]
+    m = A.LayerMoments.load(store, i)
+    n = adapter.num_experts(i)
+    args = (adapter, store, m, [8, 4, 2], 128, "gptq", "gate2", 2)
+    whole, chunked = aq.quant_candidates(*args, chunk=n), aq.quant_candidates(*args, chunk=3)
+    some = aq.quant_candidates(*args, experts=[1, n - 1], chunk=1)
+    for e in range(n):
+        assert [c.loss for c in whole[e]] == [c.loss for c in chunked[e]] and len(whole[e]) == 3
+        assert [c.loss for c in some[e]] == ([c.loss for c in whole[e]] if e in (1, n - 1) else [])
+        for a, b in zip(whole[e], chunked[e]):
+            for part in ("gate", "up", "down"):
+                qa, qb = a.op.parts[part], b.op.parts[part]
+                assert torch.equal(qa.codes, qb.codes) and torch.equal(qa.scale, qb.scale), (e, part)
+    assert all(c.op is None for c in aq.quant_candidates(*args, keep_codes=False)[0])

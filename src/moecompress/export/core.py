@@ -88,6 +88,7 @@ def _write_recipe(tmp: Path, recipe) -> None:
 def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool) -> None:
     from rich.progress import track
 
+    from ..memory import release_freed_memory
     from ..runtime.merged_router import merged_router_state, router_tensor_prefix
 
     adapter = source.adapter
@@ -100,6 +101,7 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
         rel = source.layer_state(i)
         if i not in adapter.layers:
             writer.add_all(fmt.dense_layer(i, rel))
+            del rel  # its references would keep the layer alive past free_layer, beside the next one
             source.free_layer(i)
             continue
         layer = adapter.layer(i)
@@ -108,19 +110,20 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
         fmt.remember(i, layer)
         exp_rel = fmt.expert_names[i][0] + "."
         writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))
+        del rel  # as above: the layer's tensors are reachable from the layer alone from here on
         sc = scope_of[i]
         remaining[sc.id].discard(i)
-        cross = len(sc.layers) > 1
-        if remaining[sc.id] or cross:
+        complete, cross = not remaining[sc.id], len(sc.layers) > 1
+        if cross or not complete:  # a cross-layer scope's sources are copied out, the last layer's too
             for s in sc.stored:
                 for l, e in s.sources:
                     if l == i and (s.construction != "elementwise_merge"):
                         buffered[(l, e)] = layer.storage.read(e).map(lambda t: t.detach().clone())
-        if cross and not remaining[sc.id]:
-            source.free_layer(i)  # its sources are copied out: the whole layer is not held while the scope is stacked
-        if not remaining[sc.id]:
-            def src(l, e, layer=layer, i=i):
-                return buffered[(l, e)] if l != i or cross else layer.storage.read(e)
+        if cross and complete:
+            source.free_layer(i)  # so the whole layer is not held while the scope is stacked
+        if complete:
+            def src(l, e, layer=layer):
+                return buffered[(l, e)] if cross else layer.storage.read(e)
 
             # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
             weights = [None if s.packing is not None or s.quant is not None else
@@ -130,7 +133,9 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
                 del buffered[key]
             writer.add_all(fmt.scope(sc, weights))
             del weights
-        if not (cross and not remaining[sc.id]):
+        if cross and complete:
+            release_freed_memory()  # the stacked scope is written: hand its pages back
+        else:
             source.free_layer(i)
     writer.add_all(fmt.other(source.other_state()))
 

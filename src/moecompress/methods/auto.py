@@ -491,15 +491,16 @@ def _dtype_and_el(adapter, info: ModelInfo, layer: int):
 
 
 def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, stored: bool,
-                  pair_fn=None) -> tuple[LayerProblem, LayerMoments]:
-    """Per-slot candidates of one layer, fitted and scored from the statistics."""
+                  keep_codes: bool = True) -> tuple[LayerProblem, LayerMoments]:
+    """Per-slot candidates of one layer, fitted and scored from the statistics (keep_codes=False: quantized
+    keeps carry their estimate, not their codes; see `restore`)."""
     m = LayerMoments.load(stats, layer)
     li = info.layer(layer)
     h = adapter.hidden_size
     dtype, el = _dtype_and_el(adapter, info, layer)
     cands = set(config.candidates)
     quant = aq.quant_candidates(adapter, stats, m, config.bits, config.quant_group, config.quant_algo,
-                                config.quant_weighting, el) if config.quant_bits else None
+                                config.quant_weighting, el, keep_codes=keep_codes) if config.quant_bits else None
     options: list[list[Candidate]] = []
     for e in range(li.num_experts):
         slot = [Candidate("keep", 0.0, 0, li.bytes_per_expert)]
@@ -777,8 +778,12 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
     probes: dict[int, tuple[int, float, float]] = {}
     kind_sens: dict[int, dict[str, float]] = {}
     for i in track(layers, description="auto: candidates", disable=not progress, transient=True):
-        prob, m = layer_problem(config, adapter, stats, info, i, stored)
+        prob, m = layer_problem(config, adapter, stats, info, i, stored, keep_codes=keep_tensors)
         target = ratio * prob.expert_bytes * prob.num_experts
+
+        def measure(pt: LayerPoint, i=i) -> float:  # the layer alone compressed to `pt`
+            return measure_states(adapter, info, {i: restore(config, adapter, stats, info, i, pt)}, ids, ref)
+
         if config.sensitivity == "kind":
             # s_{l,k}: KL per unit of estimated error of representation k in layer l, probed with the layer
             # compressed by k alone at the budget ratio; every candidate's loss becomes s_{l,k}·L_e (KL units)
@@ -788,7 +793,7 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
                 pt = probe_point(pareto(layer_frontier(sub, mode)), target)
                 if pt is None:
                     continue
-                kl = measure_states(adapter, info, {i: pt}, ids, ref)
+                kl = measure(pt)
                 if kl > 0:
                     found[kind] = _sig(kl / pt.loss, 4)
             fallback = sorted(found.values())[len(found) // 2] if found else _sig(noise[i], 4)
@@ -799,7 +804,7 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
         if config.sensitivity == "probe":
             pt = probe_point(fronts[i], target)
             if pt is not None:  # else nothing to probe with: keep the noise sensitivity
-                kl = measure_states(adapter, info, {i: pt}, ids, ref)
+                kl = measure(pt)
                 probes[i] = (pt.bytes, pt.loss, kl)
                 raw[i] = max(kl, 0.0) / pt.loss
         if not keep_tensors:
@@ -831,29 +836,45 @@ def shed(prob: LayerProblem) -> None:
             if c.kind in REBUILT_KINDS:
                 c.tensors = {}
                 if c.kind == "quant":
-                    c.op = None
+                    c.op = None  # with keep_codes=False there were none to begin with
     for ref in prob.pairs:
         ref._merge = None  # rebuilt from the weights by `PairRef.merge()` when the plan needs it
 
 
+def _shed(c: Candidate) -> bool:
+    """Has `c` no payload any more (see `shed`)?"""
+    return (c.kind == "quant" and c.op is None) or (c.kind in REBUILT_KINDS - {"quant"} and not c.tensors)
+
+
 def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, point: LayerPoint) -> LayerPoint:
-    """`point` with the tensors its candidates shed, computed again for this layer from the same statistics and
-    weights (the same deterministic fits and GPTQ codes; only the kinds and bit widths the state uses)."""
-    used = {c.kind for c in point.choice} & REBUILT_KINDS
-    if not used:
+    """`point` with the tensors and codes its candidates shed, computed again for this layer from the same
+    statistics and weights: the same deterministic fits, and GPTQ codes for the slots kept quantized only."""
+    todo = [e for e, c in enumerate(point.choice) if _shed(c)]
+    if not todo:
         return point
-    bits = sorted({16} | {c.param for c in point.choice if c.kind == "quant"}, reverse=True)
-    sub = config.model_copy(update={"candidates": [k for k in config.candidates if k in used], "bits": bits})
-    prob, _ = layer_problem(sub, adapter, stats, info, layer, config.accounting == "stored")
-    choice = []
-    for e, c in enumerate(point.choice):
-        if c.kind in used:
-            new = next((o for o in prob.options[e] if o.kind == c.kind and o.param == c.param), None)
-            if new is None or new.error != c.error:
-                raise RuntimeError(f"auto: layer {layer} slot {e}'s {c.label} came out differently when rebuilt; "
-                                   "this is a bug, please report it.")
-            c = Candidate(c.kind, c.loss, c.param, c.bytes, op=new.op, gate=c.gate, tensors=new.tensors, raw=c.raw)
-        choice.append(c)
+    rebuilt: dict[tuple[int, str, int], Candidate] = {}
+    ops = {point.choice[e].kind for e in todo} - {"quant"}
+    if ops:  # operator fits: the layer's problem with only those kinds and no quantized keeps
+        sub = config.model_copy(update={"candidates": [k for k in config.candidates if k in ops], "bits": [16]})
+        prob, _ = layer_problem(sub, adapter, stats, info, layer, config.accounting == "stored")
+        rebuilt |= {(e, c.kind, c.param): c for e in todo for c in prob.options[e]}
+    quant = [e for e in todo if point.choice[e].kind == "quant"]
+    if quant:
+        m = LayerMoments(layer, None, None, None, sample=stats.get(layer, "auto_sample"))
+        widths = sorted({point.choice[e].param for e in quant}, reverse=True)
+        for b in widths:
+            ids = [e for e in quant if point.choice[e].param == b]
+            got = aq.quant_candidates(adapter, stats, m, [b], config.quant_group, config.quant_algo,
+                                      config.quant_weighting, info.element_size, experts=ids)
+            rebuilt |= {(e, "quant", b): got[e][0] for e in ids}
+    choice = list(point.choice)
+    for e in todo:
+        c = point.choice[e]
+        new = rebuilt.get((e, c.kind, c.param))
+        if new is None or new.error != c.error:
+            raise RuntimeError(f"auto: layer {layer} slot {e}'s {c.label} came out differently when rebuilt; "
+                               "this is a bug, please report it.")
+        choice[e] = Candidate(c.kind, c.loss, c.param, c.bytes, op=new.op, gate=c.gate, tensors=new.tensors, raw=c.raw)
     return LayerPoint(point.mode, choice, point.bytes, point.loss)
 
 

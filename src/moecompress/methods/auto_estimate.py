@@ -318,25 +318,25 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
 
     an unbiased Monte-Carlo estimate of the closed-form quantity, f̂_i the pair's packed reconstruction of i
     run by the PuzzleMoE runtime (`MergeCandidate.forward`)."""
-    from ..scoring.distance import pairwise_distance
-    from .puzzle import layer_norms, pair_candidate
+    from .conmoe import scope_distance
+    from .puzzle import UpcastExperts, layer_norms, pair_candidate
 
     layer = m.layer
     if m.sample is None:
         raise MoECompressError("Pair candidates are estimated on a token sample; re-run calibration with the "
                                "'auto_sample' statistic (--for-method auto).")
     e_all = adapter.num_experts(layer)
-    if pairs is None:
-        dist = pairwise_distance(adapter.experts(layer))
+    if pairs is None:  # `pairwise_distance` of the layer, read one projection at a time
+        dist = scope_distance(lambda name: [adapter.expert_part_at_rest(layer, name)])
         pairs = set()
         for i in range(e_all):
             order = sorted((float(dist[i, j]), j) for j in range(e_all) if j != i)
             for _, j in order[:partners]:
                 pairs.add((min(i, j), max(i, j)))
     norms = layer_norms(stats, layer, e_all)
-    experts = {e: adapter.get_expert(layer, e) for e in range(e_all)}
-    ref_w = adapter.experts(layer).gate
-    x = m.sample.to(ref_w.device, ref_w.dtype)
+    dtype = adapter.expert_dtype(layer)
+    experts = UpcastExperts(adapter.experts_at_rest(layer), dtype, e_all)  # one expert upcast per read
+    x = m.sample.to(dtype)
     n = len(x)
     with torch.no_grad():
         r = adapter.route(layer, x)

@@ -73,57 +73,69 @@ def _quantize(w: torch.Tensor, h: torch.Tensor | None, spec: QuantSpec) -> Quant
 
 
 def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: int | None, algo: str,
-                     weighting: str, el: int) -> list[list[Candidate]]:
+                     weighting: str, el: int, experts: list[int] | None = None, keep_codes: bool = True,
+                     chunk: int = 8) -> list[list[Candidate]]:
     """Per slot of layer m.layer, one ``Candidate("quant", loss, bits, bytes, op=QuantKeep)`` per bit width < 16
-    (ordered by decreasing bits)."""
+    (ordered by decreasing bits); `experts` only (None: every slot; the others get no candidates).
+
+    The layer is quantized `chunk` experts at a time (GPTQ batched over a chunk equals per-matrix runs,
+    tests/test_quant_core.py), each chunk's Hessians read row by row, so a layer of big experts never has
+    every expert's float32 weights, codes and Hessians in memory at once. keep_codes=False leaves ``op`` None
+    (the estimate only: `auto.restore` computes the codes of the experts a plan keeps quantized)."""
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
-    w = adapter.experts(layer)
-    e_all, i_dim, h = w.gate.shape
-    if not widths:
-        return [[] for _ in range(e_all)]
+    e_all = adapter.num_experts(layer)
+    out: list[list[Candidate]] = [[] for _ in range(e_all)]
+    todo = list(range(e_all)) if experts is None else sorted(experts)
+    if not widths or not todo:
+        return out
     act = adapter.layer(layer).act
     n_tok = float(stats.get(layer, "tokens").double().sum().clamp(min=1))
-    h_mid = stats.get(layer, "hessian_mid_g2").double()  # [E, I, I] Σ g² a aᵀ
-    if algo == "gptq":
-        hin_name, hmid_name = HESSIANS[weighting]
-        g_in, g_mid = stats.get(layer, hin_name).float(), stats.get(layer, hmid_name).float()
-    else:
-        g_in = g_mid = None
-    gate, up, down = w.gate.float(), w.up.float(), w.down.float()
+    hin_name, hmid_name = HESSIANS[weighting] if algo == "gptq" else (None, None)
 
     # the layer's token sample and, per expert, its routed tokens, their g² and original activations
-    x = m.sample.to(w.gate.device, torch.float32)
+    x = m.sample.to(torch.float32)
     s_n = len(x)
     with torch.no_grad():
         r = adapter.route(layer, x.to(adapter.layer(layer).router.weight.dtype))
-        routed = []
-        for e in range(e_all):
+        routed = {}
+        for e in todo:
             tok, slot = torch.where(r.index == e)
             xe = x[tok]
-            a = expert_intermediate(w.map(lambda t, e=e: t[e].float()), xe, act) if len(tok) else None
-            routed.append((xe, r.weight[tok, slot].double().square(), a))
-
-        out: list[list[Candidate]] = [[] for _ in range(e_all)]
-        for b in widths:
-            spec = quant_spec(b, group, algo)
-            q = {"gate": _quantize(gate, g_in, spec), "up": _quantize(up, g_in, spec),
-                 "down": _quantize(down, g_mid, spec)}
-            deq = {k: v.dequantize(torch.float32) for k, v in q.items()}  # bf16 grid values, exact in float32
-            d_down = down.double() - deq["down"].double()  # [E, H, I]
-            down_part = ((d_down @ h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert
-            nbytes = expert_quant_bytes(spec, i_dim, h, w.gate_bias is not None, el)
-            for e in range(e_all):
-                xe, g2, a = routed[e]
-                gu = 0.0
-                if a is not None:
-                    we = ExpertWeights(deq["gate"][e], deq["up"][e], deq["down"][e],
-                                       *(None if t is None else t[e].float()
-                                         for t in (w.gate_bias, w.up_bias, w.down_bias)))
-                    diff = F.linear(a - expert_intermediate(we, xe, act), deq["down"][e]).double()
-                    gu = float(g2 @ diff.square().sum(-1)) / s_n
-                loss = max(float(down_part[e]), 0.0) + gu
-                parts = {k: QuantizedTensor(v.codes[e], v.scale[e], None if v.zero is None else v.zero[e], spec)
-                         for k, v in q.items()}
-                out[e].append(Candidate("quant", loss, b, nbytes, op=QuantKeep(spec, parts)))
+            a = expert_intermediate(adapter.get_expert(layer, e).map(lambda t: t.float()), xe, act) if len(tok) else None
+            routed[e] = (xe, r.weight[tok, slot].double().square(), a)
+        w = adapter.experts_at_rest(layer)  # the stored precision; each chunk upcast on its own
+        i_dim, h = w.gate.shape[1:]
+        rows = lambda name, ids: torch.stack([stats.get_row(layer, name, e) for e in ids])
+        for lo in range(0, len(todo), chunk):
+            ids = todo[lo:lo + chunk]
+            gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
+            biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
+            h_mid = rows("hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
+            g_in = rows(hin_name, ids).float() if algo == "gptq" else None
+            g_mid = rows(hmid_name, ids).float() if algo == "gptq" else None
+            for b in widths:
+                spec = quant_spec(b, group, algo)
+                q = {"gate": _quantize(gate, g_in, spec), "up": _quantize(up, g_in, spec),
+                     "down": _quantize(down, g_mid, spec)}
+                deq = {k: v.dequantize(torch.float32) for k, v in q.items()}  # bf16 grid values, exact in float32
+                d_down = down.double() - deq["down"].double()  # [C, H, I]
+                down_part = ((d_down @ h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert
+                nbytes = expert_quant_bytes(spec, i_dim, h, w.gate_bias is not None, el)
+                for k, e in enumerate(ids):
+                    xe, g2, a = routed[e]
+                    gu = 0.0
+                    if a is not None:
+                        we = ExpertWeights(deq["gate"][k], deq["up"][k], deq["down"][k],
+                                           *(None if t is None else t[k] for t in biases))
+                        diff = F.linear(a - expert_intermediate(we, xe, act), deq["down"][k]).double()
+                        gu = float(g2 @ diff.square().sum(-1)) / s_n
+                    loss = max(float(down_part[k]), 0.0) + gu
+                    op = None
+                    if keep_codes:
+                        op = QuantKeep(spec, {n: QuantizedTensor(v.codes[k].clone(), v.scale[k].clone(),
+                                                                 None if v.zero is None else v.zero[k].clone(), spec)
+                                              for n, v in q.items()})
+                    out[e].append(Candidate("quant", loss, b, nbytes, op=op))
+                del q, deq, d_down
     return out
