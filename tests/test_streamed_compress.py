@@ -28,6 +28,8 @@ ARMS = [
     ("m-smoe", {"ratio": 0.5, "router": "merge"}),  # merged router rows: applied by the exporter while streaming
     ("puzzlemoe", {"ratio": 0.5}),  # packed merges of every layer: plan tensors spilled to disk layer by layer
     ("dense", {"criterion": "frequency", "grouping": "wc", "K": 4}),  # a dense FFN per layer, spilled likewise
+    # per-kind probes and pair candidates read layers at rest, then route: the view's meta dtypes must not follow
+    ("auto", {"budget": 0.5, "ranks": [4], "sensitivity_sequences": 2, "sensitivity_seq_len": 16}),
 ]
 
 

@@ -78,12 +78,20 @@ class StreamedAdapter(MoEAdapter):
         # native name -> (module, leaf) of the ORIGINAL modules, so loading and freeing never depends on what a
         # method installed in the layer meanwhile (auto's CompressedMoEBlock, dense's FFN)
         self._slots: dict[int, dict[str, tuple[nn.Module, str]]] = {i: {} for i in range(len(self.decoder_layers))}
+        # what a layer's meta tensors report, resident or not: the compute dtype (a skeleton built from a bf16
+        # config is bf16 whatever the default dtype), never the dtype of the last at-rest read
+        self._meta_dtype: dict[str, torch.dtype] = {}
         for mname, module in model.named_modules():
             if not mname.startswith(prefix + "."):
                 continue
             i = int(mname[len(prefix) + 1:].split(".")[0])
             for leaf in list(module._parameters) + list(module._buffers):
                 self._slots[i][f"{mname}.{leaf}"] = (module, leaf)
+                t = getattr(module, leaf)
+                if t is not None:
+                    self._meta_dtype[f"{mname}.{leaf}"] = compute_dtype if t.is_floating_point() else t.dtype
+        for i in self._slots:
+            self._free(i, meta_too=True)
         for i, layer in self.layers.items():
             s = layer.storage
             layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
@@ -124,12 +132,12 @@ class StreamedAdapter(MoEAdapter):
                 _recreate_buffers(module, "cpu")
         self._stored_dtype[i] = stored.pop() if len(stored) == 1 else None
 
-    def _free(self, i: int) -> None:
-        for module, leaf in self._slots[i].values():
+    def _free(self, i: int, meta_too: bool = False) -> None:
+        for name, (module, leaf) in self._slots[i].items():
             store = module._parameters if leaf in module._parameters else module._buffers
             t = store[leaf]
-            if t is not None and not t.is_meta:
-                meta = torch.empty_like(t, device="meta")
+            if t is not None and (meta_too or not t.is_meta):
+                meta = torch.empty_like(t, device="meta", dtype=self._meta_dtype.get(name, t.dtype))
                 store[leaf] = nn.Parameter(meta, requires_grad=False) if store is module._parameters else meta
 
     def _ensure(self, i: int, forward: bool = False, at_rest: bool = False) -> None:
