@@ -136,16 +136,19 @@ def test_hessian_layers_subset_and_dry_run_bytes(tmp_path):
     kw = {"seq_len": 20, "batch_size": 4, "dtype": "float32", "progress": False}
     E, H, I, L = 8, 32, 16, 2
     base = calibrate(str(path), data, out=tmp_path / "d0", stats=["counts"], dry_run=True, **kw)
-    full = calibrate(str(path), data, out=tmp_path / "d1", stats=["hessian_in"], dry_run=True, **kw)
-    one = calibrate(str(path), data, out=tmp_path / "d2", stats=["hessian_in"], hessian_layers=[1], dry_run=True,
-                    **kw)
+    both = ["hessian_in", "hessian_mid"]
+    full = calibrate(str(path), data, out=tmp_path / "d1", stats=both, dry_run=True, **kw)
+    one = calibrate(str(path), data, out=tmp_path / "d2", stats=both, hessian_layers=[1], dry_run=True, **kw)
+    mid = calibrate(str(path), data, out=tmp_path / "d3", stats=["hessian_mid"], dry_run=True, **kw)
+    assert mid.stats_bytes - base.stats_bytes == L * E * I * I * 4  # the down projection's alone: no [E, H, H] sums
+    assert mid.accumulator_bytes - base.accumulator_bytes == E * I * I * 8
     per_layer = E * (H * H + I * I)
     assert full.stats_bytes - base.stats_bytes == L * per_layer * 4  # stored in float32
     assert one.stats_bytes - base.stats_bytes == per_layer * 4
     assert full.accumulator_bytes - base.accumulator_bytes == per_layer * 8  # float64 sums of one layer
     assert "collector sums (one layer)" in dict(full.rows())
 
-    store = calibrate(str(path), data, out=tmp_path / "s", stats=["hessian_in"], hessian_layers="1", **kw)
+    store = calibrate(str(path), data, out=tmp_path / "s", stats=both, hessian_layers="1", **kw)
     assert store.get(0, "hessian_in").shape == (0, H, H) and store.get(0, "hessian_mid").shape == (0, I, I)
     assert store.get(1, "hessian_in").shape == (E, H, H)
     torch.testing.assert_close(store.get(1, "hessian_in").double(), _hf_reference(path, _ids())[1]["hessian_in"],

@@ -148,6 +148,9 @@ class AutoMidCollector(_GateWeighted):
         return _per_token(self, self.provides)
 
 
+_SUBSTITUTE_ROWS = 32  # tokens per block of the remap distances
+
+
 class AutoSubstituteCollector(Collector):
     name = "auto_substitute"
     provides = ("auto_remap", "auto_reroute_keep", "auto_reroute_renorm")
@@ -175,14 +178,15 @@ class AutoSubstituteCollector(Collector):
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             g2 = wt[tok, slot].square()
-            d2 = (f[tok] - f[tok, e][:, None, :]).square().sum(-1)  # [n, E] ‖f_p − f_e‖²
+            # [n, E] ‖f_p − f_e‖², a few tokens at a time: [n, E, H] float64 copies were most of the layer's peak
+            d2 = torch.cat([(f[t] - f[t, e][:, None, :]).square().sum(-1) for t in tok.split(_SUBSTITUTE_ROWS)])
             s["auto_remap"][e] += g2 @ d2
             mask = torch.ones(self.E, dtype=torch.bool, device=idx.device)
             mask[e] = False
             for gate, kw in (("keep", "allowed"), ("renorm", "present")):
                 r = self.adapter.route(self.layer, x[tok], **{kw: mask})
-                ft = f[tok]
-                new = (ft.gather(1, r.index[..., None].expand(-1, -1, h)) * r.weight.to(torch.float64)[..., None]).sum(1)
+                picked = f[tok[:, None], r.index]  # [n, k, H]: the substitutes only, not every expert's output
+                new = (picked * r.weight.to(torch.float64)[..., None]).sum(1)
                 s[f"auto_reroute_{gate}"][e] += (new - y[tok]).square().sum()
 
     def finalize(self):

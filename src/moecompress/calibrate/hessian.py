@@ -49,42 +49,41 @@ def _hessian_layers(collector: Collector) -> bool:
 
 
 class _HessianBase(Collector):
-    """Σ w_t x_t x_tᵀ per expert for x = block input (in) and x = intermediate activation (mid)."""
+    """Σ w_t x_t x_tᵀ per expert for x = block input (``part = "in"``) or the intermediate activation ("mid").
 
-    needs = frozenset({"routing", "intermediate"})
+    One collector per statistic: a run that needs only the down projection's Hessian (auto with
+    round-to-nearest) never accumulates the [E, H, H] input sums, the largest per-layer sums there are."""
+
+    part: str = "in"
     weighted: bool = False  # weight each token by g_e(t)²
     stored_dtype = torch.float32
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        self.I = self.adapter.intermediate_size(self.layer)
+        self.D = self.H if self.part == "in" else self.adapter.intermediate_size(self.layer)
         self.active = _hessian_layers(self)
         if self.active:  # an excluded layer holds no sums, so nothing is all-reduced for it
-            self.zeros("in", self.E, self.H, self.H)
-            self.zeros("mid", self.E, self.I, self.I)
+            self.zeros(self.part, self.E, self.D, self.D)
 
     def update(self, obs: Observation) -> None:
         if not self.active:
             return
-        s = self.sums
+        total = self.sums[self.part]
         for e in range(self.E):
             tok, _ = obs.routed(e)
             if tok.numel() == 0:
                 continue
-            x = obs.x[tok].to(torch.float64)  # [n_e, H]
-            a = obs.intermediate(e).to(torch.float64)  # [n_e, I]
+            # [n_e, H] block inputs or [n_e, I] intermediate activations
+            x = (obs.x[tok] if self.part == "in" else obs.intermediate(e)).to(torch.float64)
             if self.weighted:  # Σ g² x xᵀ = (g x)ᵀ (g x)
-                g = obs.gate(e).to(torch.float64)[:, None]
-                x, a = g * x, g * a
-            s["in"][e] += x.T @ x
-            s["mid"][e] += a.T @ a
+                x = obs.gate(e).to(torch.float64)[:, None] * x
+            total[e] += x.T @ x
 
     def finalize(self) -> dict[str, torch.Tensor]:
-        name_in, name_mid = self.provides
+        (name,) = self.provides
         if not self.active:
-            return {name_in: torch.zeros(0, self.H, self.H, dtype=self.stored_dtype),
-                    name_mid: torch.zeros(0, self.I, self.I, dtype=self.stored_dtype)}
-        return {name_in: self.sums["in"].to(self.stored_dtype), name_mid: self.sums["mid"].to(self.stored_dtype)}
+            return {name: torch.zeros(0, self.D, self.D, dtype=self.stored_dtype)}
+        return {name: self.sums[self.part].to(self.stored_dtype)}
 
     def stat_bytes(self) -> int:
         size = torch.empty((), dtype=self.stored_dtype).element_size()
@@ -94,19 +93,32 @@ class _HessianBase(Collector):
         return None
 
 
-class HessianCollector(_HessianBase):
-    r"""hessian_in_e = Σ_{t∈T_e} h_t h_tᵀ [E, H, H];  hessian_mid_e = Σ_{t∈T_e} a_e(h_t) a_e(h_t)ᵀ [E, I, I]."""
+class HessianInCollector(_HessianBase):
+    r"""hessian_in_e = Σ_{t∈T_e} h_t h_tᵀ [E, H, H]."""
 
-    name = "hessian"
-    provides = ("hessian_in", "hessian_mid")
+    name, provides, part = "hessian_in", ("hessian_in",), "in"
+    needs = frozenset({"routing"})
 
 
-class GateSquaredHessianCollector(_HessianBase):
-    r"""hessian_in_g2_e = Σ_{t∈T_e} g_e(t)² h_t h_tᵀ;  hessian_mid_g2_e = Σ_{t∈T_e} g_e(t)² a_e a_eᵀ."""
+class HessianMidCollector(_HessianBase):
+    r"""hessian_mid_e = Σ_{t∈T_e} a_e(h_t) a_e(h_t)ᵀ [E, I, I]."""
 
-    name = "hessian_g2"
-    provides = ("hessian_in_g2", "hessian_mid_g2")
-    weighted = True
+    name, provides, part = "hessian_mid", ("hessian_mid",), "mid"
+    needs = frozenset({"routing", "intermediate"})
+
+
+class GateSquaredHessianInCollector(_HessianBase):
+    r"""hessian_in_g2_e = Σ_{t∈T_e} g_e(t)² h_t h_tᵀ [E, H, H]."""
+
+    name, provides, part, weighted = "hessian_in_g2", ("hessian_in_g2",), "in", True
+    needs = frozenset({"routing"})
+
+
+class GateSquaredHessianMidCollector(_HessianBase):
+    r"""hessian_mid_g2_e = Σ_{t∈T_e} g_e(t)² a_e a_eᵀ [E, I, I]."""
+
+    name, provides, part, weighted = "hessian_mid_g2", ("hessian_mid_g2",), "mid", True
+    needs = frozenset({"routing", "intermediate"})
 
 
 def _stat(stats, layer: int, name: str) -> torch.Tensor:

@@ -30,7 +30,8 @@ BUILTIN_COLLECTORS: tuple[type[Collector], ...] = (
     remap.RemapErrorCollector,  # prune, functional remap: remap_error
     auto_stats.AutoOutputCollector, auto_stats.AutoAffineCollector, auto_stats.AutoMidCollector,  # auto
     auto_stats.AutoSubstituteCollector, auto_stats.AutoSampleCollector,
-    hessian.HessianCollector, hessian.GateSquaredHessianCollector,  # GPTQ
+    hessian.HessianInCollector, hessian.HessianMidCollector,  # GPTQ
+    hessian.GateSquaredHessianInCollector, hessian.GateSquaredHessianMidCollector,
 )
 
 DEFAULT_STATS = ("counts", "tokens", "routing_mass", "pp", "cp")
