@@ -335,7 +335,6 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
                 pairs.add((min(i, j), max(i, j)))
     norms = layer_norms(stats, layer, e_all)
     dtype = adapter.expert_dtype(layer)
-    experts = UpcastExperts(adapter.experts_at_rest(layer), dtype, e_all)  # one expert upcast per read
     x = m.sample.to(dtype)
     n = len(x)
     with torch.no_grad():
@@ -345,6 +344,8 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
             tok, slot = torch.where(r.index == e)
             routed[e] = (tok, r.weight[tok, slot].double().square(),
                          adapter.expert_forward(layer, e, x[tok]).double() if len(tok) else None)
+        # after the forwards: on a streamed view this evicts the computed layer, so it is not held beside these
+        experts = UpcastExperts(adapter.experts_at_rest(layer), dtype, e_all)  # one expert upcast per read
         out = []
         for i, j in sorted(pairs):
             kwargs = dict(norms=norms, experts=experts)

@@ -200,7 +200,7 @@ def consolidate_scope(layers: list[int], num_experts: list[int], distance: torch
     return ScopeConsolidation(list(layers), members, len(protos), sc, protos, assignment, distance)
 
 
-_DIRECT_LIMIT = 1 << 26  # elements per projection below which the whole scope goes through one cdist
+_DIRECT_LIMIT = 1 << 24  # elements per projection below which the whole scope goes through one cdist (128 MB float64)
 PROJECTIONS = ("gate", "up", "down")
 
 
