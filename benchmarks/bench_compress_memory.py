@@ -209,16 +209,17 @@ def report() -> None:
                   f"{per_layer / gb:.2f} GB per layer, {per_layer / d['disk_bytes']:.3f} × the checkpoint)."]
     auto = summaries.get("auto")
     if auto and not auto["n_ok"]:
-        lines += ["", "`auto` with its default candidates and bits is refused before it starts: its gate²-weighted tilt "
-                  "and partial fits and its GPTQ Hessians are [E, H, H] and [E, I, I] statistics of every expert of every "
-                  "layer, stored for the whole model before its knapsack runs (the refusal above gives their size). "
-                  "Streaming them needs each layer's frontier built while that layer's statistics are in memory; that "
-                  "is not built. The row below it drops those candidates (no tilt or partial, RTN instead of GPTQ)."]
+        lines += ["", "`auto` with its default candidates and bits is refused before it starts, for disk, not memory: "
+                  "its gate²-weighted tilt and partial fits and its GPTQ Hessians are [E, H, H] and [E, I, I] statistics "
+                  "of every expert of every layer, which calibration stores for the whole model before `auto` reads "
+                  "them (the refusal above gives their size). `auto` itself builds, and sheds, one layer at a time "
+                  "(docs/architecture.md); building each layer's front right after calibrating that layer, without "
+                  "storing its statistics, is not built. The row below it drops those candidates (no tilt or partial, "
+                  "RTN instead of GPTQ, so only the [E, I, I] down Hessian)."]
     reduced = summaries.get("auto (no H×H statistics)")
     if reduced and not reduced["n_ok"] and isinstance(reduced.get("rc"), int) and reduced["rc"] < 0:
-        lines += ["", "`auto (no H×H statistics)` was stopped by hand while it was still building its layer problems: "
-                  "each PuzzleMoE pair candidate keeps its packed merge in memory until the knapsack has run, so the "
-                  "resident set grows with every layer (its peak when stopped is in the table)."]
+        lines += ["", "`auto (no H×H statistics)` was stopped by hand while it was still building its layer problems "
+                  "(its peak when stopped is in the table)."]
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(sh["dtype"])
     if width:  # what the pre-issue-19 `compress` held in weights alone: the whole model upcast to float32
         lines += ["", f"Before issue 19, `compress` loaded the whole model in float32: its weights alone are "
