@@ -55,3 +55,28 @@ def stored_dtype(directory: str | os.PathLike) -> str | None:
         if dtype.startswith(("float", "bfloat")):
             by_dtype[dtype] = by_dtype.get(dtype, 0) + size
     return max(by_dtype, key=by_dtype.get) if by_dtype else None
+
+
+def write_tensors(file: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write torch `tensors` as one safetensors file, each straight from its own memory.
+
+    safetensors' ``save_file`` first copies every tensor into one bytes object, so a layer's statistics
+    ([E, H, H] moments and Hessians, the largest there are) were held twice while written."""
+    import torch
+
+    tags = {getattr(torch, name): tag for tag, (name, _) in DTYPES.items() if hasattr(torch, name)}
+    items = [(k, tensors[k].detach().cpu().contiguous()) for k in sorted(tensors)]
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for k, t in items:
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": tags[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, t in items:
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))

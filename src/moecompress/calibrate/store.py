@@ -35,10 +35,10 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
+    from ..disk import write_tensors
 
     tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": FORMAT})
+    write_tensors(tmp, tensors, metadata={"format": FORMAT})
     os.replace(tmp, path)
 
 
