@@ -109,7 +109,7 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
             if r is not None:
                 cands.append(r)
             for c in cands:
-                choice = list(A.keep_point(prob).choice)
+                choice = list(A.keep_point_of(info.layer(i)).choice)
                 choice[e] = c
                 mode = f"reroute:{c.gate}" if c.kind == "reroute" else "replace"
                 pt = A.LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)
@@ -129,7 +129,7 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
                 rows.append(row)
             for pref in [p for p in prob.pairs if e in p.members][:1]:
                 a, b = pref.members
-                choice = list(A.keep_point(prob).choice)
+                choice = list(A.keep_point_of(info.layer(i)).choice)
                 choice[a] = A.Candidate("pair", pref.losses[0], b, pref.nbytes // 2, op=pref)
                 choice[b] = A.Candidate("pair", pref.losses[1], a, pref.nbytes - pref.nbytes // 2, op=pref)
                 pt = A.LayerPoint("replace", choice, prob.bytes_of(choice), sum(pref.losses))

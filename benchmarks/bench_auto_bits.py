@@ -187,7 +187,7 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 4, windows: int
     for i, prob in problems.items():
         for e in sorted(rng.sample(range(prob.num_experts), min(slots_per_layer, prob.num_experts))):
             for c in prob.options[e][1:]:
-                choice = list(A.keep_point(prob).choice)
+                choice = list(A.keep_point_of(info.layer(i)).choice)
                 choice[e] = c
                 mode = f"reroute:{c.gate}" if c.kind == "reroute" else "replace"
                 pt = A.LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)

@@ -551,12 +551,6 @@ def layer_modes(config: AutoConfig, li) -> list[str]:
     return modes
 
 
-def keep_point(prob: LayerProblem) -> LayerPoint:
-    """The untouched layer."""
-    state = [slot[0] for slot in prob.options]
-    return LayerPoint("replace", state, prob.bytes_of(state), 0.0)
-
-
 def keep_point_of(li) -> LayerPoint:
     """The untouched layer from its `ModelInfo` entry alone (no candidates needed)."""
     keep = Candidate("keep", 0.0, 0, li.bytes_per_expert)
@@ -841,7 +835,7 @@ def shed(prob: LayerProblem) -> None:
         ref._merge = None  # rebuilt from the weights by `PairRef.merge()` when the plan needs it
 
 
-def _shed(c: Candidate) -> bool:
+def _was_shed(c: Candidate) -> bool:
     """Has `c` no payload any more (see `shed`)?"""
     return (c.kind == "quant" and c.op is None) or (c.kind in REBUILT_KINDS - {"quant"} and not c.tensors)
 
@@ -849,7 +843,7 @@ def _shed(c: Candidate) -> bool:
 def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, point: LayerPoint) -> LayerPoint:
     """`point` with the tensors and codes its candidates shed, computed again for this layer from the same
     statistics and weights: the same deterministic fits, and GPTQ codes for the slots kept quantized only."""
-    todo = [e for e, c in enumerate(point.choice) if _shed(c)]
+    todo = [e for e, c in enumerate(point.choice) if _was_shed(c)]
     if not todo:
         return point
     rebuilt: dict[tuple[int, str, int], Candidate] = {}

@@ -97,8 +97,7 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
     x = m.sample.to(torch.float32)
     s_n = len(x)
     with torch.no_grad():
-        router_dtype = adapter.router_params(layer)[0].dtype  # read, not the meta placeholder of a streamed view
-        r = adapter.route(layer, x.to(router_dtype))
+        r = adapter.route(layer, x.to(adapter.layer(layer).router.weight.dtype))
         routed = {}
         for e in todo:
             tok, slot = torch.where(r.index == e)
