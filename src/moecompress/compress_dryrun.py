@@ -42,14 +42,16 @@ class CompressEstimate:
 
 
 def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
-                      dtype_bytes: int = 4, stats: list[str] = (), moment_fraction: float | None = None
-                      ) -> CompressEstimate:
+                      dtype_bytes: int = 4, stats: list[str] = (), moment_fraction: float | None = None,
+                      streamed_chunk: int | None = None) -> CompressEstimate:
     """The estimate of the module doc for `compress(model, method, params, calib=calib)`.
 
     stats: the statistics the method reads (their collectors' one-layer sums count towards calibration's
     memory, held twice as at finalize, and every layer's statistics towards the disk). moment_fraction: the
     method gathers input/cross moments in a second pass for this fraction of each layer's experts (prune's
-    tilt: the removed ones, `MethodEntry.moment_experts`), else for every expert."""
+    tilt: the removed ones, `MethodEntry.moment_experts`), else for every expert. streamed_chunk: the statistics
+    are streamed (`calibrate.streamed`, `pipeline.streams_statistics`): nothing on disk, one layer's statistics
+    but the square ones, and the square ones of this many experts, in memory; two calibration passes."""
     import psutil
     from safetensors import safe_open
 
@@ -82,7 +84,10 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
         seqs = int(spec.rsplit(":", 1)[1]) if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else 64
         calib_bytes = int(factor * layer_disk + 2 * seqs * seq_len * hidden * 4)
         calib_passes = 1
-        if stats:
+        if stats and streamed_chunk is not None:
+            calib_bytes += 2 * _streamed_statistics(adapter, list(stats), streamed_chunk)
+            calib_passes += 1
+        elif stats:
             acc, stats_bytes = _statistics(adapter, list(stats), moment_fraction)
             calib_bytes += 2 * acc
             calib_passes += moment_fraction is not None
@@ -114,6 +119,19 @@ def _statistics(adapter, stats: list[str], moment_fraction: float | None) -> tup
     subset = {i: list(range(round(adapter.num_experts(i) * moment_fraction))) for i in moe}
     acc2, fin2 = stat_sizes(adapter, moe, [MomentCollector], {"moment_experts": subset})
     return max(acc1, acc2), fin1 + fin2
+
+
+def _streamed_statistics(adapter, stats: list[str], chunk: int) -> int:
+    """Largest one-layer bytes of streamed statistics: the layer's sums without their square rows, plus the
+    square rows of `chunk` experts (`calibrate.streamed.LayerStats`)."""
+    from .calibrate.dryrun import stat_sizes
+    from .calibrate.registry import collectors_for
+
+    moe = adapter.moe_layers
+    classes = collectors_for(stats)
+    rest, _ = stat_sizes(adapter, moe, classes, {"square_experts": []})
+    rows, _ = stat_sizes(adapter, moe, [c for c in classes if c.square], {"square_experts": list(range(chunk))})
+    return rest + rows
 
 
 def refuse_if_over(est: CompressEstimate, max_memory: int) -> None:

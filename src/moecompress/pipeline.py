@@ -55,6 +55,10 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
     from .methods.context import ChainedStats
 
     needs = needs_for(method, params, quant)
+    if streams_statistics(method, calib, quant):
+        from .calibrate.streamed import StreamedStats
+
+        return StreamedStats(model, str(calib), needs, seq_len=seq_len, seed=seed)
     entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
     staged = moments and entry.moment_experts is not None and calib is not None and not Path(calib).is_dir()
     common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress)
@@ -68,6 +72,22 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
         return first
     second = resolve_calibration(model, calib, moments, **common, moment_experts=subset, name="stats-moments")
     return ChainedStats(first, second)
+
+
+def streams_statistics(method: str, calib, quant=None) -> bool:
+    """Whether `calibrate_for` gives `method` statistics computed layer by layer as it reads them
+    (`calibrate.streamed.StreamedStats`: nothing stored, docs/calibration.md) instead of a store: a method
+    that reads them in layer order (`MethodEntry.streamed_stats`: auto), calibrated from a data spec, with no
+    quantization stage after it (that stage reads every layer's Hessians)."""
+    return (get_method(method).streamed_stats and calib is not None and not Path(calib).is_dir()
+            and quant_config(quant) is None)
+
+
+def streamed_chunk(method: str, calib, quant=None) -> int | None:
+    """For the dry-run: the experts per square-statistics pass when `streams_statistics`, else None."""
+    from .calibrate.streamed import CHUNK
+
+    return CHUNK if streams_statistics(method, calib, quant) else None
 
 
 def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:

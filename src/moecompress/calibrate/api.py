@@ -158,14 +158,14 @@ class Calibration:
     when the last layer is done.
     """
 
-    def __init__(self, model: str, data, options: CalibrationOptions = CalibrationOptions()):
+    def __init__(self, model: str, data, options: CalibrationOptions = CalibrationOptions(), stream: bool = False):
         from ..checkpoint import CheckpointReader
         from ..data import CalibrationData, load_calibration, load_tokenizer
         from ..models import parse_dtype
         from . import distributed as dist
 
         o = self.options = options
-        if o.out is None and not o.dry_run:
+        if o.out is None and not (o.dry_run or stream):  # stream: `StreamedStats`, which writes nothing
             raise MoECompressError("Pass an output directory for the statistics (--out DIR).")
         if o.batch_size < 1:
             raise MoECompressError(f"--batch-size must be at least 1, not {o.batch_size}.")
@@ -345,24 +345,12 @@ class Calibration:
     def _layer(self, runner, i: int, partial: PartialRun, advance: Callable[[], None]) -> dict | None:
         """Layer i's pass: statistics of an MoE layer (saved to the partial run), then its outputs committed."""
         from . import distributed as dist
-        from .hooks import LayerObserver
 
         adapter, transform = runner.adapter, self.options.transform
         layer = runner.load_layer(i)
         stats_i = None
         if i in adapter.moe_layers:
-            collectors = [cls(adapter, i, self.device, **self.params) for cls in self.classes]
-            obs = LayerObserver(adapter, i, collectors)
-            obs.attach()
-            try:
-                runner.run_layer(i, observer=obs, on_batch=advance)
-            finally:
-                obs.detach()
-            dist.all_reduce_sums(collectors)
-            stats_i = {}
-            for c in collectors:
-                stats_i.update({k: v.detach().cpu() for k, v in c.finalize().items()})
-            _check_finite(i, stats_i)
+            stats_i = gather(runner, i, self.classes, self.params, self.device, on_batch=advance)
             if self.rank == 0:
                 partial.save_layer(i, stats_i)
             repl = transform(i, layer, adapter, stats_i) if transform is not None else None
@@ -376,6 +364,28 @@ class Calibration:
         runner.commit(i)
         runner.free_layer(i)
         return stats_i
+
+
+def gather(runner, i: int, classes, params: dict, device, *, write: bool = True,
+           on_batch: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """Layer i's statistics from collectors of `classes`: every batch through the loaded layer, observed
+    (outputs written as the next layer's inputs when `write`), sums reduced across ranks, finalized on CPU."""
+    from . import distributed as dist
+    from .hooks import LayerObserver
+
+    collectors = [cls(runner.adapter, i, device, **params) for cls in classes]
+    obs = LayerObserver(runner.adapter, i, collectors)
+    obs.attach()
+    try:
+        runner.run_layer(i, observer=obs, write=write, on_batch=on_batch)
+    finally:
+        obs.detach()
+    dist.all_reduce_sums(collectors)
+    stats_i = {}
+    for c in collectors:
+        stats_i.update({k: v.detach().cpu() for k, v in c.finalize().items()})
+    _check_finite(i, stats_i)
+    return stats_i
 
 
 def _summary(stats_i: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

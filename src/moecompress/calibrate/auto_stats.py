@@ -51,18 +51,23 @@ class _GateWeighted(Collector):
     """Shared bookkeeping: the token count N, each expert's routed tokens with g², and the fold-1 copies."""
 
     base: tuple[str, ...] = ()
+    square_base: tuple[str, ...] = ()  # the [E, D, D] ones among `base`
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         if cls.base:
             cls.provides = cls.base + tuple(f"{n}_f1" for n in cls.base)
+            cls.square = cls.square_base + tuple(f"{n}_f1" for n in cls.square_base)
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.zeros("tokens", 1, dtype=torch.int64)
         self.batches = 0
+        self.rows = {e: k for k, e in enumerate(self.square_experts())}  # expert -> row of its square sums
 
     def zeros(self, name, *shape, dtype=torch.float64):
+        if name in self.square_base:
+            shape = (len(self.rows), *shape[1:])
         t = super().zeros(name, *shape, dtype=dtype)
         if name in self.base:
             super().zeros(f"{name}_f1", *shape, dtype=dtype)
@@ -76,12 +81,16 @@ class _GateWeighted(Collector):
             tok, _ = obs.routed(e)
             if tok.numel():
                 g2 = obs.gate(e).to(torch.float64).square()
-                for name, value in self.add(obs, e, tok, g2).items():
-                    self.sums[name][e] += value
+                row = self.rows.get(e)
+                for name, value in self.add(obs, e, tok, g2, square=row is not None).items():
+                    k = row if name in self.square_base else e
+                    self.sums[name][k] += value
                     if fold:
-                        self.sums[f"{name}_f1"][e] += value
+                        self.sums[f"{name}_f1"][k] += value
 
-    def add(self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor) -> dict:  # pragma: no cover
+    def add(self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor,
+            square: bool) -> dict:  # pragma: no cover
+        """Expert e's terms of this batch; the square ones only when `square` (e's square sums are gathered)."""
         raise NotImplementedError
 
     def counts(self):
@@ -99,7 +108,7 @@ class AutoOutputCollector(_GateWeighted):
         self.zeros("auto_g2_y", self.E, self.H)
         self.zeros("auto_g2_yy", self.E)
 
-    def add(self, obs, e, tok, g2):
+    def add(self, obs, e, tok, g2, square):
         y = obs.output(e).to(torch.float64)
         return {"auto_g2": g2.sum(), "auto_g2_y": g2 @ y, "auto_g2_yy": g2 @ y.square().sum(-1)}
 
@@ -110,6 +119,7 @@ class AutoOutputCollector(_GateWeighted):
 class AutoAffineCollector(_GateWeighted):
     name = "auto_affine"
     base = ("auto_g2_x", "auto_g2_xx", "auto_g2_xy")
+    square_base = ("auto_g2_xx", "auto_g2_xy")
     needs = frozenset({"routing", "outputs"})
 
     def __init__(self, *a, **k):
@@ -118,10 +128,12 @@ class AutoAffineCollector(_GateWeighted):
         self.zeros("auto_g2_xx", self.E, self.H, self.H)
         self.zeros("auto_g2_xy", self.E, self.H, self.H)
 
-    def add(self, obs, e, tok, g2):
+    def add(self, obs, e, tok, g2, square):
         x = obs.x[tok].to(torch.float64)
-        y = obs.output(e).to(torch.float64)
         xw = x * g2[:, None]
+        if not square:
+            return {"auto_g2_x": xw.sum(0)}
+        y = obs.output(e).to(torch.float64)
         return {"auto_g2_x": xw.sum(0), "auto_g2_xx": xw.T @ x, "auto_g2_xy": xw.T @ y}
 
     def finalize(self):
@@ -131,6 +143,7 @@ class AutoAffineCollector(_GateWeighted):
 class AutoMidCollector(_GateWeighted):
     name = "auto_mid"
     base = ("auto_g2_a", "auto_g2_aa")
+    square_base = ("auto_g2_aa",)
     needs = frozenset({"routing", "intermediate"})
 
     def __init__(self, *a, **k):
@@ -139,10 +152,10 @@ class AutoMidCollector(_GateWeighted):
         self.zeros("auto_g2_a", self.E, i)
         self.zeros("auto_g2_aa", self.E, i, i)
 
-    def add(self, obs, e, tok, g2):
+    def add(self, obs, e, tok, g2, square):
         a = obs.intermediate(e).to(torch.float64)
         aw = a * g2[:, None]
-        return {"auto_g2_a": aw.sum(0), "auto_g2_aa": aw.T @ a}
+        return {"auto_g2_a": aw.sum(0), "auto_g2_aa": aw.T @ a} if square else {"auto_g2_a": aw.sum(0)}
 
     def finalize(self):
         return _per_token(self, self.provides)

@@ -74,6 +74,16 @@ class Collector:
         """Tokens routed to each expert, when this collector tracks them (for the unreached-experts warning)."""
         return self.sums.get("count")
 
+    # statistics of shape [E, D, D] (one D x D matrix per expert), which parameter ``square_experts`` restricts
+    square: ClassVar[tuple[str, ...]] = ()
+
+    def square_experts(self) -> list[int]:
+        """The experts whose [D, D] statistics this collector gathers, in row order: parameter
+        ``square_experts`` (None: every expert). A layer's square statistics can then be gathered a few experts
+        at a time (`calibrate.streamed`), the other statistics staying whole."""
+        sel = self.params.get("square_experts")
+        return list(range(self.E)) if sel is None else [int(e) for e in sel]
+
 
 class RoutingCollector(Collector):
     r"""Routing only.

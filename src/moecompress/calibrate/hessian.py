@@ -62,14 +62,19 @@ class _HessianBase(Collector):
         super().__init__(*a, **k)
         self.D = self.H if self.part == "in" else self.adapter.intermediate_size(self.layer)
         self.active = _hessian_layers(self)
+        self.experts = self.square_experts()
         if self.active:  # an excluded layer holds no sums, so nothing is all-reduced for it
-            self.zeros(self.part, self.E, self.D, self.D)
+            self.zeros(self.part, len(self.experts), self.D, self.D)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.square = cls.provides
 
     def update(self, obs: Observation) -> None:
         if not self.active:
             return
         total = self.sums[self.part]
-        for e in range(self.E):
+        for k, e in enumerate(self.experts):
             tok, _ = obs.routed(e)
             if tok.numel() == 0:
                 continue
@@ -77,7 +82,7 @@ class _HessianBase(Collector):
             x = (obs.x[tok] if self.part == "in" else obs.intermediate(e)).to(torch.float64)
             if self.weighted:  # Σ g² x xᵀ = (g x)ᵀ (g x)
                 x = obs.gate(e).to(torch.float64)[:, None] * x
-            total[e] += x.T @ x
+            total[k] += x.T @ x
 
     def finalize(self) -> dict[str, torch.Tensor]:
         (name,) = self.provides

@@ -15,7 +15,7 @@ from rich.table import Table
 from ..api import compress
 from ..compress_dryrun import estimate_compress, refuse_if_over
 from ..errors import MoECompressError
-from ..pipeline import moment_fraction, needs_for
+from ..pipeline import moment_fraction, needs_for, streamed_chunk
 from ..validate import check_range
 
 
@@ -94,7 +94,8 @@ def compress_command(
         except ValueError:
             raise MoECompressError(f"--max-memory '{max_memory}' is not a size such as 16GB or 512MB.") from None
         est = estimate_compress(model, method, params, calib, seq_len, stats=needs_for(method, params, quant_setting),
-                                moment_fraction=moment_fraction(method, params))
+                                moment_fraction=moment_fraction(method, params),
+                                streamed_chunk=streamed_chunk(method, calib, quant_setting))
         if dry_run:
             for k, v in est.rows():
                 Console().print(f"{k}: {v}", highlight=False)

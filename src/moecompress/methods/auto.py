@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..calibrate.streamed import each_layer
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
 from . import auto_estimate as est
@@ -771,12 +772,13 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
     fronts, moments, problems = {}, {}, {}
     probes: dict[int, tuple[int, float, float]] = {}
     kind_sens: dict[int, dict[str, float]] = {}
-    for i in track(layers, description="auto: candidates", disable=not progress, transient=True):
-        prob, m = layer_problem(config, adapter, stats, info, i, stored, keep_codes=keep_tensors)
+    for i, layer_stats in track(each_layer(stats, layers), total=len(layers), description="auto: candidates",
+                                disable=not progress, transient=True):
+        prob, m = layer_problem(config, adapter, layer_stats, info, i, stored, keep_codes=keep_tensors)
         target = ratio * prob.expert_bytes * prob.num_experts
 
-        def measure(pt: LayerPoint, i=i) -> float:  # the layer alone compressed to `pt`
-            return measure_states(adapter, info, {i: restore(config, adapter, stats, info, i, pt)}, ids, ref)
+        def measure(pt: LayerPoint, i=i, s=layer_stats) -> float:  # the layer alone compressed to `pt`
+            return measure_states(adapter, info, {i: restore(config, adapter, s, info, i, pt)}, ids, ref)
 
         if config.sensitivity == "kind":
             # s_{l,k}: KL per unit of estimated error of representation k in layer l, probed with the layer
@@ -805,7 +807,7 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
             shed(prob)
             m = LayerMoments(i, m.w, m.s_y, m.s_yy, sample=m.sample)  # the token sample is read again at the end
         moments[i], problems[i] = m, prob
-        del m
+        del m, layer_stats
     sens = {i: _sig(raw[i], 4) for i in layers}
     uniform: dict[int, dict[int, int]] = {}
     for b in config.quant_bits:
@@ -882,9 +884,8 @@ def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo,
     source = lambda l, e: adapter.layer(l).storage.read(e)
     tensors = plan_tensor_store(adapter)
     scopes, layers = [], []
-    for li in info.layers:
-        i = li.layer
-        pt = restore(config, adapter, stats, info, i, chosen[i])
+    for i, layer_stats in each_layer(stats, [li.layer for li in info.layers]):
+        pt = restore(config, adapter, layer_stats, info, i, chosen[i])
         part, part_tensors = plan_from_points(info, {**keeps, i: pt}, source=source)
         scopes.append(part.scope(part.layer(i).scope))
         layers.append(part.layer(i))
@@ -988,7 +989,7 @@ def build_auto(config: AutoConfig, context: MethodContext):
     return plan, tensors
 
 
-register_method("auto", AutoConfig, build_auto, needs_stats, family="auto")
+register_method("auto", AutoConfig, build_auto, needs_stats, family="auto", streamed_stats=True)
 
 
 def _register_stats():

@@ -49,6 +49,27 @@ Fit = Literal["weighted", "unweighted"]
 
 
 # ----------------------------------------------------------------------------- per-layer statistics
+class Rows:
+    """An [E, D, D] statistic read one expert at a time, float64: ``rows[e]`` is ``stats.get(layer, name)[e]``
+    (minus ``minus[e]`` for a fold difference). Never read whole: it is many times the layer's weights."""
+
+    def __init__(self, stats, layer: int, name: str, minus: Rows | None = None):
+        self.stats, self.layer, self.name, self.minus = stats, layer, name, minus
+        self._last: tuple[int, torch.Tensor] | None = None  # fits and losses read one expert several times
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        if self._last is None or self._last[0] != e:
+            row = self.stats.get_row(self.layer, self.name, e).double()
+            self._last = (e, row if self.minus is None else row - self.minus[e])
+        return self._last[1]
+
+    def __sub__(self, other: Rows) -> Rows:
+        return Rows(self.stats, self.layer, self.name, minus=other)
+
+
+SQUARE_MOMENTS = frozenset({"auto_g2_xx", "auto_g2_xy", "auto_g2_aa"})  # [E, D, D]: read as `Rows`
+
+
 @dataclass
 class LayerMoments:
     """Gate²-weighted statistics of one MoE layer (float64, per calibration token)."""
@@ -58,10 +79,10 @@ class LayerMoments:
     s_y: torch.Tensor  # [E, H]
     s_yy: torch.Tensor  # [E]
     s_x: torch.Tensor | None = None  # [E, H]
-    s_xx: torch.Tensor | None = None  # [E, H, H]
-    s_xy: torch.Tensor | None = None  # [E, H, H]
+    s_xx: Rows | torch.Tensor | None = None  # [E, H, H]
+    s_xy: Rows | torch.Tensor | None = None  # [E, H, H]
     s_a: torch.Tensor | None = None  # [E, I]
-    s_aa: torch.Tensor | None = None  # [E, I, I]
+    s_aa: Rows | torch.Tensor | None = None  # [E, I, I]
     remap: torch.Tensor | None = None  # [E, E]
     reroute: dict[str, torch.Tensor] = field(default_factory=dict)  # gate -> [E]
     sample: torch.Tensor | None = None  # [S, H] float32
@@ -73,7 +94,10 @@ class LayerMoments:
     @classmethod
     def load(cls, stats, layer: int) -> LayerMoments:
         def get(name):
-            return stats.get(layer, name).double() if stats.has(name) else None
+            if not stats.has(name):
+                return None
+            return Rows(stats, layer, name) if name.removesuffix("_f1") in SQUARE_MOMENTS else \
+                stats.get(layer, name).double()
 
         m = cls(layer, *(get(n) for n in cls._NAMES), get("auto_remap"))
         for gate in ("keep", "renorm"):
@@ -83,7 +107,7 @@ class LayerMoments:
         if stats.has("auto_sample"):
             m.sample = stats.get(layer, "auto_sample")
         if stats.has("auto_g2_f1"):
-            m.fold1 = cls(layer, *(get(f"{n}_f1") if get(n) is not None else None for n in cls._NAMES))
+            m.fold1 = cls(layer, *(get(f"{n}_f1") if stats.has(n) else None for n in cls._NAMES))
         return m
 
     def folds(self) -> tuple[LayerMoments, LayerMoments] | None:

@@ -35,6 +35,7 @@ from ..models.storage import ExpertWeights, expert_intermediate
 from ..quant import QuantizedTensor, gptq, rtn
 from ..quant.spec import QuantSpec
 from .auto_estimate import Candidate, LayerMoments
+from .context import get_rows
 
 HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
 
@@ -106,14 +107,13 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
             routed[e] = (xe, r.weight[tok, slot].double().square(), a)
         w = adapter.experts_at_rest(layer)  # the stored precision; each chunk upcast on its own
         i_dim, h = w.gate.shape[1:]
-        rows = lambda name, ids: torch.stack([stats.get_row(layer, name, e) for e in ids])
         for lo in range(0, len(todo), chunk):
             ids = todo[lo:lo + chunk]
             gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
             biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
-            h_mid = rows("hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
-            g_in = rows(hin_name, ids).float() if algo == "gptq" else None
-            g_mid = rows(hmid_name, ids).float() if algo == "gptq" else None
+            h_mid = get_rows(stats, layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
+            g_in = get_rows(stats, layer, hin_name, ids).float() if algo == "gptq" else None
+            g_mid = get_rows(stats, layer, hmid_name, ids).float() if algo == "gptq" else None
             for b in widths:
                 spec = quant_spec(b, group, algo)
                 q = {"gate": _quantize(gate, g_in, spec), "up": _quantize(up, g_in, spec),

@@ -111,6 +111,14 @@ def stats_view(stats) -> StatsView | None:
     return MappingStats(stats) if isinstance(stats, Mapping) else stats
 
 
+def get_rows(stats: StatsView, layer: int, name: str, ids: list[int]) -> torch.Tensor:
+    """``get(layer, name)[ids]`` read row by row, or in one go from a view that gathers rows together
+    (`calibrate.streamed.LayerStats`: one pass over the layer's batches per chunk of experts)."""
+    if hasattr(stats, "get_rows"):
+        return stats.get_rows(layer, name, ids)
+    return torch.stack([stats.get_row(layer, name, e) for e in ids])
+
+
 def stat(stats: StatsView | Mapping | None, layer: int, name: str) -> torch.Tensor:
     """One statistic of one layer from a StatsView or a {layer: {name: tensor}} mapping."""
     if stats is None:

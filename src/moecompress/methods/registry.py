@@ -30,6 +30,9 @@ class MethodEntry:
     # (config, adapter, stats without moments) -> {layer: experts whose moments the build reads}, or None when
     # it reads none: lets `compress` gather the [S, H, H] moments in a second pass for those experts only
     moment_experts: Callable[[BaseModel, Any, Any], dict[int, list[int]] | None] | None = None
+    # the build reads its statistics one layer at a time, in order, through `calibrate.streamed.each_layer`:
+    # `compress` may give it `StreamedStats` (computed per layer while it works, never stored)
+    streamed_stats: bool = False
 
     def stats_for(self, config: BaseModel) -> list[str]:
         """The statistic names a build with `config` reads."""
@@ -41,9 +44,9 @@ METHODS: dict[str, MethodEntry] = {}
 
 def register_method(name: str, config_cls: type[BaseModel], build: Build,
                     needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "",
-                    moment_experts=None) -> None:
+                    moment_experts=None, streamed_stats: bool = False) -> None:
     METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
-                                else needs_stats, family, moment_experts)
+                                else needs_stats, family, moment_experts, streamed_stats)
 
 
 def get_method(name: str) -> MethodEntry:

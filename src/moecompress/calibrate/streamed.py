@@ -1,0 +1,165 @@
+"""Statistics that are never stored: one layer at a time, computed while its consumer works on it.
+
+A method such as ``auto`` reads, per layer, [E, H, H] statistics (gate²-weighted input moments, GPTQ
+Hessians, their fold halves) that are many times the layer's own weights: for a 4.98 GB checkpoint of
+24 layers × 64 experts (H = 1024), 2.75 GB per layer, 66 GB for the model. `StreamedStats` gives them to
+the method the way the streamed view gives weights:
+
+* `StreamedStats.layers()` is one calibration pass: it yields a `LayerStats` per MoE layer, in order,
+  while that layer is loaded and its input hidden states are held. The pass's statistics are the same
+  collectors' as `calibrate`'s, over the same batches in the same order, so they equal a store's bit for bit.
+* The square statistics (`Collector.square`) are not gathered by the layer's pass. `LayerStats.get_row`
+  gathers them `chunk` experts at a time, by running the layer's batches again with those experts'
+  collectors only (``square_experts``), and keeps only the current chunk.
+* Nothing is written to disk; a pass cannot resume. A method reads the layers more than once by starting
+  another pass (auto: once to build its fronts, once to rebuild the chosen states).
+
+Single process only; the multi-process calibration writes a store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import MoECompressError
+from .api import Calibration, CalibrationOptions, gather
+
+CHUNK = 8  # experts whose square statistics one pass gathers
+
+
+class LayerStats:
+    """The statistics of one MoE layer of a `StreamedStats` pass, with a store's reading interface
+    (``get``, ``get_row``, ``has``, ``require``, ``meta``) for that layer only."""
+
+    def __init__(self, layer: int, stats: dict[str, torch.Tensor], rows, square: frozenset[str], meta: dict,
+                 chunk: int):
+        self.layer, self.meta, self.chunk = layer, meta, chunk
+        self._stats, self._rows, self._square = stats, rows, square
+        self._cached: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (experts, their square rows)
+        self.passes = 0  # square-statistics passes run so far (tests)
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.meta["stats"] for n in names)
+
+    def require(self, *names: str, method: str | None = None) -> None:
+        missing = [n for n in names if not self.has(n)]
+        if missing:
+            raise MoECompressError(f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it.")
+
+    def _check(self, layer: int, name: str) -> None:
+        if layer != self.layer or self._rows is None:
+            raise RuntimeError(f"Statistics of layer {layer} read while layer {self.layer}'s pass "
+                               f"{'is' if self._rows is not None else 'was'} current; this is a bug, please report it.")
+        self.require(name)
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        self._check(layer, name)
+        if name in self._square:
+            raise RuntimeError(f"'{name}' is read one expert at a time on streamed statistics (get_row); this is a "
+                               "bug, please report it.")
+        return self._stats[name]
+
+    def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
+        self._check(layer, name)
+        if name not in self._square:
+            return self._stats[name][index]
+        if not self._holds([index]):
+            lo = index - index % self.chunk
+            self._gather(list(range(lo, min(lo + self.chunk, int(self._stats["counts"].numel())))))
+        experts, rows = self._cached
+        return rows[name][experts.index(index)]
+
+    def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
+        """``get(layer, name)[ids]``: square statistics of at most `chunk` experts gathered together."""
+        self._check(layer, name)
+        if name not in self._square:
+            return self._stats[name][list(ids)]
+        if not self._holds(ids):
+            if len(ids) > self.chunk:
+                raise RuntimeError(f"{len(ids)} experts' '{name}' asked for at once, more than the chunk of "
+                                   f"{self.chunk}; this is a bug, please report it.")
+            self._gather(sorted(set(ids)))
+        experts, rows = self._cached
+        return rows[name][[experts.index(e) for e in ids]]
+
+    def _holds(self, ids) -> bool:
+        return self._cached is not None and all(e in self._cached[0] for e in ids)
+
+    def _gather(self, experts: list[int]) -> None:
+        self._cached = None  # the previous chunk goes before the next one is gathered
+        self._cached = (experts, self._rows(experts))
+        self.passes += 1
+
+    def close(self) -> None:
+        """The pass moved on: the layer is gone, so nothing can be gathered any more."""
+        self._rows, self._cached, self._stats = None, None, {}
+
+
+class StreamedStats:
+    """Statistics `names` of `model` on calibration `data`, per layer, gathered on demand (module doc)."""
+
+    def __init__(self, model: str, data, names: list[str], *, seq_len: int = 256, seed: int = 0,
+                 batch_size: int = 8, dtype: str = "auto", chunk: int = CHUNK):
+        self.cal = Calibration(model, data, CalibrationOptions(seq_len=seq_len, stats=names, batch_size=batch_size,
+                                                               dtype=dtype, seed=seed, progress=False), stream=True)
+        if self.cal.world > 1:
+            raise MoECompressError("Streamed statistics run in one process; calibrate into a store with "
+                                   "moecompress calibrate (multi-process) and pass it with --calib DIR.")
+        self.chunk = chunk
+        self.square = frozenset().union(*(cls.square for cls in self.cal.classes))
+        self.meta = {"data": self.cal.calib.to_dict(), "stats": list(self.cal.names), "streamed": True}
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.meta["stats"] for n in names)
+
+    def require(self, *names: str, method: str | None = None) -> None:
+        missing = [n for n in names if not self.has(n)]
+        if missing:
+            raise MoECompressError(f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it.")
+
+    def layers(self) -> Iterator[LayerStats]:
+        """One pass: a `LayerStats` per MoE layer in order, valid until the next one is asked for."""
+        from .runner import SequentialRunner
+
+        cal = self.cal
+        runner = SequentialRunner(cal.reader, cal.calib, cal.device, cal.dtype, cal.options.batch_size,
+                                  double_buffer=True)  # a layer's inputs stay for its square-statistics passes
+        moe = runner.adapter.moe_layers
+        squares = [cls for cls in cal.classes if cls.square]
+        try:
+            runner.embed()
+            for i in range(max(moe) + 1):
+                runner.load_layer(i)
+                if i in moe:
+                    stats_i = gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device)
+                    stats_i = {k: v for k, v in stats_i.items() if k not in self.square}
+
+                    def rows(ids: list[int], i=i) -> dict[str, torch.Tensor]:
+                        got = gather(runner, i, squares, {**cal.params, "square_experts": ids}, cal.device,
+                                     write=False)
+                        return {k: v for k, v in got.items() if k in self.square}
+
+                    view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk)
+                    del stats_i
+                    yield view
+                    view.close()
+                else:
+                    runner.run_layer(i)
+                runner.commit(i)
+                runner.free_layer(i)
+        finally:
+            runner.cache.clear()
+
+
+def each_layer(stats, layers: list[int]) -> Iterator[tuple[int, object]]:
+    """(layer, statistics to read it from) for each of `layers` in order: a store (or None) answers for every
+    layer; `StreamedStats` runs a pass and answers with each layer's `LayerStats`."""
+    if isinstance(stats, StreamedStats):
+        for view in stats.layers():
+            if view.layer in layers:
+                yield view.layer, view
+    else:
+        for i in layers:
+            yield i, stats

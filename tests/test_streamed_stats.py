@@ -1,0 +1,66 @@
+"""Statistics streamed per layer and never stored (`calibrate.streamed`, issue 19): the same values as a
+store, square statistics gathered a few experts at a time, and `auto` plans identical to a store's."""
+
+import pytest
+import torch
+
+import moecompress
+from moecompress import pipeline
+from moecompress.calibrate import calibrate
+from moecompress.calibrate.streamed import StreamedStats
+from moecompress.models import resolve_source
+
+MODEL = "fixture:olmoe-tiny"
+SPEC, SEQ = "fixture-calib:4", 32
+PARAMS = {"budget": 0.5, "ranks": [4], "bits": [16, 4], "sensitivity_sequences": 2, "sensitivity_seq_len": 16}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streamed-stats")
+    model = str(resolve_source(MODEL))
+    needs = pipeline.needs_for("auto", PARAMS)
+    store = calibrate(model, SPEC, seq_len=SEQ, out=root / "stats", stats=needs, progress=False)
+    return root, model, needs, store
+
+
+def test_streamed_statistics_equal_the_store_bit_for_bit(setup):
+    _, model, needs, store = setup
+    streamed = StreamedStats(model, SPEC, needs, seq_len=SEQ, chunk=3)  # 16 experts: chunks of 3 and a tail of 1
+    assert {"auto_g2_xx", "auto_g2_xy_f1", "auto_g2_aa", "hessian_in_g2", "hessian_mid_g2"} <= streamed.square
+    seen = []
+    for view in streamed.layers():
+        i = view.layer
+        square = sorted(set(needs) & streamed.square)
+        for e in range(16):  # expert by expert, as auto's slots read them
+            for name in square:
+                assert torch.equal(view.get_row(i, name, e), store.get_row(i, name, e)), (i, name, e)
+        assert view.passes == 6  # ceil(16 / 3) chunk passes, each chunk gathered once for every square name
+        for name in needs:
+            if name in streamed.square:
+                with pytest.raises(RuntimeError, match="one expert at a time"):
+                    view.get(i, name)
+            else:
+                assert torch.equal(view.get(i, name), store.get(i, name)), (i, name)
+        assert torch.equal(view.get_rows(i, "hessian_in_g2", [15, 2]), store.get(i, "hessian_in_g2")[[15, 2]])
+        seen.append(view)
+    assert [v.layer for v in seen] == store.layers
+    with pytest.raises(RuntimeError, match="was current"):  # a view read after its pass moved on is a bug
+        seen[0].get_row(seen[0].layer, "auto_g2_xx", 0)
+
+
+def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup):
+    root, model, _, store = setup
+    a, a_tensors = pipeline.make_plan(model, "auto", PARAMS, store)
+    stats = pipeline.calibrate_for(model, SPEC, "auto", PARAMS, seq_len=SEQ, work_dir=root / "unused")
+    assert isinstance(stats, StreamedStats)
+    b, b_tensors = pipeline.make_plan(model, "auto", PARAMS, stats)
+    assert a.model_dump() == b.model_dump()
+    assert sorted(a_tensors) == sorted(b_tensors)
+    assert all(torch.equal(a_tensors[k], b_tensors[k]) for k in a_tensors)
+    assert not (root / "unused").exists()  # nothing was stored
+
+    out = root / "out"
+    moecompress.compress(model, "auto", PARAMS, calib=SPEC, seq_len=SEQ, out=out, progress=False)
+    assert not (root / "out-calib").exists()
+    assert (out / "plan.json").is_file()
