@@ -49,6 +49,9 @@ FAMILIES = {
                                 "--param", "quant_algo=rtn"],
 }
 
+# threads per family (default 1): `auto`'s tilt fits and GPTQ of every expert at every width take minutes per layer
+THREADS = {"auto": 2}
+
 _CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
@@ -66,7 +69,7 @@ def run_family(name: str, args: list[str], model: Path, calib: str, seq_len: int
     out = OUT / name.replace(" ", "_").replace("+", "p")
     cmd = [sys.executable, "-c", _CHILD, "compress", str(model), "--calib", calib, "--seq-len", str(seq_len),
            "--out", str(out), "--overwrite", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS.get(name, 1)), OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -158,7 +161,7 @@ def report() -> None:
     lines = [SECTION, "",
              "Measured by `python -m benchmarks compress-memory` (`benchmarks/bench_compress_memory.py`); results "
              f"`benchmarks/results/{RESULTS.name}`. Machine: {d.get('machine', 'not recorded')}, shared with other "
-             f"jobs, one thread, no GPU; {d.get('date', 'date not recorded')}. Each family is one `moecompress "
+             f"jobs, one thread unless said below, no GPU; {d.get('date', 'date not recorded')}. Each family is one `moecompress "
              f"compress` child process that calibrates (`--calib {d['calib']} --seq-len {d['seq_len']}`), builds "
              "the plan through the streamed checkpoint view and exports; peak RSS is the child's `ru_maxrss`.", "",
              f"Model: `{d['model']}`, random Qwen3-MoE, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers "
@@ -208,14 +211,12 @@ def report() -> None:
                   f"moments of the {removed} experts per layer it removes (two [S, H, H] float32 sums: "
                   f"{per_layer / gb:.2f} GB per layer, {per_layer / d['disk_bytes']:.3f} × the checkpoint)."]
     auto = summaries.get("auto")
-    if auto and not auto["n_ok"]:
-        lines += ["", "`auto` with its default candidates and bits is refused before it starts, for disk, not memory: "
-                  "its gate²-weighted tilt and partial fits and its GPTQ Hessians are [E, H, H] and [E, I, I] statistics "
-                  "of every expert of every layer, which calibration stores for the whole model before `auto` reads "
-                  "them (the refusal above gives their size). `auto` itself builds, and sheds, one layer at a time "
-                  "(docs/architecture.md); building each layer's front right after calibrating that layer, without "
-                  "storing its statistics, is not built. The row below it drops those candidates (no tilt or partial, "
-                  "RTN instead of GPTQ, so only the [E, I, I] down Hessian)."]
+    if auto:
+        lines += ["", "`auto` with its default candidates and bits reads [E, H, H] and [E, I, I] statistics of every expert "
+                  "(gate²-weighted tilt and partial fits, GPTQ Hessians, their cross-fit halves), 12 × this checkpoint "
+                  "for the model. `compress` streams them (docs/calibration.md, \"Streamed statistics\"): each layer's "
+                  "are gathered while `auto` works on that layer, a few experts at a time, and never stored. "
+                  f"`auto` runs with {THREADS['auto']} threads here, the other families with one."]
     reduced = summaries.get("auto (no H×H statistics)")
     if reduced and not reduced["n_ok"] and isinstance(reduced.get("rc"), int) and reduced["rc"] < 0:
         lines += ["", "`auto (no H×H statistics)` was stopped by hand while it was still building its layer problems "

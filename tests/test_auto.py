@@ -335,3 +335,18 @@ def test_group_limited_router_stays_feasible(tmp_path):
     for lp in plan.layers:
         assert lp.gate in ("renorm", "keep", "replace")
         assert sum(lp.routable()) >= adapter.top_k(lp.layer)
+
+
+def test_low_rank_affine_loss_equals_the_dense_form():
+    # the tilt loss evaluated as tr(Vᵀ S_xy U) and tr((UᵀU)(Vᵀ S_xx V)) is the dense tr(M S_xy), tr(M S_xx Mᵀ)
+    g = torch.Generator().manual_seed(0)
+    e_all, h, r = 3, 12, 4
+    x = torch.randn(e_all, 50, h, generator=g, dtype=torch.float64)
+    y = torch.randn(e_all, 50, h, generator=g, dtype=torch.float64)
+    m = est.LayerMoments(0, torch.full((e_all,), 50.0), y.sum(1), y.square().sum((1, 2)), s_x=x.sum(1),
+                         s_xx=x.transpose(1, 2) @ x, s_xy=x.transpose(1, 2) @ y)
+    u, v, b = (torch.randn(h, r, generator=g), torch.randn(h, r, generator=g), torch.randn(h, generator=g))
+    for e in range(e_all):
+        dense = est.affine_loss(m, e, b, u.double() @ v.double().T)
+        assert dense > 0
+        assert est.low_rank_affine_loss(m, e, b, u, v) == pytest.approx(dense, rel=1e-12)

@@ -44,7 +44,7 @@ SAMPLE_SIZE = 512
 
 def _per_token(collector: Collector, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     n = collector.sums["tokens"].to(torch.float64).clamp(min=1)
-    return {name: collector.sums[name] / n for name in names}
+    return {name: collector.sums[name].div_(n) for name in names}  # in place: a copy held the layer's sums twice
 
 
 class _GateWeighted(Collector):

@@ -43,7 +43,7 @@ import torch
 from ..errors import MoECompressError
 from ..plan import ConstantOp, PartialOp, TiltOp
 from ..scoring import rank as rank_order
-from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
+from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size, tilt_basis, tilt_of_rank
 
 Fit = Literal["weighted", "unweighted"]
 
@@ -87,6 +87,8 @@ class LayerMoments:
     reroute: dict[str, torch.Tensor] = field(default_factory=dict)  # gate -> [E]
     sample: torch.Tensor | None = None  # [S, H] float32
     fold1: LayerMoments | None = None  # the moment sums over fold 1 only (same 1/N scale)
+    _folds: tuple | None = field(default=None, repr=False, compare=False)  # `folds()`, made once
+    _basis: tuple | None = field(default=None, repr=False, compare=False)  # ((slot, ridge), TiltBasis) of one slot
 
     _MOMENTS = ("w", "s_y", "s_yy", "s_x", "s_xx", "s_xy", "s_a", "s_aa")
     _NAMES = ("auto_g2", "auto_g2_y", "auto_g2_yy", "auto_g2_x", "auto_g2_xx", "auto_g2_xy", "auto_g2_a", "auto_g2_aa")
@@ -114,9 +116,11 @@ class LayerMoments:
         """(fold 0, fold 1) moments, or None without fold statistics."""
         if self.fold1 is None:
             return None
-        f0 = LayerMoments(self.layer, *(None if getattr(self, k) is None else getattr(self, k) - getattr(self.fold1, k)
-                                        for k in self._MOMENTS))
-        return f0, self.fold1
+        if self._folds is None:
+            f0 = LayerMoments(self.layer, *(None if getattr(self, k) is None else getattr(self, k) -
+                                            getattr(self.fold1, k) for k in self._MOMENTS))
+            self._folds = (f0, self.fold1)
+        return self._folds
 
 
 def approximate_moments(stats, layer: int) -> LayerMoments:
@@ -156,6 +160,18 @@ def affine_loss(m: LayerMoments, e: int, b: torch.Tensor, mat: torch.Tensor) -> 
     b, mat = b.double(), mat.double()
     val = (m.s_yy[e] - 2 * b @ m.s_y[e] - 2 * torch.trace(mat @ m.s_xy[e]) + m.w[e] * (b @ b)
            + 2 * b @ (mat @ m.s_x[e]) + torch.trace(mat @ m.s_xx[e] @ mat.T))
+    return max(float(val), 0.0)
+
+
+def low_rank_affine_loss(m: LayerMoments, e: int, b: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> float:
+    """`affine_loss` for M = U Vᵀ (U [H_out, r], V [H_in, r]) without forming M: tr(M S_xy) = tr(Vᵀ S_xy U)
+    and tr(M S_xx Mᵀ) = tr((UᵀU)(Vᵀ S_xx V)), O(r H²) instead of O(H³) (a tilt's loss is read six times
+    per slot and rank with cross-fitting)."""
+    b, u, v = b.double(), u.double(), v.double()
+    vt_xy = v.T @ m.s_xy[e]  # [r, H_out]
+    vt_xx_v = v.T @ m.s_xx[e] @ v  # [r, r]
+    val = (m.s_yy[e] - 2 * b @ m.s_y[e] - 2 * torch.trace(vt_xy @ u) + m.w[e] * (b @ b)
+           + 2 * b @ (u @ (v.T @ m.s_x[e])) + torch.trace((u.T @ u) @ vt_xx_v))
     return max(float(val), 0.0)
 
 
@@ -238,11 +254,16 @@ def constant_candidate(m: LayerMoments, stats, e: int, fit: Fit, el: int, h: int
 
 
 def _weighted_tilt(m: LayerMoments, e: int, rank: int, ridge: float):
-    return fit_tilt(float(m.w[e]), m.s_x[e], m.s_y[e], m.s_xx[e], m.s_xy[e], rank=rank, ridge=ridge)
+    """`fit_tilt` of slot e; its rank-independent basis is kept for the slot's other ranks (last slot only)."""
+    key = (e, ridge)
+    if m._basis is None or m._basis[0] != key:
+        m._basis = None
+        m._basis = (key, tilt_basis(float(m.w[e]), m.s_x[e], m.s_y[e], m.s_xx[e], m.s_xy[e], ridge=ridge))
+    return tilt_of_rank(m._basis[1], rank)
 
 
 def _tilt_loss(m: LayerMoments, e: int, tilt) -> float:
-    return affine_loss(m, e, tilt.b, tilt.B @ tilt.A)
+    return low_rank_affine_loss(m, e, tilt.b, tilt.B, tilt.A.T)
 
 
 def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: float, el: int, h: int,
@@ -264,7 +285,7 @@ def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: f
         return None
     key = _key(m.layer, e)
     u, v, b = tilt.B.to(dtype), tilt.A.T.contiguous().to(dtype), tilt.b.to(dtype)
-    loss = affine_loss(m, e, b, u.double() @ v.double().T)
+    loss = low_rank_affine_loss(m, e, b, u, v)
     if cross_fit and fit == "weighted" and m.fold1 is not None:
         loss = _cross_fitted(m, e, lambda f, e_: _weighted_tilt(f, e_, rank, ridge), _tilt_loss)
     return Candidate("tilt", loss, tilt.rank, (2 * h * tilt.rank + h) * el, op=TiltOp(rank=tilt.rank, tensor=key),

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..models.storage import ExpertWeights, expert_intermediate
 from ..quant import QuantizedTensor, gptq, rtn
+from ..quant.gptq import factor
 from ..quant.spec import QuantSpec
 from .auto_estimate import Candidate, LayerMoments
 from .context import get_rows
@@ -69,8 +70,8 @@ def quant_stats(bits: list[int], algo: str, weighting: str) -> set[str]:
     return names
 
 
-def _quantize(w: torch.Tensor, h: torch.Tensor | None, spec: QuantSpec) -> QuantizedTensor:
-    return gptq(w, h, spec) if spec.algo == "gptq" else rtn(w, spec)
+def _quantize(w: torch.Tensor, hf, spec: QuantSpec) -> QuantizedTensor:
+    return gptq(w, None, spec, hf) if spec.algo == "gptq" else rtn(w, spec)
 
 
 def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: int | None, algo: str,
@@ -107,17 +108,21 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
             routed[e] = (xe, r.weight[tok, slot].double().square(), a)
         w = adapter.experts_at_rest(layer)  # the stored precision; each chunk upcast on its own
         i_dim, h = w.gate.shape[1:]
+        chunk = min(chunk, getattr(stats, "chunk", chunk))  # streamed statistics gather that many experts at once
         for lo in range(0, len(todo), chunk):
             ids = todo[lo:lo + chunk]
             gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
             biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
             h_mid = get_rows(stats, layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
-            g_in = get_rows(stats, layer, hin_name, ids).float() if algo == "gptq" else None
-            g_mid = get_rows(stats, layer, hmid_name, ids).float() if algo == "gptq" else None
+            f_in = f_mid = None
+            if algo == "gptq":  # one factorisation per Hessian for gate, up and every width (damping is shared)
+                spec = quant_spec(widths[0], group, algo)
+                f_in = factor(get_rows(stats, layer, hin_name, ids), spec)
+                f_mid = factor(get_rows(stats, layer, hmid_name, ids), spec)
             for b in widths:
                 spec = quant_spec(b, group, algo)
-                q = {"gate": _quantize(gate, g_in, spec), "up": _quantize(up, g_in, spec),
-                     "down": _quantize(down, g_mid, spec)}
+                q = {"gate": _quantize(gate, f_in, spec), "up": _quantize(up, f_in, spec),
+                     "down": _quantize(down, f_mid, spec)}
                 deq = {k: v.dequantize(torch.float32) for k, v in q.items()}  # bf16 grid values, exact in float32
                 d_down = down.double() - deq["down"].double()  # [C, H, I]
                 down_part = ((d_down @ h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert

@@ -40,13 +40,27 @@ def fit_tilt(n: float, sum_x: torch.Tensor, sum_y: torch.Tensor, sum_xx: torch.T
       f̂(x) = μ_y + V_r (W V_r)ᵀ (x − μ_x)
     λ = 0 and r = H gives OLS; λ = 0 and r < H gives classical reduced-rank regression.
     """
+    return tilt_of_rank(tilt_basis(n, sum_x, sum_y, sum_xx, sum_xy, ridge), rank)
+
+
+@dataclass
+class TiltBasis:
+    """The rank-independent part of `fit_tilt`: means, the ridge solution W and the eigenvectors of the fitted
+    covariance by decreasing eigenvalue (one solve and one eigendecomposition serve every rank)."""
+
+    n: float
+    mu_x: torch.Tensor
+    mu_y: torch.Tensor
+    w: torch.Tensor | None = None
+    evecs: torch.Tensor | None = None
+
+
+def tilt_basis(n: float, sum_x: torch.Tensor, sum_y: torch.Tensor, sum_xx: torch.Tensor, sum_xy: torch.Tensor,
+               ridge: float = 1e-3) -> TiltBasis:
     sum_x, sum_y = sum_x.double(), sum_y.double()
     if n <= 0:
-        zeros = torch.zeros(0, sum_x.shape[0], dtype=torch.float64)
-        return Tilt(zeros, torch.zeros(sum_y.shape[0], 0, dtype=torch.float64), torch.zeros_like(sum_y))
+        return TiltBasis(n, sum_x, sum_y)
     mu_x, mu_y = sum_x / n, sum_y / n
-    if rank == 0:
-        return Tilt(torch.zeros(0, len(mu_x), dtype=torch.float64), torch.zeros(len(mu_y), 0, dtype=torch.float64), mu_y)
     s_xx = sum_xx.double() / n - torch.outer(mu_x, mu_x)
     s_xy = sum_xy.double() / n - torch.outer(mu_x, mu_y)
     lam = ridge * float(s_xx.diagonal().mean().clamp_min(1e-12))
@@ -54,8 +68,19 @@ def fit_tilt(n: float, sum_x: torch.Tensor, sum_y: torch.Tensor, sum_xx: torch.T
     w = torch.linalg.lstsq(reg, s_xy).solution if lam == 0 else torch.linalg.solve(reg, s_xy)
     fitted_cov = w.T @ reg @ w
     evals, evecs = torch.linalg.eigh(fitted_cov)
-    v = evecs[:, torch.argsort(evals, descending=True)[:rank]]
-    a = (w @ v).T  # [r, H_in]
+    return TiltBasis(n, mu_x, mu_y, w, evecs[:, torch.argsort(evals, descending=True)])
+
+
+def tilt_of_rank(basis: TiltBasis, rank: int) -> Tilt:
+    """`fit_tilt`'s rank-r tilt from its `TiltBasis`."""
+    if basis.n <= 0:
+        zeros = torch.zeros(0, basis.mu_x.shape[0], dtype=torch.float64)
+        return Tilt(zeros, torch.zeros(basis.mu_y.shape[0], 0, dtype=torch.float64), torch.zeros_like(basis.mu_y))
+    mu_x, mu_y = basis.mu_x, basis.mu_y
+    if rank == 0:
+        return Tilt(torch.zeros(0, len(mu_x), dtype=torch.float64), torch.zeros(len(mu_y), 0, dtype=torch.float64), mu_y)
+    v = basis.evecs[:, :rank]
+    a = (basis.w @ v).T  # [r, H_in]
     b = mu_y - v @ (a @ mu_x)
     return Tilt(a, v, b)
 

@@ -28,6 +28,7 @@ Leading batch dimensions (all experts of one projection at once) run in one colu
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,36 +58,55 @@ def _upper_cholesky_of_inverse(H: Tensor) -> Tensor:
     return U
 
 
-def gptq(w: Tensor, H: Tensor, spec: QuantSpec) -> QuantizedTensor:
-    """GPTQ-quantize w [..., out, in] against H [..., in, in] (sum or mean of x x^T; the scale cancels)."""
-    if w.ndim < 2 or H.shape != (*w.shape[:-2], w.shape[-1], w.shape[-1]):
+@dataclass(frozen=True)
+class HessianFactor:
+    """What GPTQ derives from a Hessian alone, shared by every weight quantized against it (gate and up, every
+    bit width): the act-order permutation, the dead columns, and U = chol(H_damped^-1, upper), all permuted."""
+
+    perm: Tensor | None
+    dead: Tensor
+    U: Tensor
+
+
+def factor(H: Tensor, spec: QuantSpec) -> HessianFactor:
+    """The `HessianFactor` of H [..., in, in] under `spec`'s damping and act order (its bits do not matter)."""
+    H = H.to(GPTQ_PRECISION).clone()
+    perm = None
+    if spec.actorder:
+        perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [..., in]
+        H = H.gather(-1, perm.unsqueeze(-2).expand_as(H)).gather(-2, perm.unsqueeze(-1).expand_as(H))
+    diag = H.diagonal(dim1=-2, dim2=-1)  # a view: edits below change H
+    dead = diag == 0
+    diag.masked_fill_(dead, 1.0)
+    diag.add_(spec.damp * diag.mean(dim=-1, keepdim=True))
+    return HessianFactor(perm, dead, _upper_cholesky_of_inverse(H))
+
+
+def gptq(w: Tensor, H: Tensor | None, spec: QuantSpec, hf: HessianFactor | None = None) -> QuantizedTensor:
+    """GPTQ-quantize w [..., out, in] against H [..., in, in] (sum or mean of x x^T; the scale cancels), or
+    against H's `factor` computed once for several weights or bit widths (then H may be None)."""
+    want = (*w.shape[:-2], w.shape[-1], w.shape[-1])
+    got = tuple(hf.U.shape) if hf is not None else (tuple(H.shape) if H is not None else None)
+    if w.ndim < 2 or got != want:
         raise MoECompressError(
-            f"GPTQ needs a Hessian of shape {(*w.shape[:-2], w.shape[-1], w.shape[-1])} for a weight of shape "
-            f"{tuple(w.shape)}, got {tuple(H.shape)}: pass the input Hessian of this projection."
+            f"GPTQ needs a Hessian of shape {want} for a weight of shape {tuple(w.shape)}, got {got}: pass the "
+            "input Hessian of this projection."
         )
+    if hf is None:
+        hf = factor(H, spec)
     n = w.shape[-1]
     scale, zero = grid.qparams(w, spec)  # from the original weight, as llm-compressor
     S = grid.expand_groups(scale, n, spec)  # [..., out, in] per-column scale
     Z = None if zero is None else grid.expand_groups(zero, n, spec)
 
     W = w.to(GPTQ_PRECISION).clone()
-    H = H.to(GPTQ_PRECISION).clone()
-
-    perm = None
-    if spec.actorder:
-        perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [..., in]
+    perm, U = hf.perm, hf.U
+    if perm is not None:
         cols = perm.unsqueeze(-2)
         W = W.gather(-1, cols.expand_as(W))
         S = S.gather(-1, cols.expand_as(S))
         Z = None if Z is None else Z.gather(-1, cols.expand_as(Z))
-        H = H.gather(-1, cols.expand_as(H)).gather(-2, perm.unsqueeze(-1).expand_as(H))
-
-    diag = H.diagonal(dim1=-2, dim2=-1)  # a view: edits below change H
-    dead = diag == 0
-    diag.masked_fill_(dead, 1.0)
-    W.masked_fill_(dead.unsqueeze(-2), 0.0)
-    diag.add_(spec.damp * diag.mean(dim=-1, keepdim=True))
-    U = _upper_cholesky_of_inverse(H)
+    W.masked_fill_(hf.dead.unsqueeze(-2), 0.0)
 
     codes = torch.empty(W.shape, dtype=torch.int8, device=W.device)
     for i1 in range(0, n, spec.block_size):
