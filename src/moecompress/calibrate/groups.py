@@ -60,22 +60,16 @@ def calibrate_groups(model: str, data: CalibrationData, sizes: Sequence[int], st
     out: list[GroupStats] = [{} for _ in sizes]
     runner.embed()
     try:
-        for i in range(max(adapter.moe_layers) + 1):
-            runner.load_layer(i)
-            if i in adapter.moe_layers:
-                sets = [[cls(adapter, i, device) for cls in classes] for _ in sizes]
-                obs = LayerObserver(adapter, i, sets[0])
-                obs.attach()
-                try:
-                    runner.run_layer(i, observer=obs, before_batch=lambda b: obs.use(sets[group_of[b]]))
-                finally:
-                    obs.detach()
-                for g, collectors in enumerate(sets):
-                    out[g][i] = {k: v.detach().cpu() for c in collectors for k, v in c.finalize().items()}
-            else:
-                runner.run_layer(i)
-            runner.commit(i)
-            runner.free_layer(i)
+        for i in runner.moe_passes():
+            sets = [[cls(adapter, i, device) for cls in classes] for _ in sizes]
+            obs = LayerObserver(adapter, i, sets[0])
+            obs.attach()
+            try:
+                runner.run_layer(i, observer=obs, before_batch=lambda b: obs.use(sets[group_of[b]]))
+            finally:
+                obs.detach()
+            for g, collectors in enumerate(sets):
+                out[g][i] = {k: v.detach().cpu() for c in collectors for k, v in c.finalize().items()}
     finally:
         runner.cache.clear()
     return out

@@ -168,6 +168,20 @@ class SequentialRunner:
             if on_batch is not None:
                 on_batch()
 
+    def moe_passes(self):
+        """Walk the decoder layers up to the last MoE layer in order, each loaded in turn: yield each MoE layer's
+        index while it is loaded (the caller runs its batches, writing its outputs), run every other layer
+        here; then commit the outputs and free the layer."""
+        moe = self.adapter.moe_layers
+        for i in range(max(moe) + 1):
+            self.load_layer(i)
+            if i in moe:
+                yield i
+            else:
+                self.run_layer(i)
+            self.commit(i)
+            self.free_layer(i)
+
     def commit(self, i: int) -> None:
         self.cache.commit(i, self.run_key)
 

@@ -30,7 +30,21 @@ from .api import Calibration, CalibrationOptions, gather
 CHUNK = 4  # experts whose square statistics one pass gathers (8 held 2.2 GB on the wide model)
 
 
-class LayerStats:
+class _Named:
+    """`has` / `require` over the statistic names of ``meta["stats"]`` (what the pass gathers)."""
+
+    meta: dict
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.meta["stats"] for n in names)
+
+    def require(self, *names: str, method: str | None = None) -> None:
+        missing = [n for n in names if not self.has(n)]
+        if missing:
+            raise MoECompressError(f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it.")
+
+
+class LayerStats(_Named):
     """The statistics of one MoE layer of a `StreamedStats` pass, with a store's reading interface
     (``get``, ``get_row``, ``has``, ``require``, ``meta``) for that layer only."""
 
@@ -40,14 +54,6 @@ class LayerStats:
         self._stats, self._rows, self._square = stats, rows, square
         self._cached: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (experts, their square rows)
         self.passes = 0  # square-statistics passes run so far (tests)
-
-    def has(self, *names: str) -> bool:
-        return all(n in self.meta["stats"] for n in names)
-
-    def require(self, *names: str, method: str | None = None) -> None:
-        missing = [n for n in names if not self.has(n)]
-        if missing:
-            raise MoECompressError(f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it.")
 
     def _check(self, layer: int, name: str) -> None:
         if layer != self.layer or self._rows is None:
@@ -99,7 +105,7 @@ class LayerStats:
         self._rows, self._cached, self._stats = None, None, {}
 
 
-class StreamedStats:
+class StreamedStats(_Named):
     """Statistics `names` of `model` on calibration `data`, per layer, gathered on demand (module doc)."""
 
     def __init__(self, model: str, data, names: list[str], *, seq_len: int = 256, seed: int = 0,
@@ -113,14 +119,6 @@ class StreamedStats:
         self.square = frozenset().union(*(cls.square for cls in self.cal.classes))
         self.meta = {"data": self.cal.calib.to_dict(), "stats": list(self.cal.names), "streamed": True}
 
-    def has(self, *names: str) -> bool:
-        return all(n in self.meta["stats"] for n in names)
-
-    def require(self, *names: str, method: str | None = None) -> None:
-        missing = [n for n in names if not self.has(n)]
-        if missing:
-            raise MoECompressError(f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it.")
-
     def layers(self) -> Iterator[LayerStats]:
         """One pass: a `LayerStats` per MoE layer in order, valid until the next one is asked for."""
         from .runner import SequentialRunner
@@ -128,29 +126,21 @@ class StreamedStats:
         cal = self.cal
         runner = SequentialRunner(cal.reader, cal.calib, cal.device, cal.dtype, cal.options.batch_size,
                                   double_buffer=True)  # a layer's inputs stay for its square-statistics passes
-        moe = runner.adapter.moe_layers
         squares = [cls for cls in cal.classes if cls.square]
         try:
             runner.embed()
-            for i in range(max(moe) + 1):
-                runner.load_layer(i)
-                if i in moe:
-                    stats_i = gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device)
-                    stats_i = {k: v for k, v in stats_i.items() if k not in self.square}
+            for i in runner.moe_passes():
+                stats_i = gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device)
+                stats_i = {k: v for k, v in stats_i.items() if k not in self.square}
 
-                    def rows(ids: list[int], i=i) -> dict[str, torch.Tensor]:
-                        got = gather(runner, i, squares, {**cal.params, "square_experts": ids}, cal.device,
-                                     write=False)
-                        return {k: v for k, v in got.items() if k in self.square}
+                def rows(ids: list[int], i=i) -> dict[str, torch.Tensor]:
+                    got = gather(runner, i, squares, {**cal.params, "square_experts": ids}, cal.device, write=False)
+                    return {k: v for k, v in got.items() if k in self.square}
 
-                    view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk)
-                    del stats_i
-                    yield view
-                    view.close()
-                else:
-                    runner.run_layer(i)
-                runner.commit(i)
-                runner.free_layer(i)
+                view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk)
+                del stats_i
+                yield view
+                view.close()
         finally:
             runner.cache.clear()
 
