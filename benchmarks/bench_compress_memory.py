@@ -217,10 +217,11 @@ def report() -> None:
                   "for the model. `compress` streams them (docs/calibration.md, \"Streamed statistics\"): each layer's "
                   "are gathered while `auto` works on that layer, a few experts at a time, and never stored. "
                   f"`auto` runs with {THREADS['auto']} threads here, the other families with one."]
-    reduced = summaries.get("auto (no H×H statistics)")
-    if reduced and not reduced["n_ok"] and isinstance(reduced.get("rc"), int) and reduced["rc"] < 0:
-        lines += ["", "`auto (no H×H statistics)` was stopped by hand while it was still building its layer problems "
-                  "(its peak when stopped is in the table)."]
+    for name in ("auto", "auto (no H×H statistics)"):
+        r = summaries.get(name)
+        if r and not r["n_ok"] and isinstance(r.get("rc"), int) and r["rc"] < 0:
+            lines += ["", f"`{name}` was stopped by hand after {r.get('wall_s', '?')} s, while it was still building "
+                      "its layer problems (its peak when stopped is in the table, a lower bound of the whole run's)."]
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(sh["dtype"])
     if width:  # what the pre-issue-19 `compress` held in weights alone: the whole model upcast to float32
         lines += ["", f"Before issue 19, `compress` loaded the whole model in float32: its weights alone are "

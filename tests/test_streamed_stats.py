@@ -64,3 +64,16 @@ def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup):
     moecompress.compress(model, "auto", PARAMS, calib=SPEC, seq_len=SEQ, out=out, progress=False)
     assert not (root / "out-calib").exists()
     assert (out / "plan.json").is_file()
+
+
+def test_dry_run_counts_streamed_statistics_in_memory_not_on_disk(setup):
+    from moecompress.compress_dryrun import estimate_compress
+
+    _, model, needs, _ = setup
+    assert pipeline.streamed_chunk("auto", SPEC) == 4 and pipeline.streamed_chunk("auto", SPEC, "w4g128") is None
+    stored = estimate_compress(model, "auto", PARAMS, SPEC, SEQ, stats=needs)
+    streamed = estimate_compress(model, "auto", PARAMS, SPEC, SEQ, stats=needs, streamed_chunk=4)
+    assert stored.disk_bytes > stored.checkpoint_bytes == streamed.disk_bytes == streamed.checkpoint_bytes
+    assert streamed.calibration_bytes < stored.calibration_bytes  # square rows of 4 of the 16 experts
+    # gathered while the plan is built: the two phases add up
+    assert streamed.peak_memory_bytes >= streamed.calibration_bytes + streamed.plan_bytes

@@ -51,7 +51,9 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     method gathers input/cross moments in a second pass for this fraction of each layer's experts (prune's
     tilt: the removed ones, `MethodEntry.moment_experts`), else for every expert. streamed_chunk: the statistics
     are streamed (`calibrate.streamed`, `pipeline.streams_statistics`): nothing on disk, one layer's statistics
-    but the square ones, and the square ones of this many experts, in memory; two calibration passes."""
+    but the square ones, and the square ones of this many experts, in memory while the plan is built (the two
+    phases' memory adds up); two calibration passes. The time counts checkpoint reads only, not a method's
+    own arithmetic (auto's fits and GPTQ dominate on wide layers)."""
     import psutil
     from safetensors import safe_open
 
@@ -96,7 +98,9 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     if method in _FORWARD_METHODS:
         plan_bytes += int(non_layer_disk * scale)
     export_bytes = int(factor * layer_disk + non_layer_disk)
-    peak = baseline + max(calib_bytes, plan_bytes, export_bytes)
+    # streamed statistics are gathered while the method works on the layer: the two phases overlap
+    overlap = calib_bytes + plan_bytes if streamed_chunk is not None and stats else max(calib_bytes, plan_bytes)
+    peak = baseline + max(overlap, export_bytes)
     passes = calib_passes + 1 + (0 if method == "prune" else 1)
     return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
                             export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
