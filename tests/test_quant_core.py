@@ -224,6 +224,22 @@ def test_gptq_batched_equals_per_matrix():
         assert torch.equal(qb.zero[e], qe.zero)
 
 
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptq_on_a_shared_hessian_factor_equals_gptq_on_the_hessian(actorder):
+    # one factorisation serves every weight and bit width quantized against the same Hessian (auto's keeps)
+    from moecompress.quant.gptq import factor
+
+    w = torch.stack([_weight(8, 96, seed=s) for s in (21, 22)])
+    H = torch.stack([_correlated_hessian(96, seed=s, dead=(s,)) for s in (23, 24)])
+    specs = [QuantSpec.parse(t).model_copy(update={"actorder": actorder}) for t in ("w4g32", "w2g32a")]
+    hf = factor(H, specs[0])
+    for spec in specs:
+        a, b = gptq(w, H, spec), gptq(w, None, spec, hf)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+    with pytest.raises(RuntimeError, match="another damping"):
+        gptq(w, None, specs[0].model_copy(update={"damp": 0.1}), hf)
+
+
 def test_gptq_bad_hessian_shape():
     with pytest.raises(MoECompressError, match="Hessian of shape"):
         gptq(torch.zeros(4, 64), torch.eye(32), QuantSpec.parse("w4g32"))

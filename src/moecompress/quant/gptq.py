@@ -66,6 +66,8 @@ class HessianFactor:
     perm: Tensor | None
     dead: Tensor
     U: Tensor
+    damp: float
+    actorder: bool
 
 
 def factor(H: Tensor, spec: QuantSpec) -> HessianFactor:
@@ -79,7 +81,7 @@ def factor(H: Tensor, spec: QuantSpec) -> HessianFactor:
     dead = diag == 0
     diag.masked_fill_(dead, 1.0)
     diag.add_(spec.damp * diag.mean(dim=-1, keepdim=True))
-    return HessianFactor(perm, dead, _upper_cholesky_of_inverse(H))
+    return HessianFactor(perm, dead, _upper_cholesky_of_inverse(H), spec.damp, spec.actorder)
 
 
 def gptq(w: Tensor, H: Tensor | None, spec: QuantSpec, hf: HessianFactor | None = None) -> QuantizedTensor:
@@ -94,6 +96,9 @@ def gptq(w: Tensor, H: Tensor | None, spec: QuantSpec, hf: HessianFactor | None 
         )
     if hf is None:
         hf = factor(H, spec)
+    elif (hf.damp, hf.actorder) != (spec.damp, spec.actorder):
+        raise RuntimeError("GPTQ was given a Hessian factor made with another damping or column order; this is a "
+                           "bug, please report it.")
     n = w.shape[-1]
     scale, zero = grid.qparams(w, spec)  # from the original weight, as llm-compressor
     S = grid.expand_groups(scale, n, spec)  # [..., out, in] per-column scale
