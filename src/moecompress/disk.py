@@ -57,6 +57,23 @@ def stored_dtype(directory: str | os.PathLike) -> str | None:
     return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
+def dtype_tag(dtype) -> str | None:
+    """The safetensors dtype tag of a torch dtype (None: safetensors cannot store it)."""
+    return next((tag for tag, (name, _) in DTYPES.items() if str(dtype) == f"torch.{name}"), None)
+
+
+def encode_header(entries: dict[str, tuple[str, list[int], int, int]], metadata: dict[str, str] | None) -> bytes:
+    """``[u64 little-endian length][JSON header]`` of a safetensors file whose data follows, for
+    ``entries`` = {name: (dtype tag, shape, start, end)} (offsets into the data). Keys sorted and the header
+    padded with spaces to 8-byte alignment, as safetensors writes it, so equal tensors give equal bytes."""
+    header: dict = {k: {"dtype": d, "shape": list(sh), "data_offsets": [a, b]} for k, (d, sh, a, b) in entries.items()}
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 def write_tensors(file: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """Write torch `tensors` as one safetensors file, each straight from its own memory.
 
@@ -64,19 +81,14 @@ def write_tensors(file: str | os.PathLike, tensors: dict, metadata: dict[str, st
     ([E, H, H] moments and Hessians, the largest there are) were held twice while written."""
     import torch
 
-    tags = {getattr(torch, name): tag for tag, (name, _) in DTYPES.items() if hasattr(torch, name)}
     items = [(k, tensors[k].detach().cpu().contiguous()) for k in sorted(tensors)]
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
+    entries, offset = {}, 0
     for k, t in items:
         n = t.numel() * t.element_size()
-        header[k] = {"dtype": tags[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        entries[k] = (dtype_tag(t.dtype), list(t.shape), offset, offset + n)
         offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(encode_header(entries, metadata))
         for _, t in items:
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))

@@ -14,18 +14,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import torch
 
+from ..disk import dtype_tag, encode_header
 from ..errors import MoECompressError
 
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -60,7 +55,8 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._names:
             raise MoECompressError(f"Tensor '{name}' was written twice; this is a bug in the exporter, please report it.")
-        if tensor.dtype not in _DTYPES:
+        tag = dtype_tag(tensor.dtype)
+        if tag is None:
             raise MoECompressError(f"Tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot store.")
         self._names.add(name)
         t = tensor.detach().to("cpu").contiguous()
@@ -72,7 +68,7 @@ class ShardWriter:
         start = shard["size"]
         if nbytes:
             self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        shard["entries"][name] = (_DTYPES[t.dtype], list(t.shape), start, start + nbytes)
+        shard["entries"][name] = (tag, list(t.shape), start, start + nbytes)
         shard["size"] = start + nbytes
 
     def add_all(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -96,13 +92,8 @@ class ShardWriter:
                  [f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
         weight_map, total = {}, 0
         for shard, fname in zip(self.shards, names):
-            header = {k: {"dtype": d, "shape": s, "data_offsets": [a, b]} for k, (d, s, a, b) in shard["entries"].items()}
-            header["__metadata__"] = {"format": "pt"}
-            raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment with spaces
             with open(self.dir / fname, "wb") as out, open(shard["data"], "rb") as data:
-                out.write(struct.pack("<Q", len(raw)))
-                out.write(raw)
+                out.write(encode_header(shard["entries"], {"format": "pt"}))
                 out.flush()
                 _copy(data, out, shard["size"])
             shard["data"].unlink()
