@@ -194,6 +194,7 @@ def test_quantized_keeps_do_not_depend_on_how_many_experts_are_quantized_togethe
     args = (adapter, store, m, [8, 4, 2], 128, "gptq", "gate2", 2)
     whole, chunked = aq.quant_candidates(*args, chunk=n), aq.quant_candidates(*args, chunk=3)
     some = aq.quant_candidates(*args, experts=[1, n - 1], chunk=1)
+    assert [e for e, c in enumerate(aq.quant_candidates(*args, experts=[4], chunk=3)) if c] == [3, 4, 5]  # its chunk
     for e in range(n):
         assert [c.loss for c in whole[e]] == [c.loss for c in chunked[e]] and len(whole[e]) == 3
         assert [c.loss for c in some[e]] == ([c.loss for c in whole[e]] if e in (1, n - 1) else [])

@@ -71,3 +71,27 @@ def test_dry_run_counts_streamed_statistics_in_memory_not_on_disk(setup):
     assert streamed.calibration_bytes < stored.calibration_bytes  # square rows of 4 of the 16 experts
     # gathered while the plan is built: the two phases add up
     assert streamed.peak_memory_bytes >= streamed.calibration_bytes + streamed.plan_bytes
+
+
+def test_the_pass_lends_its_layer_to_the_method_view(setup):
+    """`each_layer` lends the pass's loaded layer to a streamed view: reads of that layer touch no disk and share
+    the pass's tensors (the layer is in memory once), and equal what the view reads from disk."""
+    from moecompress.calibrate.streamed import each_layer
+
+    _, model, needs, _ = setup
+    view, disk = pipeline.open_view(model), pipeline.open_view(model)
+    streamed = StreamedStats(model, SPEC, needs, seq_len=SEQ)
+    seen = []
+    for i, layer_stats in each_layer(streamed, view.moe_layers, view):
+        w = view.experts_at_rest(i)
+        assert w.gate.data_ptr() == layer_stats.weights[1][f"{view.reader.layers_prefix}.{i}.mlp.experts.gate_up_proj"].data_ptr()
+        for e in (0, 7):
+            got, ref = view.get_expert(i, e), disk.get_expert(i, e)
+            assert got.gate.dtype == torch.float32 and torch.equal(got.gate, ref.gate) and torch.equal(got.down, ref.down)
+        assert torch.equal(view.router_params(i)[0], disk.router_params(i)[0])
+        assert view.layer_loads == {}  # nothing read from disk for the view while the pass holds the layer
+        seen.append(i)
+    assert seen == view.moe_layers and view.resident is None and view._lent is None
+    assert set(view.layer_lends) == set(seen)
+    other = pipeline.open_view(str(resolve_source("fixture:qwen3-moe-tiny")))
+    assert not other.lend(0, {}, model)  # another checkpoint's (or an incomplete) layer is not taken

@@ -49,8 +49,9 @@ class LayerStats(_Named):
     (``get``, ``get_row``, ``has``, ``require``, ``meta``) for that layer only."""
 
     def __init__(self, layer: int, stats: dict[str, torch.Tensor], rows, square: frozenset[str], meta: dict,
-                 chunk: int):
+                 chunk: int, weights=None):
         self.layer, self.meta, self.chunk = layer, meta, chunk
+        self.weights = weights  # (checkpoint, native name -> tensor) of the pass's loaded layer, as stored; or None
         self._stats, self._rows, self._square = stats, rows, square
         self._cached: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (experts, their square rows)
         self.passes = 0  # square-statistics passes run so far (tests)
@@ -102,7 +103,7 @@ class LayerStats(_Named):
 
     def close(self) -> None:
         """The pass moved on: the layer is gone, so nothing can be gathered any more."""
-        self._rows, self._cached, self._stats = None, None, {}
+        self._rows, self._cached, self._stats, self.weights = None, None, {}, None
 
 
 class StreamedStats(_Named):
@@ -137,7 +138,13 @@ class StreamedStats(_Named):
                     got = gather(runner, i, squares, {**cal.params, "square_experts": ids}, cal.device, write=False)
                     return {k: v for k, v in got.items() if k in self.square}
 
-                view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk)
+                weights = None
+                if cal.dtype is None:  # the runner holds the layer as stored: it can be lent (`each_layer`)
+                    layer = runner.model.get_submodule(f"{cal.reader.layers_prefix}.{i}")
+                    prefix = f"{cal.reader.layers_prefix}.{i}"
+                    weights = (str(cal.reader.path), {**dict(layer.named_parameters(prefix)),
+                                                      **dict(layer.named_buffers(prefix))})
+                view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk, weights)
                 del stats_i
                 yield view
                 view.close()
@@ -145,13 +152,23 @@ class StreamedStats(_Named):
             runner.cache.clear()
 
 
-def each_layer(stats, layers: list[int]) -> Iterator[tuple[int, object]]:
+def each_layer(stats, layers: list[int], adapter=None) -> Iterator[tuple[int, object]]:
     """(layer, statistics to read it from) for each of `layers` in order: a store (or None) answers for every
-    layer; `StreamedStats` runs a pass and answers with each layer's `LayerStats`."""
+    layer; `StreamedStats` runs a pass and answers with each layer's `LayerStats`. The pass holds that layer's
+    weights already: a streamed method view (`adapter` with ``lend``) is lent them while the consumer works on
+    the layer, so the layer is in memory once, not once per reader; the view gives them back before the pass
+    goes on to the next layer."""
     if isinstance(stats, StreamedStats):
         for view in stats.layers():
-            if view.layer in layers:
+            if view.layer not in layers:
+                continue
+            lent = (view.weights is not None and hasattr(adapter, "lend")
+                    and adapter.lend(view.layer, view.weights[1], view.weights[0]))
+            try:
                 yield view.layer, view
+            finally:
+                if lent:
+                    adapter.unlend()
     else:
         for i in layers:
             yield i, stats

@@ -488,7 +488,7 @@ def allocate(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budge
 # ----------------------------------------------------------------------------- candidates of a model
 def _dtype_and_el(adapter, info: ModelInfo, layer: int):
     """(dtype operators are fitted in: the model's, in memory; bytes per element: the checkpoint's, on disk)."""
-    return adapter.experts(layer).gate.dtype, info.element_size
+    return adapter.expert_dtype(layer), info.element_size
 
 
 def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, stored: bool,
@@ -772,7 +772,7 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
     fronts, moments, problems = {}, {}, {}
     probes: dict[int, tuple[int, float, float]] = {}
     kind_sens: dict[int, dict[str, float]] = {}
-    for i, layer_stats in track(each_layer(stats, layers), total=len(layers), description="auto: candidates",
+    for i, layer_stats in track(each_layer(stats, layers, adapter), total=len(layers), description="auto: candidates",
                                 disable=not progress, transient=True):
         prob, m = layer_problem(config, adapter, layer_stats, info, i, stored, keep_codes=keep_tensors)
         target = ratio * prob.expert_bytes * prob.num_experts
@@ -884,7 +884,7 @@ def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo,
     source = lambda l, e: adapter.layer(l).storage.read(e)
     tensors = plan_tensor_store(adapter)
     scopes, layers = [], []
-    for i, layer_stats in each_layer(stats, [li.layer for li in info.layers]):
+    for i, layer_stats in each_layer(stats, [li.layer for li in info.layers], adapter):
         pt = restore(config, adapter, layer_stats, info, i, chosen[i])
         part, part_tensors = plan_from_points(info, {**keeps, i: pt}, source=source)
         scopes.append(part.scope(part.layer(i).scope))

@@ -539,10 +539,11 @@ def plan_installed(adapter, plan, tensors, layers):
 
 def sample_layer_error(adapter, plan, tensors, layer: int, x: torch.Tensor) -> float:
     """Mean over the sampled block inputs x of ‖ŷ − y‖²: the plan's real error in `layer` (all interactions)."""
-    x = x.to(adapter.layer(layer).router.weight.dtype)
+    x = x.to(adapter.expert_dtype(layer))
     with torch.no_grad():
         ref = adapter.moe_forward(layer, x)
         with plan_installed(adapter, plan, tensors, [layer]):
+            adapter.hold_layer(layer)  # the block below runs on the layer's own router (and shared experts)
             blk = adapter.decoder_layers[layer]
             out = getattr(blk, adapter.layer(layer).block_attr)(x[None])
             out = out[0] if isinstance(out, tuple) else out

@@ -78,17 +78,21 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
                      weighting: str, el: int, experts: list[int] | None = None, keep_codes: bool = True,
                      chunk: int = 8) -> list[list[Candidate]]:
     """Per slot of layer m.layer, one ``Candidate("quant", loss, bits, bytes, op=QuantKeep)`` per bit width < 16
-    (ordered by decreasing bits); `experts` only (None: every slot; the others get no candidates).
+    (ordered by decreasing bits); `experts` and the others of their chunks only (None: every slot; the others get
+    no candidates).
 
     The layer is quantized `chunk` experts at a time (GPTQ batched over a chunk equals per-matrix runs,
     tests/test_quant_core.py), each chunk's Hessians read row by row, so a layer of big experts never has
-    every expert's float32 weights, codes and Hessians in memory at once. keep_codes=False leaves ``op`` None
-    (the estimate only: `auto.restore` computes the codes of the experts a plan keeps quantized)."""
+    every expert's float32 weights, codes and Hessians in memory at once. A chunk is always the same experts,
+    whichever of them are asked for: batched products on several threads need not round alike for another
+    batch, and `auto.restore` must get back the codes `prepare` estimated bit for bit. keep_codes=False leaves
+    ``op`` None (the estimate only: `restore` computes the codes of the experts a plan keeps quantized)."""
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
     out: list[list[Candidate]] = [[] for _ in range(e_all)]
-    todo = list(range(e_all)) if experts is None else sorted(experts)
+    chunk = min(chunk, getattr(stats, "chunk", chunk))  # streamed statistics gather that many experts at once
+    todo = [e for e in range(e_all) if experts is None or set(range(e - e % chunk, e - e % chunk + chunk)) & set(experts)]
     if not widths or not todo:
         return out
     act = adapter.layer(layer).act
@@ -99,7 +103,7 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
     x = m.sample.to(torch.float32)
     s_n = len(x)
     with torch.no_grad():
-        r = adapter.route(layer, x.to(adapter.layer(layer).router.weight.dtype))
+        r = adapter.route(layer, x.to(adapter.expert_dtype(layer)))
         routed = {}
         for e in todo:
             tok, slot = torch.where(r.index == e)
@@ -108,7 +112,6 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
             routed[e] = (xe, r.weight[tok, slot].double().square(), a)
         w = adapter.experts_at_rest(layer)  # the stored precision; each chunk upcast on its own
         i_dim, h = w.gate.shape[1:]
-        chunk = min(chunk, getattr(stats, "chunk", chunk))  # streamed statistics gather that many experts at once
         for lo in range(0, len(todo), chunk):
             ids = todo[lo:lo + chunk]
             gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))

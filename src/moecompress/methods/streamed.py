@@ -5,17 +5,25 @@ A method asks the adapter for structure (``moe_layers``, ``num_experts(i)``, ``l
 ``experts(i)``, ``get_expert``, ``router_params``, ``route``, ``expert_forward``). This view answers
 structure from a meta skeleton (no memory) and weights by materialising ONE decoder layer from the
 `CheckpointReader` when a weight of that layer is first asked for; the previously resident layer is
-evicted (its parameters go back to the meta device). The layer is read tensor by tensor in the
-checkpoint's dtype and each tensor is upcast to ``compute_dtype`` as it arrives (float32, the dtype
-`compress` used to load the whole model in, so every method's arithmetic and every plan stay exactly
-what they were; ``bfloat16`` holds it at a bf16 checkpoint's own precision instead). Single-expert
-reads are copies (they must not pin the layer); ``read_all`` hands out views of the resident layer,
-which a method that needs a scope of layers (ConMoE) keeps alive itself, and drops when done.
+evicted (its parameters go back to the meta device). Weights are handed out in ``compute_dtype``
+(float32, the dtype `compress` used to load the whole model in, so every method's arithmetic and every
+plan stay exactly what they were; ``bfloat16`` holds a bf16 checkpoint at its own precision instead):
+
+* reads that copy out (one expert: ``read(e)`` / ``get_expert`` / ``expert_forward``; the router) take the
+  layer as it is resident, or bring it in as stored, and upcast each copy (exact): the layer costs its size
+  on disk, not its float32 size;
+* ``read_all``, forwards and ``hold_layer`` (a method running the layer's modules itself) need the layer's
+  modules in the compute dtype: it is read tensor by tensor, each tensor upcast as it arrives. ``read_all``
+  hands out views of that layer, which a method that needs a scope of layers (ConMoE) keeps alive itself.
+
+A reader that holds the layer already (the streamed statistics' pass, `calibrate.streamed.each_layer`)
+can `lend` it: reading it as stored then neither reads the disk nor copies, so the layer is in memory once.
 
 ``layer_loads[i]`` counts how often layer i was read from disk for a method (a plan that needs no
-weights, REAP pruning, leaves it empty). ``model`` is the skeleton with streaming forward hooks: a
-forward (auto's sensitivities and measured KL) loads each decoder layer just before it runs
-(``forward_loads``), so even full-model forwards hold one layer plus the embeddings.
+weights, REAP pruning, leaves it empty), ``layer_lends[i]`` how often it was taken from a lent layer.
+``model`` is the skeleton with streaming forward hooks: a forward (auto's sensitivities and measured KL)
+loads each decoder layer just before it runs (``forward_loads``), so even full-model forwards hold one
+layer plus the embeddings.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ class _StreamedStorage(ExpertStorage):
         return super().read_all()  # views of the resident layer: they outlive its eviction on their own
 
     def read(self, e: int) -> ExpertWeights:
-        self.view._ensure(self.index)
+        self.view._ensure_any(self.index)
         if self.layout == "modulelist":
             return super().read(e).map(self.view._out)
         return super().read_all().map(lambda t: self.view._out(t[e]))
@@ -99,6 +107,8 @@ class StreamedAdapter(MoEAdapter):
         self._at_rest = False  # the resident layer is as stored (experts_at_rest), not in the compute dtype
         self._stored_dtype: dict[int, torch.dtype | None] = {}  # layer -> its one on-disk float dtype (None: mixed)
         self.layer_loads: dict[int, int] = {}
+        self.layer_lends: dict[int, int] = {}  # layer -> times made resident from a lent layer (`lend`)
+        self._lent: tuple[int, dict[str, torch.Tensor]] | None = None
         self.forward_loads: dict[int, int] = {}
         self._non_layer = False
         self._hooks = [model.register_forward_pre_hook(self._pre_model)]
@@ -106,31 +116,57 @@ class StreamedAdapter(MoEAdapter):
             self._hooks.append(dec.register_forward_pre_hook(lambda m, a, i=i: self._ensure(i, forward=True)))
 
     # ---------------------------------------------------------------- residency
-    @staticmethod
-    def _out(t: torch.Tensor | None) -> torch.Tensor | None:
-        """An independent copy: one expert read must not pin its whole fused layer tensor after eviction."""
-        return None if t is None else t.detach().clone()
+    def _out(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """An independent copy in the compute dtype: one expert read must not pin its whole fused layer tensor
+        after eviction (a layer resident as stored is upcast here, one tensor at a time)."""
+        if t is None:
+            return None
+        return t.detach().to(self.compute_dtype if t.is_floating_point() else t.dtype, copy=True)
 
     def _install(self, i: int, dtype: torch.dtype | None) -> None:
         """Read layer i tensor by tensor, casting each to `dtype` (None: as stored) as it arrives (the layer is
         never held twice: one native tensor at the checkpoint's precision is the only transient)."""
+        self._place(i, (item for native in self.reader._by_layer.get(i, [])
+                        for item in self.reader._state([native]).items()), dtype)
+
+    def _place(self, i: int, named, dtype: torch.dtype | None) -> None:
+        """Put each (native name, tensor) of `named` into layer i's modules, cast to `dtype` (None: as given)."""
         from ..checkpoint import _recreate_buffers
 
         stored = set()
-        for native in self.reader._by_layer.get(i, []):
-            for name, t in self.reader._state([native]).items():
-                module, leaf = self._slots[i][name]
-                if t.is_floating_point():
-                    stored.add(t.dtype)
-                t = t.to(dtype) if t.is_floating_point() and dtype is not None else t
-                if leaf in module._parameters:
-                    module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-                else:
-                    module._buffers[leaf] = t
+        for name, t in named:
+            module, leaf = self._slots[i][name]
+            if t.is_floating_point():
+                stored.add(t.dtype)
+                t = t if dtype is None else t.to(dtype)
+            if leaf in module._parameters:
+                module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+            else:
+                module._buffers[leaf] = t
         for module in {m for m, _ in self._slots[i].values()}:
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 _recreate_buffers(module, "cpu")
         self._stored_dtype[i] = stored.pop() if len(stored) == 1 else None
+
+    def lend(self, i: int, tensors: Mapping[str, torch.Tensor], checkpoint: str) -> bool:
+        """Until `unlend`, take layer i as stored from `tensors` (native names) that another reader of the same
+        `checkpoint` holds already (the streamed statistics' pass: `calibrate.streamed.each_layer`), so the layer
+        is in memory once for both: reading it as stored neither reads the disk nor copies. False (nothing done)
+        when they are not all of that layer's tensors."""
+        names = [n for n, (m, leaf) in self._slots[i].items() if getattr(m, leaf) is not None]
+        if Path(checkpoint).resolve() != Path(self.reader.path).resolve() or any(
+                n not in tensors or tensors[n].is_meta for n in names):
+            return False
+        self.unlend()
+        self._lent = (i, {n: tensors[n].detach() for n in names})
+        return True
+
+    def unlend(self) -> None:
+        """Give the lent layer back: it is evicted if resident, and read from disk when asked for again."""
+        if self._lent is not None:
+            if self.resident == self._lent[0]:
+                self.release()
+            self._lent = None
 
     def _free(self, i: int, meta_too: bool = False) -> None:
         for name, (module, leaf) in self._slots[i].items():
@@ -144,10 +180,23 @@ class StreamedAdapter(MoEAdapter):
         """Make decoder layer i resident in the compute dtype (`at_rest`: as stored), evicting the previous one."""
         if self.resident != i or self._at_rest != at_rest:
             self.release()
-            self._install(i, None if at_rest else self.compute_dtype)
+            if at_rest and self._lent is not None and self._lent[0] == i:
+                self._place(i, self._lent[1].items(), None)
+                counts = self.layer_lends
+            else:
+                self._install(i, None if at_rest else self.compute_dtype)
+                counts = self.forward_loads if forward else self.layer_loads
             self.resident, self._at_rest = i, at_rest
-            counts = self.forward_loads if forward else self.layer_loads
             counts[i] = counts.get(i, 0) + 1
+
+    def _ensure_any(self, i: int) -> None:
+        """Make layer i resident for reads that copy out (one expert, the router): either residency will do, and
+        a layer not yet resident comes in as stored, so it costs its size on disk, not its float32 size."""
+        if self.resident != i:
+            self._ensure(i, at_rest=True)
+
+    def hold_layer(self, i: int) -> None:
+        self._ensure(i)
 
     def release(self) -> None:
         """Evict the resident layer (the plan is built: nothing of the checkpoint stays in memory)."""
@@ -186,7 +235,7 @@ class StreamedAdapter(MoEAdapter):
 
     def router_params(self, i: int):
         layer = self.layer(i)
-        self._ensure(i)
+        self._ensure_any(i)
         r = layer.router
         return (self._out(r.weight), self._out(getattr(r, "bias", None)),
                 self._out(getattr(r, "e_score_correction_bias", None)))

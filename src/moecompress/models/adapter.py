@@ -282,6 +282,10 @@ class MoEAdapter:
         r = self.layer(i).router
         return r.weight, getattr(r, "bias", None), getattr(r, "e_score_correction_bias", None)
 
+    def hold_layer(self, i: int) -> None:
+        """Make layer i's modules usable directly, not only through this adapter's reads (a streamed view brings
+        the layer in, in its compute dtype); a model in memory always is."""
+
     def set_block(self, i: int, module: nn.Module) -> None:
         """Install `module` in place of layer i's MoE block (used by the runtime)."""
         layer = self.layer(i)
