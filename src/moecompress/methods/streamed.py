@@ -12,9 +12,12 @@ plan stay exactly what they were; ``bfloat16`` holds a bf16 checkpoint at its ow
 * reads that copy out (one expert: ``read(e)`` / ``get_expert`` / ``expert_forward``; the router) take the
   layer as it is resident, or bring it in as stored, and upcast each copy (exact): the layer costs its size
   on disk, not its float32 size;
-* ``read_all``, forwards and ``hold_layer`` (a method running the layer's modules itself) need the layer's
-  modules in the compute dtype: it is read tensor by tensor, each tensor upcast as it arrives. ``read_all``
-  hands out views of that layer, which a method that needs a scope of layers (ConMoE) keeps alive itself.
+  "As stored" applies to the routed experts, the bulk of a layer; the rest of it (router, shared experts,
+  attention, norms) is always upcast, so ``hold_layer`` (a method running the layer's router or shared
+  experts itself) is satisfied by either residency;
+* ``read_all`` and forwards need the experts in the compute dtype too: the layer is read tensor by tensor,
+  each tensor upcast as it arrives. ``read_all`` hands out views of that layer, which a method that needs a
+  scope of layers (ConMoE) keeps alive itself.
 
 A reader that holds the layer already (the streamed statistics' pass, `calibrate.streamed.each_layer`)
 can `lend` it: reading it as stored then neither reads the disk nor copies, so the layer is in memory once.
@@ -100,9 +103,12 @@ class StreamedAdapter(MoEAdapter):
                     self._meta_dtype[f"{mname}.{leaf}"] = compute_dtype if t.is_floating_point() else t.dtype
         for i in self._slots:
             self._free(i, meta_too=True)
+        self._expert_names: dict[int, set[str]] = {i: set() for i in self._slots}  # the routed experts' tensors
         for i, layer in self.layers.items():
             s = layer.storage
             layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
+            mods = set(s.module.modules())
+            self._expert_names[i] = {n for n, (m, _) in self._slots[i].items() if m in mods}
         self.resident: int | None = None
         self._at_rest = False  # the resident layer is as stored (experts_at_rest), not in the compute dtype
         self._stored_dtype: dict[int, torch.dtype | None] = {}  # layer -> its one on-disk float dtype (None: mixed)
@@ -123,22 +129,26 @@ class StreamedAdapter(MoEAdapter):
             return None
         return t.detach().to(self.compute_dtype if t.is_floating_point() else t.dtype, copy=True)
 
-    def _install(self, i: int, dtype: torch.dtype | None) -> None:
-        """Read layer i tensor by tensor, casting each to `dtype` (None: as stored) as it arrives (the layer is
-        never held twice: one native tensor at the checkpoint's precision is the only transient)."""
+    def _install(self, i: int, at_rest: bool) -> None:
+        """Read layer i tensor by tensor, casting each as it arrives (the layer is never held twice: one native
+        tensor at the checkpoint's precision is the only transient); see `_place`."""
         self._place(i, (item for native in self.reader._by_layer.get(i, [])
-                        for item in self.reader._state([native]).items()), dtype)
+                        for item in self.reader._state([native]).items()), at_rest)
 
-    def _place(self, i: int, named, dtype: torch.dtype | None) -> None:
-        """Put each (native name, tensor) of `named` into layer i's modules, cast to `dtype` (None: as given)."""
+    def _place(self, i: int, named, at_rest: bool) -> None:
+        """Put each (native name, tensor) of `named` into layer i's modules in the compute dtype; `at_rest`: the
+        routed experts' tensors (the bulk of the layer) as given, the rest (router, shared experts, attention,
+        norms) still upcast, so the layer's own modules run on compute-dtype inputs either way."""
         from ..checkpoint import _recreate_buffers
 
         stored = set()
         for name, t in named:
             module, leaf = self._slots[i][name]
             if t.is_floating_point():
-                stored.add(t.dtype)
-                t = t if dtype is None else t.to(dtype)
+                expert = name in self._expert_names[i]
+                if expert:
+                    stored.add(t.dtype)
+                t = t if at_rest and expert else t.to(self.compute_dtype)
             if leaf in module._parameters:
                 module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
             else:
@@ -146,7 +156,7 @@ class StreamedAdapter(MoEAdapter):
         for module in {m for m, _ in self._slots[i].values()}:
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 _recreate_buffers(module, "cpu")
-        self._stored_dtype[i] = stored.pop() if len(stored) == 1 else None
+        self._stored_dtype[i] = stored.pop() if len(stored) == 1 else None  # of the routed experts
 
     def lend(self, i: int, tensors: Mapping[str, torch.Tensor], checkpoint: str) -> bool:
         """Until `unlend`, take layer i as stored from `tensors` (native names) that another reader of the same
@@ -181,10 +191,10 @@ class StreamedAdapter(MoEAdapter):
         if self.resident != i or self._at_rest != at_rest:
             self.release()
             if at_rest and self._lent is not None and self._lent[0] == i:
-                self._place(i, self._lent[1].items(), None)
+                self._place(i, self._lent[1].items(), at_rest=True)
                 counts = self.layer_lends
             else:
-                self._install(i, None if at_rest else self.compute_dtype)
+                self._install(i, at_rest)
                 counts = self.forward_loads if forward else self.layer_loads
             self.resident, self._at_rest = i, at_rest
             counts[i] = counts.get(i, 0) + 1
@@ -196,7 +206,7 @@ class StreamedAdapter(MoEAdapter):
             self._ensure(i, at_rest=True)
 
     def hold_layer(self, i: int) -> None:
-        self._ensure(i)
+        self._ensure_any(i)  # either residency has every module but the routed experts in the compute dtype
 
     def release(self) -> None:
         """Evict the resident layer (the plan is built: nothing of the checkpoint stays in memory)."""

@@ -17,6 +17,7 @@ resident bytes are the packed integers and scales.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -82,6 +83,19 @@ def slot_tensor_names(spec: QuantSpec | None, bias: bool) -> list[str]:
     return names + ([f"{p}_bias" for p in PARTS] if bias else [])
 
 
+class _Dense(Sequence):
+    """The slots' dense weights in `dtype`, computed when indexed (`StoredExpertSlot.weights`)."""
+
+    def __init__(self, slots, dtype: torch.dtype):
+        self.slots, self.dtype = slots, dtype
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        return self.slots[e].weights(self.dtype)
+
+
 class QuantizedStoredExperts(StoredExperts):
     """K stored experts, some or all integer-quantized; ``forward(x, index, weight)`` as `StoredExperts`."""
 
@@ -96,8 +110,8 @@ class QuantizedStoredExperts(StoredExperts):
         self.experts = nn.ModuleList(slots)
 
     def fused(self) -> dict[str, torch.Tensor]:
-        weights = [slot.weights(self.dtype) for slot in self.experts]
-        return native_tensors(weights, self.layout, self.width, self.dtype)
+        # each slot is dequantized as it is copied in: a list of every slot's dense weights held the layer twice
+        return native_tensors(_Dense(self.experts, self.dtype), self.layout, self.width, self.dtype)
 
     def extra_repr(self) -> str:
         specs = sorted({"dense" if s.spec is None else s.spec.name() for s in self.experts})
