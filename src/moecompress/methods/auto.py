@@ -492,9 +492,10 @@ def _dtype_and_el(adapter, info: ModelInfo, layer: int):
 
 
 def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, stored: bool,
-                  keep_codes: bool = True) -> tuple[LayerProblem, LayerMoments]:
+                  keep_codes: bool = True, slots: set[int] | None = None) -> tuple[LayerProblem, LayerMoments]:
     """Per-slot candidates of one layer, fitted and scored from the statistics (keep_codes=False: quantized
-    keeps carry their estimate, not their codes; see `restore`)."""
+    keeps carry their estimate, not their codes; see `restore`). slots: fit the operators of these slots only
+    (the others keep only "keep"; `restore` rebuilds a few chosen slots)."""
     m = LayerMoments.load(stats, layer)
     li = info.layer(layer)
     h = adapter.hidden_size
@@ -507,6 +508,9 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
         slot = [Candidate("keep", 0.0, 0, li.bytes_per_expert)]
         if quant is not None:
             slot += quant[e]
+        if slots is not None and e not in slots:
+            options.append(slot)
+            continue
         if "reroute" in cands:
             for gate in config.gates:
                 slot.append(Candidate("reroute", float(m.reroute[gate][e]), 0, 0, gate=gate))
@@ -852,7 +856,7 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
     ops = {point.choice[e].kind for e in todo} - {"quant"}
     if ops:  # operator fits: the layer's problem with only those kinds and no quantized keeps
         sub = config.model_copy(update={"candidates": [k for k in config.candidates if k in ops], "bits": [16]})
-        prob, _ = layer_problem(sub, adapter, stats, info, layer, config.accounting == "stored")
+        prob, _ = layer_problem(sub, adapter, stats, info, layer, config.accounting == "stored", slots=set(todo))
         rebuilt |= {(e, c.kind, c.param): c for e in todo for c in prob.options[e]}
     quant = [e for e in todo if point.choice[e].kind == "quant"]
     if quant:
