@@ -77,7 +77,16 @@ def test_a_weight_reading_plan_holds_one_layer_at_a_time(tiny):
         view.layer(i).storage.read(0)
         resident = {n.split(".")[2] for n, p in view.model.named_parameters() if not p.is_meta}
         assert resident == {str(i)}
+        # an expert read brings the layer in as stored: the routed experts stay bf16, the rest is upcast so the
+        # layer's own router (and shared experts) run on float32 inputs (auto's sampled layer error)
+        layer = view.layer(i)
+        assert layer.storage.module.gate_up_proj.dtype == torch.bfloat16
+        assert layer.router.weight.dtype == torch.float32
+        view.hold_layer(i)
+        assert layer.storage.module.gate_up_proj.dtype == torch.bfloat16  # no float32 copy of the experts for it
     assert view.layer_loads == dict.fromkeys(layers, 1)
+    view.experts(layers[-1])  # every expert at once: the layer in float32
+    assert view.layer(layers[-1]).storage.module.gate_up_proj.dtype == torch.float32
     w = view.get_expert(layers[0], 1)  # a copy in float32 that outlives eviction
     assert w.gate.dtype == torch.float32 and not w.gate.is_meta
     ref = MoEAdapter(load_model(str(path), dtype="float32")).get_expert(layers[0], 1)
