@@ -101,6 +101,11 @@ class LayerStats(_Named):
         self._cached = (experts, self._rows(experts))
         self.passes += 1
 
+    def drop_rows(self) -> None:
+        """The reader is done with square statistics for now: free the chunk held (the next read gathers)."""
+        self._cached = None
+        release_freed_memory()
+
     def close(self) -> None:
         """The pass moved on: the layer is gone, so nothing can be gathered any more."""
         self._rows, self._cached, self._stats, self.weights = None, None, {}, None

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..calibrate.streamed import each_layer
 from ..errors import MoECompressError
+from ..memory import large_blocks_mmapped
 from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
 from . import auto_estimate as est
 from . import auto_quant as aq
@@ -529,6 +530,8 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
                     slot.append(c)
         # an operator as large as the expert itself is never worth it
         options.append([c for c in slot if c.kind == "keep" or c.bytes < li.bytes_per_expert])
+    if hasattr(stats, "drop_rows"):  # streamed statistics: the last chunk of square rows is not read again
+        stats.drop_rows()
     remap = m.remap if "remap" in cands else None
     partners = config.pair_partners or (li.num_experts - 1 if li.num_experts <= 32 else 8)
     pairs = est.pair_options(adapter, stats, m, partners) if "pair" in cands else []
@@ -919,6 +922,7 @@ def measure_states(adapter, info: ModelInfo, states: dict[int, LayerPoint], ids:
         return est.kl_to(ref, adapter.model, ids)
 
 
+@large_blocks_mmapped()
 def build_auto(config: AutoConfig, context: MethodContext):
     """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the module doc."""
     adapter, stats = context.adapter, context.stats
