@@ -95,3 +95,13 @@ def test_the_pass_lends_its_layer_to_the_method_view(setup):
     assert set(view.layer_lends) == set(seen)
     other = pipeline.open_view(str(resolve_source("fixture:qwen3-moe-tiny")))
     assert not other.lend(0, {}, model)  # another checkpoint's (or an incomplete) layer is not taken
+
+
+def test_streamed_statistics_refuse_several_ranks(setup, monkeypatch):
+    from moecompress.calibrate import distributed
+    from moecompress.errors import MoECompressError
+
+    _, model, needs, _ = setup
+    monkeypatch.setattr(distributed, "world", lambda: (0, 2))  # as under torchrun --nproc_per_node 2
+    with pytest.raises(MoECompressError, match="run in one process; calibrate into a store"):
+        StreamedStats(model, SPEC, needs, seq_len=SEQ)
