@@ -1,6 +1,8 @@
 """Statistics streamed per layer and never stored (`calibrate.streamed`, issue 19): the same values as a
 store, square statistics gathered a few experts at a time, and `auto` plans identical to a store's."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -81,10 +83,14 @@ def test_the_pass_lends_its_layer_to_the_method_view(setup):
     _, model, needs, _ = setup
     view, disk = pipeline.open_view(model), pipeline.open_view(model)
     streamed = StreamedStats(model, SPEC, needs, seq_len=SEQ)
-    seen = []
+    seen, previous = [], None
     for i, layer_stats in each_layer(streamed, view.moe_layers, view):
+        assert previous is None or previous() is None  # the last layer's tensors went when the pass moved on
+        fused = layer_stats.weights[1][f"{view.reader.layers_prefix}.{i}.mlp.experts.gate_up_proj"]
+        previous = weakref.ref(fused)
         w = view.experts_at_rest(i)
-        assert w.gate.data_ptr() == layer_stats.weights[1][f"{view.reader.layers_prefix}.{i}.mlp.experts.gate_up_proj"].data_ptr()
+        assert w.gate.data_ptr() == fused.data_ptr()
+        del w, fused
         for e in (0, 7):
             got, ref = view.get_expert(i, e), disk.get_expert(i, e)
             assert got.gate.dtype == torch.float32 and torch.equal(got.gate, ref.gate) and torch.equal(got.down, ref.down)

@@ -150,7 +150,7 @@ class StreamedStats(_Named):
                     weights = (str(cal.reader.path), {**dict(layer.named_parameters(prefix)),
                                                       **dict(layer.named_buffers(prefix))})
                 view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk, weights)
-                del stats_i
+                del stats_i, weights  # held by the view only: freeing the layer must free its tensors
                 yield view
                 view.close()
         finally:
