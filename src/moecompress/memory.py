@@ -48,8 +48,8 @@ def release_freed_memory() -> bool:
 
 @contextlib.contextmanager
 def large_blocks_mmapped(threshold: int = 4 << 20):
-    """Within, blocks of `threshold` bytes or more get their own mappings (returned to the OS when freed)
-    instead of heap space; also a decorator. glibc cannot go back to its dynamic threshold afterwards, so on
+    """Within, blocks of `threshold` bytes or more that no free heap chunk can hold get their own mappings
+    (returned to the OS when freed) instead of growing the heap; also a decorator. glibc cannot go back to its dynamic threshold afterwards, so on
     exit the threshold is that one's ceiling (32 MiB), and free heap pages are returned."""
     libc = _libc()
     if libc is not None:
