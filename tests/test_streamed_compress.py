@@ -250,3 +250,17 @@ def test_auto_reference_log_probs_on_the_streamed_view_equal_the_loaded_model(ti
     assert all(p.is_meta for p in view.model.parameters())
     first, second = est._logprobs(view.model, ids), est._logprobs(view.model, ids)
     assert torch.equal(first, want) and torch.equal(second, want)
+
+
+def test_shared_experts_run_on_a_layer_read_as_stored(tmp_path):
+    """A family with shared experts: the view's MoE block (routed experts read one at a time as stored, the
+    shared expert upcast in either residency) equals the float32 model's, and never upcasts the routed experts."""
+    path = save_tiny("qwen2_moe", tmp_path / "m", seed=1)
+    model = load_model(str(path), dtype="float32").to(torch.bfloat16)
+    model.save_pretrained(path)
+    view, ref = pipeline.open_view(str(path)), MoEAdapter(load_model(str(path), dtype="float32"))
+    i = view.moe_layers[0]
+    x = torch.randn(5, view.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert view.layer(i).shared is not None
+    assert torch.equal(view.moe_forward(i, x), ref.moe_forward(i, x))
+    assert view.layer(i).storage.module.gate_up_proj.dtype == torch.bfloat16

@@ -49,8 +49,9 @@ def release_freed_memory() -> bool:
 @contextlib.contextmanager
 def large_blocks_mmapped(threshold: int = 4 << 20):
     """Within, blocks of `threshold` bytes or more that no free heap chunk can hold get their own mappings
-    (returned to the OS when freed) instead of growing the heap; also a decorator. glibc cannot go back to its dynamic threshold afterwards, so on
-    exit the threshold is that one's ceiling (32 MiB), and free heap pages are returned."""
+    (returned to the OS when freed) instead of growing the heap; also a decorator. glibc cannot go back to
+    its dynamic threshold afterwards, so on exit the threshold is that one's ceiling (32 MiB), and free heap
+    pages are returned."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)

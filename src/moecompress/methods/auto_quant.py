@@ -92,7 +92,8 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
     e_all = adapter.num_experts(layer)
     out: list[list[Candidate]] = [[] for _ in range(e_all)]
     chunk = min(chunk, getattr(stats, "chunk", chunk))  # streamed statistics gather that many experts at once
-    todo = [e for e in range(e_all) if experts is None or set(range(e - e % chunk, e - e % chunk + chunk)) & set(experts)]
+    chunks = None if experts is None else {e // chunk for e in experts}
+    todo = [e for e in range(e_all) if chunks is None or e // chunk in chunks]
     if not widths or not todo:
         return out
     act = adapter.layer(layer).act

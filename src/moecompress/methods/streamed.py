@@ -11,10 +11,9 @@ plan stay exactly what they were; ``bfloat16`` holds a bf16 checkpoint at its ow
 
 * reads that copy out (one expert: ``read(e)`` / ``get_expert`` / ``expert_forward``; the router) take the
   layer as it is resident, or bring it in as stored, and upcast each copy (exact): the layer costs its size
-  on disk, not its float32 size;
-  "As stored" applies to the routed experts, the bulk of a layer; the rest of it (router, shared experts,
-  attention, norms) is always upcast, so ``hold_layer`` (a method running the layer's router or shared
-  experts itself) is satisfied by either residency;
+  on disk, not its float32 size. "As stored" applies to the routed experts, the bulk of a layer; the rest
+  (router, shared experts, attention, norms) is always upcast, so ``hold_layer`` (a method running the
+  layer's router or shared experts itself) is satisfied by either residency;
 * ``read_all`` and forwards need the experts in the compute dtype too: the layer is read tensor by tensor,
   each tensor upcast as it arrives. ``read_all`` hands out views of that layer, which a method that needs a
   scope of layers (ConMoE) keeps alive itself.
@@ -260,7 +259,7 @@ class StreamedAdapter(MoEAdapter):
         layer = self.layer(i)
         if layer.shared is None:
             return None
-        self._ensure(i)
+        self._ensure_any(i)  # the shared experts are upcast in either residency
         return super().shared_forward(i, h)
 
 
