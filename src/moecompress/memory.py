@@ -60,4 +60,4 @@ def large_blocks_mmapped(threshold: int = 4 << 20):
     finally:
         if libc is not None:
             libc.mallopt(_M_MMAP_THRESHOLD, _DYNAMIC_MAX)
-            libc.malloc_trim(0)
+        release_freed_memory()
