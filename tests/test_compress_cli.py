@@ -50,6 +50,7 @@ def test_constant_operator_goes_compact(tiny, capsys):
     (["--param", "rank"], "is not key=value"),
     (["--method", "prunee"], "Unknown method 'prunee'"),
     (["--format", "hf", "--operator", "constant"], "use --format compact"),
+    (["--format", "bogus"], "Unknown export format 'bogus'"),
     (["--method", "auto", "--budget", "1.5"], "Budget '1.5' is not a fraction in (0, 1] or a size"),
     (["--method", "auto", "--budget", "4XB"], "Budget '4XB' is not a fraction in (0, 1] or a size"),
     (["--method", "auto", "--budget", "half"], "Budget 'half' is not a fraction in (0, 1] or a size"),
@@ -61,6 +62,15 @@ def test_bad_input_is_one_sentence(tiny, capsys, args, message):
     code, _, err = run_cli(["compress", str(path), "--calib", str(root / "stats"), "--out", str(out), *args], capsys)
     assert code == 2 and message in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_format_help_lists_every_registered_format(capsys, monkeypatch):
+    from moecompress.export.formats import FORMATS
+
+    monkeypatch.setenv("COLUMNS", "250")  # rich would wrap the help text inside its box
+    code, stdout, _ = run_cli(["compress", "--help"], capsys)
+    assert code == 0
+    assert " | ".join(("auto", *FORMATS)) in stdout
 
 
 def test_router_merge_through_compress_routes_with_merged_rows(tmp_path, capsys):

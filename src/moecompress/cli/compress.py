@@ -15,6 +15,7 @@ from rich.table import Table
 from ..api import compress
 from ..compress_dryrun import estimate_compress, refuse_if_over
 from ..errors import MoECompressError
+from ..export.formats import FORMATS
 from ..pipeline import moment_fraction, needs_for, streamed_chunk
 from ..validate import check_range
 
@@ -52,7 +53,7 @@ def compress_command(
                                         "('a' suffix: asymmetric); --method quant quantizes the original experts."),
     quant_algo: str = typer.Option("gptq", help="gptq (calibration Hessians) | rtn (round-to-nearest)."),
     quant_weighting: str = typer.Option("uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."),
-    format: str = typer.Option("auto", help="auto | hf | compact | packed | materialized."),
+    format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     seed: int = typer.Option(0),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
