@@ -2,6 +2,7 @@
 """Streaming `compress` benchmark (issue 19): peak memory of every method family, calibration included.
 
     python benchmarks/bench_compress_memory.py run [--families prune,tilt,...] [--model DIR]
+    python benchmarks/bench_compress_memory.py dryrun     # every family's `compress --dry-run --json` estimate
     python benchmarks/bench_compress_memory.py report     # writes the BENCHMARKS.md section from the JSON
 
 Every family runs `moecompress compress W --calib fixture-calib:N --seq-len T ...` in its own child process
@@ -119,6 +120,25 @@ def run(families: list[str], model: Path, calib: str, seq_len: int) -> dict:
     return data
 
 
+def dryrun(model: Path, calib: str, seq_len: int) -> dict:
+    """Every family's `compress --dry-run --json` estimate, kept beside the measured runs (seconds each)."""
+    data = json.loads(RESULTS.read_text())
+    estimates = data.setdefault("estimates", {})
+    src = _src_rev()
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(ROOT / "src"))
+    for name, args in FAMILIES.items():
+        cmd = [sys.executable, "-m", "moecompress.cli", "compress", str(model), "--calib", calib, "--seq-len",
+               str(seq_len), "--out", str(OUT / "dry-run"), *args, "--dry-run", "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name}: the dry-run failed: {proc.stderr[-600:]}")
+        estimates[name] = dict(json.loads(proc.stdout), src=src, date=time.strftime("%Y-%m-%d %H:%M"))
+        print(name, json.dumps(estimates[name]), flush=True)
+    RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
 def _src_rev() -> str:
     """The package source measured: git's tree id of src/ at HEAD, marked dirty when src/ has local changes."""
     tree = subprocess.run(["git", "rev-parse", "HEAD:src"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -222,6 +242,7 @@ def report() -> None:
         if r and not r["n_ok"] and isinstance(r.get("rc"), int) and r["rc"] < 0:
             lines += ["", f"`{name}` was stopped by hand after {r.get('wall_s', '?')} s, while it was still building "
                       "its layer problems (its peak when stopped is in the table, a lower bound of the whole run's)."]
+    lines += _estimate_lines(d, summaries)
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(sh["dtype"])
     if width:  # what the pre-issue-19 `compress` held in weights alone: the whole model upcast to float32
         lines += ["", f"Before issue 19, `compress` loaded the whole model in float32: its weights alone are "
@@ -233,9 +254,34 @@ def report() -> None:
     print("\n".join(lines))
 
 
+def _estimate_lines(d: dict, summaries: dict) -> list[str]:
+    """`compress --dry-run`'s estimates beside the measured peaks and wall times."""
+    est = d.get("estimates") or {}
+    if not est:
+        return []
+    gb = 1e9
+    srcs = sorted({e["src"] for e in est.values()})
+    lines = ["", "### `compress --dry-run` against the measured runs", "",
+             f"`python benchmarks/bench_compress_memory.py dryrun` (src/ `{', '.join(srcs)}`): each family's "
+             "estimate before any work. The time counts the checkpoint reads only, not a method's own arithmetic.", "",
+             "| family | estimated peak | ÷ measured peak | estimated time | measured wall |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name in FAMILIES:
+        e, r = est.get(name), summaries.get(name)
+        if e is None:
+            continue
+        measured = r.get("peak_rss_bytes") if r else None
+        done = bool(r and r["n_ok"])
+        ratio = f"{e['peak_memory_bytes'] / measured:.2f}" if measured and done else (
+            f"≤ {e['peak_memory_bytes'] / measured:.2f} (run stopped)" if measured else "not run")
+        wall = f"{r['wall_s']:.0f} s" if done else "—"
+        lines.append(f"| {name} | {e['peak_memory_bytes'] / gb:.2f} GB | {ratio} | {e['time_s']:.0f} s | {wall} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["run", "report", "_one"])
+    ap.add_argument("what", choices=["run", "dryrun", "report", "_one"])
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--model", default=str(WIDE))
@@ -247,6 +293,8 @@ def main() -> None:
         one(name, Path(model), calib, int(seq_len))
     elif a.what == "run":
         run([f for f in a.families.split(",") if f], Path(a.model), a.calib, a.seq_len)
+    elif a.what == "dryrun":
+        dryrun(Path(a.model), a.calib, a.seq_len)
     else:
         report()
 

@@ -139,6 +139,27 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
     assert "Compressing needs about" in err and "--max-memory allows 1.00 MiB" in err and "Traceback" not in err
 
 
+def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
+    from moecompress.compress_dryrun import estimate_compress
+    from moecompress.testing import run_cli
+
+    root, path = tiny
+    view = pipeline.open_view(str(path))
+    layer = max(view.reader.layer_bytes(i) for i in range(view.reader.num_layers))  # bf16 on disk, float32 to compute
+    est = lambda method, params: estimate_compress(str(path), method, params, root / "stats", 16)  # noqa: E731
+    assert est("prune", {"criterion": "reap", "ratio": 0.5}).plan_bytes == 0  # statistics only
+    assert est("prune", {"criterion": "reap", "ratio": 0.5, "operator": "remap"}).plan_bytes == 3 * layer
+    assert est("m-smoe", {"ratio": 0.5}).plan_bytes == 5 * layer  # the default: as stored + 2 float32 copies
+    assert est("conmoe-local", {"ratio": 0.5}).plan_bytes == 5 * layer  # the variant's own scope (1)
+    assert est("conmoe", {"ratio": 0.5, "scope_size": 2}).plan_bytes == 7 * layer
+    code, stdout, err = run_cli(["compress", str(path), "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
+                                 "--calib", str(root / "stats"), "--out", str(root / "j"), "--dry-run", "--json"],
+                                capsys)
+    got = json.loads(stdout)
+    assert code == 0 and got["plan_bytes"] == 0 and got["peak_memory_bytes"] > got["export_bytes"] > 0, err
+    assert not (root / "j").exists()
+
+
 def test_dry_run_counts_the_statistics_a_data_spec_calibration_gathers(tiny):
     from moecompress.compress_dryrun import estimate_compress
 

@@ -2,10 +2,13 @@
 
 The streamed `compress` holds, at its peak, one of: calibration's (the calibrate dry-run estimator's own
 formula: one layer being read and fused, the activation cache, the collectors' sums), the method view's
-(a method's scope of layers in the compute dtype plus one working copy; the embeddings too when the method
-runs forwards: `auto`), or the exporter's (one layer read and fused). Peak = interpreter baseline + the
-largest of the three. Disk: the output is at most the checkpoint's size, plus the statistics. Time: one
-layer's read is timed, then scaled by the passes over the checkpoint each phase makes.
+(what the method declares it holds, `methods.registry.ViewUse`: layers as stored, layers in the compute
+dtype, the embeddings too when it runs forwards; nothing for plans built from statistics alone), or the
+exporter's (one layer read and fused). Peak = interpreter baseline + the largest of the three. Disk: the
+output is at most the checkpoint's size, plus the statistics. Time: one layer's read is timed, then scaled
+by the passes over the checkpoint each phase makes; a method's own arithmetic is not counted (it is most of
+the time of the fitting methods, `auto`'s especially), and the row says so.
+BENCHMARKS.md, "Streaming compress", sets these estimates beside the measured peaks and times.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from .atomic import human_bytes
 from .errors import MoECompressError
 
 _DISK_ELEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_FORWARD_METHODS = {"auto"}  # methods that may run full-model forwards (streamed through the view's hooks)
 
 
 @dataclass
@@ -31,6 +33,9 @@ class CompressEstimate:
     time_s: float
     checkpoint_bytes: int
 
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
     def rows(self) -> list[tuple[str, str]]:
         return [("peak memory", human_bytes(self.peak_memory_bytes)),
                 ("  calibration phase", human_bytes(self.calibration_bytes)),
@@ -38,7 +43,7 @@ class CompressEstimate:
                 ("  export (streamed)", human_bytes(self.export_bytes)),
                 ("checkpoint on disk", human_bytes(self.checkpoint_bytes)),
                 ("disk needed (output upper bound + statistics)", human_bytes(self.disk_bytes)),
-                ("time (rough)", f"{self.time_s:.0f} s")]
+                ("time of the checkpoint reads (the method's own arithmetic not counted)", f"{self.time_s:.0f} s")]
 
 
 def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
@@ -58,9 +63,13 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     from safetensors import safe_open
 
     from .checkpoint import CheckpointReader
+    from .memory import release_freed_memory
+    from .methods.registry import get_method, parse_config
     from .models import MoEAdapter
 
+    view = get_method(method).view_for(parse_config(method, params))
     reader = CheckpointReader(model)
+    baseline = psutil.Process().memory_info().rss  # before the timed read, which would count a layer twice
     adapter = MoEAdapter(reader._skeleton)
     moe = adapter.moe_layers
     sample = reader.layer_keys(moe[0])[:1]
@@ -72,12 +81,12 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     layer_disk = reader.layer_bytes(moe[0])
     reader.native_state(moe[0])  # the one timed read
     t_layer = time.perf_counter() - t0
+    release_freed_memory()
     layer_disk = max(layer_disk, *(reader.layer_bytes(i) for i in range(reader.num_layers)))
     non_layer_disk = reader.layer_bytes(None)
     ckpt = sum(p.stat().st_size for p in Path(reader.path).glob("*.safetensors"))
     scale = dtype_bytes / disk_elem
     factor = 3.5 if any(reader.converts(i) for i in moe) else 2.0  # calibrate dry-run's measured fusing factor
-    baseline = psutil.Process().memory_info().rss
     hidden = int(reader.config.hidden_size)
 
     calib_bytes, calib_passes, stats_bytes = 0, 0, 0
@@ -93,15 +102,13 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
             acc, stats_bytes = _statistics(adapter, list(stats), moment_fraction)
             calib_bytes += 2 * acc
             calib_passes += moment_fraction is not None
-    scope = int((params or {}).get("scope_size", 1)) if method == "conmoe" else 1
-    plan_bytes = int(layer_disk * scale * (scope + 1) + layer_disk)  # resident + scope copies + one tensor read
-    if method in _FORWARD_METHODS:
-        plan_bytes += int(non_layer_disk * scale)
+    plan_bytes = int(layer_disk * view.stored + layer_disk * scale * view.compute
+                     + (non_layer_disk * scale if view.forwards else 0))
     export_bytes = int(factor * layer_disk + non_layer_disk)
     # streamed statistics are gathered while the method works on the layer: the two phases overlap
     overlap = calib_bytes + plan_bytes if streamed_chunk is not None and stats else max(calib_bytes, plan_bytes)
     peak = baseline + max(overlap, export_bytes)
-    passes = calib_passes + 1 + (0 if method == "prune" else 1)
+    passes = calib_passes + 1 + (1 if view.stored or view.compute else 0)  # + export, + the view's reads
     return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
                             export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
                             time_s=t_layer * reader.num_layers * passes)

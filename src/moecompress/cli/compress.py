@@ -58,6 +58,7 @@ def compress_command(
     seed: int = typer.Option(0),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print memory, disk and time estimates; compute nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the estimates as JSON (bytes, seconds)."),
     max_memory: Optional[str] = typer.Option(None, help="Refuse when the estimated peak memory exceeds this "
                                              "(e.g. 16GB; default: the memory available now)."),
 ) -> None:
@@ -97,7 +98,9 @@ def compress_command(
         est = estimate_compress(model, method, params, calib, seq_len, stats=needs_for(method, params, quant_setting),
                                 moment_fraction=moment_fraction(method, params),
                                 streamed_chunk=streamed_chunk(method, calib, quant_setting))
-        if dry_run:
+        if dry_run and as_json:
+            typer.echo(json.dumps(est.to_dict(), indent=2))
+        elif dry_run:
             for k, v in est.rows():
                 Console().print(f"{k}: {v}", highlight=False)
         refuse_if_over(est, limit)

@@ -52,7 +52,7 @@ from . import auto_estimate as est
 from . import auto_quant as aq
 from .auto_estimate import Candidate, LayerMoments
 from .context import MethodContext
-from .registry import register_method
+from .registry import ViewUse, register_method
 
 CandidateName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap", "pair"]
 ALL_CANDIDATES = ("reroute", "drop", "constant", "tilt", "partial", "remap", "pair")
@@ -997,7 +997,10 @@ def build_auto(config: AutoConfig, context: MethodContext):
     return plan, tensors
 
 
-register_method("auto", AutoConfig, build_auto, needs_stats, family="auto", streamed_stats=True)
+# the view: no layer as stored (the statistics pass lends its own, `StreamedAdapter.lend`), one float32 layer
+# (sampled layer errors), the embeddings and head (sensitivity probes and measured KL are full-model forwards)
+register_method("auto", AutoConfig, build_auto, needs_stats, family="auto", streamed_stats=True,
+                view_use=lambda config: ViewUse(stored=0.0, compute=1.0, forwards=True))
 
 
 def _register_stats():

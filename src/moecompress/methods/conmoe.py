@@ -39,6 +39,7 @@ from ..scoring.criteria import reap
 from ..scoring.distance import projection_distance
 from ..scoring.registry import get_criterion
 from .context import StatsView, stat, unpack_context
+from .registry import ViewUse
 
 Selection = Literal["adaptive", "fixed_k"]
 ScoreKind = Literal["conmoe", "usage", "reap", "distance"]
@@ -417,13 +418,18 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+def view_use(config: ConMoEConfig) -> ViewUse:
+    """A scope of layers: the conservative count, one float32 copy per layer of the scope plus a working one."""
+    return ViewUse(stored=1.0, compute=config.scope_size + 1.0)
+
+
 def _register() -> None:
     from .registry import register_method
 
     for name, defaults in VARIANTS.items():
         cls = ConMoEConfig if not defaults else _variant(name, **defaults)
         register_method(name, cls, lambda cfg, ctx, _n=name: build_conmoe(cfg, ctx, method=_n), needs_stats,
-                        family="consolidate")
+                        family="consolidate", view_use=view_use)
     from .needs import register_method_stats  # `moecompress calibrate --for-method conmoe-…`
 
     for name in VARIANTS:  # one store serves every variant and fusion

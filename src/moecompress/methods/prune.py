@@ -23,7 +23,7 @@ from ..scoring.registry import criteria, get_criterion
 from .context import MethodContext, StatsView
 from .needs import register_method_stats
 from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
-from .registry import register_method
+from .registry import WEIGHTLESS, ViewUse, register_method
 
 Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
 OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
@@ -222,7 +222,18 @@ def tilt_moment_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsVi
     return {i: sorted(set(range(adapter.num_experts(i))) - set(keep[i])) for i in adapter.moe_layers}
 
 
-register_method("prune", PruneConfig, build_prune, needs_stats, family="prune", moment_experts=tilt_moment_experts)
+def view_use(config: PruneConfig) -> ViewUse:
+    """Selection and the constant and tilt operators read statistics only; remap reads a layer's experts
+    (parameter distances), a partial copy one expert at a time of a layer read as stored."""
+    if config.operator == "remap":
+        return ViewUse(stored=1.0, compute=1.0)
+    if config.operator == "partial":
+        return ViewUse(stored=1.0, compute=0.0)
+    return WEIGHTLESS
+
+
+register_method("prune", PruneConfig, build_prune, needs_stats, family="prune", moment_experts=tilt_moment_experts,
+                view_use=view_use)
 
 
 def _register_stats() -> None:

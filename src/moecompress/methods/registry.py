@@ -21,6 +21,21 @@ Build = Callable[[BaseModel, MethodContext], tuple[Any, dict]]  # (config, conte
 
 
 @dataclass(frozen=True)
+class ViewUse:
+    """What a build holds of the streamed checkpoint view at its peak, in decoder layers (for `compress
+    --dry-run`): `stored` layers as the checkpoint stores them, `compute` layers upcast to the compute dtype,
+    and the embeddings and head too when it runs full-model forwards. The default is the conservative
+    "one layer as stored, a float32 copy of it and one working copy"."""
+
+    stored: float = 1.0
+    compute: float = 2.0
+    forwards: bool = False
+
+
+WEIGHTLESS = ViewUse(0.0, 0.0)  # plans from statistics alone: the view loads nothing
+
+
+@dataclass(frozen=True)
 class MethodEntry:
     name: str
     config_cls: type[BaseModel]
@@ -33,10 +48,16 @@ class MethodEntry:
     # the build reads its statistics one layer at a time, in order, through `calibrate.streamed.each_layer`:
     # `compress` may give it `StreamedStats` (computed per layer while it works, never stored)
     streamed_stats: bool = False
+    # config -> what the build holds of the streamed view (`ViewUse`); None: the conservative default
+    view_use: Callable[[BaseModel], ViewUse] | None = None
 
     def stats_for(self, config: BaseModel) -> list[str]:
         """The statistic names a build with `config` reads."""
         return list(self.needs_stats(config) if callable(self.needs_stats) else self.needs_stats)
+
+    def view_for(self, config: BaseModel) -> ViewUse:
+        """What a build with `config` holds of the streamed view (`ViewUse`)."""
+        return self.view_use(config) if self.view_use is not None else ViewUse()
 
 
 METHODS: dict[str, MethodEntry] = {}
@@ -44,9 +65,10 @@ METHODS: dict[str, MethodEntry] = {}
 
 def register_method(name: str, config_cls: type[BaseModel], build: Build,
                     needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "",
-                    moment_experts=None, streamed_stats: bool = False) -> None:
+                    moment_experts=None, streamed_stats: bool = False,
+                    view_use: Callable[[BaseModel], ViewUse] | None = None) -> None:
     METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
-                                else needs_stats, family, moment_experts, streamed_stats)
+                                else needs_stats, family, moment_experts, streamed_stats, view_use)
 
 
 def get_method(name: str) -> MethodEntry:
