@@ -57,8 +57,9 @@ _CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from moecompress.cli import app
-try:
-    app(sys.argv[1:], standalone_mode=False)
+from moecompress.cli.entry import run
+try:  # the CLI's own entry: a refused input is its one sentence on stderr, not a traceback
+    run(app, sys.argv[1:])
     rc = 0
 except SystemExit as exc:
     rc = exc.code or 0
