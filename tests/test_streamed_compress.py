@@ -69,6 +69,22 @@ def test_reap_pruning_never_materialises_an_expert(tiny, views):
     assert all(p.is_meta for p in view.model.parameters())  # nothing of the checkpoint was ever read for the plan
 
 
+@pytest.mark.parametrize("operator", ["reroute", "drop", "constant", "tilt", "remap", "partial"])
+def test_what_prune_declares_it_holds_of_the_view_is_what_it_reads(tiny, tmp_path, operator):
+    from moecompress.methods.registry import WEIGHTLESS, get_method, parse_config
+
+    root, path = tiny
+    params = {"criterion": "reap", "ratio": 0.5, "operator": operator, "rank": 4}
+    needs = pipeline.needs_for("prune", params)
+    ids = torch.randint(3, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    stats = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=tmp_path / "stats", stats=needs,
+                      dtype="float32", progress=False)
+    view = pipeline.open_view(str(path))
+    pipeline.build_plan(view, "prune", params, stats)
+    declared = get_method("prune").view_for(parse_config("prune", params))
+    assert (declared == WEIGHTLESS) == (view.layer_loads == {}), (declared, view.layer_loads)
+
+
 def test_a_weight_reading_plan_holds_one_layer_at_a_time(tiny):
     root, path = tiny
     view = pipeline.open_view(str(path))
