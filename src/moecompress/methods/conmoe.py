@@ -419,7 +419,9 @@ VARIANTS: dict[str, dict] = {
 
 
 def view_use(config: ConMoEConfig) -> ViewUse:
-    """A scope of layers: the conservative count, one float32 copy per layer of the scope plus a working one."""
+    """A scope of layers, counted conservatively: one float32 copy per layer of the scope plus a working one.
+    The distances read one projection of the scope at a time as stored, so the measured peak is lower (the
+    exporter stacking a scope's kept experts, BENCHMARKS.md "Streaming compress")."""
     return ViewUse(stored=1.0, compute=config.scope_size + 1.0)
 
 

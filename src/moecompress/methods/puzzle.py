@@ -351,8 +351,8 @@ def _r(x: float, digits: int = 6) -> float:
 
 
 # the view: the layer as stored, plus every pair's merge of the layer (float32 members, merged weights, masks
-# and codes) at once; the default's two float32 layers under-estimated the benchmark's measured peak (1.59 GB
-# against 1.54 GB on the 4.98 GB wide model, BENCHMARKS.md "Streaming compress")
+# and codes) at once; the default's two float32 layers came out below the measured peak (BENCHMARKS.md,
+# "Streaming compress")
 register_method("puzzlemoe", PuzzleConfig, build_puzzle, needs_stats, family="elementwise",
                 view_use=lambda config: ViewUse(stored=1.0, compute=2.5))
 register_method_stats("puzzlemoe", STATS)
