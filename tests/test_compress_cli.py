@@ -64,6 +64,24 @@ def test_bad_input_is_one_sentence(tiny, capsys, args, message):
     assert not out.exists()
 
 
+def test_a_full_disk_is_one_sentence_and_leaves_nothing(tiny, capsys, monkeypatch):
+    import errno
+
+    from moecompress.export.writer import ShardWriter
+
+    root, path = tiny
+    out = root / "full"
+
+    def full(self, name, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ShardWriter, "add", full)
+    code, _, err = run_cli(["compress", str(path), "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
+                            "--calib", str(root / "stats"), "--out", str(out)], capsys)
+    assert code == 2 and "The disk is full; free space there" in err and "Traceback" not in err
+    assert not out.exists() and not list(root.glob(".full*"))  # neither the output nor its temporary sibling
+
+
 def test_format_help_lists_every_registered_format(capsys, monkeypatch):
     from moecompress.export.formats import FORMATS
 

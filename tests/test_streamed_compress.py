@@ -6,6 +6,7 @@ decoder layer at a time and give byte-identical checkpoints to the former float3
 
 import filecmp
 import json
+import shutil
 
 import pytest
 import torch
@@ -173,6 +174,7 @@ def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
                                 capsys)
     got = json.loads(stdout)
     assert code == 0 and got["plan_bytes"] == 0 and got["peak_memory_bytes"] > got["export_bytes"] > 0, err
+    assert 0 < got["disk_available_bytes"] <= shutil.disk_usage(root).total
     assert not (root / "j").exists()
 
 

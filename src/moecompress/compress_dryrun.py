@@ -32,6 +32,7 @@ class CompressEstimate:
     disk_bytes: int
     time_s: float
     checkpoint_bytes: int
+    disk_available_bytes: int | None = None  # free where --out goes (None: no output path given)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -42,13 +43,15 @@ class CompressEstimate:
                 ("  plan building (streamed view)", human_bytes(self.plan_bytes)),
                 ("  export (streamed)", human_bytes(self.export_bytes)),
                 ("checkpoint on disk", human_bytes(self.checkpoint_bytes)),
-                ("disk needed (output upper bound + statistics)", human_bytes(self.disk_bytes)),
+                ("disk needed (output upper bound + statistics)", human_bytes(self.disk_bytes) + (
+                    "" if self.disk_available_bytes is None else
+                    f" ({human_bytes(self.disk_available_bytes)} free where --out goes)")),
                 ("time of the checkpoint reads (the method's own arithmetic not counted)", f"{self.time_s:.0f} s")]
 
 
 def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
                       dtype_bytes: int = 4, stats: list[str] = (), moment_fraction: float | None = None,
-                      streamed_chunk: int | None = None) -> CompressEstimate:
+                      streamed_chunk: int | None = None, out=None) -> CompressEstimate:
     """The estimate of the module doc for `compress(model, method, params, calib=calib)`.
 
     stats: the statistics the method reads (their collectors' one-layer sums count towards calibration's
@@ -58,7 +61,8 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     are streamed (`calibrate.streamed`, `pipeline.streams_statistics`): nothing on disk, one layer's statistics
     but the square ones, and the square ones of this many experts, in memory while the plan is built (the two
     phases' memory adds up); two calibration passes. The time counts checkpoint reads only, not a method's
-    own arithmetic (auto's fits and GPTQ dominate on wide layers)."""
+    own arithmetic (auto's fits and GPTQ dominate on wide layers). out: the output directory, whose disk's free
+    space is reported (not refused: the output is usually well below its upper bound)."""
     import psutil
     from safetensors import safe_open
 
@@ -111,7 +115,18 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     passes = calib_passes + 1 + (1 if view.stored or view.compute else 0)  # + export, + the view's reads
     return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
                             export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
-                            time_s=t_layer * reader.num_layers * passes)
+                            time_s=t_layer * reader.num_layers * passes,
+                            disk_available_bytes=None if out is None else _free_bytes(Path(out)))
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that would hold `path` (its nearest existing ancestor's)."""
+    import shutil
+
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _statistics(adapter, stats: list[str], moment_fraction: float | None) -> tuple[int, int]:

@@ -97,7 +97,7 @@ def compress_command(
             raise MoECompressError(f"--max-memory '{max_memory}' is not a size such as 16GB or 512MB.") from None
         est = estimate_compress(model, method, params, calib, seq_len, stats=needs_for(method, params, quant_setting),
                                 moment_fraction=moment_fraction(method, params),
-                                streamed_chunk=streamed_chunk(method, calib, quant_setting))
+                                streamed_chunk=streamed_chunk(method, calib, quant_setting), out=out)
         if dry_run and as_json:
             typer.echo(json.dumps(est.to_dict(), indent=2))
         elif dry_run:

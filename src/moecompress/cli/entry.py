@@ -1,12 +1,13 @@
 """How a `moecompress` run ends: exit codes, one-sentence errors and signals, for every verb.
 
 Exit 0 on success, 2 with one sentence on bad input (a `MoECompressError`, a usage error, a corrupt
-safetensors file), 130 on Ctrl-C and 143 on SIGTERM after every unfinished output was removed, 1 with one
+safetensors file) and on a full disk, 130 on Ctrl-C and 143 on SIGTERM after every unfinished output was removed, 1 with one
 traceback on a bug (docs/architecture.md, "Bad input").
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -78,6 +79,14 @@ def run(app: typer.Typer, argv: list[str] | None = None) -> None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         err_console.print(f"[bold red]error:[/] A safetensors file is truncated or corrupt ({first}); re-download or "
                           "re-export the checkpoint.", highlight=False)
+        sys.exit(2)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {exc.filename}" if exc.filename else ""
+        err_console.print(f"[bold red]error:[/] The disk is full{where}; free space there, or point --out (and "
+                          "TMPDIR, where plans keep their tensors until the export) at a larger disk, then run "
+                          "again (the unfinished output was removed).", highlight=False)
         sys.exit(2)
     finally:
         for sig, handler in previous.items():
