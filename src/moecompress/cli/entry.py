@@ -1,8 +1,8 @@
 """How a `moecompress` run ends: exit codes, one-sentence errors and signals, for every verb.
 
 Exit 0 on success, 2 with one sentence on bad input (a `MoECompressError`, a usage error, a corrupt
-safetensors file) and on a full disk, 130 on Ctrl-C and 143 on SIGTERM after every unfinished output was removed, 1 with one
-traceback on a bug (docs/architecture.md, "Bad input").
+safetensors file) and on a full disk, 130 on Ctrl-C and 143 on SIGTERM after every unfinished output was
+removed, 1 with one traceback on a bug (docs/architecture.md, "Bad input").
 """
 
 from __future__ import annotations
