@@ -74,7 +74,7 @@ def test_reap_pruning_never_materialises_an_expert(tiny, views):
 def test_what_prune_declares_it_holds_of_the_view_is_what_it_reads(tiny, tmp_path, operator):
     from moecompress.methods.registry import WEIGHTLESS, get_method, parse_config
 
-    root, path = tiny
+    _, path = tiny
     params = {"criterion": "reap", "ratio": 0.5, "operator": operator, "rank": 4}
     needs = pipeline.needs_for("prune", params)
     ids = torch.randint(3, 96, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -163,7 +163,7 @@ def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
     root, path = tiny
     view = pipeline.open_view(str(path))
     layer = max(view.reader.layer_bytes(i) for i in range(view.reader.num_layers))  # bf16 on disk, float32 to compute
-    est = lambda method, params: estimate_compress(str(path), method, params, root / "stats", 16)  # noqa: E731
+    est = lambda method, params: estimate_compress(str(path), method, params, root / "stats", 16)
     assert est("prune", {"criterion": "reap", "ratio": 0.5}).plan_bytes == 0  # statistics only
     assert est("prune", {"criterion": "reap", "ratio": 0.5, "operator": "remap"}).plan_bytes == 3 * layer
     assert est("m-smoe", {"ratio": 0.5}).plan_bytes == 5 * layer  # the default: as stored + 2 float32 copies
