@@ -121,8 +121,12 @@ def run(families: list[str], model: Path, calib: str, seq_len: int) -> dict:
     return data
 
 
-def dryrun(model: Path, calib: str, seq_len: int) -> dict:
-    """Every family's `compress --dry-run --json` estimate, kept beside the measured runs (seconds each)."""
+def dryrun(model: Path, calib: str, seq_len: int, repeats: int = 3) -> dict:
+    """Every family's `compress --dry-run --json` estimate, kept beside the measured runs (seconds each).
+    Each is taken `repeats` times: its time comes from one timed layer read, which a cold page cache or a
+    busy disk stretches tenfold, so the report quotes medians."""
+    import statistics
+
     data = json.loads(RESULTS.read_text())
     estimates = data.setdefault("estimates", {})
     src = _src_rev()
@@ -131,11 +135,16 @@ def dryrun(model: Path, calib: str, seq_len: int) -> dict:
     for name, args in FAMILIES.items():
         cmd = [sys.executable, "-m", "moecompress.cli", "compress", str(model), "--calib", calib, "--seq-len",
                str(seq_len), "--out", str(OUT / "dry-run"), *args, "--dry-run", "--json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name}: the dry-run failed: {proc.stderr[-600:]}")
-        estimates[name] = dict(json.loads(proc.stdout), src=src, date=time.strftime("%Y-%m-%d %H:%M"))
-        print(name, json.dumps(estimates[name]), flush=True)
+        runs = []
+        for _ in range(repeats):
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name}: the dry-run failed: {proc.stderr[-600:]}")
+            runs.append(json.loads(proc.stdout))
+        estimates[name] = dict(runs[0], peak_memory_bytes=statistics.median(r["peak_memory_bytes"] for r in runs),
+                               time_s=statistics.median(r["time_s"] for r in runs), runs=runs, src=src,
+                               date=time.strftime("%Y-%m-%d %H:%M"))
+        print(name, estimates[name]["peak_memory_bytes"], estimates[name]["time_s"], flush=True)
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
@@ -264,7 +273,9 @@ def _estimate_lines(d: dict, summaries: dict) -> list[str]:
     srcs = sorted({e["src"] for e in est.values()})
     lines = ["", "### `compress --dry-run` against the measured runs", "",
              f"`python benchmarks/bench_compress_memory.py dryrun` (src/ `{', '.join(srcs)}`): each family's "
-             "estimate before any work. The time counts the checkpoint reads only, not a method's own arithmetic.", "",
+             "estimate before any work, the median of "
+             f"{max(len(e.get('runs', [e])) for e in est.values())} dry-runs. The time counts the checkpoint reads "
+             "only, not a method's own arithmetic.", "",
              "| family | estimated peak | ÷ measured peak | estimated time | measured wall |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for name in FAMILIES:
