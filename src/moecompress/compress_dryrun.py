@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic import human_bytes
+from .disk import free_bytes
 from .errors import MoECompressError
 
 _DISK_ELEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -116,17 +117,7 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
                             export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
                             time_s=t_layer * reader.num_layers * passes,
-                            disk_available_bytes=None if out is None else _free_bytes(Path(out)))
-
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem that would hold `path` (its nearest existing ancestor's)."""
-    import shutil
-
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+                            disk_available_bytes=None if out is None else free_bytes(out))
 
 
 def _statistics(adapter, stats: list[str], moment_fraction: float | None) -> tuple[int, int]:

@@ -39,6 +39,17 @@ def stored_tensors(directory: str | os.PathLike) -> dict[str, tuple[str, int]]:
     return out
 
 
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the filesystem that would hold `path` (its nearest existing ancestor's): what a dry-run
+    compares an output's size with before the output exists."""
+    import shutil
+
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
 def checkpoint_dir(candidate) -> Path | None:
     """`candidate` as a directory holding safetensors weights, else None (an in-memory model, a hub id)."""
     if not candidate:

@@ -12,7 +12,6 @@ push one batch through it with and without the collectors) scaled by layer bytes
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import human_bytes as _human
+from ..disk import free_bytes
 from ..errors import MoECompressError
 
 _DISK_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -147,14 +147,11 @@ def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, 
         dev_need = max(non_layer, layer_bytes) + 2 * tokens * hidden * comp_elem + batch_ws + 2 * acc
         dev_free = torch.cuda.mem_get_info(torch.device(device))[0]
     disk_need = stats_total + (2 * act if on_disk else 0)
-    disk_root = Path(offload_dir or Path(out).parent)
-    while not disk_root.exists():
-        disk_root = disk_root.parent
     return ResourceEstimate(
         peak_memory_bytes=int(peak_host), memory_available_bytes=int(psutil.virtual_memory().available + baseline),
         device_memory_bytes=dev_need, device_available_bytes=dev_free, activation_cache_bytes=int(act),
         activation_on_disk=on_disk, stats_bytes=int(stats_total), disk_bytes=int(disk_need),
-        disk_available_bytes=int(shutil.disk_usage(disk_root).free), layer_bytes=layer_bytes,
+        disk_available_bytes=free_bytes(offload_dir or Path(out).parent), layer_bytes=layer_bytes,
         non_layer_bytes=non_layer, accumulator_bytes=int(acc))
 
 
