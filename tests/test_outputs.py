@@ -109,7 +109,7 @@ def test_signal_leaves_no_partial_output(tmp_path, verb, sig):
     _, err = proc.communicate(timeout=120)
     target = tmp_path / out
     assert not target.exists() or (target / MARKER).is_file()  # absent or complete
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err
     if sig == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL
         leftovers = list(tmp_path.glob(f".{out}.tmp-*"))

@@ -218,3 +218,35 @@ def test_an_expert_no_token_reached_is_rounded_not_zeroed(calibrated):
 
     assert _hessian(Zeroed(), "hessian_in", [(adapter.moe_layers[0], 0)], h.shape[-1]) is None
     assert _hessian(store, "hessian_in", [(adapter.moe_layers[0], 1)], h.shape[-1]) is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_a_quantized_scope_dequantized_a_range_at_a_time_computes_the_same(tmp_path, monkeypatch, family, impl):
+    from moecompress.runtime import quantized
+
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path / "m")
+    adapter = MoEAdapter(load_model(str(tmp_path / "m"), dtype="float32"))
+    plan, tensors = quantize_plan(CompressionPlan.identity(adapter), {}, _source(adapter),
+                                  QuantConfig(quant="w4c", algo="rtn"))
+
+    def logits_and_widest():
+        runtime = apply_plan(load_model(str(tmp_path / "m"), dtype="float32"), plan, tensors)
+        runtime.set_experts_implementation(impl)
+        widest = []
+        for m in runtime.modules():
+            if isinstance(m, quantized.QuantizedStoredExperts):
+                real = m.fused_range
+                m.fused_range = lambda lo, hi, real=real: widest.append(hi - lo) or real(lo, hi)
+        return _logits(runtime), max(widest)
+
+    whole, widest = logits_and_widest()
+    experts = plan.model.layers[0].num_experts
+    assert widest == experts  # under DEQUANT_BYTES: the scope is one range, exactly the fused kernel
+    per_expert = 3 * plan.model.hidden_size * plan.scope_width(plan.scopes[0]) * 4
+    monkeypatch.setattr(quantized, "DEQUANT_BYTES", 3 * per_expert)
+    ranged, widest = logits_and_widest()
+    assert widest == 3 < experts
+    # each range's pairs run alone; each token's top-k outputs are summed in the same order
+    assert torch.equal(ranged, whole)

@@ -17,6 +17,7 @@ from rich.console import Console
 from typer import _click as click  # typer >= 0.20 vendors click; pinned in constraints.txt
 
 from ..errors import MoECompressError
+from ..memory import bound_kernel_caches
 
 try:
     from safetensors import SafetensorError as _SafetensorError
@@ -54,6 +55,7 @@ def _interrupted() -> None:
 def run(app: typer.Typer, argv: list[str] | None = None) -> None:
     """Run `app` on `argv` (default: the process's arguments) and exit with the code of the module docstring."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    bound_kernel_caches()
     _received.clear()
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -881,10 +881,12 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
     return LayerPoint(point.mode, choice, point.bytes, point.loss)
 
 
-def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo,
-                        chosen: dict[int, LayerPoint]) -> tuple[CompressionPlan, object]:
+def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo, chosen: dict[int, LayerPoint],
+                        on_layer=None) -> tuple[CompressionPlan, object]:
     """`plan_from_points` of the chosen states, built one layer at a time: each layer's state is restored, its
-    part of the plan made and its tensors put in the method's tensor store (on disk for a streamed view)."""
+    part of the plan made and its tensors put in the method's tensor store (on disk for a streamed view).
+    on_layer(i, part, part_tensors), if given, runs while layer i's part is still in memory (and a streamed
+    view still lends the layer): a plan whose other layers are kept whole, and that layer's tensors."""
     from .streamed import plan_tensor_store
 
     keeps = {li.layer: keep_point_of(li) for li in info.layers}
@@ -894,6 +896,8 @@ def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo,
     for i, layer_stats in each_layer(stats, [li.layer for li in info.layers], adapter):
         pt = restore(config, adapter, layer_stats, info, i, chosen[i])
         part, part_tensors = plan_from_points(info, {**keeps, i: pt}, source=source)
+        if on_layer is not None:
+            on_layer(i, part, part_tensors)
         scopes.append(part.scope(part.layer(i).scope))
         layers.append(part.layer(i))
         tensors.update(part_tensors)
@@ -950,7 +954,15 @@ def build_auto(config: AutoConfig, context: MethodContext):
     chosen_idx = allocate(fronts, sens, budget)
     chosen_idx = uniform_bits_check(fronts, sens, budget, chosen_idx, setup.uniform)
     chosen = {i: fronts[i][chosen_idx[i]] for i in layers}
-    plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen)
+    sample_error: dict[int, float] = {}
+
+    def measure_sample(i: int, part: CompressionPlan, part_tensors) -> None:
+        # here, not after the plan: the layer is still lent and its tensors in memory (read back from the
+        # store, every layer's were mapped in again on the streamed view)
+        if any(c.kind != "keep" for c in chosen[i].choice) and moments[i].sample is not None:
+            sample_error[i] = _sig(est.sample_layer_error(adapter, part, part_tensors, i, moments[i].sample))
+
+    plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen, on_layer=measure_sample)
 
     # the per-layer table: what was chosen, estimated and measured
     table = []
@@ -973,10 +985,9 @@ def build_auto(config: AutoConfig, context: MethodContext):
         if i in setup.probes:
             b, err, kl = setup.probes[i]
             row["probe"] = dict(bytes=b, est_error=_sig(err), measured_kl=_sig(kl))
-        changed = any(c.kind != "keep" for c in pt.choice)
-        if changed and moments[i].sample is not None:
-            row["sample_error"] = _sig(est.sample_layer_error(adapter, plan, tensors, i, moments[i].sample))
-        if changed and config.measure:
+        if i in sample_error:
+            row["sample_error"] = sample_error[i]
+        if any(c.kind != "keep" for c in pt.choice) and config.measure:
             with est.plan_installed(adapter, plan, tensors, [i]):
                 row["measured_kl"] = _sig(est.kl_to(ref, adapter.model, ids))
         table.append(row)

@@ -151,61 +151,80 @@ class StoredExperts(nn.Module):
         """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H].
 
         may_skip=False promises that no index is the sentinel K (saves a host sync per call)."""
-        w = self.fused()
         if self.implementation == "eager":
-            return self._eager(x, index, weight, w)
-        return self._grouped(x, index, weight, w, may_skip)
+            return self._eager(x, index, weight)
+        return self._grouped(x, index, weight, may_skip)
 
     def fused(self) -> dict[str, torch.Tensor]:
         """The fused tensors a forward multiplies with (quantized scopes dequantize them here)."""
         return {name: t for name, t in self._parameters.items() if t is not None}
 
-    def _eager(self, x, index, weight, w):
+    def expert_ranges(self) -> list[tuple[int, int]]:
+        """Stored ids [lo, hi) whose fused tensors a forward holds at once (all of them here)."""
+        return [(0, self.num_experts)]
+
+    def fused_range(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """The fused tensors of stored experts lo..hi-1 (one of `expert_ranges`)."""
+        return self.fused()
+
+    def _eager(self, x, index, weight):
         # mirrors transformers' eager experts loop (one matmul pair per stored expert hit)
         out = torch.zeros_like(x)
         k_total = self.num_experts
         with torch.no_grad():
             mask = F.one_hot(index, num_classes=k_total + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for s in hit:
-            s = s[0]
-            if s == k_total:
+            hit = [int(s) for s in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0] if s < k_total]
+        for lo, hi in self.expert_ranges():
+            mine = [s for s in hit if lo <= s < hi]
+            if not mine:
                 continue
-            pos, tok = torch.where(mask[s])
-            cur = x[tok]
-            if self.is_transposed:
-                h = self._apply_gate(cur @ w["gate_up_proj"][s] + w["gate_up_proj_bias"][s])
-                y = h @ w["down_proj"][s] + w["down_proj_bias"][s]
-            else:
-                h = self._apply_gate(F.linear(cur, w["gate_up_proj"][s]))
-                y = F.linear(h, w["down_proj"][s])
-            y = y * weight[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            w = self.fused_range(lo, hi)
+            for s in mine:
+                pos, tok = torch.where(mask[s])
+                cur = x[tok]
+                if self.is_transposed:
+                    h = self._apply_gate(cur @ w["gate_up_proj"][s - lo] + w["gate_up_proj_bias"][s - lo])
+                    y = h @ w["down_proj"][s - lo] + w["down_proj_bias"][s - lo]
+                else:
+                    h = self._apply_gate(F.linear(cur, w["gate_up_proj"][s - lo]))
+                    y = F.linear(h, w["down_proj"][s - lo])
+                y = y * weight[tok, pos, None]
+                out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    def _grouped(self, x, index, weight, w, may_skip=True):
-        # mirrors transformers' grouped_mm_experts_forward, with sentinel pairs sorted to the tail and skipped
+    def _grouped(self, x, index, weight, may_skip=True):
+        # mirrors transformers' grouped_mm_experts_forward, with sentinel pairs sorted to the tail and skipped;
+        # each range of experts runs on its own slice of the sorted pairs (one range: exactly the HF kernel)
         n, k = index.shape
         k_total = self.num_experts
         flat_idx, flat_w = index.reshape(-1), weight.reshape(-1)
         ids, perm = torch.sort(flat_idx)
         n_valid = int((flat_idx < k_total).sum()) if may_skip else flat_idx.numel()
+        if not n_valid:
+            return torch.zeros_like(x)
+        if may_skip:
+            perm, ids = perm[:n_valid], ids[:n_valid]
+        hist_in = ids.float() if x.device.type in ("cpu", "mps") else ids.int()
+        counts = torch.histc(hist_in, bins=k_total, min=0, max=k_total - 1)
+        ranges = self.expert_ranges()
+        # where each range's pairs start in the sorted order (one host sync for every range together)
+        starts = [0] + torch.cumsum(counts, dim=0)[[hi - 1 for _, hi in ranges]].long().tolist()
         out_pairs = None
-        if n_valid:
-            if may_skip:
-                perm, ids = perm[:n_valid], ids[:n_valid]
-            xs = x[perm // k]
-            hist_in = ids.float() if x.device.type in ("cpu", "mps") else ids.int()
-            counts = torch.histc(hist_in, bins=k_total, min=0, max=k_total - 1)
-            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            bias1 = w["gate_up_proj_bias"][ids] if self.has_bias else None
+        for (lo, hi), a, b in zip(ranges, starts, starts[1:]):
+            if b == a:
+                continue
+            w = self.fused_range(lo, hi)
+            p, i = (perm, ids) if len(ranges) == 1 else (perm[a:b], ids[a:b] - lo)
+            xs = x[p // k]
+            offsets = torch.cumsum(counts[lo:hi], dim=0, dtype=torch.int32)
+            bias1 = w["gate_up_proj_bias"][i] if self.has_bias else None
             proj = _grouped_linear(xs, w["gate_up_proj"], offsets, bias=bias1, is_transposed=self.is_transposed)
             proj = self._apply_gate(proj)
-            bias2 = w["down_proj_bias"][ids] if self.has_bias else None
+            bias2 = w["down_proj_bias"][i] if self.has_bias else None
             proj = _grouped_linear(proj, w["down_proj"], offsets, bias=bias2, is_transposed=self.is_transposed)
-            weighted = proj * flat_w[perm].unsqueeze(-1)
-            out_pairs = weighted.new_zeros(n * k, x.shape[-1])
-            out_pairs[perm] = weighted
-        if out_pairs is None:
-            return torch.zeros_like(x)
+            weighted = proj * flat_w[p].unsqueeze(-1)
+            if out_pairs is None:
+                out_pairs = weighted.new_zeros(n * k, x.shape[-1])
+            out_pairs[p] = weighted
+            del w, xs, proj, weighted
         return out_pairs.view(n, k, -1).sum(dim=1).to(x.dtype)

@@ -11,7 +11,8 @@ A scope with any stored expert whose plan entry carries a precision (``quant``) 
 plus ``{part}_bias`` for biased families. Every forward dequantizes W = s·(q − z) of each stored expert
 into the fused layout of `StoredExperts` (zero-padded to the scope width) and runs the same grouped or
 eager kernel, so a quantized plan computes exactly what its dequantized weights compute, while the
-resident bytes are the packed integers and scales.
+resident bytes are the packed integers and scales. A big scope is dequantized a range of experts at a time
+(`expert_ranges`), so a forward never holds more than `DEQUANT_BYTES` of dense weights.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from ..quant.spec import QuantSpec
 from .experts import StoredExperts, native_tensors
 
 PARTS = ("gate", "up", "down")
+# the most dequantized bytes a forward holds at once; below it a scope runs as one range, exactly the
+# fused kernel of `StoredExperts` (over it, each range's experts are multiplied separately: the same
+# products, each pair's output summed over its top-k in the same order)
+DEQUANT_BYTES = 64 << 20
 _QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
 
@@ -110,8 +115,19 @@ class QuantizedStoredExperts(StoredExperts):
         self.experts = nn.ModuleList(slots)
 
     def fused(self) -> dict[str, torch.Tensor]:
+        return self.fused_range(0, self.num_experts)
+
+    def fused_range(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         # each slot is dequantized as it is copied in: a list of every slot's dense weights held the layer twice
-        return native_tensors(_Dense(self.experts, self.dtype), self.layout, self.width, self.dtype)
+        return native_tensors(_Dense(self.experts[lo:hi], self.dtype), self.layout, self.width, self.dtype)
+
+    def expert_ranges(self) -> list[tuple[int, int]]:
+        """Consecutive stored ids whose dequantized fused tensors stay within `DEQUANT_BYTES` (at least one
+        expert each): a forward dequantizes one range at a time, so a layer of big experts is never held
+        dense whole (the wide benchmark model's float32 layer is 400 MB)."""
+        per = 3 * self.width * self.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        size = max(1, DEQUANT_BYTES // per)
+        return [(lo, min(lo + size, self.num_experts)) for lo in range(0, self.num_experts, size)]
 
     def extra_repr(self) -> str:
         specs = sorted({"dense" if s.spec is None else s.spec.name() for s in self.experts})
