@@ -249,7 +249,9 @@ def test_plan_is_deterministic_and_mixed(olmoe):
 
 def test_measured_table_and_registration(olmoe):
     # in-sample losses here (cross_fit off), so that the additive estimate and the sample error measure one thing
-    plan, _ = _build(olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16, cross_fit=False)
+    _, store, adapter, _ = olmoe
+    plan, tensors = _build(olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16,
+                           cross_fit=False)
     table = plan.params["auto"]
     assert table["measured_kl"] > 0 and table["est_kl"] > 0
     for row in table["layers"]:
@@ -257,6 +259,9 @@ def test_measured_table_and_registration(olmoe):
         assert all(v > 0 for v in row["kind_sensitivity"].values())
         # the sum of slot errors is close to the layer's real error on the token sample (cross terms small)
         assert row["sample_error"] == pytest.approx(row["est_error"], rel=0.5)
+        # measured inside the restore pass on the layer's part of the plan: the same as on the whole plan
+        again = est.sample_layer_error(adapter, plan, tensors, row["layer"], store.get(row["layer"], "auto_sample"))
+        assert A._sig(again) == row["sample_error"]
     assert get_method("auto").family == "auto"
     assert {"auto_g2", "auto_remap", "auto_sample"} <= set(stats_for_method("auto"))
 

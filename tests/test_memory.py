@@ -1,5 +1,6 @@
 """`memory.py`: the allocator settings the streamed jobs rely on (glibc only; elsewhere they do nothing)."""
 
+import os
 import subprocess
 import sys
 
@@ -43,3 +44,19 @@ def test_large_blocks_get_their_own_mappings_inside_only():
         pytest.skip("needs glibc >= 2.33")
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]  # mmapped inside; heap space after (the threshold is 32 MiB then)
+
+
+def test_the_cli_caps_the_kernel_caches_unless_the_user_set_them(monkeypatch):
+    from moecompress.cli import app
+    from moecompress.cli.entry import run
+
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.setenv(name, "x")  # recorded, so the teardown restores the variable's absence
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    try:
+        run(app, ["--help"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    assert os.environ["LRU_CACHE_CAPACITY"] == memory.KERNEL_CACHE_ENTRIES
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"

@@ -13,9 +13,10 @@ every time.) On platforms without glibc it does nothing.
 `bound_kernel_caches` caps the two caches torch's CPU kernels for bfloat16 matmuls keep per input shape
 (ideep's ``LRU_CACHE_CAPACITY`` and oneDNN's ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 entries each by
 default). A shape costs about half a megabyte there, and the per-expert loops of a bfloat16 model meet a
-new shape for nearly every (expert, routed token count): on a 1024-wide layer, 1200 shapes held 618 MB,
-and `auto`'s `compress` of the 4.98 GB benchmark model grew by about 15 MB a layer. At 64 entries each the
-same 1200 shapes hold 49 MB; small bfloat16 matmuls with repeating shapes then run about a third slower.
+new shape for nearly every (expert, routed token count): on a 1024-wide layer, 1200 shapes held 618 MB.
+`auto`'s `compress` of an 8-expert copy of the benchmark model (same widths, 12 layers) grew 15 MB a layer
+with the default caches, 2-3 MB (its token sample) with them capped. At 64 entries each the same 1200
+shapes hold 49 MB; small bfloat16 matmuls with repeating shapes then run about a third slower.
 
 `large_blocks_mmapped` is that fixed threshold, for the one job whose heap fragmented anyway: ``auto``
 fits and scores every expert with dozens of H × H float64 temporaries (8 MB at H = 1024) between the
