@@ -27,10 +27,10 @@ layer on the wide benchmark model with a third of it free; mmapped, each is retu
 from __future__ import annotations
 
 import contextlib
-import os
 import ctypes
 import ctypes.util
 import functools
+import os
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 _DYNAMIC_MAX = 32 << 20  # glibc's largest dynamic mmap threshold on 64-bit

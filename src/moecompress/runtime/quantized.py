@@ -125,7 +125,7 @@ class QuantizedStoredExperts(StoredExperts):
         """Consecutive stored ids whose dequantized fused tensors stay within `DEQUANT_BYTES` (at least one
         expert each): a forward dequantizes one range at a time, so a layer of big experts is never held
         dense whole (the wide benchmark model's float32 layer is 400 MB)."""
-        per = 3 * self.width * self.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        per = 3 * self.width * self.hidden_size * self.dtype.itemsize
         size = max(1, DEQUANT_BYTES // per)
         return [(lo, min(lo + size, self.num_experts)) for lo in range(0, self.num_experts, size)]
 
