@@ -121,3 +121,29 @@ def test_signal_leaves_no_partial_output(tmp_path, verb, sig):
         next(line for line in err.splitlines() if "interrupted:" in line)]
     assert ("SIGTERM" if sig == signal.SIGTERM else "Ctrl-C") in err
     assert not list(tmp_path.glob(f".{out}.tmp-*"))  # cleaned up on the way out
+
+
+def test_a_signal_that_native_code_turns_into_another_error_still_ends_as_interrupted(tmp_path, capsys):
+    # safetensors' reader, interrupted inside its call back into torch, raises a ValueError in the signal's place
+    import typer
+
+    from moecompress.cli.entry import run
+
+    app = typer.Typer()
+    out = tmp_path / "o"
+
+    @app.command()
+    def work():
+        with atomic_dir(out):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except BaseException:
+                raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    with pytest.raises(SystemExit) as exc:
+        run(app, [])
+    err = capsys.readouterr().err
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert "interrupted:" in err and "SIGTERM" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".o.tmp-*"))

@@ -64,7 +64,14 @@ def run(app: typer.Typer, argv: list[str] | None = None) -> None:
         except ValueError:  # not the main thread (an in-process caller): keep the defaults
             pass
     try:
-        rc = app(args=argv, standalone_mode=False)
+        try:
+            rc = app(args=argv, standalone_mode=False)
+        except Exception:
+            if not _received:
+                raise
+            # the signal's exception was raised inside native code that turned it into another one (safetensors'
+            # reader makes a ValueError of it); the unwinding has removed the unfinished outputs all the same
+            rc = None
     except MoECompressError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(exc.exit_code)
