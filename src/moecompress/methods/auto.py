@@ -1008,10 +1008,11 @@ def build_auto(config: AutoConfig, context: MethodContext):
     return plan, tensors
 
 
-# the view: a layer as stored and one float32 layer (while the statistics pass runs it lends its own layer, but
-# the sampled layer errors after the plan read each layer themselves; counting the lent layer as free came out
-# just below the measured peak, BENCHMARKS.md "Streaming compress"), the embeddings and head (sensitivity probes
-# and measured KL are full-model forwards)
+# the view: a layer as stored and one float32 layer, the embeddings and head (sensitivity probes and measured KL
+# are full-model forwards). The statistics passes lend their own layer, and the sampled layer errors now run in
+# the restore pass on it; measured KL (measure=True) still reads each layer again after the plan. The stored
+# layer was set against the run before that change (counting the lent layer as free came out just below its
+# peak, BENCHMARKS.md "Streaming compress"), and stays until a run after it is compared.
 register_method("auto", AutoConfig, build_auto, needs_stats, family="auto", streamed_stats=True,
                 view_use=lambda config: ViewUse(stored=1.0, compute=1.0, forwards=True))
 
