@@ -214,7 +214,7 @@ class StoredExperts(nn.Module):
             if b == a:
                 continue
             w = self.fused_range(lo, hi)
-            p, i = (perm, ids) if len(ranges) == 1 else (perm[a:b], ids[a:b] - lo)
+            p, i = perm[a:b], ids[a:b] - lo
             xs = x[p // k]
             offsets = torch.cumsum(counts[lo:hi], dim=0, dtype=torch.int32)
             bias1 = w["gate_up_proj_bias"][i] if self.has_bias else None
