@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moecompress.errors import MoECompressError
-from moecompress.methods import get_method, parse_config
+from moecompress.methods import MethodContext, get_method, parse_config
 from moecompress.methods.conmoe import (
     ConMoEConfig,
     conmoe_plan,
@@ -142,8 +142,8 @@ def test_scope_one_equals_per_layer_consolidation(qwen):
             assert res.prototypes == alone.prototypes and res.assignment == alone.assignment
             assert len(res.prototypes) == round(0.5 * ad.num_experts(layer))
     local = get_method("conmoe-local")
-    plan_a, _ = local.build(parse_config("conmoe-local", {"ratio": 0.5}), (ad, stats))
-    plan_b, _ = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 1}), (ad, stats))
+    plan_a, _ = local.build(parse_config("conmoe-local", {"ratio": 0.5}), MethodContext(ad, stats))
+    plan_b, _ = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 1}), MethodContext(ad, stats))
     assert plan_a.scopes == plan_b.scopes and plan_a.layers == plan_b.layers
 
 
@@ -214,7 +214,7 @@ def test_cross_layer_plan_in_the_runtime_equals_the_materialized_checkpoint(qwen
     model, stats = qwen
     ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(5))
     plan, tensors = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 4}),
-                                               (MoEAdapter(model), stats))
+                                               MethodContext(MoEAdapter(model), stats))
     sc = plan.scopes[0]
     assert sc.layers == [0, 1, 2, 3] and len(sc.stored) == 16
     assert len({s.sources[0][0] for s in sc.stored}) > 1
@@ -231,8 +231,8 @@ def test_fusion_diagnostics_rebuild_each_cluster(qwen):
 
     model, stats = qwen
     ad = MoEAdapter(model)
-    avg_plan, avg_t = get_method("conmoe-average").build(parse_config("conmoe-average", {"ratio": 0.5}), (ad, stats))
-    base_plan, _ = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5}), (ad, stats))
+    avg_plan, avg_t = get_method("conmoe-average").build(parse_config("conmoe-average", {"ratio": 0.5}), MethodContext(ad, stats))
+    base_plan, _ = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5}), MethodContext(ad, stats))
     assert avg_t == {}
     assert [lp.slots for lp in avg_plan.layers] == [lp.slots for lp in base_plan.layers]  # map fixed first
     source = lambda layer, e: ad.layer(layer).storage.read(e)
@@ -245,7 +245,7 @@ def test_fusion_diagnostics_rebuild_each_cluster(qwen):
             w = stored_weights(avg_plan, sc, s, source, avg_t)
             expected = sum(wi * ad.get_expert(*src).down.double() for wi, src in zip(s.weights, s.sources))
             torch.testing.assert_close(w.down.double(), expected, atol=1e-6, rtol=1e-5)
-    arcee_plan, arcee_t = get_method("conmoe-arcee").build(parse_config("conmoe-arcee", {"ratio": 0.5}), (ad, stats))
+    arcee_plan, arcee_t = get_method("conmoe-arcee").build(parse_config("conmoe-arcee", {"ratio": 0.5}), MethodContext(ad, stats))
     fused_any = False
     for sc in arcee_plan.scopes:
         for s in sc.stored:
@@ -306,8 +306,8 @@ def test_plan_is_deterministic_and_round_trips(qwen, tmp_path):
     model, stats = qwen
     ad = MoEAdapter(model)
     cfg = parse_config("conmoe-arcee", {"ratio": 0.25, "scope_size": 2})
-    p1, t1 = get_method("conmoe-arcee").build(cfg, (ad, stats))
-    p2, t2 = get_method("conmoe-arcee").build(cfg, (ad, stats))
+    p1, t1 = get_method("conmoe-arcee").build(cfg, MethodContext(ad, stats))
+    p2, t2 = get_method("conmoe-arcee").build(cfg, MethodContext(ad, stats))
     assert p1.to_json() == p2.to_json() and t1.keys() == t2.keys()
     assert all(torch.equal(t1[k], t2[k]) for k in t1)
     p1.save(tmp_path, t1)
@@ -340,7 +340,7 @@ def test_compact_export_stores_a_shared_prototype_once_and_matches_the_materiali
     ad.set_expert(1, 3, ad.get_expert(0, 5).map(lambda t: t * 1.0001))
     model.save_pretrained(tmp_path / "src")
     stats = synthetic_stats(model)
-    plan, tensors = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 2}), (ad, stats))
+    plan, tensors = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 2}), MethodContext(ad, stats))
     sc = plan.scopes[0]
     assert sc.layers == [0, 1] and len(sc.stored) == 8
     used_by = {j: {lp.layer for lp in plan.layers if j in lp.slots} for j in range(len(sc.stored))}
@@ -384,7 +384,6 @@ class _Store:
 
 
 def test_methods_take_a_method_context_with_a_stats_store(qwen):
-    from moecompress.methods.registry import MethodContext
 
     model, stats = qwen
     ad = MoEAdapter(model)
@@ -393,7 +392,7 @@ def test_methods_take_a_method_context_with_a_stats_store(qwen):
         cfg = parse_config(name, {"ratio": 0.25})
         assert set(entry.stats_for(cfg)) <= set(stats[0])
         a, ta = entry.build(cfg, MethodContext(adapter=ad, stats=_Store(stats)))
-        b, tb = entry.build(cfg, (ad, stats))
+        b, tb = entry.build(cfg, MethodContext(ad, stats))
         assert a.to_json() == b.to_json() and ta.keys() == tb.keys() and a.method == name
 
 

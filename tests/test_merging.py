@@ -5,7 +5,7 @@ import torch
 
 from moecompress.errors import MoECompressError
 from moecompress.export.formats import HFFormat
-from moecompress.methods import get_method, parse_config
+from moecompress.methods import MethodContext, get_method, parse_config
 from moecompress.methods.merging import (
     agglomerative,
     feature_distance,
@@ -69,7 +69,7 @@ def test_msmoe_groups_and_merges_equal_hand_computed_averages():
     model = tiny_model("qwen3_moe", seed=1)
     ad = MoEAdapter(model)
     plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5}),
-                                               (ad, _stats(model, counts, corr=sim)))
+                                               MethodContext(ad, _stats(model, counts, corr=sim)))
     source = lambda layer, e: ad.layer(layer).storage.read(e)
     for layer in ad.moe_layers:
         sc = plan.scope(f"layer{layer}")
@@ -105,7 +105,7 @@ def test_hcsmoe_clusters_and_frequency_weighted_merge():
     assert hierarchical_clusters(feats, 3) == [[0, 1], [2, 3, 4], [5]]
     counts = [3, 1, 2, 2, 4, 0]
     plan, tensors = get_method("hc-smoe").build(parse_config("hc-smoe", {"ratio": 0.5}),
-                                                (ad, _stats(model, counts, feats=feats)))
+                                                MethodContext(ad, _stats(model, counts, feats=feats)))
     source = lambda layer, e: ad.layer(layer).storage.read(e)
     for layer in ad.moe_layers:
         sc = plan.scope(f"layer{layer}")
@@ -172,7 +172,7 @@ def test_router_merge_equals_a_standard_checkpoint_with_fewer_experts(model_type
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(8, ad.hidden_size, generator=g, dtype=torch.float64)
     plan, tensors = get_method("hc-smoe").build(parse_config("hc-smoe", {"ratio": 0.5, "router": "merge"}),
-                                                (ad, _stats(model, counts, feats=feats)))
+                                                MethodContext(ad, _stats(model, counts, feats=feats)))
     for lp in plan.layers:
         assert lp.gate == "renorm" and sum(s != "drop" for s in lp.slots) == 4
     assert HFFormat.reason(plan) is None
@@ -195,7 +195,7 @@ def test_router_merge_exports_a_vanilla_checkpoint(tmp_path):
     ad = MoEAdapter(model)
     sim = torch.corrcoef(torch.randn(8, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
     plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
-                                               (ad, _stats(model, counts, corr=sim)))
+                                               MethodContext(ad, _stats(model, counts, corr=sim)))
     install_merged_router(model, plan, tensors)
     result = export(model, plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -210,12 +210,12 @@ def test_router_merge_refuses_group_limited_routing_and_small_k():
     ad = MoEAdapter(model)
     stats = _stats(model, [1] * 8)
     with pytest.raises(MoECompressError, match="group-limited"):
-        get_method("m-smoe").build(parse_config("m-smoe", {"router": "merge"}), (ad, stats))
-    plan, _ = get_method("m-smoe").build(parse_config("m-smoe", {}), (ad, stats))  # aggregate is fine
+        get_method("m-smoe").build(parse_config("m-smoe", {"router": "merge"}), MethodContext(ad, stats))
+    plan, _ = get_method("m-smoe").build(parse_config("m-smoe", {}), MethodContext(ad, stats))  # aggregate is fine
     assert all(lp.gate == "aggregate" for lp in plan.layers)
     q = tiny_model("qwen3_moe", seed=0)
     with pytest.raises(MoECompressError, match="top-2"):
         get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.9, "router": "merge"}),
-                                   (MoEAdapter(q), _stats(q, [1] * 8)))
+                                   MethodContext(MoEAdapter(q), _stats(q, [1] * 8)))
     with pytest.raises(MoECompressError, match="router"):
         parse_config("hc-smoe", {"router": "sum"})

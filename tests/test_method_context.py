@@ -8,7 +8,7 @@ import torch
 from moecompress.calibrate import StatsStore
 from moecompress.errors import MoECompressError
 from moecompress.methods import MappingStats, MethodContext, StatsView
-from moecompress.methods.context import ChainedStats, stat, unpack_context
+from moecompress.methods.context import ChainedStats, stat
 from moecompress.models import MoEAdapter
 from moecompress.testing import tiny_model
 
@@ -22,15 +22,14 @@ def test_a_mapping_becomes_a_stats_view():
     with pytest.raises(MoECompressError, match="lack 'reap' for layer 1"):
         ctx.stats.get(1, "reap")
     assert stat({1: {"counts": counts}}, 1, "counts") is counts  # plain mappings still accepted
-    adapter, stats = unpack_context((ctx.adapter, {1: {"counts": counts}}))
-    assert adapter is ctx.adapter and isinstance(stats, MappingStats)
+    assert torch.equal(ctx.stats.get_rows(1, "counts", [1, 0]), torch.tensor([1, 3]))
     assert MethodContext(ctx.adapter).stats is None
 
 
 def test_the_stats_store_offers_the_view():
     """Everything `StatsView` names, `StatsStore` has (methods read stores through that protocol)."""
     members = [m for m in vars(StatsView) if not m.startswith("_")]
-    assert set(members) == {"layers", "names", "has", "get", "layer", "get_row"}
+    assert set(members) == {"layers", "names", "has", "get", "layer", "get_row", "get_rows"}
     assert all(hasattr(cls, m) for cls in (StatsStore, MappingStats, ChainedStats) for m in members)
 
 

@@ -44,6 +44,7 @@ def test_streamed_statistics_equal_the_store_bit_for_bit(setup):
             else:
                 assert torch.equal(view.get(i, name), store.get(i, name)), (i, name)
         assert torch.equal(view.get_rows(i, "hessian_in_g2", [15, 2]), store.get(i, "hessian_in_g2")[[15, 2]])
+        assert torch.equal(store.get_rows(i, "hessian_in_g2", [15, 2]), store.get(i, "hessian_in_g2")[[15, 2]])
         seen.append(view)
     assert [v.layer for v in seen] == store.layers
     with pytest.raises(RuntimeError, match="was current"):  # a view read after its pass moved on is a bug

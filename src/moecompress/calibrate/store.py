@@ -139,6 +139,10 @@ class StatsStore:
         """``get(layer, name)[index]``, reading only that row from the file (one expert's moments)."""
         return self._read(layer, name, index)
 
+    def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
+        """``get(layer, name)[ids]``, reading only those rows."""
+        return torch.stack([self._read(layer, name, e) for e in ids])
+
     def _read(self, layer: int, name: str, index) -> torch.Tensor:
         if layer not in self.meta["layers"]:
             raise MoECompressError(f"The stats store has no layer {layer}; its MoE layers are {self.layers}.")

@@ -36,7 +36,6 @@ from ..quant import QuantizedTensor, gptq, rtn
 from ..quant.gptq import factor
 from ..quant.spec import QuantSpec
 from .auto_estimate import Candidate, LayerMoments
-from .context import get_rows
 
 HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
 
@@ -117,12 +116,12 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
             ids = todo[lo:lo + chunk]
             gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
             biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
-            h_mid = get_rows(stats, layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
+            h_mid = stats.get_rows(layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
             f_in = f_mid = None
             if algo == "gptq":  # one factorisation per Hessian for gate, up and every width (damping is shared)
                 spec = quant_spec(widths[0], group, algo)
-                f_in = factor(get_rows(stats, layer, hin_name, ids), spec)
-                f_mid = factor(get_rows(stats, layer, hmid_name, ids), spec)
+                f_in = factor(stats.get_rows(layer, hin_name, ids), spec)
+                f_mid = factor(stats.get_rows(layer, hmid_name, ids), spec)
             for b in widths:
                 spec = quant_spec(b, group, algo)
                 q = {"gate": _quantize(gate, f_in, spec), "up": _quantize(up, f_in, spec),

@@ -38,7 +38,7 @@ from ..scoring.budget import num_kept
 from ..scoring.criteria import reap
 from ..scoring.distance import projection_distance
 from ..scoring.registry import get_criterion
-from .context import StatsView, stat, unpack_context
+from .context import MethodContext, StatsView, stat
 from .registry import ViewUse
 
 Selection = Literal["adaptive", "fixed_k"]
@@ -380,12 +380,12 @@ def conmoe_plan(info, results: list[ScopeConsolidation], config: ConMoEConfig, a
     return plan, tensors
 
 
-def build_conmoe(config: ConMoEConfig, context, method: str = "conmoe"):
+def build_conmoe(config: ConMoEConfig, context: MethodContext, method: str = "conmoe"):
     """Registry entry: (plan, tensors) for a model + calibration statistics."""
     from ..plan import ModelInfo
 
-    adapter, stats = unpack_context(context)
-    results = consolidate(adapter, stats, config, progress=getattr(context, "progress", False))
+    adapter, stats = context.adapter, context.stats
+    results = consolidate(adapter, stats, config, progress=context.progress)
     return conmoe_plan(ModelInfo.from_model(adapter), results, config, adapter, stats, method=method)
 
 

@@ -42,6 +42,10 @@ class StatsView(Protocol):
     def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
         """``get(layer, name)[index]`` without reading the rest (one expert's [H, H] moments of an [S, H, H])."""
 
+    def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
+        """``get(layer, name)[ids]``, read together where the view can (`calibrate.streamed.LayerStats`: one pass
+        over the layer's batches per chunk of experts)."""
+
 
 class MappingStats:
     """A `StatsView` over in-memory statistics ``{layer: {name: tensor}}`` (tensors handed out as they are)."""
@@ -74,6 +78,9 @@ class MappingStats:
     def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
         return self.get(layer, name)[index]
 
+    def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
+        return self.get(layer, name)[list(ids)]
+
 
 class ChainedStats:
     """A `StatsView` over several views: each statistic from the first view holding it (e.g. a first
@@ -105,18 +112,13 @@ class ChainedStats:
     def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
         return self._view(name).get_row(layer, name, index)
 
+    def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
+        return self._view(name).get_rows(layer, name, ids)
+
 
 def stats_view(stats) -> StatsView | None:
     """`stats` as a `StatsView`: a store (anything with ``get(layer, name)``) as it is, a mapping wrapped."""
     return MappingStats(stats) if isinstance(stats, Mapping) else stats
-
-
-def get_rows(stats: StatsView, layer: int, name: str, ids: list[int]) -> torch.Tensor:
-    """``get(layer, name)[ids]`` read row by row, or in one go from a view that gathers rows together
-    (`calibrate.streamed.LayerStats`: one pass over the layer's batches per chunk of experts)."""
-    if hasattr(stats, "get_rows"):
-        return stats.get_rows(layer, name, ids)
-    return torch.stack([stats.get_row(layer, name, e) for e in ids])
 
 
 def stat(stats: StatsView | Mapping | None, layer: int, name: str) -> torch.Tensor:
@@ -147,16 +149,3 @@ class MethodContext:
     def model(self) -> torch.nn.Module:
         return self.adapter.model
 
-
-def unpack_context(context) -> tuple[MoEAdapter, StatsView | None]:
-    """(adapter, stats) from a build context (attributes adapter/model and stats) or an (adapter, stats) pair."""
-    if isinstance(context, tuple):
-        adapter, stats = context
-    else:
-        adapter = getattr(context, "adapter", None)
-        if adapter is None:
-            adapter = MoEAdapter(context.model)
-        stats = getattr(context, "stats", None)
-    if not isinstance(adapter, MoEAdapter):
-        adapter = MoEAdapter(adapter)
-    return adapter, stats_view(stats)

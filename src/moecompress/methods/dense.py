@@ -588,11 +588,11 @@ def stats_mapping(stats: StatsView | Stats | None) -> Stats:
     if stats is None:
         raise MoECompressError("The dense method needs calibration statistics; run moecompress calibrate "
                                "--for-method dense first (or pass --calib SPEC).")
+    if isinstance(stats, Mapping):
+        return stats
     if isinstance(stats, MappingStats):
         return stats.mapping
-    if hasattr(stats, "layers") and hasattr(stats, "layer") and not isinstance(stats, Mapping):
-        return {int(i): stats.layer(int(i)) for i in stats.layers}
-    return stats
+    return {int(i): stats.layer(int(i)) for i in stats.layers}
 
 
 def build(config: DenseConfig, context: MethodContext):

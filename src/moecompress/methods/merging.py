@@ -36,7 +36,7 @@ from ..runtime.merged_router import (  # noqa: F401  (re-exported: plan-tensor c
     merged_router_state,
     router_tensor_prefix,
 )
-from .context import stat, unpack_context
+from .context import MethodContext, stat
 
 Linkage = Literal["average", "single", "complete"]
 Metric = Literal["euclidean", "cosine"]
@@ -364,11 +364,11 @@ def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, tor
 
 
 
-def build_msmoe(config: MSMoEConfig, context, method: str = "m-smoe"):
+def build_msmoe(config: MSMoEConfig, context: MethodContext, method: str = "m-smoe"):
     """Registry entry: M-SMoE plan (+ tensors) from counts and router-logit correlations."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
-    adapter, stats = unpack_context(context)
+    adapter, stats = context.adapter, context.stats
     groups, weights = {}, {}
     for i in adapter.moe_layers:
         usage = stat(stats, i, "counts").double()
@@ -379,11 +379,11 @@ def build_msmoe(config: MSMoEConfig, context, method: str = "m-smoe"):
                        config.model_dump(mode="json"))
 
 
-def build_hcsmoe(config: HCSMoEConfig, context, method: str = "hc-smoe"):
+def build_hcsmoe(config: HCSMoEConfig, context: MethodContext, method: str = "hc-smoe"):
     """Registry entry: HC-SMoE plan (+ tensors) from all-token mean outputs and counts."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
-    adapter, stats = unpack_context(context)
+    adapter, stats = context.adapter, context.stats
     groups, weights = {}, {}
     for i in adapter.moe_layers:
         feats = stat(stats, i, "out_mean_all").double()
