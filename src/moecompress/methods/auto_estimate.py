@@ -544,7 +544,5 @@ def sample_layer_error(adapter, plan, tensors, layer: int, x: torch.Tensor) -> f
         ref = adapter.moe_forward(layer, x)
         with plan_installed(adapter, plan, tensors, [layer]):
             adapter.hold_layer(layer)  # the block below runs on the layer's own router (and shared experts)
-            blk = adapter.decoder_layers[layer]
-            out = getattr(blk, adapter.layer(layer).block_attr)(x[None])
-            out = out[0] if isinstance(out, tuple) else out
-    return float((out.reshape(ref.shape).double() - ref.double()).square().sum(-1).mean())
+            out = adapter.block_forward(layer, x)
+    return float((out.double() - ref.double()).square().sum(-1).mean())

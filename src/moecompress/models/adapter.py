@@ -291,6 +291,11 @@ class MoEAdapter:
         layer = self.layer(i)
         setattr(self.decoder_layers[i], layer.block_attr, module)
 
+    def block_forward(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The MoE block installed in layer i (the original or a runtime's) on tokens h [N, H] -> [N, H]."""
+        out = getattr(self.decoder_layers[i], self.layer(i).block_attr)(h[None])
+        return (out[0] if isinstance(out, tuple) else out).reshape(h.shape)
+
     # ----------------------------------------------------------------- compute
     def route(self, i: int, h: torch.Tensor, **masks) -> Routing:
         """Router logits, probabilities, selected experts and gate weights for tokens h [N, H]."""
