@@ -223,9 +223,9 @@ def arms_for(level: int, with_puzzle: bool, info) -> list[dict]:
         li = info.layers[0]
         e, b = li.num_experts, li.bytes_per_expert
         pair = 2 * b * 2 // (2 * info.element_size)  # bytes of one packed pair
-        n = next(n for n in range(e // 2 + 1) if (e - 2 * n) * b + n * pair <= level * e * b // 100) \
-            if any((e - 2 * n) * b + n * pair <= level * e * b // 100 for n in range(e // 2 + 1)) else e // 2
-        arms.append(dict(name=f"puzzlemoe-{level}m", method="puzzlemoe", params=dict(ratio=n / e)))
+        fits = [n for n in range(e // 2 + 1) if (e - 2 * n) * b + n * pair <= level * e * b // 100]
+        if fits:  # none when even pairing every expert stores more than the level (no arm then, not a 50 % one)
+            arms.append(dict(name=f"puzzlemoe-{level}m", method="puzzlemoe", params=dict(ratio=fits[0] / e)))
     return arms
 
 
@@ -343,6 +343,14 @@ def markdown(results: dict) -> str:
                 f"Δ KL {c['delta']:+.3g}, Holm p = {c.get('p_adjusted') or float('nan'):.3g}, arm bytes "
                 f"{_arm_bytes(f, c) / 1e6:+.2f} MB vs auto)" for f, c in lost))
         lines += [summary + ".", ""]
+    for f, r in results.items():
+        c = r.get("compare") or {}
+        names = {x["name"] for x in c.get("arms", [])}
+        missing = [lv for lv in sorted({x["level"] for x in c.get("comparisons", [])}, reverse=True)
+                   if c.get("puzzle") and f"puzzlemoe-{lv}m" not in names]
+        if missing:
+            lines += [f"{f}: no PuzzleMoE arm at {', '.join(f'{lv} %' for lv in missing)}: a packed pair stores two "
+                      "experts in the bytes of one, so even pairing every expert keeps more than that.", ""]
     ratios = []  # estimated / measured held-out plan KL, per fixture and budget (default sensitivity)
     for f, r in results.items():
         for p in (r.get("spearman") or {}).get("plans", []):
