@@ -36,7 +36,17 @@ def _weight(out: int, n: int, seed: int = 1, dtype=torch.bfloat16) -> torch.Tens
 def test_parse_name_round_trip(text):
     spec = QuantSpec.parse(text, algo="rtn")
     assert spec.name() == text and spec.algo == "rtn"
-    assert QuantSpec.parse(spec.name()).model_dump(exclude={"algo"}) == spec.model_dump(exclude={"algo"})
+    assert QuantSpec.parse(spec.name(), algo="rtn") == spec
+
+
+def test_gptq_orders_columns_by_default_as_llm_compressor_does():
+    """Act order is llm-compressor's default ("static"); round-to-nearest has no column order."""
+    assert QuantSpec.parse("w4g128").actorder is True
+    assert QuantSpec(bits=4).actorder is True
+    assert QuantSpec.parse("w4g128", algo="rtn").actorder is False
+    assert QuantSpec.parse("w4g128", actorder=False).actorder is False
+    assert QuantSpec.parse("w4g128").quantization_args().actorder == "static"
+    assert QuantSpec.parse("w4g128", algo="rtn").quantization_args().actorder is None
 
 
 def test_parse_fields():

@@ -204,6 +204,17 @@ def test_plan_codes_equal_per_expert_gptq(calibrated, actorder):
                 assert torch.equal(tensors[f"{s.tensor}.{part}.{k}"], v), (s.id, part, k)
 
 
+def test_gptq_plans_order_columns_by_default(calibrated):
+    """`quant` and `auto`'s quantized candidates use act order unless asked not to (llm-compressor's default)."""
+    from moecompress.methods.auto_quant import quant_spec
+
+    _, store, adapter, _ = calibrated
+    for params, want in (({"quant": "w2g32"}, True), ({"quant": "w2g32", "algo": "rtn"}, False)):
+        plan, _ = build_plan(adapter, "quant", params, store if want else None)
+        assert {s.quant.actorder for sc in plan.scopes for s in sc.stored} == {want}
+    assert quant_spec(3, 128, "gptq").actorder and not quant_spec(3, 128, "rtn").actorder
+
+
 def test_an_expert_no_token_reached_is_rounded_not_zeroed(calibrated):
     from moecompress.methods.quantize import _hessian
 

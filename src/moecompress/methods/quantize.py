@@ -48,8 +48,10 @@ class QuantConfig(BaseModel):
                        "(per channel); an 'a' suffix makes it asymmetric")
     algo: Literal["gptq", "rtn"] = Field("gptq", description="GPTQ from calibration Hessians, or round-to-nearest")
     weighting: Weighting = Field("uniform", description="GPTQ Hessian: every routed token, or gate²-weighted")
-    actorder: bool = Field(False, description="GPTQ columns in order of descending Hessian diagonal, each keeping its "
-                           "group's parameters (llm-compressor's actorder='static', its default)")
+    actorder: bool = Field(True, description="GPTQ columns in order of descending Hessian diagonal, each keeping its "
+                           "group's parameters (llm-compressor's actorder='static', its default); ignored by rtn")
+    damp: float = Field(0.01, gt=0, description="GPTQ dampening: damp · mean(diag H) added to diag H "
+                        "(llm-compressor's dampening_frac, same default)")
 
     @field_validator("quant")
     @classmethod
@@ -58,7 +60,8 @@ class QuantConfig(BaseModel):
         return v
 
     def spec(self) -> QuantSpec:
-        return QuantSpec.parse(self.quant, algo=self.algo, actorder=self.actorder)
+        return QuantSpec.parse(self.quant, algo=self.algo, actorder=self.actorder and self.algo == "gptq",
+                               damp=self.damp)
 
 
 def quant_stats(config: QuantConfig | None) -> list[str]:

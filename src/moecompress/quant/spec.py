@@ -20,7 +20,7 @@ import math
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from ..errors import MoECompressError
 
@@ -44,7 +44,16 @@ class QuantSpec(BaseModel):
     algo: Literal["rtn", "gptq"] = "gptq"
     damp: float = 0.01  # GPTQ dampening: damp · mean(diag H) is added to diag H
     block_size: int = 128  # GPTQ lazy-batch block (columns)
-    actorder: bool = False  # GPTQ column order by descending diag(H), llm-compressor's "static"/"weight"
+    # GPTQ column order by descending diag(H), llm-compressor's default "static" (docs/quantization.md,
+    # "Defaults"): on unless asked off; round-to-nearest has no column order, so it is off there
+    actorder: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _actorder_default(cls, data):
+        if isinstance(data, dict) and "actorder" not in data:
+            data = {**data, "actorder": data.get("algo", "gptq") == "gptq"}
+        return data
 
     @field_validator("group_size")
     @classmethod
