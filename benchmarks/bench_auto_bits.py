@@ -220,21 +220,23 @@ def run(fixtures, max_tokens: int, out: Path) -> None:
     for f in fixtures:
         t0 = time.perf_counter()
         res = dict(machine=dict(platform=platform.platform(), torch=torch.__version__,
-                                threads=torch.get_num_threads()), group=GROUP, max_tokens=max_tokens,
+                                threads=torch.get_num_threads()), max_tokens=max_tokens,
                    compare=run_compare_part(f, out, max_tokens), spearman=run_spearman(f, out))
-        res["seconds"] = round(time.perf_counter() - t0, 1)
-        path = out / f"auto_bits-{f}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        record(res, round(time.perf_counter() - t0, 1))
 
 
-def merge(out: Path) -> dict:
-    parts = [json.loads((out / f"auto_bits-{f}.json").read_text()) for f in FIXTURES
-             if (out / f"auto_bits-{f}.json").is_file()]
-    results = dict(machine=parts[0]["machine"], group=GROUP, max_tokens=parts[0]["max_tokens"], budgets=list(BUDGETS),
-                   fixtures=[dict(p["compare"], spearman=p["spearman"], total_seconds=p["seconds"]) for p in parts])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+def record(part: dict, seconds: float) -> dict:
+    """Put one fixture's run into the committed results, keeping the other fixture's, atomically: `report`
+    reads only that file, so a partial `run --fixtures X` never drops or mixes in anything else."""
+    fixture = part["compare"]["fixture"]
+    kept = json.loads(RESULTS.read_text())["fixtures"] if RESULTS.is_file() else []
+    entry = dict(part["compare"], spearman=part["spearman"], total_seconds=seconds)
+    by = {fx["fixture"]: fx for fx in kept} | {fixture: entry}
+    results = dict(machine=part["machine"], group=GROUP, max_tokens=part["max_tokens"], budgets=list(BUDGETS),
+                   fixtures=[by[f] for f in FIXTURES if f in by])
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(RESULTS)
     return results
 
 
@@ -407,7 +409,9 @@ def main() -> None:
         return
     from _bench_md import write_section
 
-    results = merge(a.out)
+    if not RESULTS.is_file():
+        sys.exit(f"{RESULTS.relative_to(ROOT)} is missing; run `python benchmarks/bench_auto_bits.py run` first.")
+    results = json.loads(RESULTS.read_text())
     plot(results)
     write_section(SECTION, markdown(results))
 
