@@ -118,6 +118,40 @@ def test_uniform_quantization_is_on_the_frontier_and_never_beaten_by_the_allocat
         assert sum(fronts[i][k].loss for i, k in pick.items()) <= loss * (1 + 1e-9)
 
 
+def test_uniform_bits_check_replaces_an_allocation_worse_than_uniform(olmoe):
+    """The safeguard itself: handed the worst allocation that fits, it returns one no lossier than uniform b."""
+    _, store, adapter, _ = olmoe
+    info = ModelInfo.from_model(adapter)
+    config = A.AutoConfig(**FAST)
+    probs = {i: A.layer_problem(config, adapter, store, info, i, True)[0] for i in adapter.moe_layers}
+    fronts = {i: A.layer_front(p, config, info.layer(i)) for i, p in probs.items()}
+    uni = {i: A.uniform_state(p, 4) for i, p in probs.items()}
+    nbytes = {i: p.bytes_of(uni[i]) for i, p in probs.items()}
+    uniform_loss = sum(sum(c.loss for c in s) for s in uni.values())
+    worst = {i: max(range(len(f)), key=lambda k: f[k].loss) for i, f in fronts.items()}
+    assert sum(fronts[i][k].loss for i, k in worst.items()) > uniform_loss  # a bad allocation to replace
+    pick = A.uniform_bits_check(fronts, {i: 1.0 for i in fronts}, sum(nbytes.values()), worst, {4: nbytes})
+    assert sum(fronts[i][k].loss for i, k in pick.items()) <= uniform_loss * (1 + 1e-9)
+
+
+def test_build_auto_runs_the_uniform_bits_check_on_its_allocation(olmoe, monkeypatch):
+    """build_auto hands its allocation and the uniform-width byte counts to the safeguard and uses its answer."""
+    seen = {}
+    real = A.uniform_bits_check
+
+    def spy(fronts, scale, budget, chosen, uniform):
+        seen.update(uniform=uniform, chosen=dict(chosen))
+        out = real(fronts, scale, budget, chosen, uniform)
+        seen["out"] = dict(out)
+        return out
+
+    monkeypatch.setattr(A, "uniform_bits_check", spy)
+    plan, _ = _build(olmoe, budget=0.3, **FAST)
+    assert seen and set(seen["uniform"]) >= {2, 3, 4}
+    rows = {r["layer"]: r for r in plan.params["auto"]["layers"]}
+    assert set(rows) == set(seen["out"])
+
+
 def test_mixed_precision_plan_exports_compact_and_reloads_equal(olmoe, tmp_path):
     path = olmoe[0]
     plan, tensors = _build(olmoe, budget=0.2, **FAST)

@@ -49,6 +49,15 @@ def test_gptq_orders_columns_by_default_as_llm_compressor_does():
     assert QuantSpec.parse("w4g128", algo="rtn").quantization_args().actorder is None
 
 
+def test_gptq_damping_and_block_defaults_are_llm_compressors():
+    """dampening_frac 0.01 and block 128, as llm-compressor's GPTQModifier (docs/quantization.md, "Defaults")."""
+    from moecompress.methods.quantize import QuantConfig
+
+    spec = QuantSpec.parse("w4g128")
+    assert (spec.damp, spec.block_size) == (0.01, 128)
+    assert QuantConfig().spec() == spec
+
+
 def test_parse_fields():
     s = QuantSpec.parse("w3g64a")
     assert (s.bits, s.group_size, s.symmetric, s.algo) == (3, 64, False, "gptq")

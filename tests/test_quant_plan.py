@@ -53,6 +53,7 @@ def calibrated(tmp_path_factory):
 
     needs = {s for method, params, spec, algo in COMPOSED
              for s in needs_for(method, params, {"quant": spec, "algo": "gptq"})}
+    needs |= {"hessian_in_g2", "hessian_mid_g2"}  # the gate²-weighted variant (weighting="gate2")
     return calibrated_tiny(tmp_path_factory.mktemp("qplan"), "qwen3_moe", 0, sorted(needs))
 
 
@@ -184,24 +185,30 @@ def test_ragged_groups_stay_compact(tiny):
     assert HFFormat.reason(plan) is None
 
 
-@pytest.mark.parametrize("actorder", [False, True])
-def test_plan_codes_equal_per_expert_gptq(calibrated, actorder):
-    """The method's batched quantization (and its actorder field) gives each expert's own GPTQ codes."""
+@pytest.mark.parametrize("actorder,weighting", [(False, "uniform"), (True, "uniform"), (True, "gate2")])
+def test_plan_codes_equal_per_expert_gptq(calibrated, actorder, weighting):
+    """The method's batched quantization (its actorder field, and the Hessians its weighting names) gives each
+    expert's own GPTQ codes."""
     from moecompress.quant import gptq
     from moecompress.quant.spec import QuantSpec
 
     _, store, adapter, _ = calibrated
-    plan, tensors = build_plan(adapter, "quant", {"quant": "w2g32", "algo": "gptq", "actorder": actorder}, store)
+    suffix = "_g2" if weighting == "gate2" else ""
+    plan, tensors = build_plan(adapter, "quant", {"quant": "w2g32", "algo": "gptq", "actorder": actorder,
+                                                  "weighting": weighting}, store)
     spec = QuantSpec.parse("w2g32", actorder=actorder)
     assert all(s.quant.actorder is actorder for sc in plan.scopes for s in sc.stored)
     i = adapter.moe_layers[0]
     sc = plan.scope_of(i)
     for s in sc.stored[:3]:
         w = adapter.layer(i).storage.read(s.id)
-        for part, name in (("gate", "hessian_in"), ("down", "hessian_mid")):
+        for part, name in (("gate", "hessian_in" + suffix), ("down", "hessian_mid" + suffix)):
             want = gptq(getattr(w, part).float(), store.get(i, name)[s.id].double(), spec).packed()
             for k, v in want.items():
                 assert torch.equal(tensors[f"{s.tensor}.{part}.{k}"], v), (s.id, part, k)
+    if weighting == "gate2":  # the weighting is visible: the uniform Hessians give other codes
+        _, uniform = build_plan(adapter, "quant", {"quant": "w2g32", "actorder": actorder}, store)
+        assert any(not torch.equal(uniform[k], tensors[k]) for k in tensors)
 
 
 def test_gptq_plans_order_columns_by_default(calibrated):
@@ -261,3 +268,21 @@ def test_a_quantized_scope_dequantized_a_range_at_a_time_computes_the_same(tmp_p
     assert widest == 3 < experts
     # each range's pairs run alone; each token's top-k outputs are summed in the same order
     assert torch.equal(ranged, whole)
+
+
+def test_quantized_biased_experts_count_their_biases(tmp_path):
+    """GPT-OSS experts keep gate/up/down biases beside the codes: the plan's bytes, `auto`'s per-expert price and
+    the tensors stored all count them."""
+    from moecompress.methods.auto_quant import expert_quant_bytes
+    from moecompress.quant.spec import QuantSpec
+
+    adapter = MoEAdapter(load_model(str(save_tiny("gpt_oss", tmp_path / "m")), dtype="float32"))
+    plan, tensors = build_plan(adapter, "quant", {"quant": "w4c", "algo": "rtn"}, None)
+    biases = [k for k in tensors if k.endswith("_bias")]
+    assert plan.model.expert_bias and biases
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert plan.logical_bytes(tensors).stored_experts == stored
+    w = adapter.get_expert(adapter.moe_layers[0], 0)
+    per_expert = expert_quant_bytes(QuantSpec.parse("w4c", algo="rtn"), *w.gate.shape, True, plan.model.element_size)
+    n = sum(adapter.num_experts(i) for i in adapter.moe_layers)
+    assert per_expert * n == stored
