@@ -290,7 +290,7 @@ def test_fixture_dense_student(name, tmp_path):
 
     path = fixture_dir(name)
     if not (path / "config.json").exists():
-        pytest.skip(f"fixture {name} not built")
+        pytest.fail("a shipped fixture is missing: restore src/moecompress/fixtures (it is committed)")
     s = export_dense(str(path), tmp_path / "d", DenseConfig(), calib="fixture-calib:8", progress=False)
     assert s["bytes"] < 0.6 * s["teacher_bytes"]
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "d")
