@@ -326,6 +326,13 @@ def markdown(results: dict) -> str:
         if more:
             summary += (f"; the arms it beat hold between {min(more) / 1e6:+.2f} MB and {max(more) / 1e6:+.2f} MB "
                         "relative to auto")
+        widths = sorted({int(b) for r in results.values() for h in (r.get("compare") or {}).get("auto", {}).values()
+                         for row in h["layers"] for b in row.get("bits", {"16": 1})}, reverse=True)
+        if widths != [16]:  # say what differs between the arms: structure × bits against structure alone
+            summary += (f". What differs: `auto` chose structure and bits (its plans store experts at "
+                        f"{', '.join(map(str, widths))} bits) while every single-method arm stores 16-bit experts, "
+                        "so this is structure × bits against structure alone; `auto` against quantization is the "
+                        "section \"auto over structure × bits\"")
         rhos = [v for r in results.values() if r.get("spearman")
                 for v in (r["spearman"]["spearman_single"]["kind"], r["spearman"]["spearman_layer_states"]["kind"],
                           r["spearman"]["spearman_plans"]) if isinstance(v, (int, float))]

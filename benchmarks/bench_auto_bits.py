@@ -26,6 +26,7 @@ import platform
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -338,10 +339,9 @@ def markdown(results: dict) -> str:
             lines.append("- where `auto` is detectably worse: " + "; ".join(
                 f"`{c['a']}` vs `{c['b']}` (Δ KL +{_g(c['delta'])})" for c in worse)
                 + f". {len(worse)} of {len(fx['comparisons'])} comparisons, {sum(c['budget'] not in fits for c in worse)} "
-                  "of them at budgets where no uniform width fits. REAP's renorm pruning (the router re-picks among "
-                  "the survivors) plus low bits is the better shape there; `auto` prices many reroutes of one layer "
-                  "by the sum of single-removal losses, scaled by a sensitivity probed at the layer's extreme, so it "
-                  "takes replace-style drops and operators instead (docs/auto.md).")
+                  "of them at budgets where no uniform width fits; the arms that beat it, by family: "
+                + ", ".join(f"{fam} {n}" for fam, n in sorted(Counter(by[c['b']]['family'] for c in worse).items()))
+                + " (docs/auto.md discusses why, with the run it describes).")
         sp = fx["spearman"]
         within = []
         for key in sorted({(r["layer"], r["slot"]) for r in sp["single"] if r["quant"]}):

@@ -231,8 +231,17 @@ def report() -> None:
     if rows:
         ok = [r for r in rows if r["ratio"] <= d["target"]]
         worst = max(rows, key=lambda r: r["ratio"])
-        lines += ["", f"{len(ok)} of {len(rows)} measured families meet the target; the highest is {worst['family']} "
-                  f"at {worst['ratio']:.3f} × the checkpoint."]
+        unfinished = [(n, r) for n, r in summaries.items() if not r["n_ok"]]
+        trees = {r.get("src") for r in summaries.values()}
+        text = (f"{len(ok)} of {len(summaries)} variants run meet the target; the highest that finished is "
+                f"{worst['family']} at {worst['ratio']:.3f} × the checkpoint")
+        if unfinished:
+            text += "; did not finish: " + ", ".join(
+                n + (f" (peak ≥ {r['peak_rss_bytes'] / d['disk_bytes']:.3f} × when it stopped)"
+                     if r.get("peak_rss_bytes") else "") for n, r in unfinished)
+        if len(trees) > 1:
+            text += f". The rows come from {len(trees)} src/ trees (a row measured on another names it)"
+        lines += ["", text + "."]
     e, h = sh.get("num_experts"), sh.get("hidden_size")
     if e and h and "prune + tilt" in summaries:
         removed = e // 2  # the family's ratio 0.5
@@ -243,8 +252,7 @@ def report() -> None:
     auto = summaries.get("auto")
     if auto:
         lines += ["", "`auto` with its default candidates and bits reads [E, H, H] and [E, I, I] statistics of every expert "
-                  "(gate²-weighted tilt and partial fits, GPTQ Hessians, their cross-fit halves), 12 × this checkpoint "
-                  "for the model. `compress` streams them (docs/calibration.md, \"Streamed statistics\"): each layer's "
+                  "(gate²-weighted tilt and partial fits, GPTQ Hessians, their cross-fit halves). `compress` streams them (docs/calibration.md, \"Streamed statistics\"): each layer's "
                   "are gathered while `auto` works on that layer, a few experts at a time, and never stored. "
                   f"`auto` runs with {THREADS['auto']} threads here, the other families with one."]
     for name in ("auto", "auto (no H×H statistics)"):

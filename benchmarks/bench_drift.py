@@ -89,7 +89,7 @@ def report() -> None:
     lines += ["### Does the paper's direction hold?", "",
               f"The paper finds a domain change moves the pruned set {PAPER_RATIO[0]}–{PAPER_RATIO[1]} times more "
               f"than resampling. Here the drift ratio's interval lies above 1 in {len(above)} of {len(holds)} "
-              f"settings (fixture × criterion × ratio), so the direction holds in those; the point estimate falls "
+              f"settings (fixture × criterion × ratio), in those the domain moves the pruned set more than resampling does; the point estimate falls "
               f"inside the paper's range in {len(in_range)} of {len(holds)} "
               f"(smallest {_f(min(h[2] for h in holds))}, largest {_f(max(h[2] for h in holds))}).", ""]
     write_section(SECTION, "\n".join(lines))

@@ -150,6 +150,29 @@ def verdicts(fx: dict) -> list[str]:
     return out
 
 
+def gate2_lines(fx: dict) -> list[str]:
+    """Gate²-weighted against uniform GPTQ Hessians at each width: paired bootstrap over the held-out windows,
+    Holm over the widths, the verdict per width (computed, never typed)."""
+    from moecompress.eval.stats import apply_holm, paired_bootstrap
+
+    by = {r["name"]: r for r in fx["arms"]}
+    comps = []
+    for b in (2, 3, 4):
+        u, w = by.get(f"gptq-w{b}"), by.get(f"gptq-g2-w{b}")
+        if u is None or w is None:
+            continue
+        c = paired_bootstrap(w["window_ids"], w["window_kl"], u["window_ids"], u["window_kl"], metric="kl",
+                             higher_is_better=False, B=4000, seed=0).to_dict()
+        comps.append(dict(c, bits=b, uniform=u["kl"], gate2=w["kl"]))
+    apply_holm(comps, 0.05)
+    words = {"A better": "gate² lower", "B better": "gate² higher"}
+    return ["Gate²-weighted against uniform GPTQ Hessians (paired bootstrap over held-out windows, Δ = KL(gate²) − "
+            "KL(uniform), Holm over the widths): " + "; ".join(
+                f"{c['bits']} bits {_g(c['uniform'])} → {_g(c['gate2'])}, Δ {_g(c['delta'])} "
+                f"[{_g(c['ci_low'])}, {_g(c['ci_high'])}], {words.get(c['verdict'], 'not detectably different')}"
+                for c in comps) + "."]
+
+
 def markdown(results: dict) -> str:
     lines = [SECTION, "",
              "Regenerate: `OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_quant.py run && python "
@@ -178,12 +201,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {c['a']} | {c['b']} | {_g(c['delta'])} | [{_g(c['ci_low'])}, {_g(c['ci_high'])}] | "
                          f"{_g(c.get('p_adjusted'))} |")
         lines += [""] + verdicts(fx) + [""]
-        g2 = {r["name"]: r["kl"] for r in fx["arms"]}
-        pairs = [(b, g2.get(f"gptq-w{b}"), g2.get(f"gptq-g2-w{b}")) for b in (2, 3, 4)]
-        helps = [b for b, u, w in pairs if u is not None and w is not None and w < u]
-        lines.append(f"Gate²-weighted GPTQ Hessians give lower KL than uniform ones at {len(helps)} of "
-                     f"{len(pairs)} bit widths ({', '.join(f'{b} bits: {_g(u)} → {_g(w)}' for b, u, w in pairs)}).")
-        lines.append("")
+        lines += gate2_lines(fx) + [""]
     lines.append("Uniform bits on top of a fixed structural ratio is measured here; choosing structure and bits "
                  "together per expert under one byte budget is `auto` over structure × bits (its own section).")
     lines.append("")
