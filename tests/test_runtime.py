@@ -364,4 +364,10 @@ def test_lm_eval_hflm_wraps_a_runtime_model():
     lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(str(path)), batch_size=1)
     (ll, _), = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=("The cat", " sat"),
                                           idx=0)])
-    assert ll < 0
+    # the same log-likelihood from the runtime model's own logits (HFLM splits context and continuation this way)
+    whole, ctx = lm.tok_encode("The cat sat"), lm.tok_encode("The cat")
+    cont = whole[len(ctx):]
+    with torch.no_grad():
+        logp = model(torch.tensor([whole])).logits.float().log_softmax(-1)[0]
+    direct = sum(float(logp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))
+    assert cont and ll < 0 and abs(ll - direct) < 1e-4, (ll, direct)
