@@ -79,6 +79,8 @@ SECTIONS: dict[str, Section] = {
         "## Quantization: structure × bits (issue 13)", ("quant.json", "quant_quality_vs_bytes.png"), "bench_quant.py"),
     "peer-gptq": _run_report(
         "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",), "peer_llmcompressor_gptq.py"),
+    "gptq-defaults": _run_report(
+        "## GPTQ defaults (issue 32)", ("gptq_defaults.json",), "bench_gptq_defaults.py"),
     "auto-bits": _run_report(
         "## auto over structure × bits (issue 14)", ("auto_bits.json", "auto_bits_frontier.png"), "bench_auto_bits.py"),
     "compress-memory": _run_report(
