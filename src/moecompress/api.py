@@ -65,24 +65,33 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
 
     calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
     format: auto | hf | compact | packed | materialized (`pipeline.choose_format`).
-    quant: optional weight quantization of every stored expert the method keeps (`pipeline.quant_config`)."""
-    from .atomic import check_output
+    quant: optional weight quantization of every stored expert the method keeps (`pipeline.quant_config`).
+
+    `out` is claimed (`atomic.claim`) for the whole run and the model and stats store are fingerprinted
+    when it starts: the method reopens the model for every layer and the exporter once more, so a model
+    replaced meanwhile is refused before the rename instead of exported with the old one's statistics.
+    `<out>-calib/stats` obeys the same rules as `out`, `overwrite` included."""
+    from .atomic import check_output, claim, fingerprint_inputs
+    from .checkpoint import checkpoint_fingerprint
     from .models import resolve_source
 
     out = Path(out)
     model = resolve_source(model)
     calib_dir = calib if calib is not None and Path(calib).is_dir() else None
     protect = [model, calib_dir]
-    check_output(out, overwrite, protect)  # before any compute: a refusal must not cost a calibration
+    check_output(out, overwrite, protect, kind="checkpoint")  # before any compute, a calibration included
     quant_config(quant)  # a bad quantization spec is refused before any compute too
-    stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
-                          work_dir=out.parent / f"{out.name}-calib", progress=progress)
-    plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype, progress=progress)
-    recipe = {"model": str(model), "method": method, "params": params or {}, "calib": str(calib) if calib else None,
-              "seq_len": seq_len, "seed": seed,
-              "quant": quant.model_dump(mode="json") if isinstance(quant, BaseModel) else quant}
-    return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
-                  overwrite=overwrite, protect=protect)
+    with claim(out):
+        inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
+        stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
+                              work_dir=out.parent / f"{out.name}-calib", progress=progress, overwrite=overwrite)
+        plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype,
+                                  progress=progress)
+        recipe = {"model": str(model), "method": method, "params": params or {},
+                  "calib": str(calib) if calib else None, "seq_len": seq_len, "seed": seed,
+                  "quant": quant.model_dump(mode="json") if isinstance(quant, BaseModel) else quant}
+        return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
+                      overwrite=overwrite, protect=protect, inputs=inputs)
 
 
 def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str | None = None, limit=None,
@@ -96,10 +105,14 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
 
     out: also write the results as JSON to this file; report: also write report.md + PNGs into this directory.
     Both are checked before any model is loaded (an existing one is replaced only with `overwrite`, and only
-    if moecompress wrote it)."""
-    from .atomic import atomic_dir, check_output
+    if moecompress wrote it; neither may be, contain or sit inside what the run reads: the model, the
+    reference, a --ppl file, task directories), claimed for the run, and written only if those inputs are
+    unchanged at the end."""
+    from contextlib import ExitStack
+
+    from .atomic import atomic_dir, check_apart, check_output, claim, fingerprint_inputs
+    from .checkpoint import checkpoint_fingerprint
     from .eval.report import write_report, write_results
-    from .eval.runner import evaluate_model, model_info, plan_arm_fields
     from .models.loading import resolve_fixture
     from .validate import check_range
 
@@ -114,16 +127,41 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
     check_range("--stride", stride, 1)
     check_range("--max-tokens", max_tokens, 1)
     out = Path(out) if out is not None else None
+    model = resolve_fixture(model)
+    reference = resolve_fixture(reference) if reference else None
+    reads = [model, reference, ppl, *(include_path or [])]  # the ones that exist here (`atomic.check_apart`)
     if out is not None and out.is_dir():
         raise MoECompressError(f"--out {out} is a directory; pass a file path such as {out / 'results.json'}.")
     if out is not None:
+        check_apart(out, reads)
         _check_results_file(out, overwrite)
     if report is not None:
-        check_output(report, overwrite, flag="--report")
+        check_output(report, overwrite, protect=reads, flag="--report", kind="report")
     if limit is not None and limit >= 1:
         limit = int(limit)
-    model = resolve_fixture(model)
-    reference = resolve_fixture(reference) if reference else None
+    with ExitStack() as held:
+        for path, flag in ((out, "--out"), (report, "--report")):
+            if path is not None:
+                held.enter_context(claim(path, flag))
+        inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
+        results = _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, include_path, window,
+                            stride, max_tokens, dtype, device, seed, trust_remote_code, progress)
+        inputs.check()
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_results(out, results)
+        if report is not None:
+            with atomic_dir(report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs,
+                            flag="--report") as tmp:
+                write_report(results, tmp)
+    return results
+
+
+def _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, include_path, window, stride,
+              max_tokens, dtype, device, seed, trust_remote_code, progress) -> dict:
+    """`evaluate`'s computation, once its outputs are checked and claimed: the results dict."""
+    from .eval.runner import evaluate_model, model_info, plan_arm_fields
+
     m = _load_for_eval(model, dtype, device, trust_remote_code)
     tok = _tokenizer(model, trust_remote_code)
     ref = _load_for_eval(reference, dtype, device, trust_remote_code) if reference else None
@@ -136,16 +174,9 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
     plan = getattr(m, "_moecompress_plan", None)
     if plan is not None:  # an export: record what the plan says (gate semantics, operators, per-layer counts)
         arm.update({k: v for k, v in plan_arm_fields(plan).items() if v is not None}, kind="compressed")
-    results = {"schema": "moecompress.results/1", "model": info, "arms": [arm],
-               "settings": {"window": window, "stride": stride or window, "max_tokens": max_tokens, "limit": limit,
-                            "num_fewshot": num_fewshot, "seed": seed, "reference": reference}}
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_results(out, results)
-    if report is not None:
-        with atomic_dir(report, overwrite=overwrite, kind="report") as tmp:
-            write_report(results, tmp)
-    return results
+    return {"schema": "moecompress.results/1", "model": info, "arms": [arm],
+            "settings": {"window": window, "stride": stride or window, "max_tokens": max_tokens, "limit": limit,
+                         "num_fewshot": num_fewshot, "seed": seed, "reference": reference}}
 
 
 def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.PathLike], out: str | os.PathLike, *,

@@ -74,7 +74,7 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     for arm in recipe.arms:
         check_name(arm.display_name())
     # the previous report stays in place until this one is complete (atomic_dir renames at the end)
-    check_output(out, overwrite, protect)
+    check_output(out, overwrite, protect, kind="report")
     from .quiet import quiet_libraries
 
     track = ArmProgress(2 + len(recipe.arms), enabled=progress and not verbose)

@@ -19,11 +19,16 @@ from .models import MoEAdapter
 
 def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list[str], *, seq_len: int = 256,
                         seed: int = 0, batch_size: int = 8, work_dir: str | os.PathLike | None = None,
-                        dtype: str = "auto", progress: bool = True, moment_experts=None, name: str = "stats"):
+                        dtype: str = "auto", progress: bool = True, moment_experts=None, name: str = "stats",
+                        overwrite: bool = True):
     """A StatsStore holding at least `needs`: an existing store directory, or a data spec to calibrate on.
 
-    A spec is calibrated into `work_dir/<name>` (reused when a finished store with the same inputs
-    exists there). Returns None when the method needs no statistics and none was given.
+    A spec is calibrated into `work_dir/<name>`, an output like any other (docs/architecture.md,
+    "Outputs"): a finished store with the same inputs there is reused, and without `overwrite` a store
+    of another model or other settings is refused, not replaced (compress passes its own --overwrite;
+    compare calibrates inside its fresh report directory). Nobody resumes this calibration, so an
+    interrupted one leaves no ``.NAME.partial`` behind. Returns None when the method needs no statistics
+    and none was given.
     """
     from .calibrate import StatsStore, calibrate
 
@@ -38,12 +43,13 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
         return store
     out = Path(work_dir or ".") / name
     return calibrate(model, str(calib), seq_len=seq_len, out=out, stats=sorted(set(needs)), batch_size=batch_size,
-                     dtype=dtype, seed=seed, progress=progress, moment_experts=moment_experts, overwrite=True)
+                     dtype=dtype, seed=seed, progress=progress, moment_experts=moment_experts, overwrite=overwrite,
+                     keep_partial=False)
 
 
 def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, params: dict[str, Any] | None,
                   quant=None, *, seq_len: int = 256, seed: int = 0, work_dir: str | os.PathLike | None = None,
-                  progress: bool = True):
+                  progress: bool = True, overwrite: bool = True):
     """The statistics `method` with `params` (and `quant`) reads, as `resolve_calibration` gives them.
 
     A method whose build reads input/cross moments of a subset of experts (prune's tilt: the removed
@@ -61,7 +67,7 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
         return StreamedStats(model, str(calib), needs, seq_len=seq_len, seed=seed)
     entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
     staged = moments and entry.moment_experts is not None and calib is not None and not Path(calib).is_dir()
-    common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress)
+    common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress, overwrite=overwrite)
     if not staged:
         return resolve_calibration(model, calib, needs, **common)
     first = resolve_calibration(model, calib, [n for n in needs if n not in moments], **common)

@@ -86,6 +86,7 @@ class CalibrationOptions:
     overwrite: bool = False
     progress: bool = True
     trust_remote_code: bool = False
+    keep_partial: bool = True
 
 
 def calibrate(
@@ -111,6 +112,7 @@ def calibrate(
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
+    keep_partial: bool = True,
 ):
     """Gather per-expert statistics of `model` on calibration `data`, layer by layer, into a stats store.
 
@@ -135,6 +137,9 @@ def calibrate(
             layers see the outputs of already-compressed earlier layers. Statistics always describe the
             original experts.
         on_layer_end: ``on_layer_end(i, stats_i)`` after layer i is finished and saved.
+        keep_partial: keep ``.OUT.partial`` when the run is interrupted (Ctrl-C, SIGTERM), for `resume`;
+            False for calibrations nobody resumes (compress's implicit ``<out>-calib/stats``). Any other
+            failure always removes it: nothing there is worth resuming from, and a full disk needs the space.
 
     Returns:
         `StatsStore` (or `ResourceEstimate` with dry_run).
@@ -145,7 +150,8 @@ def calibrate(
         seq_len=seq_len, out=out, stats=stats, offload_dir=offload_dir, resume=resume, dry_run=dry_run,
         batch_size=batch_size, dtype=dtype, seed=seed, device=device, padding=padding, chat_template=chat_template,
         tokenizer=tokenizer, moment_experts=moment_experts, hessian_layers=hessian_layers, transform=transform,
-        on_layer_end=on_layer_end, overwrite=overwrite, progress=progress, trust_remote_code=trust_remote_code)
+        on_layer_end=on_layer_end, overwrite=overwrite, progress=progress, trust_remote_code=trust_remote_code,
+        keep_partial=keep_partial)
     return Calibration(model, data, options)._run(warn_stacklevel=4)  # the warning names calibrate's caller
 
 
@@ -188,6 +194,10 @@ class Calibration:
                                           o.seed, o.padding, o.chat_template)
         self.out = None if o.out is None else Path(o.out)
         self.fingerprint = self.reader.fingerprint()
+        from ..atomic import fingerprint_inputs
+        from ..checkpoint import checkpoint_fingerprint
+
+        self.inputs = fingerprint_inputs([self.reader.path], checkpoint_fingerprint)  # checked before the rename
         self.identity = _identity(self.reader, self.fingerprint, self.calib, self.names, self.params,
                                   self.dtype or "auto", self.device, o.batch_size)
 
@@ -204,7 +214,7 @@ class Calibration:
         if self.out is not None and not o.dry_run:
             from ..atomic import check_output
 
-            check_output(self.out, o.overwrite, protect=[self.reader.path])  # before any compute
+            check_output(self.out, o.overwrite, protect=[self.reader.path], kind="stats")  # before any compute
         est = self._estimate()
         if o.dry_run:
             from .dryrun import probe_time
@@ -248,12 +258,27 @@ class Calibration:
                         o.transform is not None)
 
     def _stream(self, warn_stacklevel: int) -> StatsStore:
-        """Run every decoder layer in order (resuming a partial run), then write the store."""
+        """Run every decoder layer in order (resuming a partial run), then write the store.
+
+        However the run ends, rank 0 lets go of the output's lock (`PartialRun.start` took it) and removes
+        the partial run, except after an interruption a resume may continue (`keep_partial`); a run that
+        was refused the lock touches nothing."""
+        partial = PartialRun(self.out)
+        try:
+            return self._layers(partial, warn_stacklevel + 1)
+        except BaseException as exc:
+            if self.rank == 0 and partial.holding:
+                if isinstance(exc, KeyboardInterrupt) and self.options.keep_partial:
+                    partial.close()
+                else:
+                    partial.remove()
+            raise
+
+    def _layers(self, partial: PartialRun, warn_stacklevel: int) -> StatsStore:
         from . import distributed as dist
         from .runner import SequentialRunner
 
         o, rank = self.options, self.rank
-        partial = PartialRun(self.out)
         finished, error = None, None
         if rank == 0:
             try:
@@ -311,7 +336,7 @@ class Calibration:
         if rank == 0:
             meta = _meta(self.reader, self.fingerprint, adapter, self.calib, self.names, self.params, self.dtype,
                          o.batch_size, layer_stats, unreached, self.device)
-            store = write_store(self.out, partial, moe, meta)
+            store = write_store(self.out, partial, moe, meta, inputs=self.inputs, overwrite=o.overwrite)
             partial.remove()
         runner.cache.clear()
         dist.barrier()

@@ -29,17 +29,29 @@ FORMAT = "moecompress-stats/1"
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Complete or absent, fsynced (`atomic.write_file`): a full disk leaves no 0-byte ``run.json.tmp``."""
+    from ..atomic import write_file
+
+    write_file(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One layer's file, fsynced before its rename so that a resumed run never trusts a file the crash
+    left empty; the temporary is removed on any failure."""
     from ..disk import write_tensors
 
     tmp = path.with_suffix(path.suffix + ".tmp")
-    write_tensors(tmp, tensors, metadata={"format": FORMAT})
-    os.replace(tmp, path)
+    try:
+        write_tensors(tmp, tensors, metadata={"format": FORMAT})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def versions() -> dict[str, str]:
@@ -169,11 +181,16 @@ class StatsStore:
         return f"calibration {d['spec']} ({domains}), {d['tokens']:,} tokens, seq_len {d['seq_len']}, seed {d['seed']}"
 
 
-def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict) -> StatsStore:
-    """Move the finished layer files of `partial` into a complete store at `out` (atomically)."""
+def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict,
+                inputs=None, overwrite: bool = False) -> StatsStore:
+    """Move the finished layer files of `partial` into a complete store at `out` (atomically).
+
+    `inputs`: the model's fingerprint from when the run started (`atomic.fingerprint_inputs`), checked
+    before the rename. `overwrite`: the run's own; a store that appeared at `out` while this run computed
+    (another run finished first) is refused without it, not silently replaced."""
     from ..atomic import atomic_dir
 
-    with atomic_dir(out, overwrite=True) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="stats", inputs=inputs) as tmp:
         for i in layers:
             os.replace(partial.dir / f"layer_{i:04d}.safetensors", Path(tmp) / f"layer_{i:04d}.safetensors")
         _write_json(Path(tmp) / "stats.json", meta)
@@ -181,14 +198,36 @@ def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict) -
 
 
 class PartialRun:
-    """The resumable state of a run in progress: ``.DIR.partial/`` beside the output."""
+    """The resumable state of a run in progress: ``.DIR.partial/`` beside the output.
+
+    `start` claims the output (`atomic.claim`, the same ``.DIR.lock`` the store is written under) and
+    holds it until `close` or `remove`: two runs given one ``--out`` would otherwise share (and delete)
+    one partial directory and write a store of mixed layers. `remove` is for every way a run ends
+    except an interruption a resume can continue (the caller decides, see `Calibration._stream`)."""
 
     def __init__(self, out: Path):
         self.out = Path(out)
         self.dir = self.out.parent / f".{self.out.name}.partial"
+        self._claim = None
 
     def start(self, identity: dict, resume: bool) -> list[int]:
-        """Begin (or, with resume, continue) a run; returns layers already finished."""
+        """Begin (or, with resume, continue) a run; returns layers already finished.
+
+        Refuses in one sentence while another run holds the output's lock; on any failure here the
+        lock is let go again."""
+        from ..atomic import claim
+
+        if self._claim is None:
+            held = claim(self.out)
+            held.__enter__()
+            self._claim = held
+        try:
+            return self._start(identity, resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, identity: dict, resume: bool) -> list[int]:
         run = self.dir / "run.json"
         if self.dir.exists() and resume and run.is_file():
             old = json.loads(run.read_text())
@@ -206,7 +245,11 @@ class PartialRun:
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True)
-        _write_json(run, {"identity": identity, "finished": []})
+        try:
+            _write_json(run, {"identity": identity, "finished": []})
+        except BaseException:  # a full disk here: no run started, so nothing is left to resume
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         return []
 
     def save_layer(self, i: int, stats: dict[str, torch.Tensor]) -> None:
@@ -220,8 +263,23 @@ class PartialRun:
 
         return load_file(str(self.dir / f"layer_{i:04d}.safetensors"))
 
+    @property
+    def holding(self) -> bool:
+        """Whether this run holds the output's lock (`start` succeeded and no `close` / `remove` since)."""
+        return self._claim is not None
+
+    def close(self) -> None:
+        """Let go of the output's lock, keeping the partial directory (for --resume)."""
+        if self._claim is not None:
+            claim, self._claim = self._claim, None
+            claim.__exit__(None, None, None)
+
     def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Delete the partial directory, then let go of the lock."""
+        try:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            self.close()
 
 
 def load_stats(path, model_fingerprint: str | None = None, data_spec: str | None = None) -> StatsStore:

@@ -46,7 +46,7 @@ def analyze_command(
                            overwrite)
     if scope < 1:
         raise MoECompressError(f"--scope must be at least 1 (got {scope}); use 1 for layer-local or e.g. 4.")
-    check_output(out, overwrite, protect=[model])
+    check_output(out, overwrite, protect=[model], kind="analysis")
     res = analyze_model(model, scope_size=scope, trust_remote_code=trust_remote_code, progress=True)
     path = write_analysis(res, out, overwrite=overwrite, protect=[model])
     console = Console()
@@ -72,7 +72,7 @@ def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, se
     if not specs:
         raise MoECompressError("--mask-drift needs calibration specs to compare; pass --data SPEC once per domain, "
                                "e.g. --data c4:64 --data gsm8k:64.")
-    check_output(out, overwrite, protect=[model])
+    check_output(out, overwrite, protect=[model], kind="analysis")
     res = mask_drift(model, specs, [criterion], [ratio], draws=draws, sequences=sequences, seq_len=seq_len,
                      seed=seed, bootstrap=bootstrap)
     path = write_drift(res, out, overwrite=overwrite, protect=[model])

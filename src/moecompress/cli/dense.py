@@ -39,7 +39,7 @@ def dense_command(
     check_range("--K", K, 1)
     check_range("--seq-len", seq_len, 1)
     model = resolve_fixture(model)
-    check_output(out, overwrite, protect=[model, calib])
+    check_output(out, overwrite, protect=[model, calib], kind="checkpoint")
     cfg = build_config(DenseConfig, criterion=canonical(criterion, CRITERIA, "criterion"), K=K,
                        grouping=canonical(grouping, GROUPINGS, "grouping"),
                        scaling=canonical(scaling, SCALINGS, "scaling"), mass_scale=mass_scale,

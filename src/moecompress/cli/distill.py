@@ -44,7 +44,7 @@ def distill_command(
 
     teacher, student = resolve_fixture(teacher), resolve_fixture(student)
     if overwrite:
-        check_output(out, overwrite, protect=[teacher, student])
+        check_output(out, overwrite, protect=[teacher, student], kind="distill-run")
     cfg = build_config(DistillConfig, tokens=tokens, loss=loss, temperature=temperature, hidden_weight=hidden_weight,
                           expanded_top_k=expanded_top_k, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                           lr=lr, warmup=warmup, bf16=bf16, gradient_checkpointing=gradient_checkpointing,

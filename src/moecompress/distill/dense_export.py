@@ -360,7 +360,7 @@ def copy_tokenizer(source: str | Path | None, out: Path) -> list[str]:
 
 def save_student(student, out: str | Path, *, plan: dict, tokenizer_source=None, overwrite: bool = False) -> Path:
     """Write the student atomically: safetensors weights, config, tokenizer, and the plan beside them."""
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="checkpoint:dense") as tmp:
         student.save_pretrained(tmp)
         copy_tokenizer(tokenizer_source, tmp)
         (tmp / PLAN_NAME).write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")

@@ -274,7 +274,8 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     if overwrite and out.exists():
         from ..atomic import check_output
 
-        check_output(out, overwrite, protect=[p for p in (teacher, student) if isinstance(p, (str, Path))])
+        check_output(out, overwrite, protect=[p for p in (teacher, student) if isinstance(p, (str, Path))],
+                     kind="distill-run")
         shutil.rmtree(out)
     # models before TrainingArguments, so both load whole (no ZeRO-3 zero.Init, no rank-0-only FSDP loading);
     # the Trainer then shards the student and `place_teacher` the teacher

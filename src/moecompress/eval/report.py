@@ -9,8 +9,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -217,13 +215,10 @@ def _json_safe(x):
 
 
 def _write_atomic(path: Path, data: str | bytes) -> None:
-    from ..atomic import fix_permissions
+    """`atomic.write_file`: complete or absent, fsynced, its temporary removed on any failure (a full disk)."""
+    from ..atomic import write_file
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode("utf-8") if isinstance(data, str) else data)
-    fix_permissions(tmp)  # mkstemp makes it 0600; a results file is an ordinary file
-    os.replace(tmp, path)
+    write_file(path, data)
 
 
 def write_results(path: Path, results: dict) -> None:

@@ -142,13 +142,18 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
 
 def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
            tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False,
-           max_shard_size: int | str = "5GB", quiet: bool = False, protect=()) -> ExportResult:
+           max_shard_size: int | str = "5GB", quiet: bool = False, protect=(),
+           inputs=None) -> ExportResult:
     """Write `plan` applied to `model_or_path` (an original model, or its checkpoint directory) to `out`.
 
     format: ``compact`` (any plan without packed experts; read with `moecompress.load`), ``packed``
     (compact plus PuzzleMoE packed experts stored packed; read with `moecompress.load`), ``hf``
     (vanilla checkpoint when the family's config can express the plan) or ``materialized`` (full
     size, evaluation only).
+
+    protect: paths `out` may not be, contain or sit inside (the source directory is added); inputs: their
+    fingerprints from when the run started (`atomic.fingerprint_inputs`), checked before the rename
+    (default: `protect` as it is when the export starts).
     """
     fmt_class = format_class(format)
     source = open_source(model_or_path)
@@ -157,7 +162,7 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     fmt = fmt_class(plan, tensors, source)
     fmt.check()
     protect = [*protect, source.source_dir]
-    with atomic_dir(out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}") as tmp:
+    with atomic_dir(out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}", inputs=inputs) as tmp:
         writer = ShardWriter(tmp, max_shard_size)
         _stream(source, plan, fmt, writer, quiet)
         shards = writer.close()
