@@ -112,3 +112,29 @@ def test_streamed_statistics_refuse_several_ranks(setup, monkeypatch):
     monkeypatch.setattr(distributed, "world", lambda: (0, 2))  # as under torchrun --nproc_per_node 2
     with pytest.raises(MoECompressError, match="run in one process; calibrate into a store"):
         StreamedStats(model, SPEC, needs, seq_len=SEQ)
+
+
+def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tmp_path):
+    """`compress --method quant` from a data spec quantizes each layer while its Hessians are in memory (one
+    whole-layer pass), writes no per-expert H×H statistic, and gives the store path's plan and codes."""
+    from moecompress.calibrate.streamed import WHOLE_LAYER
+    from moecompress.compress_dryrun import estimate_compress
+
+    _, model, _, _ = setup
+    params = {"quant": "w3g64"}
+    needs = pipeline.needs_for("quant", params)
+    store = calibrate(model, SPEC, seq_len=SEQ, out=tmp_path / "stats", stats=needs, progress=False)
+    a, a_tensors = pipeline.make_plan(model, "quant", params, store)
+    assert pipeline.streamed_chunk("quant", SPEC) == WHOLE_LAYER
+    stats = pipeline.calibrate_for(model, SPEC, "quant", params, seq_len=SEQ, work_dir=tmp_path / "unused")
+    assert isinstance(stats, StreamedStats) and stats.chunk == WHOLE_LAYER
+    b, b_tensors = pipeline.make_plan(model, "quant", params, stats)
+    assert a.model_dump() == b.model_dump() and all(s.quant.actorder for sc in b.scopes for s in sc.stored)
+    assert sorted(a_tensors) == sorted(b_tensors) and all(torch.equal(a_tensors[k], b_tensors[k]) for k in a_tensors)
+    assert not (tmp_path / "unused").exists()
+    for view in stats.layers():  # the layer's Hessians come whole from one extra pass
+        h = view.get(view.layer, "hessian_in")
+        assert torch.equal(h, store.get(view.layer, "hessian_in")) and view.passes == 1
+    streamed = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs, streamed_chunk=WHOLE_LAYER)
+    stored = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs)
+    assert streamed.disk_bytes == streamed.checkpoint_bytes < stored.disk_bytes

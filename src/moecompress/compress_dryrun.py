@@ -147,6 +147,7 @@ def _streamed_statistics(adapter, stats: list[str], chunk: int) -> int:
     moe = adapter.moe_layers
     classes = collectors_for(stats)
     rest, _ = stat_sizes(adapter, moe, classes, {"square_experts": []})
+    chunk = min(chunk, max(adapter.num_experts(i) for i in moe))  # WHOLE_LAYER: every expert of a layer
     rows, _ = stat_sizes(adapter, moe, [c for c in classes if c.square], {"square_experts": list(range(chunk))})
     return rest + rows
 

@@ -64,7 +64,8 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
     if streams_statistics(method, calib, quant):
         from .calibrate.streamed import StreamedStats
 
-        return StreamedStats(model, str(calib), needs, seq_len=seq_len, seed=seed)
+        return StreamedStats(model, str(calib), needs, seq_len=seq_len, seed=seed,
+                             chunk=streamed_chunk(method, calib, quant))
     entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
     staged = moments and entry.moment_experts is not None and calib is not None and not Path(calib).is_dir()
     common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress, overwrite=overwrite)
@@ -83,7 +84,7 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
 def streams_statistics(method: str, calib, quant=None) -> bool:
     """Whether `calibrate_for` gives `method` statistics computed layer by layer as it reads them
     (`calibrate.streamed.StreamedStats`: nothing stored, docs/calibration.md) instead of a store: a method
-    that reads them in layer order (`MethodEntry.streamed_stats`: auto), calibrated from a data spec, with no
+    that reads them in layer order (`MethodEntry.streamed_stats`: auto, quant), calibrated from a data spec, with no
     quantization stage after it (that stage reads every layer's Hessians)."""
     return (get_method(method).streamed_stats and calib is not None and not Path(calib).is_dir()
             and quant_config(quant) is None)
@@ -91,9 +92,11 @@ def streams_statistics(method: str, calib, quant=None) -> bool:
 
 def streamed_chunk(method: str, calib, quant=None) -> int | None:
     """For the dry-run: the experts per square-statistics pass when `streams_statistics`, else None."""
-    from .calibrate.streamed import CHUNK
+    from .calibrate.streamed import CHUNK, WHOLE_LAYER
 
-    return CHUNK if streams_statistics(method, calib, quant) else None
+    if not streams_statistics(method, calib, quant):
+        return None
+    return WHOLE_LAYER if get_method(method).streamed_whole_layer else CHUNK
 
 
 def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:

@@ -28,6 +28,10 @@ from ..memory import release_freed_memory
 from .api import Calibration, CalibrationOptions, gather
 
 CHUNK = 4  # experts whose square statistics one pass gathers (8 held 2.2 GB on the wide model)
+# a chunk at least every expert of a layer: one pass gathers the layer's square statistics whole, for a reader that
+# needs them together (GPTQ quantizes a layer's experts against their Hessians in one batch, as llm-compressor
+# holds a layer's Hessians); `get` then answers for square statistics too
+WHOLE_LAYER = 1 << 20
 
 
 class _Named:
@@ -64,10 +68,15 @@ class LayerStats(_Named):
 
     def get(self, layer: int, name: str) -> torch.Tensor:
         self._check(layer, name)
-        if name in self._square:
+        if name not in self._square:
+            return self._stats[name]
+        experts = list(range(int(self._stats["counts"].numel())))
+        if self.chunk < len(experts):
             raise RuntimeError(f"'{name}' is read one expert at a time on streamed statistics (get_row); this is a "
                                "bug, please report it.")
-        return self._stats[name]
+        if not self._holds(experts):
+            self._gather(experts)
+        return self._cached[1][name]
 
     def get_row(self, layer: int, name: str, index: int) -> torch.Tensor:
         self._check(layer, name)

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..calibrate.streamed import each_layer
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, PlanTensors, Scope
 from ..quant import QuantizedTensor, gptq, rtn
@@ -194,10 +195,26 @@ def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, co
 
 
 def build_quant(config: QuantConfig, ctx: MethodContext):
-    """The pure-quantization reference arm: the identity plan, every expert quantized."""
+    """The pure-quantization reference arm: the identity plan, every expert quantized.
+
+    One layer at a time, in order (`each_layer`): from streamed statistics (`compress` from a data spec) each
+    layer's Hessians exist only while its experts are quantized, so no per-expert H×H statistic is stored, as
+    llm-compressor quantizes a layer while its Hessians are in memory. The codes equal those from a store."""
     plan = CompressionPlan.identity(ctx.adapter, method="quant")
     source = lambda l, e: ctx.adapter.layer(l).storage.read(e)
-    return quantize_plan(plan, {}, source, config, ctx.stats, ctx.progress)
+    if ctx.stats is None or config.algo == "rtn":
+        return quantize_plan(plan, {}, source, config, ctx.stats, ctx.progress)
+    from rich.progress import track
+
+    spec, tensors, layers = config.spec(), {}, ctx.adapter.moe_layers
+    for i, stats in track(each_layer(ctx.stats, layers, ctx.adapter), total=len(layers), transient=True,
+                          description=f"quantize {spec.name()} (gptq)", disable=not ctx.progress):
+        sc = plan.scope_of(i)
+        specs = {(sc.id, s.id): spec for s in sc.stored}
+        plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs)
+    plan.params = {**plan.params, "quant": config.model_dump()}
+    return plan, tensors
 
 
-register_method("quant", QuantConfig, build_quant, quant_stats, family="quant")
+register_method("quant", QuantConfig, build_quant, quant_stats, family="quant", streamed_stats=True,
+                streamed_whole_layer=True)

@@ -48,6 +48,9 @@ class MethodEntry:
     # the build reads its statistics one layer at a time, in order, through `calibrate.streamed.each_layer`:
     # `compress` may give it `StreamedStats` (computed per layer while it works, never stored)
     streamed_stats: bool = False
+    # streamed, the build reads a layer's square statistics (Hessians, moments) of every expert together, so one
+    # pass gathers them whole (`calibrate.streamed.WHOLE_LAYER`) instead of a few experts at a time
+    streamed_whole_layer: bool = False
     # config -> what the build holds of the streamed view (`ViewUse`); None: the conservative default
     view_use: Callable[[BaseModel], ViewUse] | None = None
 
@@ -66,9 +69,10 @@ METHODS: dict[str, MethodEntry] = {}
 def register_method(name: str, config_cls: type[BaseModel], build: Build,
                     needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "",
                     moment_experts=None, streamed_stats: bool = False,
-                    view_use: Callable[[BaseModel], ViewUse] | None = None) -> None:
+                    view_use: Callable[[BaseModel], ViewUse] | None = None, streamed_whole_layer: bool = False) -> None:
     METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
-                                else needs_stats, family, moment_experts, streamed_stats, view_use)
+                                else needs_stats, family, moment_experts, streamed_stats, streamed_whole_layer,
+                                view_use)
 
 
 def get_method(name: str) -> MethodEntry:
