@@ -55,6 +55,43 @@ def test_atomic_dir_writes_marker_normal_permissions_and_replaces_only_marked(tm
     assert (out / "b.txt").is_file()
 
 
+def test_the_marker_is_in_the_output_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """A kill between rename and marker would leave an output that --overwrite refuses as the user's: the
+    marker is written into the temporary directory, so the rename moves a complete, marked output."""
+    import moecompress.atomic as atomic
+
+    seen = []
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == tmp_path / "out":
+            seen.append((Path(src) / MARKER).is_file())
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a.txt").write_text("one")
+    with atomic_dir(tmp_path / "out", overwrite=True) as tmp:
+        (tmp / "a.txt").write_text("two")
+    assert seen == [True, True]
+
+
+def test_an_output_replaced_by_the_users_directory_during_the_run_is_not_deleted(tmp_path):
+    """--overwrite was checked at the start against a marked output; if the user put their own directory there
+    while the run computed, the re-check before the rename refuses instead of deleting it."""
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("ours")
+    with pytest.raises(MoECompressError, match="not written by moecompress"):
+        with atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "a.txt").write_text("new")
+            os.rename(out, tmp_path / "moved")
+            out.mkdir()
+            (out / "thesis.tex").write_text("the user's")
+    assert (out / "thesis.tex").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".out.lock")) == ["moved", "out"]
+
+
 def test_stale_temporaries_of_dead_runs_are_removed_and_reported(tmp_path, capsys):
     dead = tmp_path / f".out.tmp-{_dead_pid()}-abc123"
     (dead / "sub").mkdir(parents=True)
