@@ -4,6 +4,9 @@ The Python API (`api.py`): `calibrate`, `compress`, `evaluate`, `compare`, `load
 plus `load_model`, `MoEAdapter` and `CompressionPlan` (README, "Python").
 """
 
+# first, on purpose: importing it makes the `moecompress` command exit cleanly on Ctrl-C / SIGTERM during the
+# imports below, which take seconds (and does nothing in a program that imports moecompress as a library)
+from . import _signals  # noqa: F401  # isort: skip
 from ._version import __version__
 from .errors import MoECompressError
 from .models import MoEAdapter, RouterSpec, load_model

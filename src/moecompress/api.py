@@ -38,7 +38,7 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import stats_to_gather
-from .pipeline import calibrate_for, choose_format, make_plan, quant_config
+from .pipeline import calibrate_for, check_format_name, choose_format, make_plan, quant_config
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     protect = [model, calib_dir]
     check_output(out, overwrite, protect, kind="checkpoint")  # before any compute, a calibration included
     quant_config(quant)  # a bad quantization spec is refused before any compute too
+    check_format_name(format)  # and an unknown format
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
         stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
@@ -98,7 +99,8 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
              num_fewshot: int | None = None, batch_size: int = 1, include_path=None, window: int = 512,
              stride: int | None = None, max_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
              seed: int = 1234, trust_remote_code: bool = False, out: str | os.PathLike | None = None,
-             report: str | os.PathLike | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+             report: str | os.PathLike | None = None, overwrite: bool = False, progress: bool = True,
+             trust_task_code: bool = False, allow_nan: bool = False) -> dict:
     """Perplexity, next-token accuracy and KL to `reference` on `ppl`, and lm-eval `tasks`, of checkpoint
     `model` (an export of any format, or an original); returns the results dict (schema moecompress.results/1,
     one arm, per-item values).
@@ -107,25 +109,33 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
     Both are checked before any model is loaded (an existing one is replaced only with `overwrite`, and only
     if moecompress wrote it; neither may be, contain or sit inside what the run reads: the model, the
     reference, a --ppl file, task directories), claimed for the run, and written only if those inputs are
-    unchanged at the end."""
+    unchanged at the end.
+
+    include_path: directories of lm-eval task YAML; lm-eval runs the Python their `!function` entries name, so
+    they are read only with `trust_task_code=True` (the shipped fixture tasks need no trust).
+    allow_nan: keep NaN / infinite metrics in the results; otherwise they raise `NonFiniteMetrics` (exit 1)."""
     from contextlib import ExitStack
 
     from .atomic import atomic_dir, check_apart, check_output, claim, fingerprint_inputs
     from .checkpoint import checkpoint_fingerprint
     from .eval.report import write_report, write_results
     from .models.loading import resolve_fixture
-    from .validate import check_range
+    from .validate import check_range, check_seed
 
     if not tasks and not ppl:
         raise MoECompressError("Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE.")
     if reference and not ppl:
         raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
+    if include_path and not trust_task_code:
+        raise MoECompressError("--include-path runs the Python code that its task YAML files name (lm-eval's "
+                               "!function); pass --trust-task-code if you trust that directory.")
     check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
     check_range("--batch-size", batch_size, 1)
     check_range("--num-fewshot", num_fewshot, 0)
     check_range("--window", window, 2)
     check_range("--stride", stride, 1)
     check_range("--max-tokens", max_tokens, 1)
+    check_seed("--seed", seed)
     out = Path(out) if out is not None else None
     model = resolve_fixture(model)
     reference = resolve_fixture(reference) if reference else None
@@ -139,13 +149,17 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
         check_output(report, overwrite, protect=reads, flag="--report", kind="report")
     if limit is not None and limit >= 1:
         limit = int(limit)
+    if isinstance(ppl, (str, os.PathLike)):  # a missing or unreadable text file is refused before any model loads
+        from .data import parse_spec
+
+        parse_spec(str(ppl))
     with ExitStack() as held:
         for path, flag in ((out, "--out"), (report, "--report")):
             if path is not None:
                 held.enter_context(claim(path, flag))
         inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
         results = _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, include_path, window,
-                            stride, max_tokens, dtype, device, seed, trust_remote_code, progress)
+                            stride, max_tokens, dtype, device, seed, trust_remote_code, progress, allow_nan)
         inputs.check()
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,9 +172,9 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
 
 
 def _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, include_path, window, stride,
-              max_tokens, dtype, device, seed, trust_remote_code, progress) -> dict:
+              max_tokens, dtype, device, seed, trust_remote_code, progress, allow_nan) -> dict:
     """`evaluate`'s computation, once its outputs are checked and claimed: the results dict."""
-    from .eval.runner import evaluate_model, model_info, plan_arm_fields
+    from .eval.runner import check_finite, evaluate_model, model_info, plan_arm_fields
 
     m = _load_for_eval(model, dtype, device, trust_remote_code)
     tok = _tokenizer(model, trust_remote_code)
@@ -169,6 +183,7 @@ def _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, incl
                              batch_size=batch_size, include_path=include_path, window=window, stride=stride,
                              max_tokens=max_tokens, seed=seed, progress=progress)
     info = model_info(m, model)
+    check_finite(info["name"], metrics, allow_nan)
     arm = {"name": info["name"], "method": "checkpoint", "kind": "original", "path": str(model),
            "bytes": info["bytes"], "metrics": metrics}
     plan = getattr(m, "_moecompress_plan", None)
@@ -181,18 +196,19 @@ def _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, incl
 
 def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.PathLike], out: str | os.PathLike, *,
             overwrite: bool = False, keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
-            progress: bool = True, verbose: bool = False) -> dict[str, Any]:
+            progress: bool = True, verbose: bool = False, allow_nan: bool = False) -> dict[str, Any]:
     """Run every arm of `recipes` (a `Recipe`, or recipe files whose arms are compared together) from one
     calibration, evaluate all on the same items, write report.md, ranking.md, PNGs and results.json under
     `out`; returns the results. pairs: the paired comparisons (default: every arm against the original).
-    The report appears complete or not at all (`compare.run_compare`)."""
+    The report appears complete or not at all (`compare.run_compare`); an arm with NaN / infinite metrics
+    raises `NonFiniteMetrics` unless `allow_nan`."""
     from .recipe import Recipe, load_recipe, merge_recipes
 
     if not isinstance(recipes, Recipe):
         items = [recipes] if isinstance(recipes, (str, os.PathLike)) else list(recipes)
         recipes = merge_recipes([r if isinstance(r, Recipe) else load_recipe(r) for r in items])
     return run_compare(recipes, out, overwrite=overwrite, progress=progress, keep_checkpoints=keep_checkpoints,
-                       pairs=pairs, verbose=verbose)
+                       pairs=pairs, verbose=verbose, allow_nan=allow_nan)
 
 
 def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None = None):

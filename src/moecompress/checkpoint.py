@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import re
 from copy import deepcopy
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .disk import read_weight_map
 from .errors import MoECompressError
 from .memory import release_freed_memory
 
@@ -59,11 +59,7 @@ def _index_shards(root: Path) -> dict[str, Path]:
 
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError):
-            raise MoECompressError(f"{index} is not a valid safetensors index: the checkpoint is corrupted; "
-                                   "re-download it.") from None
+        weight_map = read_weight_map(index)  # every shard confined to the checkpoint directory
         missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
         if missing:
             raise MoECompressError(f"The checkpoint at {root} is missing shard {missing[0]} named by its index; "

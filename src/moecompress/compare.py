@@ -32,14 +32,51 @@ def _tokenizer(path: str):
         return None
 
 
-def _evaluate(model, tokenizer, recipe: Recipe, reference, progress: bool) -> dict[str, dict]:
-    from .eval.runner import evaluate_model
+def _evaluate(model, tokenizer, recipe: Recipe, reference, progress: bool, arm: str,
+              allow_nan: bool = False) -> dict[str, dict]:
+    """The arm's metrics; NaN / infinite ones stop the run right after that arm (`check_finite`) unless allowed."""
+    from .eval.runner import check_finite, evaluate_model
 
     ev = recipe.eval
     tasks = ev.tasks if tokenizer is not None else []
-    return evaluate_model(model, tokenizer, tasks=tasks, ppl=ev.ppl, reference=reference, limit=ev.limit,
-                          num_fewshot=ev.num_fewshot, batch_size=ev.batch_size, window=ev.window,
-                          max_tokens=ev.max_tokens, progress=progress)
+    metrics = evaluate_model(model, tokenizer, tasks=tasks, ppl=ev.ppl, reference=reference, limit=ev.limit,
+                             num_fewshot=ev.num_fewshot, batch_size=ev.batch_size, window=ev.window,
+                             max_tokens=ev.max_tokens, progress=progress)
+    check_finite(arm, metrics, allow_nan)
+    return metrics
+
+
+def check_distill_settings(recipe: Recipe) -> None:
+    """Validate every arm's `distill:` block before any compute (it used to be read only after calibration and
+    export): dense arms only, `data` a data spec, every other key a `DistillConfig` field."""
+    from pydantic import ValidationError
+
+    from .data import parse_spec
+    from .distill.trainer import DistillConfig
+    from .errors import MoECompressError
+    from .methods import get_method
+
+    for arm in recipe.arms:
+        if not arm.distill:
+            continue
+        name = arm.display_name()
+        if get_method(arm.method).family != "dense":
+            raise MoECompressError(f"Arm '{name}' has a 'distill' block, but only dense arms are distilled; remove "
+                                   "it or use a dense method.")
+        settings = dict(arm.distill)
+        data = settings.pop("data", "fixture-calib")
+        if not isinstance(data, str):
+            raise MoECompressError(f"Arm '{name}': distill field 'data' must be a data spec such as fixture-calib, "
+                                   f"not a {type(data).__name__}; fix the recipe.")
+        parse_spec(data)
+        try:
+            DistillConfig(**settings)
+        except ValidationError as exc:
+            errs = exc.errors()  # a misspelt key also makes its correct name "missing": name the typo
+            e = next((x for x in errs if x["type"] == "extra_forbidden"), errs[0])
+            loc = ".".join(str(p) for p in e["loc"]) or "distill"
+            raise MoECompressError(f"Arm '{name}': field 'distill.{loc}' is invalid ({e['msg']}); fix the "
+                                   "recipe.") from None
 
 
 def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
@@ -54,13 +91,14 @@ def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
 
 def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, progress: bool = True,
                 keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
-                verbose: bool = False) -> dict[str, Any]:
+                verbose: bool = False, allow_nan: bool = False) -> dict[str, Any]:
     """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results.
 
     `pairs` chooses the paired comparisons (default: every arm against the original). The report
     appears complete or not at all: a failed or killed run leaves the previous report untouched.
     `progress` shows one progress display across the arms (one line per finished arm); the libraries'
     own bars and logs are silenced unless `verbose`, which instead shows every bar as it comes.
+    An arm whose metrics are NaN or infinite ends the run (exit 1) unless `allow_nan`.
     """
     from .atomic import atomic_dir, check_output
     from .models.loading import resolve_fixture
@@ -73,6 +111,11 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     protect = [model_path] + [c.data for c in specs if Path(c.data).is_dir()]  # stats stores this run reads
     for arm in recipe.arms:
         check_name(arm.display_name())
+    check_distill_settings(recipe)
+    from .pipeline import check_format_name
+
+    for arm in recipe.arms:
+        check_format_name(arm.format)
     # the previous report stays in place until this one is complete (atomic_dir renames at the end)
     check_output(out, overwrite, protect, kind="report")
     from .quiet import quiet_libraries
@@ -80,7 +123,8 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     track = ArmProgress(2 + len(recipe.arms), enabled=progress and not verbose)
     with quiet_libraries(not verbose), track, atomic_dir(out, overwrite=overwrite, protect=protect,
                                                          kind="report") as tmp:
-        results = _run_arms(recipe, out, tmp, model_path, progress and verbose, keep_checkpoints, pairs, track)
+        results = _run_arms(recipe, out, tmp, model_path, progress and verbose, keep_checkpoints, pairs, track,
+                            allow_nan)
     return results
 
 
@@ -142,7 +186,7 @@ def with_quant_baselines(recipe: Recipe) -> Recipe:
 
 
 def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
-              pairs, track: ArmProgress | None = None) -> dict[str, Any]:
+              pairs, track: ArmProgress | None = None, allow_nan: bool = False) -> dict[str, Any]:
     """The body of `run_compare`: everything is written under `tmp`, paths in the results name `out`."""
     from .eval.loading import eval_dtype, load_for_eval
     from .eval.report import write_report
@@ -193,7 +237,8 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
 
     track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
     original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
-                    metrics=_evaluate(reference, tokenizer, recipe, reference, progress), eval=ref_eval,
+                    metrics=_evaluate(reference, tokenizer, recipe, reference, progress, "original", allow_nan),
+                    eval=ref_eval,
                     **_latency(reference, model_path, recipe))
     from .plan import CompressionPlan
 
@@ -207,7 +252,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
                     header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
         if get_method(arm.method).family == "dense":
             entry = _dense_arm(arm, name, model_path, stats_of(arm), tmp, recipe, tokenizer, reference, progress,
-                               evaluate_load)
+                               evaluate_load, allow_nan)
             arms.append(dict(entry, path=str(out / "checkpoints" / name), **own_calibration(arm)))
             track.done(entry)
             continue
@@ -228,7 +273,8 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
                      kind="materialized" if result.evaluation_only else kind, export_format=fmt,
                      path=str(out / "checkpoints" / name), compress_seconds=round(build_seconds, 3),
-                     metrics=_evaluate(model, tokenizer, recipe, reference, progress), eval=arm_eval)
+                     metrics=_evaluate(model, tokenizer, recipe, reference, progress, name, allow_nan),
+                     eval=arm_eval)
         entry.update(_latency(model, ckpt, recipe))
         entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
         entry.update(own_calibration(arm))
@@ -248,7 +294,7 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
 
 
 def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress,
-               evaluate_load) -> dict[str, Any]:
+               evaluate_load, allow_nan: bool = False) -> dict[str, Any]:
     """MoE → dense: the arm is the standard dense checkpoint itself, loaded with plain transformers."""
     from .distill.dense_export import export_dense
     from .models import load_model
@@ -279,7 +325,7 @@ def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, 
     entry = dict(name=name, method=arm.method, params=arm.params, kind="compressed", export_format="dense",
                  gate_semantics="n/a (dense FFN)", operator=None, path=str(ckpt), compress_seconds=round(seconds, 3),
                  student=summary.get("student_class"), distilled=distilled,
-                 metrics=_evaluate(model, tokenizer, recipe, reference, progress), eval=arm_eval)
+                 metrics=_evaluate(model, tokenizer, recipe, reference, progress, name, allow_nan), eval=arm_eval)
     entry.update(_latency(model, ckpt, recipe))
     entry["bytes"].update(model=weights, disk=summary["bytes"], weights=weights)
     return entry

@@ -12,7 +12,9 @@ import json
 import math
 import os
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+from .errors import MoECompressError
 
 # safetensors dtype tag -> torch dtype name and bytes per element
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
@@ -103,3 +105,25 @@ def write_tensors(file: str | os.PathLike, tensors: dict, metadata: dict[str, st
         for _, t in items:
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def read_weight_map(index: str | os.PathLike) -> dict[str, str]:
+    """The `weight_map` of a ``model.safetensors.index.json``: tensor name -> shard path, relative to the
+    checkpoint directory and confined to it. An entry such as ``../x.safetensors`` or ``/etc/x`` used to be
+    opened outside the checkpoint. Only the names are checked, so symlinked shards (the HF cache) still load."""
+    index = Path(index)
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise MoECompressError(f"{index} is not a valid safetensors index: the checkpoint is corrupted; "
+                               "re-download it.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise MoECompressError(f"{index} has a weight_map that is not a mapping of tensor names to file names: the "
+                               "checkpoint is corrupted; re-download it.")
+    for f in weight_map.values():
+        parts = PurePosixPath(f.replace("\\", "/")).parts
+        if not parts or f.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+            raise MoECompressError(f"{index} names the shard '{f}', which lies outside the checkpoint directory; "
+                                   "the index is corrupted or malicious, so re-download the checkpoint.")
+    return weight_map

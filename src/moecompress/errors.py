@@ -5,3 +5,12 @@ class MoECompressError(Exception):
     """Bad input or an unsupported situation. The CLI prints the message alone and exits 2."""
 
     exit_code = 2
+
+
+class NonFiniteMetrics(MoECompressError):
+    """An evaluation produced NaN or infinite metrics (broken weights, not bad options): exit 1, one sentence.
+
+    Not exit 0, because `ppl nan` reported as success hides a broken checkpoint; not exit 2, because the
+    command line itself was fine. `--allow-nan` keeps such results instead."""
+
+    exit_code = 1

@@ -40,6 +40,7 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
     if Path(calib).is_dir():  # a directory is a stats store or nothing: never read it as a data spec
         store = StatsStore.load(calib, model_fingerprint=model_fingerprint(model))
         store.require(*needs)
+        store.check_model(*model_structure(model))
         return store
     out = Path(work_dir or ".") / name
     return calibrate(model, str(calib), seq_len=seq_len, out=out, stats=sorted(set(needs)), batch_size=batch_size,
@@ -107,6 +108,17 @@ def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:
     return getattr(parse_config(method, params), "ratio", None)
 
 
+def model_structure(model: str) -> tuple[list[int], dict[int, int], int, dict[int, int]]:
+    """(MoE layers, experts per MoE layer, hidden size, top-k per MoE layer) of checkpoint `model`, from its config
+    alone (a meta skeleton: no weights read): what a stats store's tensors must fit (`StatsStore.check_model`)."""
+    from .models import load_config, skeleton
+
+    adapter = MoEAdapter(skeleton(load_config(model)))
+    layers = adapter.moe_layers
+    return (layers, {i: adapter.num_experts(i) for i in layers}, adapter.hidden_size,
+            {i: adapter.top_k(i) for i in layers})
+
+
 def model_fingerprint(model: str) -> str | None:
     """The checkpoint fingerprint a stats store records (None for a hub id, which has no local files)."""
     from .checkpoint import checkpoint_fingerprint
@@ -150,6 +162,14 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
 
     source = lambda l, e: adapter.layer(l).storage.read(e)
     return quantize_plan(plan, tensors, source, config, stats, progress)
+
+
+def check_format_name(requested: str) -> None:
+    """Refuse an unknown format name before any compute (`choose_format` meets it only after the plan)."""
+    from .export.formats import format_class
+
+    if requested != "auto":
+        format_class(requested)
 
 
 def choose_format(plan, requested: str = "auto") -> str:

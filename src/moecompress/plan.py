@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from .errors import MoECompressError
 from .quant.spec import QuantSpec
@@ -71,13 +71,14 @@ class _Strict(BaseModel):
 class MoELayerInfo(_Strict):
     """What the plan needs to know about one original MoE layer."""
 
-    layer: int
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    bytes_per_expert: int
-    n_group: int = 1
-    topk_group: int = 1
+    # a plan.json is input too: sizes are checked here, so a tampered file is one sentence, not a traceback later
+    layer: int = Field(ge=0)
+    num_experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    bytes_per_expert: int = Field(ge=0)
+    n_group: int = Field(1, ge=1)
+    topk_group: int = Field(1, ge=1)
     group_score: Literal["max", "top2_sum"] = "max"
     keep_equals_renorm: bool = False  # the router renormalises (or scores elementwise): keep == renorm
     router: str = ""  # RouterSpec.describe(), for reports
@@ -92,15 +93,23 @@ class ModelInfo(_Strict):
     """
 
     model_type: str
-    hidden_size: int
-    num_hidden_layers: int
+    hidden_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
     dtype: str  # on-disk dtype of the routed experts, e.g. "bfloat16"
     disk_dtypes: list[str] | None = None  # every dtype the checkpoint stores (None: counted from memory)
     expert_bias: bool = False  # experts carry biases (GPT-OSS)
     layers: list[MoELayerInfo]
-    expert_bytes: int  # all routed experts of the original, as stored
-    other_bytes: int  # every other saved tensor: embeddings, attention, norms, routers, shared experts
+    expert_bytes: int = Field(ge=0)  # all routed experts of the original, as stored
+    other_bytes: int = Field(ge=0)  # every other saved tensor: embeddings, attention, norms, routers, shared experts
     source: str | None = None
+
+    @field_validator("dtype")
+    @classmethod
+    def _floating_dtype(cls, v: str) -> str:
+        # getattr(torch, v) must be a floating dtype: "load" named torch.load and failed later as a traceback
+        if not isinstance(getattr(torch, v, None), torch.dtype) or not getattr(torch, v).is_floating_point:
+            raise ValueError(f"'{v}' is not a floating torch dtype such as bfloat16 or float32")
+        return v
 
     def layer(self, i: int) -> MoELayerInfo:
         for info in self.layers:
@@ -205,13 +214,13 @@ def _disk_other_dtype(disk: Mapping[str, tuple[str, int]]) -> str:
 class StoredExpert(_Strict):
     """One stored expert of a scope: where it comes from and how it was built."""
 
-    id: int
+    id: int = Field(ge=0)
     sources: list[tuple[int, int]]  # (layer, expert) of the original model
     construction: Construction = "copy"
     weights: list[float] | None = None  # weighted_merge / dense_group: one per source (used when tensor is None)
     tensor: str | None = None  # PlanTensors prefix when the method supplies the weights
-    intermediate_size: int | None = None  # width when it differs from the source layer's
-    nbytes: int | None = None  # stored bytes of packed (elementwise_merge) tensors when not at hand
+    intermediate_size: int | None = Field(None, ge=1)  # width when it differs from the source layer's
+    nbytes: int | None = Field(None, ge=0)  # stored bytes of packed (elementwise_merge) tensors when not at hand
     # PuzzleMoE packed layout of the tensors under `tensor` ("pair-bf16", "pair-q3-g128", "group3-bf16", ...;
     # see moecompress.runtime.packed). A packed expert holds one reconstruction per source: a slot that maps
     # to it computes the member whose source is (its layer, its slot) -- sources' order is the member order.
@@ -543,9 +552,13 @@ class CompressionPlan(_Strict):
                 if f"{key}.{suffix}" not in tensors:
                     _fail(f"The plan tensors lack '{key}.{suffix}' of a {spec.name()} stored expert; pass the "
                           "tensors the quantization produced (plan_tensors.safetensors beside plan.json).")
-            if tuple(int(x) for x in tensors[f"{key}.weight_shape"].tolist()) != shape:
+            if tuple(int(x) for x in tensors[f"{key}.weight_shape"].reshape(-1).tolist()) != shape:
                 _fail(f"Plan tensor '{key}' is quantized with shape {tuple(tensors[f'{key}.weight_shape'].tolist())}, "
                       f"expected {shape}; the tensors do not belong to this plan.")
+            from .quant.tensor import check_packed
+
+            check_packed({s: tensors[f"{key}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")}, spec,
+                         f"Plan tensor '{key}'")
 
     # ------------------------------------------------------------------ queries
     def expert_shapes(self, sc: Scope, s: StoredExpert) -> dict[str, tuple[int, int]]:

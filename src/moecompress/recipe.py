@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import MoECompressError
 from .methods.quantize import QuantConfig
-from .validate import SAFE_NAME, check_name
+from .validate import SAFE_NAME, SEED_MAX, check_name
 
 
 class CalibrationSpec(BaseModel):
@@ -33,7 +33,7 @@ class CalibrationSpec(BaseModel):
 
     data: str = Field("fixture-calib:64", description="data spec (or a stats directory)")
     seq_len: int = Field(256, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     batch_size: int = Field(8, gt=0)
 
 
@@ -137,7 +137,7 @@ class Recipe(BaseModel):
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     arms: list[ArmSpec] = Field(default_factory=list)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
 
 
 def _err(where: str, exc: ValidationError) -> MoECompressError:
@@ -170,6 +170,29 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
     return recipe
 
 
+MAX_RECIPE_NODES = 100_000
+
+
+def _check_size(data, path) -> None:
+    """Refuse a recipe of more than MAX_RECIPE_NODES values once YAML aliases are expanded.
+
+    `safe_load` shares an aliased node instead of copying it, so a "billion laughs" file of nested aliases
+    loads small, then grew past 5.9 GB when a field was copied or written out (a `distill:` block). Real
+    recipes hold a few hundred values; the count stops at the limit, so a bomb costs nothing to refuse."""
+    todo, seen = [data], 0
+    while todo:
+        node = todo.pop()
+        seen += 1
+        if seen > MAX_RECIPE_NODES:
+            raise MoECompressError(f"{path} expands to more than {MAX_RECIPE_NODES:,} values (nested YAML "
+                                   "aliases?); write the recipe out plainly.")
+        if isinstance(node, dict):
+            todo.extend(node.keys())
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+
+
 def load_recipe(path: str | os.PathLike, model: str | None = None) -> Recipe:
     """The one loader of recipe files (`compare`, `demo` and `compress --recipe`).
 
@@ -182,6 +205,9 @@ def load_recipe(path: str | os.PathLike, model: str | None = None) -> Recipe:
         data = yaml.safe_load(p.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise MoECompressError(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file.") from None
+    except RecursionError:
+        raise MoECompressError(f"{path} nests too deeply to be a recipe; fix the file.") from None
+    _check_size(data, path)
     if model is not None and isinstance(data, dict):
         data = dict(data, model=model)
     return parse_recipe(data, where=str(path))

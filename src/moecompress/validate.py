@@ -50,3 +50,14 @@ def check_name(name: str, what: str = "Arm name") -> str:
         raise MoECompressError(f"{what} '{name}' may hold only letters, digits, '.', '_', '+' and '-' (it names "
                                "a directory); rename it.")
     return name
+
+
+SEED_MAX = 2**32 - 1  # numpy's limit (lm-eval seeds numpy with it); torch takes 64-bit seeds
+
+
+def check_seed(flag: str, seed) -> None:
+    """A seed every generator accepts: an integer in [0, 2**32 - 1] (`--seed 10**26` overflowed torch)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise MoECompressError(f"{flag} must be an integer between 0 and {SEED_MAX}, not {seed}.")

@@ -54,10 +54,19 @@ def _layer_ids(spec) -> list[int]:
         raise MoECompressError(f"hessian_layers '{spec}' is not a list of layer ids such as '0,1,2'; fix it.") from None
 
 
-def _check_finite(layer: int, stats: dict[str, torch.Tensor]) -> None:
+def _check_finite(layer: int, stats: dict[str, torch.Tensor], dtype=None, weights=()) -> None:
+    """Refuse non-finite statistics. Collectors never divide by zero, so the model itself produced them:
+    NaN / infinite `weights` (the layer's, still loaded), or in a 16-bit dtype an overflow (float32 helps).
+    Advising --dtype float32 for broken weights did not help, so that advice is given only where it can."""
     for name, t in stats.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            # collectors never divide by zero, so this is the model itself overflowing
+            if any(w.is_floating_point() and not w.is_meta and not bool(torch.isfinite(w).all()) for w in weights):
+                raise MoECompressError(f"Decoder layer {layer} of the checkpoint holds NaN or infinite weights, so "
+                                       "its statistics are not finite; check or re-download the checkpoint.")
+            if dtype in (torch.float32, torch.float64):
+                raise MoECompressError(f"Statistic {name} of layer {layer} is not finite even in "
+                                       f"{str(dtype).replace('torch.', '')}: the checkpoint's weights (or its router) "
+                                       "hold NaN or infinite values; check or re-download the checkpoint.")
             raise MoECompressError(f"Statistic {name} of layer {layer} is not finite: the model's activations "
                                    "overflowed in this dtype; re-run with --dtype float32.")
 
@@ -409,7 +418,7 @@ def gather(runner, i: int, classes, params: dict, device, *, write: bool = True,
     stats_i = {}
     for c in collectors:
         stats_i.update({k: v.detach().cpu() for k, v in c.finalize().items()})
-    _check_finite(i, stats_i)
+    _check_finite(i, stats_i, runner.dtype, list(runner.adapter.decoder_layers[i].parameters()))
     return stats_i
 
 

@@ -27,6 +27,12 @@ from ..errors import MoECompressError
 
 FORMAT = "moecompress-stats/1"
 
+# statistics whose shape follows from the model alone ("E": the layer's experts, "H": the hidden size), checked
+# against the model from the files' headers (`StatsStore.check_model`)
+_SHAPES = {**dict.fromkeys(("counts", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_mean",
+                            "out_norm_sq_mean"), ("E",)),
+           **dict.fromkeys(("out_mean", "out_var", "in_channel_norm"), ("E", "H"))}
+
 
 def _write_json(path: Path, obj) -> None:
     """Complete or absent, fsynced (`atomic.write_file`): a full disk leaves no 0-byte ``run.json.tmp``."""
@@ -105,6 +111,42 @@ class StatsStore:
             raise MoECompressError(f"The stats store {self.path} was computed on data '{d['spec']}', not "
                                    f"'{data_spec}'; re-run calibration with this data or pass --data {d['spec']}.")
 
+    def check_model(self, moe_layers: list[int], num_experts: dict[int, int], hidden_size: int,
+                    top_k: dict[int, int] | None = None) -> None:
+        """Refuse (one sentence) a store whose statistics do not fit the model.
+
+        The recorded identity (fingerprint, source) is only text: a store copied from another model with it
+        edited passed `check`. What editing stats.json cannot change is checked instead: the MoE layers, the
+        shapes of the statistics that follow from the model (`_SHAPES`, from the files' headers) and, where the
+        routing counts are held, that each token chose `top_k` experts (sum of counts = tokens x top-k), which
+        tells apart models of the same shapes (the two fixtures)."""
+        from ..disk import read_header
+
+        if sorted(self.layers) != sorted(moe_layers):
+            raise MoECompressError(f"The stats store {self.path} covers MoE layers {self.layers} but the model's are "
+                                   f"{sorted(moe_layers)}: it was made for another model; re-run calibration for "
+                                   "this model.")
+        for i in self.layers:
+            try:
+                header = read_header(self._file(i))
+            except (OSError, ValueError, UnicodeDecodeError):
+                raise MoECompressError(f"{self._file(i)} is missing or unreadable: the stats store is corrupted; "
+                                       "re-run calibration.") from None
+            dims = {"E": num_experts[i], "H": hidden_size}
+            for name, entry in header.items():
+                want = [dims[d] for d in _SHAPES.get(name, ())]
+                if want and list(entry.get("shape", [])) != want:
+                    raise MoECompressError(f"The stats store {self.path} holds '{name}' of layer {i} with shape "
+                                           f"{entry.get('shape')}, but this model needs {want}: it was made for "
+                                           "another model; re-run calibration for this model.")
+            if top_k is not None and {"counts", "tokens"} <= set(header):
+                counts, tokens = self._read(i, "counts", ...), self._read(i, "tokens", ...)
+                if int(counts.sum()) != int(tokens) * top_k[i]:
+                    per_token = int(counts.sum()) / max(int(tokens), 1)
+                    raise MoECompressError(f"The stats store {self.path} routes {per_token:g} experts per token in "
+                                           f"layer {i}, but this model routes {top_k[i]}: it was made for another "
+                                           "model; re-run calibration for this model.")
+
     def _file(self, layer: int) -> Path:
         return self.path / f"layer_{layer:04d}.safetensors"
 
@@ -163,10 +205,16 @@ class StatsStore:
 
         try:
             with safe_open(str(self._file(layer)), framework="pt") as f:
-                return f.get_tensor(name) if index is ... else f.get_slice(name)[index]
+                t = f.get_tensor(name) if index is ... else f.get_slice(name)[index]
         except Exception:
             raise MoECompressError(f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
                                    "re-run calibration.") from None
+        # calibration never writes NaN or inf (it refuses them, and unreached experts get 0), so one here was
+        # edited in or damaged; it used to change the plan silently (NaN scores sort anywhere)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise MoECompressError(f"The stats store {self.path} holds NaN or infinite values in '{name}' of layer "
+                                   f"{layer}: it is corrupted; re-run calibration.")
+        return t
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         return {n: self.get(layer, n) for n in self.names}

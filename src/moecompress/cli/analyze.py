@@ -11,7 +11,7 @@ from ..analysis import analyze_model, write_analysis
 from ..atomic import check_output
 from ..errors import MoECompressError
 from ..models.loading import resolve_fixture
-from ..validate import check_range
+from ..validate import check_range, check_seed
 
 FIXTURE_DOMAINS = ["fixture-calib/technical", "fixture-calib/scripture", "fixture-calib/aphorisms"]
 
@@ -65,6 +65,7 @@ def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, se
     from ..drift import mask_drift, write_drift
 
     check_range("--draws", draws, 2, hint="two draws or more")
+    check_seed("--seed", seed)
     check_range("--sequences", sequences, 1)
     check_range("--seq-len", seq_len, 1)
     check_range("--bootstrap", bootstrap, 1)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ..api import calibrate
 from ..errors import MoECompressError
-from ..validate import check_range
+from ..validate import check_range, check_seed
 
 
 def calibrate_command(
@@ -49,6 +49,7 @@ def calibrate_command(
 ) -> None:
     """Gather per-expert statistics layer by layer into a stats store (streams the checkpoint)."""
     check_range("--seq-len", seq_len, 1)
+    check_seed("--seed", seed)
     check_range("--batch-size", batch_size, 1)
     experts = _moment_experts(moment_experts) if moment_experts else None
     console = Console()

@@ -18,9 +18,12 @@ def compare_command(
     overwrite: bool = typer.Option(False, help="Replace an existing report directory."),
     keep_checkpoints: bool = typer.Option(True, help="Keep each arm's exported checkpoint under OUT/checkpoints."),
     verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
+    allow_nan: bool = typer.Option(False, "--allow-nan", help="Keep arms whose metrics are NaN or infinite "
+                                   "(stored as null) instead of exiting 1."),
 ) -> None:
     """Compress several arms from one calibration, evaluate all on the same items, write the report."""
-    results = compare(recipes, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose)
+    results = compare(recipes, out, overwrite=overwrite, keep_checkpoints=keep_checkpoints, verbose=verbose,
+                      allow_nan=allow_nan)
     console = summary_console()
     console.print(ranking_table(results), width=table_width(console))
     console.print(f"report: {out / 'report.md'} (table: {out / 'ranking.md'})")
@@ -31,6 +34,8 @@ def demo_command(
     full: bool = typer.Option(False, help="Every arm on both fixtures (slower)."),
     overwrite: bool = typer.Option(True, help="Replace a previous demo report."),
     verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
+    allow_nan: bool = typer.Option(False, "--allow-nan", help="Keep arms whose metrics are NaN or infinite "
+                                   "(stored as null) instead of exiting 1."),
 ) -> None:
     """Offline end to end on the shipped fixtures: calibrate once, compress, evaluate, rank, report."""
     from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
@@ -44,7 +49,8 @@ def demo_command(
             recipe = base if model is None else base.model_copy(update={"model": model})
             target = out if len(models) == 1 else out / recipe.model.split(":")[-1]
             t0 = time.perf_counter()
-            results = compare(recipe, target, overwrite=overwrite, keep_checkpoints=False, verbose=verbose)
+            results = compare(recipe, target, overwrite=overwrite, keep_checkpoints=False, verbose=verbose,
+                              allow_nan=allow_nan)
             console.print(ranking_table(results), width=table_width(console))
             console.print(f"report: {target / 'report.md'} (table: {target / 'ranking.md'}; "
                           f"{time.perf_counter() - t0:.0f} s)")

@@ -17,7 +17,7 @@ from ..compress_dryrun import estimate_compress, refuse_if_over
 from ..errors import MoECompressError
 from ..export.formats import FORMATS
 from ..pipeline import moment_fraction, needs_for, streamed_chunk
-from ..validate import check_range
+from ..validate import check_range, check_seed
 
 
 def parse_params(pairs: list[str]) -> dict:
@@ -66,6 +66,7 @@ def compress_command(
     check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
     check_range("--rank", rank, 1)
     check_range("--seq-len", seq_len, 1)
+    check_seed("--seed", seed)
     params: dict = {}
     quant_setting = None
     if recipe is not None:
@@ -94,7 +95,9 @@ def compress_command(
         try:
             limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
         except ValueError:
-            raise MoECompressError(f"--max-memory '{max_memory}' is not a size such as 16GB or 512MB.") from None
+            limit = -1
+        if limit <= 0:  # "-5GB" parsed to a negative limit, refused only after the estimate
+            raise MoECompressError(f"--max-memory '{max_memory}' is not a positive size such as 16GB or 512MB.")
         est = estimate_compress(model, method, params, calib, seq_len, stats=needs_for(method, params, quant_setting),
                                 moment_fraction=moment_fraction(method, params),
                                 streamed_chunk=streamed_chunk(method, calib, quant_setting), out=out)

@@ -45,15 +45,18 @@ def _on_signal(signum, frame):
 _received: list[int] = []
 
 
-def _interrupted() -> None:
+def _interrupted(verb: str | None) -> None:
     signum = _received[0] if _received else 2
+    # only calibrate has --resume; other verbs must not advertise it
+    hint = " (run the same calibrate with --resume to continue)" if verb == "calibrate" else ""
     err_console.print(f"[bold red]interrupted:[/] {_SIGNAL_NAMES.get(signum, signum)}; unfinished outputs were "
-                      "removed (an interrupted calibrate resumes with --resume).", highlight=False)
+                      f"removed{hint}.", highlight=False)
     sys.exit(128 + signum)
 
 
 def run(app: typer.Typer, argv: list[str] | None = None) -> None:
     """Run `app` on `argv` (default: the process's arguments) and exit with the code of the module docstring."""
+    verb = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     bound_kernel_caches()
     _received.clear()
@@ -83,7 +86,7 @@ def run(app: typer.Typer, argv: list[str] | None = None) -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code or 0)
     except (typer.Abort, KeyboardInterrupt):
-        _interrupted()
+        _interrupted(verb)
     except _SafetensorError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         err_console.print(f"[bold red]error:[/] A safetensors file is truncated or corrupt ({first}); re-download or "
@@ -102,6 +105,6 @@ def run(app: typer.Typer, argv: list[str] | None = None) -> None:
             signal.signal(sig, handler)
     # typer returns 130 for a KeyboardInterrupt it caught, and a command's typer.Exit code
     if _received or rc == 130:
-        _interrupted()
+        _interrupted(verb)
     if isinstance(rc, int) and rc:
         sys.exit(rc)

@@ -26,7 +26,11 @@ def eval_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results dict (JSON) here."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write report.md + PNGs into this directory."),
     include_path: Optional[list[Path]] = typer.Option(None, "--include-path",
-                                                      help="Directory of local task YAML + JSONL."),
+                                                      help="Directory of local task YAML + JSONL. Its YAML may "
+                                                      "name Python code (lm-eval's !function), which runs: needs "
+                                                      "--trust-task-code."),
+    trust_task_code: bool = typer.Option(False, "--trust-task-code", help="Allow the Python code that "
+                                         "--include-path task files name to run (only for directories you trust)."),
     window: int = typer.Option(512, help="Perplexity window (tokens)."),
     stride: Optional[int] = typer.Option(None, help="Perplexity stride (tokens; default = window)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens of --ppl."),
@@ -36,12 +40,15 @@ def eval_command(
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier --out results file and "
                                    "--report directory written by moecompress."),
+    allow_nan: bool = typer.Option(False, "--allow-nan", help="Keep NaN or infinite metrics (stored as null) "
+                                   "instead of exiting 1."),
 ) -> None:
     """Perplexity, next-token accuracy, KL to a reference and lm-eval tasks, with per-item results."""
     results = evaluate(model, tasks=tasks, ppl=ppl, reference=reference, limit=limit, num_fewshot=num_fewshot,
                        batch_size=batch_size, include_path=include_path, window=window, stride=stride,
                        max_tokens=max_tokens, dtype=dtype, device=device, seed=seed,
-                       trust_remote_code=trust_remote_code, out=out, report=report, overwrite=overwrite)
+                       trust_remote_code=trust_remote_code, out=out, report=report, overwrite=overwrite,
+                       trust_task_code=trust_task_code, allow_nan=allow_nan)
     info, metrics = results["model"], results["arms"][0]["metrics"]
     console = Console()
     table = Table(title=f"{info['name']} ({info.get('model_type')})")

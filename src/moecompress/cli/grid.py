@@ -62,6 +62,8 @@ def grid_command(
     limit: int = typer.Option(100, help="Documents per task."),
     out: Path = typer.Option(Path("runs/grid"), help="Report directory."),
     overwrite: bool = typer.Option(False),
+    allow_nan: bool = typer.Option(False, "--allow-nan", help="Keep arms whose metrics are NaN or infinite "
+                                   "(stored as null) instead of exiting 1."),
 ) -> None:
     """Hold each mask fixed, run every operator and gate scale on it, report paired intervals vs constant."""
     from ..recipe import CalibrationSpec, EvalSpec, Recipe
@@ -75,6 +77,6 @@ def grid_command(
     recipe = Recipe(model=model, calibration=CalibrationSpec(data=calib),
                     eval=EvalSpec(ppl=ppl, tasks=split_list(tasks), limit=limit, latency=False, quant_baselines=[]),
                     arms=arms)
-    results = compare(recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs)
+    results = compare(recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs, allow_nan=allow_nan)
     Console().print(ranking_table(results))
     Console().print(f"grid report: {out / 'report.md'}")

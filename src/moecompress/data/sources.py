@@ -105,7 +105,7 @@ def file_documents(path: str, fld: str | None) -> list[Document]:
     except UnicodeDecodeError:
         raise MoECompressError(f"{path} is not UTF-8 text; convert it to UTF-8.") from None
     if not raw.strip():
-        raise MoECompressError(f"The calibration file {path} is empty; pass a file that holds text.")
+        raise MoECompressError(f"The data file {path} is empty; pass a file that holds text.")
     if p.suffix.lower() == ".txt":
         return text_documents(raw)
     records = []
@@ -115,13 +115,16 @@ def file_documents(path: str, fld: str | None) -> list[Document]:
         except json.JSONDecodeError as exc:
             raise MoECompressError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file.") \
                 from None
+        except RecursionError:
+            raise MoECompressError(f"{path} nests its JSON too deeply to hold text records; pass a list of "
+                                   "{\"text\": ...} objects.") from None
         records = data if isinstance(data, list) else [data]
     else:
         for n, line in enumerate(raw.splitlines(), 1):
             if line.strip():
                 try:
                     records.append(json.loads(line))
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     raise MoECompressError(f"Line {n} of {path} is not a JSON object; a .jsonl file holds one "
                                            "JSON record per line.") from None
     docs = []

@@ -76,9 +76,14 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
         field = field or None
     p = Path(path).expanduser()
     if p.suffix.lower() in _FILE_SUFFIXES or p.exists() or "/" in path:
+        # the same terms name calibration and evaluation (--ppl) text, so the messages say "data file"
+        if p.is_dir():
+            raise MoECompressError(f"The data file {path} is a directory; pass a .txt or .jsonl file.")
+        if p.exists() and not p.is_file():  # /dev/zero, a FIFO, a socket: reading it would never end or block
+            raise MoECompressError(f"The data file {path} is not a regular file (a device or pipe); pass a .txt or "
+                                   ".jsonl file.")
         if not p.is_file():
-            raise MoECompressError(f"The calibration file {path} does not exist; pass an existing .txt or .jsonl "
-                                   "file.")
+            raise MoECompressError(f"The data file {path} does not exist; pass an existing .txt or .jsonl file.")
         if p.suffix.lower() not in _FILE_SUFFIXES:
             raise MoECompressError(f"{path} is neither .txt, .jsonl nor .json; pass plain text (.txt) or JSON "
                                    "records (.jsonl#field).")

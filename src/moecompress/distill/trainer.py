@@ -62,7 +62,7 @@ class DistillConfig(BaseModel):
     save_limit: int = Field(2, ge=1)
     val_fraction: float = Field(0.05, gt=0, lt=1)  # held out from the training text when no eval data is given
     val_tokens: int | None = Field(None, ge=2)  # cap on validation tokens
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
     log_every: int = Field(10, ge=1)
 
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import MoECompressError
+from ..errors import MoECompressError, NonFiniteMetrics
 
 
 def ppl_task_name(spec) -> str:
@@ -64,6 +64,26 @@ def evaluate_model(model, tokenizer=None, *, tasks=None, ppl=None, reference=Non
         metrics.update(run_lm_eval(model, tokenizer, tasks, num_fewshot=num_fewshot, limit=limit,
                                    batch_size=batch_size, include_path=include_path, seed=seed))
     return metrics
+
+
+def non_finite(metrics: dict[str, dict]) -> list[str]:
+    """'task metric=value' for every NaN or infinite aggregate of an arm's metrics (standard errors aside)."""
+    import math
+
+    return [f"{task} {k}={v}" for task, entry in metrics.items() for k, v in entry.get("aggregate", {}).items()
+            if isinstance(v, float) and not k.endswith("_stderr") and not math.isfinite(v)]
+
+
+def check_finite(arm: str, metrics: dict[str, dict], allow_nan: bool = False) -> None:
+    """Refuse (exit 1, one sentence naming the arm) metrics that are NaN or infinite, unless `allow_nan`.
+
+    NaN weights, an infinite router row or tampered quantization scales make every logit NaN; the
+    perplexity and KL are then NaN and the results JSON stores null, which read as a success before."""
+    bad = non_finite(metrics)
+    if bad and not allow_nan:
+        raise NonFiniteMetrics(f"Arm '{arm}' evaluated to non-finite metrics ({', '.join(bad[:3])}): its weights, "
+                               "router or scales produce NaN or infinite values; check that checkpoint, or pass "
+                               "--allow-nan to keep these results.")
 
 
 def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:

@@ -199,8 +199,6 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
                           weight_bytes=weight_bytes, original_bytes=original or logical.original,
                           logical_bytes=logical.total, shards=shards, routed_bytes=written.routed,
                           original_routed_bytes=written.original_routed)
-    if not quiet:
-        from rich.console import Console
-
-        Console(stderr=True).print(result.describe(), highlight=False)
+    # the summary line is the caller's to print (`compress` prints it once, on stdout); printing it here too
+    # put it on stdout and stderr both
     return result

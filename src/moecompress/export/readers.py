@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..disk import read_weight_map
 from ..errors import MoECompressError
 from ..models import MoEAdapter, load_model, parse_dtype
 from ..plan import PLAN_FILE, CompressionPlan
@@ -34,8 +35,7 @@ def read_json(path: Path, what: str) -> dict:
 
 def _shards(d: Path) -> list[Path]:
     if (d / INDEX_FILE).is_file():
-        index = read_json(d / INDEX_FILE, "checkpoint index")
-        names = sorted(set(index.get("weight_map", {}).values()))
+        names = sorted(set(read_weight_map(d / INDEX_FILE).values()))
     else:
         names = ["model.safetensors"]
     files = [d / n for n in names]
@@ -132,6 +132,7 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p is not None and p.is_meta:
             raise MoECompressError(f"{d} lacks tensor '{name}': the checkpoint is incomplete or corrupted; re-export it.")
+    _check_quantized_slots(scopes.values(), d)
     if single:
         model.to(device)
     elif device_map is not None:
@@ -153,6 +154,21 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
     model.eval()
     model._moecompress_plan = plan
     return model
+
+
+def _check_quantized_slots(scopes, d: Path) -> None:
+    """Every quantized stored expert's ``weight_shape`` agrees with its packed tensors' shapes (which loading
+    checked against the plan), before any forward unpacks them (`quant.tensor.check_packed`)."""
+    from ..quant.tensor import check_packed
+    from ..runtime.quantized import PARTS, StoredExpertSlot
+
+    for scope in scopes:
+        for m in scope.modules():
+            if isinstance(m, StoredExpertSlot) and m.spec is not None:
+                for part in PARTS:
+                    check_packed({s: getattr(m, f"{part}_{s}") for s in ("weight_packed", "weight_scale",
+                                                                          "weight_shape")},
+                                 m.spec, f"The {part} projection of a stored expert in {d}")
 
 
 def load_transformers(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):

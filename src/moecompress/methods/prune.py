@@ -51,10 +51,12 @@ class PruneConfig(BaseModel):
     remap: Literal["nearest", "functional"] = Field(
         "nearest", description="remap target: nearest by parameter distance, or functional (best output match "
         "among the 4 nearest, accepted only when two calibration folds agree, else nearest)")
-    rank: int = Field(32, ge=0, description="tilt rank (0 = MoNE's constant); also sets the partial-copy budget")
-    ridge: float = Field(1e-3, ge=0.0, description="scale-free ridge of the tilt fit")
+    # the upper bound refuses absurd ranks (1e35) before any compute; build_prune refuses ranks above the hidden size
+    rank: int = Field(32, ge=0, le=2**16, description="tilt rank (0 = MoNE's constant); also sets the partial-copy "
+                      "budget")
+    ridge: float = Field(1e-3, ge=0.0, allow_inf_nan=False, description="scale-free ridge of the tilt fit")
     protect_super_experts: bool = Field(True, description="never prune experts with extreme output norms")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
 def needs_stats(config: PruneConfig) -> list[str]:
@@ -189,6 +191,11 @@ def build_prune(config: PruneConfig, context: MethodContext):
     if stats is None:
         raise MoECompressError("Pruning needs calibration statistics; run moecompress calibrate first "
                                "(or pass --calib SPEC).")
+    if config.operator in ("tilt", "partial") and config.rank > adapter.hidden_size:
+        # it used to be clamped silently to the hidden size: an operator larger than the expert it replaces
+        raise MoECompressError(f"Rank {config.rank} (--rank or params.rank) exceeds the model's hidden size "
+                               f"{adapter.hidden_size}, the largest a {config.operator} can use; lower it (a rank near "
+                               "the hidden size already costs more than the expert it replaces).")
     keep = select_experts(config, adapter, stats)
     info = ModelInfo.from_model(adapter)
     params = config.model_dump()

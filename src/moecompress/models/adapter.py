@@ -165,6 +165,9 @@ class MoEAdapter:
             if router is None:
                 continue
             k = _router_top_k(router, self.config)
+            if not 1 <= k <= e:  # torch.topk would fail deep inside the first forward
+                raise MoECompressError(f"Layer {i} of the model routes each token to {k} experts but has only {e} "
+                                       "(num_experts_per_tok exceeds the expert count); fix config.json.")
             if fam is not None:
                 spec, verified = fam.router_spec(self.config, e, k), True
             else:

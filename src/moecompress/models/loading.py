@@ -111,8 +111,13 @@ def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bo
     device_map / max_memory / offload_folder go to `from_pretrained` (accelerate offloading)."""
     from transformers import AutoModelForCausalLM
 
+    from ..disk import read_weight_map
+
     config = load_config(source, trust_remote_code)
     src = resolve_source(source)
+    index = Path(src) / "model.safetensors.index.json"
+    if index.is_file():  # transformers would open whatever shard path the index names
+        read_weight_map(index)
     kwargs = dict(dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code,
                   **_offline_kwargs(src))
     if device_map is not None:

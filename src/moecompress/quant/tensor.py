@@ -70,8 +70,8 @@ class QuantizedTensor:
                 f"Packed quantized weight lacks {', '.join(sorted(missing))}: the checkpoint is incomplete "
                 f"or was written with a different spec than {spec.name()}."
             )
-        packed, scale, shape_t = tensors["weight_packed"], tensors["weight_scale"], tensors["weight_shape"]
-        shape = torch.Size(int(s) for s in shape_t.reshape(-1, shape_t.shape[-1])[0].tolist())
+        packed, scale = tensors["weight_packed"], tensors["weight_scale"]
+        shape = check_packed(tensors, spec)
         batch = packed.shape[:-2]
         codes = unpack_from_int32(packed, spec.bits, torch.Size((*batch, *shape)))
         zero = None
@@ -83,6 +83,25 @@ class QuantizedTensor:
                 packed_dim=0,
             )
         return cls(codes=codes, scale=scale, zero=zero, spec=spec)
+
+
+def check_packed(tensors: dict[str, Tensor], spec: QuantSpec, where: str = "A packed quantized weight") -> torch.Size:
+    """The [out, in] that ``weight_shape`` declares, refused (one sentence) unless the packed words and scales,
+    whose shapes the file header gives, hold exactly that matrix. A tampered ``weight_shape`` used to unpack
+    into garbage or fail deep inside a forward."""
+    packed, scale, shape_t = tensors["weight_packed"], tensors["weight_scale"], tensors["weight_shape"]
+    values = shape_t.reshape(-1).tolist() if shape_t.numel() >= 2 else []
+    shape = tuple(int(v) for v in values[:2])
+    ok = len(shape) == 2 and shape_t.shape[-1:] == (2,) and min(shape) >= 1
+    if ok:
+        out, n = shape
+        ok = (tuple(packed.shape[-2:]) == (out, -(-n * spec.bits // 32))
+              and tuple(scale.shape[-2:]) == (out, spec.num_groups(n)))
+    if not ok:
+        raise MoECompressError(f"{where} declares weight_shape {shape or values} but its packed words are "
+                               f"{tuple(packed.shape)} and its scales {tuple(scale.shape)} at {spec.name()}: the "
+                               "checkpoint is corrupted or tampered with; re-export it.")
+    return torch.Size(shape)
 
 
 def _shape_tensor(codes: Tensor) -> Tensor:
