@@ -265,16 +265,17 @@ def _recipe():
 
 
 def test_dangling_symlink_out_is_refused_before_compute(ws, capsys, monkeypatch):
-    """Item 7. The refusal belongs in `atomic.check_output` (output paths: another part of issue 33); until it is
-    there, the rename after all the compute fails with NotADirectoryError, and this test is an expected failure."""
+    """Item 7: `atomic.check_output` refuses it with the other output checks (it used to fail with
+    NotADirectoryError at the rename, after all the compute); the link is left as it was."""
+    import moecompress.pipeline as pipeline
+
     monkeypatch.chdir(ws / "w")
+    monkeypatch.setattr(pipeline, "make_plan", lambda *a, **k: pytest.fail("computed before refusing"))
     argv = ["compress", str(F), "--criterion", "frequency", "--ratio", "0.5", "--calib", str(ws / "s"),
             "--out", str(ws / "dangling")]
-    try:
-        code, _, err = run_cli(argv, capsys)
-    except NotADirectoryError:
-        pytest.xfail("--out as a dangling symlink is not yet refused by atomic.check_output")
+    code, _, err = run_cli(argv, capsys)
     assert code == 2 and "dangling" in _one_sentence(err)
+    assert (ws / "dangling").is_symlink() and not (ws / "dangling").exists()
 
 
 def test_compress_prints_its_summary_once(ws, tmp_path, capsys):
@@ -284,16 +285,18 @@ def test_compress_prints_its_summary_once(ws, tmp_path, capsys):
     assert out.count("checkpoint at") == 1 and "checkpoint at" not in err
 
 
-@pytest.mark.parametrize("verb,resume", [("compare", False), ("demo", False), ("calibrate", True)])
-def test_interrupt_advertises_resume_only_for_calibrate(ws, capsys, monkeypatch, verb, resume):
+@pytest.mark.parametrize("verb,resume", [("compare", True), ("demo", True), ("calibrate", True), ("eval", False)])
+def test_interrupt_advertises_resume_only_where_it_exists(ws, capsys, monkeypatch, verb, resume):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    module = {"compare": "compare", "demo": "compare", "calibrate": "calibrate"}[verb]
-    monkeypatch.setattr(f"moecompress.cli.{module}.{'calibrate' if verb == 'calibrate' else 'compare'}", interrupted)
+    module = {"compare": "compare", "demo": "compare", "calibrate": "calibrate", "eval": "eval"}[verb]
+    function = {"calibrate": "calibrate", "eval": "evaluate"}.get(verb, "compare")
+    monkeypatch.setattr(f"moecompress.cli.{module}.{function}", interrupted)
     argv = {"compare": ["compare", str(ws / "seed.yaml"), "--out", str(ws / "w" / "c")],
             "demo": ["demo", "--out", str(ws / "w" / "c")],
-            "calibrate": ["calibrate", str(F), "--data", "fixture-calib:2", "--out", str(ws / "w" / "c")]}[verb]
+            "calibrate": ["calibrate", str(F), "--data", "fixture-calib:2", "--out", str(ws / "w" / "c")],
+            "eval": ["eval", str(F), "--ppl", "fixture-heldout"]}[verb]
     code, _, err = run_cli(argv, capsys)
     assert code == 130 and "Traceback" not in err and err.strip().startswith("interrupted:"), err
     assert ("--resume" in err) == resume

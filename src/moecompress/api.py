@@ -196,19 +196,21 @@ def _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, incl
 
 def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.PathLike], out: str | os.PathLike, *,
             overwrite: bool = False, keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
-            progress: bool = True, verbose: bool = False, allow_nan: bool = False) -> dict[str, Any]:
+            progress: bool = True, verbose: bool = False, allow_nan: bool = False, resume: bool = False
+            ) -> dict[str, Any]:
     """Run every arm of `recipes` (a `Recipe`, or recipe files whose arms are compared together) from one
     calibration, evaluate all on the same items, write report.md, ranking.md, PNGs and results.json under
     `out`; returns the results. pairs: the paired comparisons (default: every arm against the original).
     The report appears complete or not at all (`compare.run_compare`); an arm with NaN / infinite metrics
-    raises `NonFiniteMetrics` unless `allow_nan`."""
+    raises `NonFiniteMetrics` unless `allow_nan`. `resume` continues an interrupted run from its finished arms
+    (``.OUT.partial/``)."""
     from .recipe import Recipe, load_recipe, merge_recipes
 
     if not isinstance(recipes, Recipe):
         items = [recipes] if isinstance(recipes, (str, os.PathLike)) else list(recipes)
         recipes = merge_recipes([r if isinstance(r, Recipe) else load_recipe(r) for r in items])
     return run_compare(recipes, out, overwrite=overwrite, progress=progress, keep_checkpoints=keep_checkpoints,
-                       pairs=pairs, verbose=verbose, allow_nan=allow_nan)
+                       pairs=pairs, verbose=verbose, allow_nan=allow_nan, resume=resume)
 
 
 def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None = None):

@@ -117,6 +117,10 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, protect=(), fl
     """
     out = Path(out)
     full = _abs(out)
+    check_path(out, flag)
+    if full.is_symlink() and not full.exists():  # renaming onto it would replace the link, not write its target
+        raise MoECompressError(f"{flag} {out} is a dangling symbolic link (to {os.readlink(full)}); remove it or "
+                               "pass another output path.")
     if full.exists() and not full.is_dir():
         raise MoECompressError(f"{flag} {out} is an existing file, not a directory; pass a new directory path.")
     check_apart(out, protect, flag)

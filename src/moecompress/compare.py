@@ -8,6 +8,7 @@ and the original model are arms too. `write_report` turns the results into repor
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from functools import partial
@@ -91,7 +92,7 @@ def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
 
 def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, progress: bool = True,
                 keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
-                verbose: bool = False, allow_nan: bool = False) -> dict[str, Any]:
+                verbose: bool = False, allow_nan: bool = False, resume: bool = False) -> dict[str, Any]:
     """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results.
 
     `pairs` chooses the paired comparisons (default: every arm against the original). The report
@@ -99,6 +100,8 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     `progress` shows one progress display across the arms (one line per finished arm); the libraries'
     own bars and logs are silenced unless `verbose`, which instead shows every bar as it comes.
     An arm whose metrics are NaN or infinite ends the run (exit 1) unless `allow_nan`.
+    Finished arms are kept in ``.OUT.partial/`` (`ArmJournal`) while the run goes on; an interrupted run (Ctrl-C,
+    SIGTERM) leaves it there and `resume` continues from it, computing only the arms left.
     """
     from .atomic import atomic_dir, check_output
     from .models.loading import resolve_fixture
@@ -120,12 +123,67 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
     check_output(out, overwrite, protect, kind="report")
     from .quiet import quiet_libraries
 
+    from .atomic import claim
+    from .pipeline import model_fingerprint
+
     track = ArmProgress(2 + len(recipe.arms), enabled=progress and not verbose)
-    with quiet_libraries(not verbose), track, atomic_dir(out, overwrite=overwrite, protect=protect,
-                                                         kind="report") as tmp:
-        results = _run_arms(recipe, out, tmp, model_path, progress and verbose, keep_checkpoints, pairs, track,
-                            allow_nan)
+    journal = ArmJournal(out, dict(recipe=recipe.model_dump(mode="json"), model=model_fingerprint(model_path),
+                                   keep_checkpoints=keep_checkpoints))
+    with claim(out):
+        done = journal.start(resume)
+        try:
+            with quiet_libraries(not verbose), track, atomic_dir(out, overwrite=overwrite, protect=protect,
+                                                                 kind="report") as tmp:
+                results = _run_arms(recipe, out, tmp, model_path, progress and verbose, keep_checkpoints, pairs,
+                                    track, allow_nan, journal, done)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the finished arms stay for --resume
+            raise
+        except BaseException:
+            journal.remove()
+            raise
+        journal.remove()
     return results
+
+
+class ArmJournal:
+    """The finished arms of a `compare` run in progress, in ``.OUT.partial/`` beside the report: the shared
+    calibration store, each finished arm's results (``arms/NAME.json``) and checkpoint. `start(resume=True)`
+    after an interruption returns the finished arms, so only the others are computed; the run's identity
+    (recipe, model fingerprint, whether checkpoints are kept) must match, as `calibrate --resume` requires."""
+
+    def __init__(self, out: Path, identity: dict):
+        self.dir = out.parent / f".{out.name}.partial"
+        self.identity = identity
+
+    def start(self, resume: bool) -> dict[str, dict[str, Any]]:
+        from .atomic import write_file
+        from .errors import MoECompressError
+
+        run = self.dir / "run.json"
+        if resume and run.is_file():
+            if json.loads(run.read_text()).get("identity") != self.identity:
+                raise MoECompressError(f"The interrupted run in {self.dir} was made with another recipe, model or "
+                                       "--keep-checkpoints setting; drop --resume to start over or pass the same ones.")
+            return {p.stem: json.loads(p.read_text()) for p in sorted((self.dir / "arms").glob("*.json"))}
+        shutil.rmtree(self.dir, ignore_errors=True)  # ours: a stale partial run of this output
+        (self.dir / "arms").mkdir(parents=True)
+        write_file(run, json.dumps({"identity": self.identity}))
+        return {}
+
+    def save(self, entry: dict[str, Any]) -> None:
+        from .atomic import write_file
+
+        write_file(self.dir / "arms" / f"{entry['name']}.json", json.dumps(entry))
+
+    def fresh(self, sub: str, name: str) -> Path:
+        """`sub/name` under the journal, emptied: what an interrupted attempt at the arm left is not reused."""
+        path = self.dir / sub / name
+        shutil.rmtree(path, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class ArmProgress:
@@ -186,8 +244,10 @@ def with_quant_baselines(recipe: Recipe) -> Recipe:
 
 
 def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
-              pairs, track: ArmProgress | None = None, allow_nan: bool = False) -> dict[str, Any]:
-    """The body of `run_compare`: everything is written under `tmp`, paths in the results name `out`."""
+              pairs, track: ArmProgress, allow_nan: bool, journal: ArmJournal,
+              done: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The body of `run_compare`: the report is written under `tmp`, paths in the results name `out`. The shared
+    calibration and the finished arms (results, checkpoints) go to the `journal`; arms in `done` are not run."""
     from .eval.loading import eval_dtype, load_for_eval
     from .eval.report import write_report
     from .eval.runner import model_info, plan_arm_fields
@@ -196,11 +256,10 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     from .models import load_model
     from .pipeline import choose_format, make_plan, needs_for, resolve_calibration
 
-    work = tmp / ".work"  # the shared calibration: inside the temporary, so a kill leaves one thing to clean
+    work = tmp / ".work"  # offload scratch: inside the temporary, so a kill leaves one thing to clean
     work.mkdir()
     tokenizer = _tokenizer(model_path)
     cal = recipe.calibration
-    track = track or ArmProgress(0, enabled=False)
 
     def calibrate_for(spec, arms, where: Path):
         needs = sorted({s for arm in arms for s in needs_for(arm.method, arm.params, arm.quant)})
@@ -213,13 +272,14 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     # with the arms that name the same spec
     own = sorted({a.calibration.model_dump_json() for a in recipe.arms if a.calibration is not None})
     shared_arms = [a for a in recipe.arms if a.calibration is None]
-    stats, calib_seconds = calibrate_for(cal, shared_arms, work) if shared_arms else (None, 0.0)
+    # in the journal: a resumed run finds the finished store there and reuses it
+    stats, calib_seconds = calibrate_for(cal, shared_arms, journal.dir) if shared_arms else (None, 0.0)
     track.calibrated(calib_seconds)
     arm_stats: dict[str, tuple] = {}
     for k, key in enumerate(own):
         group = [a for a in recipe.arms if a.calibration is not None and a.calibration.model_dump_json() == key]
         spec = group[0].calibration
-        st, sec = calibrate_for(spec, group, work / f"arm-calibration-{k}")
+        st, sec = calibrate_for(spec, group, journal.dir / f"arm-calibration-{k}")
         arm_stats[key] = (st, _calibration_info(st, spec, sec))
 
     def stats_of(arm):
@@ -235,33 +295,44 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     reference, ref_eval = evaluate_load(model_path, loader=load_model)
     arms: list[dict[str, Any]] = []
 
-    track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
-    original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
-                    metrics=_evaluate(reference, tokenizer, recipe, reference, progress, "original", allow_nan),
-                    eval=ref_eval,
-                    **_latency(reference, model_path, recipe))
-    from .plan import CompressionPlan
+    def finished(entry: dict[str, Any]) -> None:
+        arms.append(entry)
+        journal.save(entry)
+        track.done(entry)
 
-    original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
-    arms.append(original)
-    track.done(original)
+    if "original" in done:
+        arms.append(done["original"])
+        track.done(done["original"])
+    else:
+        track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
+        original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
+                        metrics=_evaluate(reference, tokenizer, recipe, reference, progress, "original", allow_nan),
+                        eval=ref_eval, **_latency(reference, model_path, recipe))
+        from .plan import CompressionPlan
+
+        original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
+        finished(original)
 
     for arm in recipe.arms:
         name = arm.display_name()
+        if name in done:  # finished before an interruption (--resume)
+            arms.append(done[name])
+            track.done(done[name])
+            continue
         track.stage(name, "compressing",
                     header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
+        ckpt = journal.fresh("checkpoints", name)
         if get_method(arm.method).family == "dense":
-            entry = _dense_arm(arm, name, model_path, stats_of(arm), tmp, recipe, tokenizer, reference, progress,
-                               evaluate_load, allow_nan)
-            arms.append(dict(entry, path=str(out / "checkpoints" / name), **own_calibration(arm)))
-            track.done(entry)
+            journal.fresh(".distill", name)
+            entry = _dense_arm(arm, name, model_path, stats_of(arm), journal.dir, recipe, tokenizer, reference,
+                               progress, evaluate_load, allow_nan)
+            finished(dict(entry, path=str(out / "checkpoints" / name), **own_calibration(arm)))
             continue
         t1 = time.perf_counter()  # the arm's plan streams from the checkpoint, one layer at a time
         plan, tensors = make_plan(model_path, arm.method, arm.params, stats_of(arm), quant=arm.quant,
                                   seed=recipe.seed, progress=progress)
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
-        ckpt = tmp / "checkpoints" / name
         track.stage(name, "exporting")
         result = export(model_path, plan, ckpt, format=fmt, tensors=tensors,
                         recipe={"model": recipe.model, "method": arm.method, "params": arm.params,
@@ -278,16 +349,15 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         entry.update(_latency(model, ckpt, recipe))
         entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
         entry.update(own_calibration(arm))
-        arms.append(entry)
-        track.done(entry)
+        finished(entry)
         del model
 
     results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
                    calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
                    settings={"seed": recipe.seed, "eval_dtype": dtype}, notes=_notes(recipe, dtype, arms))
     shutil.rmtree(work)
-    if not keep_checkpoints:
-        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)
+    if keep_checkpoints and (journal.dir / "checkpoints").is_dir():
+        (journal.dir / "checkpoints").rename(tmp / "checkpoints")
     track.stage("report", "comparisons and plots")
     write_report(results, tmp, pairs=pairs)
     return results

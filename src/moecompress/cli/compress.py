@@ -51,7 +51,10 @@ def compress_command(
     recipe: Optional[Path] = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
     quant: Optional[str] = typer.Option(None, help="Also quantize every stored expert: w4g128, w3g64, w2g32, w8c "
                                         "('a' suffix: asymmetric); --method quant quantizes the original experts."),
-    quant_algo: str = typer.Option("gptq", help="gptq (calibration Hessians) | rtn (round-to-nearest)."),
+    quant_algo: str = typer.Option("gptq", help="gptq (calibration Hessians) | rtn (round-to-nearest). GPTQ's "
+                                   "defaults are llm-compressor's: act order on (--param actorder=false), damp "
+                                   "0.01 (--param damp=0.1), block 128, each expert's routed tokens "
+                                   "(docs/quantization.md, 'Defaults')."),
     quant_weighting: str = typer.Option("uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."),
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),

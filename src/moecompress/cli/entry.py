@@ -47,8 +47,10 @@ _received: list[int] = []
 
 def _interrupted(verb: str | None) -> None:
     signum = _received[0] if _received else 2
-    # only calibrate has --resume; other verbs must not advertise it
-    hint = " (run the same calibrate with --resume to continue)" if verb == "calibrate" else ""
+    # the verbs with --resume say how to continue (compare and demo keep their finished arms); others must not
+    hint = {"calibrate": " (run the same calibrate with --resume to continue)",
+            "compare": " (finished arms were kept: run the same compare with --resume to continue)",
+            "demo": " (finished arms were kept: run demo with --resume to continue)"}.get(verb or "", "")
     err_console.print(f"[bold red]interrupted:[/] {_SIGNAL_NAMES.get(signum, signum)}; unfinished outputs were "
                       f"removed{hint}.", highlight=False)
     sys.exit(128 + signum)
