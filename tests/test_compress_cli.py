@@ -118,3 +118,21 @@ def test_router_merge_through_compress_routes_with_merged_rows(tmp_path, capsys)
     x = torch.randint(3, 96, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(exported(x).logits, ref(x).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_rank_zero_reaches_the_method_the_config_alone_checks_ranges(monkeypatch, capsys):
+    """`--rank 0` (MoNE's constant) is a valid PruneConfig rank; the CLI no longer refuses it with a rule of its own."""
+    import moecompress.cli.compress as cli_compress
+    from moecompress.methods import parse_config
+
+    seen = {}
+
+    def compress(model, method, params, **kw):
+        seen.update(params)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli_compress, "compress", compress)
+    code, _, err = run_cli(["compress", "fixture:olmoe-tiny", "--criterion", "frequency", "--ratio", "0.5",
+                            "--operator", "tilt", "--rank", "0", "--out", "unused"], capsys)
+    assert code == 0 and seen["rank"] == 0, err
+    assert parse_config("prune", dict(seen)).rank == 0

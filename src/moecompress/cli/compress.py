@@ -67,7 +67,6 @@ def compress_command(
 ) -> None:
     """Compress MODEL with one method and write a checkpoint that is really smaller."""
     check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
-    check_range("--rank", rank, 1)
     check_range("--seq-len", seq_len, 1)
     check_seed("--seed", seed)
     params: dict = {}
