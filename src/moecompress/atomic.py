@@ -117,7 +117,6 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, protect=(), fl
     """
     out = Path(out)
     full = _abs(out)
-    check_path(out, flag)
     if full.is_symlink() and not full.exists():  # renaming onto it would replace the link, not write its target
         raise MoECompressError(f"{flag} {out} is a dangling symbolic link (to {os.readlink(full)}); remove it or "
                                "pass another output path.")
