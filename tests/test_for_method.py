@@ -7,7 +7,6 @@ whose statistics were missing would be refused with "lack" — this is the test 
 from __future__ import annotations
 
 import json
-import typing
 
 import pytest
 from typer.testing import CliRunner
@@ -15,10 +14,11 @@ from typer.testing import CliRunner
 from moecompress.calibrate import StatsStore
 from moecompress.cli import app
 from moecompress.methods import stats_for_method
-from moecompress.methods.prune import Criterion, PruneConfig, needs_stats
+from moecompress.methods.prune import PruneConfig, needs_stats
+from moecompress.scoring.registry import criteria
 from moecompress.testing import fixture_dir
 
-CRITERIA = typing.get_args(Criterion)
+CRITERIA = criteria()
 
 
 @pytest.fixture(scope="module")

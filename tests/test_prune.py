@@ -157,3 +157,29 @@ def test_remap_error_statistic_equals_direct_computation(tmp_path):
             if toks.any():
                 ref = (outs[:, toks] - outs[e, toks]).square().sum(-1).mean(-1)
                 torch.testing.assert_close(got[k, e], ref, atol=1e-6, rtol=1e-5)
+
+
+def test_a_data_free_criterion_is_one_registry_call(tmp_path, monkeypatch):
+    """docs/architecture.md's worked example: a criterion that scores the experts' weights (here ‖W‖_F² of
+    gate, up and down) is one `register_criterion(..., weights=True)` call; prune serves it by name, with no
+    statistics at all, and keeps each layer's largest-norm experts."""
+    from moecompress.pipeline import build_plan
+    from moecompress.scoring import registry
+
+    def weight_norm(g, layer, seed):
+        ws = [g.weights(e) for e in range(g.num_experts)]
+        return torch.tensor([sum(float(getattr(w, p).double().square().sum()) for p in ("gate", "up", "down"))
+                             for w in ws], dtype=torch.float64)
+
+    monkeypatch.setattr(registry, "CRITERIA", dict(registry.CRITERIA))  # the test's entry goes with the test
+    registry.register_criterion("weight-norm", (), weight_norm, weights=True)
+    adapter = MoEAdapter(load_model(str(save_tiny("qwen3_moe", tmp_path / "m")), dtype="float32"))
+    params = {"criterion": "weight-norm", "ratio": 0.5, "gate": "renorm", "protect_super_experts": False}
+    plan, _ = build_plan(adapter, "prune", params, None)
+    for lp in plan.layers:
+        g = registry.LayerInputs(None, lambda e, i=lp.layer: adapter.get_expert(i, e), adapter.num_experts(lp.layer))
+        norms = weight_norm(g, lp.layer, 0)
+        kept = sorted(e for e, t in enumerate(lp.slots) if isinstance(t, int))
+        assert kept == sorted(torch.argsort(norms, descending=True)[: len(kept)].tolist()), lp.layer
+    with pytest.raises(MoECompressError, match="unknown criterion 'weight-norms'"):
+        parse_config("prune", dict(params, criterion="weight-norms"))

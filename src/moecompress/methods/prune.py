@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import MoECompressError
 from ..models import MoEAdapter
@@ -19,18 +19,14 @@ from ..plan import CompressionPlan, ConstantOp, LayerPlan, ModelInfo, PartialOp,
 from ..scoring import criteria as C
 from ..scoring import doptimal_kernel, greedy_doptimal, nonuniform_keep, num_kept, rank, uniform_keep
 from ..scoring.distance import pairwise_distance
-from ..scoring.registry import criteria, get_criterion
+from ..scoring.registry import LayerInputs, criteria, get_criterion
 from .context import MethodContext, StatsView
 from .needs import register_method_stats
 from .operators import fit_tilt, neuron_energy, partial_copy_bias, partial_copy_size
 from .registry import WEIGHTLESS, ViewUse, register_method
 
-Criterion = Literal["random", "frequency", "mass", "pp", "ps", "cp", "acp", "reap", "ean", "mone", "do-cp", "do-acp"]
 OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
 
-# what each criterion reads: the one criteria registry (scoring/registry.py); prune serves every criterion
-# under its own name (not the variants other methods use)
-CRITERION_STATS: dict[str, list[str]] = {n: list(get_criterion(n).stats) for n in criteria()}
 OPERATOR_STATS: dict[str, list[str]] = {
     "reroute": [], "drop": [], "remap": [], "constant": ["out_mean"],
     "tilt": ["moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment", "cross_moment"],
@@ -43,7 +39,8 @@ class PruneConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    criterion: Criterion = Field("reap", description="selection criterion (higher score = kept)")
+    criterion: str = Field("reap", description="selection criterion (higher score = kept): any criterion of the "
+                           "registry (scoring/registry.py) under its own name")
     ratio: float = Field(0.5, ge=0.0, lt=1.0, description="fraction of routed experts removed")
     budget: Literal["uniform", "nonuniform"] = Field("uniform", description="per-layer or global budget")
     operator: OperatorName = Field("reroute", description="what a removed slot computes")
@@ -58,10 +55,18 @@ class PruneConfig(BaseModel):
     protect_super_experts: bool = Field(True, description="never prune experts with extreme output norms")
     seed: int = Field(0, ge=0, le=2**32 - 1)
 
+    @field_validator("criterion")
+    @classmethod
+    def _known_criterion(cls, v: str) -> str:
+        # the registry is the one list (a criterion added there is served here; not the variants other methods use)
+        if v not in criteria():
+            raise ValueError(f"unknown criterion '{v}'; known: {', '.join(criteria())}")
+        return v
+
 
 def needs_stats(config: PruneConfig) -> list[str]:
     functional = {"remap_error"} if config.operator == "remap" and config.remap == "functional" else set()
-    return sorted(set(CRITERION_STATS[config.criterion]) | set(OPERATOR_STATS[config.operator]) | functional
+    return sorted(set(get_criterion(config.criterion).stats) | set(OPERATOR_STATS[config.operator]) | functional
                   | ({"out_norm_sq_mean"} if config.protect_super_experts else set()))
 
 
@@ -69,12 +74,22 @@ def _get(stats: StatsView, layer: int, name: str) -> torch.Tensor:
     return stats.get(layer, name).double()
 
 
-def layer_scores(criterion: str, stats: StatsView, layer: int, seed: int = 0) -> torch.Tensor:
-    """Score [E] of every expert of `layer` under `criterion` (scoring/registry.py, scoring/criteria.py equations)."""
+def _inputs(stats: StatsView, layer: int, adapter: MoEAdapter | None) -> LayerInputs:
+    """The layer's statistics, and its experts' weights for a data-free criterion."""
+    if adapter is None:
+        return LayerInputs(lambda name: _get(stats, layer, name))
+    return LayerInputs(lambda name: _get(stats, layer, name), lambda e: adapter.get_expert(layer, e),
+                       adapter.num_experts(layer))
+
+
+def layer_scores(criterion: str, stats: StatsView, layer: int, seed: int = 0,
+                 adapter: MoEAdapter | None = None) -> torch.Tensor:
+    """Score [E] of every expert of `layer` under `criterion` (scoring/registry.py, scoring/criteria.py equations);
+    `adapter` gives a data-free criterion the experts' weights."""
     entry = get_criterion(criterion)
     if entry.doptimal:
         raise MoECompressError(f"Criterion '{criterion}' has no per-expert score; use it through select_experts.")
-    return entry.score(lambda name: _get(stats, layer, name), layer, seed)
+    return entry.score(_inputs(stats, layer, adapter), layer, seed)
 
 
 def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -> dict[int, list[int]]:
@@ -90,13 +105,13 @@ def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -
         keep = {}
         for i in adapter.moe_layers:
             counts = _get(stats, i, "counts")
-            base = get_criterion(config.criterion).score(lambda name, _i=i: _get(stats, _i, name), i, config.seed)
+            base = get_criterion(config.criterion).score(_inputs(stats, i, adapter), i, config.seed)
             k = num_kept(len(counts), config.ratio)
             chosen = greedy_doptimal(doptimal_kernel(base, _get(stats, i, "gram")), k)
             keep[i] = _with_protected(sorted(chosen), protected.get(i), base)
             _check_feasible(adapter, i, keep[i], config.ratio)
         return keep
-    scores = {i: layer_scores(config.criterion, stats, i, config.seed) for i in adapter.moe_layers}
+    scores = {i: layer_scores(config.criterion, stats, i, config.seed, adapter) for i in adapter.moe_layers}
     if config.budget == "nonuniform":
         keep = nonuniform_keep(scores, config.ratio, {i: adapter.top_k(i) for i in adapter.moe_layers})
         return {i: _with_protected(v, protected.get(i), scores[i]) for i, v in keep.items()}
@@ -188,7 +203,7 @@ def remap_target(e: int, kept: list[int], distance: torch.Tensor, fold_error: to
 def build_prune(config: PruneConfig, context: MethodContext):
     """CompressionPlan (+ operator tensors) for `config` on the context's model and stats."""
     adapter, stats = context.adapter, context.stats
-    if stats is None:
+    if stats is None and needs_stats(config):  # a data-free criterion with reroute reads no statistics
         raise MoECompressError("Pruning needs calibration statistics; run moecompress calibrate first "
                                "(or pass --calib SPEC).")
     if config.operator in ("tilt", "partial") and config.rank > adapter.hidden_size:
@@ -231,10 +246,11 @@ def tilt_moment_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsVi
 
 def view_use(config: PruneConfig) -> ViewUse:
     """Selection and the constant and tilt operators read statistics only; remap reads a layer's experts
-    (parameter distances), a partial copy one expert at a time of a layer read as stored."""
+    (parameter distances), a partial copy and a data-free criterion one expert at a time of a layer read as
+    stored."""
     if config.operator == "remap":
         return ViewUse(stored=1.0, compute=1.0)
-    if config.operator == "partial":
+    if config.operator == "partial" or get_criterion(config.criterion).weights:  # one layer's experts at a time
         return ViewUse(stored=1.0, compute=0.0)
     return WEIGHTLESS
 
@@ -247,7 +263,7 @@ def _register_stats() -> None:
     """`calibrate --for-method prune` gathers what every criterion reads, so one store serves them all;
     `--for-method CRITERION` what prune with that criterion (and the default operator) reads."""
     every = set()
-    for criterion in CRITERION_STATS:
+    for criterion in criteria():
         needs = needs_stats(PruneConfig(criterion=criterion))
         register_method_stats(criterion, needs)
         every |= set(needs)

@@ -13,19 +13,41 @@ entry, its usage ablation the ``frequency`` entry). A *variant* (``variant_of``)
 evaluated another way, registered under its own name so that no method's results change: the dense method
 computes ACP from the store's means, prune from the sums it rebuilds (they differ in the last bits).
 A new criterion is one `register_criterion` call here (plus its equation in criteria.py and its tests).
+A *data-free* criterion (``weights=True``) scores the experts' weights themselves: its ``g.weights(e)`` gives
+expert e's `ExpertWeights` (gate/up/down) of the layer, through the method's adapter (docs/architecture.md,
+"Where to change what").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import MoECompressError
 from . import criteria as C
 
-Getter = Callable[[str], torch.Tensor]
+class LayerInputs:
+    """What a criterion reads of one MoE layer: a statistic by name, ``g(name)`` (float64), and, for a data-free
+    criterion, expert e's weights, ``g.weights(e)``, for e in ``range(g.num_experts)``."""
+
+    def __init__(self, stat: Callable[[str], torch.Tensor], weights: Callable[[int], Any] | None = None,
+                 num_experts: int | None = None):
+        self._stat, self._weights, self.num_experts = stat, weights, num_experts
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self._stat(name)
+
+    def weights(self, e: int):
+        if self._weights is None:
+            raise MoECompressError("This method scores experts from statistics only; a criterion that reads "
+                                   "weights works with prune.")
+        return self._weights(e)
+
+
+Getter = LayerInputs | Callable[[str], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,14 +57,15 @@ class CriterionEntry:
     score: Callable[[Getter, int, int], torch.Tensor]  # (get, layer, seed) -> [E]
     doptimal: bool = False
     variant_of: str | None = None  # the criterion this entry computes another way (same equation)
+    weights: bool = False  # data-free: reads the experts' weights (g.weights(e)) besides its statistics
 
 
 CRITERIA: dict[str, CriterionEntry] = {}
 
 
 def register_criterion(name: str, stats, score: Callable[[Getter, int, int], torch.Tensor],
-                       doptimal: bool = False, variant_of: str | None = None) -> None:
-    CRITERIA[name] = CriterionEntry(name, tuple(stats), score, doptimal, variant_of)
+                       doptimal: bool = False, variant_of: str | None = None, weights: bool = False) -> None:
+    CRITERIA[name] = CriterionEntry(name, tuple(stats), score, doptimal, variant_of, weights)
 
 
 def criteria() -> list[str]:
