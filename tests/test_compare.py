@@ -213,3 +213,24 @@ def test_an_interrupted_compare_resumes_without_recomputing_finished_arms(tiny_w
     names = [a["name"] for a in results["arms"]]
     assert names == ["original", "prune-frequency-renorm-50", "prune-reap-keep-50"]
     assert results["arms"][1]["metrics"] == first["metrics"]
+
+
+def test_demo_resume_reaches_compare_and_keeps_a_finished_fixture(tmp_path, monkeypatch, capsys):
+    """`demo --resume` continues through compare's journal; with --full a fixture whose report finished before the
+    interruption is kept, not recomputed."""
+    import moecompress.cli.compare as cli_compare
+
+    calls = []
+
+    def compare(recipe, out, **kw):
+        calls.append((out.name, kw["resume"]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_compare, "compare", compare)
+    code, _, err = run_cli(["demo", "--out", str(tmp_path / "d"), "--resume"], capsys)
+    assert code == 130 and calls == [("d", True)] and "--resume" in err
+    (tmp_path / "f" / "olmoe-tiny").mkdir(parents=True)
+    (tmp_path / "f" / "olmoe-tiny" / "results.json").write_text("{}")
+    calls.clear()
+    code, out, _ = run_cli(["demo", "--full", "--out", str(tmp_path / "f"), "--resume"], capsys)
+    assert code == 130 and calls == [("qwen3-moe-tiny", True)] and "kept" in out
