@@ -71,6 +71,15 @@ def save_results(name: str, obj) -> Path:
     return path
 
 
+def kept_fixtures(name: str, fresh: dict[str, object], order) -> list:
+    """Per-fixture results for `order`: the fresh ones, else those committed in `name` (list entries with a
+    "fixture" key). A `run` of some fixtures so keeps the others' committed results instead of dropping them."""
+    path = results_path(name)
+    old = json.loads(path.read_text()).get("fixtures", []) if path.is_file() else []
+    by = {fx["fixture"]: fx for fx in old} if isinstance(old, list) else {}
+    return [fresh.get(f) or by[f] for f in order if f in fresh or f in by]
+
+
 def load_results(name: str):
     path = results_path(name)
     if not path.is_file():

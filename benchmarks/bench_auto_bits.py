@@ -229,15 +229,12 @@ def run(fixtures, max_tokens: int, out: Path) -> None:
 def record(part: dict, seconds: float) -> dict:
     """Put one fixture's run into the committed results, keeping the other fixture's, atomically: `report`
     reads only that file, so a partial `run --fixtures X` never drops or mixes in anything else."""
-    fixture = part["compare"]["fixture"]
-    kept = json.loads(RESULTS.read_text())["fixtures"] if RESULTS.is_file() else []
+    from _bench_md import kept_fixtures, save_results
+
     entry = dict(part["compare"], spearman=part["spearman"], total_seconds=seconds)
-    by = {fx["fixture"]: fx for fx in kept} | {fixture: entry}
     results = dict(machine=part["machine"], group=GROUP, max_tokens=part["max_tokens"], budgets=list(BUDGETS),
-                   fixtures=[by[f] for f in FIXTURES if f in by])
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(RESULTS)
+                   fixtures=kept_fixtures(RESULTS.name, {entry["fixture"]: entry}, FIXTURES))
+    save_results(RESULTS.name, results)
     return results
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._bench_md import write_section  # noqa: E402
+from benchmarks._bench_md import kept_fixtures, save_results, write_section  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gptq_defaults.json"
 SECTION = "## GPTQ defaults (issue 32)"
@@ -92,16 +92,11 @@ def run_fixture(fixture: str, out: Path) -> dict:
 def run(fixtures, out: Path) -> None:
     import torch
 
-    # a run of some fixtures keeps the committed results of the others
-    kept = json.loads(RESULTS.read_text())["fixtures"] if RESULTS.is_file() else []
-    fresh = {f: run_fixture(f, out) for f in fixtures}
-    merged = [fresh.get(f) or next((k for k in kept if k["fixture"] == f), None) for f in FIXTURES]
     results = dict(machine=dict(platform=platform.platform(), torch=torch.__version__,
                                 threads=torch.get_num_threads()), calibration=CALIBRATION, window=WINDOW,
-                   max_tokens=MAX_TOKENS, variants=VARIANTS, fixtures=[m for m in merged if m is not None])
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(RESULTS)
+                   max_tokens=MAX_TOKENS, variants=VARIANTS,
+                   fixtures=kept_fixtures(RESULTS.name, {f: run_fixture(f, out) for f in fixtures}, FIXTURES))
+    save_results(RESULTS.name, results)
 
 
 def _g(x, nd=3):

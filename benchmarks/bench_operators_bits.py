@@ -77,7 +77,9 @@ def run(args) -> None:
     from moecompress.compare import run_compare
     from moecompress.recipe import load_recipe
 
-    out = {"machine": machine(), "recipe": rel(RECIPE), "bootstrap": B, "fixtures": {}}
+    # a run of some fixtures keeps the committed results of the others
+    kept = load_results(RESULTS)["fixtures"] if results_path(RESULTS).is_file() else {}
+    out = {"machine": machine(), "recipe": rel(RECIPE), "bootstrap": B, "fixtures": dict(kept)}
     for fx in args.fixtures:
         recipe = load_recipe(RECIPE, model=f"fixture:{fx}")
         t0 = time.perf_counter()

@@ -121,13 +121,14 @@ def summarize(fixture: str, res: dict, spec: list[dict], seconds: float | None) 
 
 def run(fixtures, max_tokens: int, out: Path, reuse: bool = False) -> None:
     import torch
+    from _bench_md import kept_fixtures, save_results
 
     results = dict(machine=dict(platform=platform.platform(), torch=torch.__version__,
                                 threads=torch.get_num_threads()), group=GROUP, max_tokens=max_tokens,
                    calibration=CALIBRATION, window=WINDOW,
-                   fixtures=[run_fixture(f, out, max_tokens, reuse) for f in fixtures])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+                   fixtures=kept_fixtures(RESULTS.name, {f: run_fixture(f, out, max_tokens, reuse) for f in fixtures},
+                                          FIXTURES))
+    save_results(RESULTS.name, results)
 
 
 # ----------------------------------------------------------------------------- report

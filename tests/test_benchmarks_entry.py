@@ -73,3 +73,14 @@ def test_generators_type_no_figures_into_their_prose():
     found = [f"{p.name}:{line}: {m.group(0)!r}" for p in sorted((ROOT / "benchmarks").glob("*.py"))
              for line, s in _prose_strings(p) for m in [CLAIM.search(s)] if m]
     assert not found, found
+
+
+def test_a_run_of_one_fixture_keeps_the_other_fixtures_committed_results(tmp_path, monkeypatch):
+    from benchmarks import _bench_md
+
+    monkeypatch.setattr(_bench_md, "RESULTS", tmp_path)
+    _bench_md.save_results("r.json", {"fixtures": [{"fixture": "a", "kl": 1}, {"fixture": "b", "kl": 2}]})
+    merged = _bench_md.kept_fixtures("r.json", {"b": {"fixture": "b", "kl": 3}}, ["a", "b"])
+    assert merged == [{"fixture": "a", "kl": 1}, {"fixture": "b", "kl": 3}]
+    assert _bench_md.kept_fixtures("none.json", {"b": {"fixture": "b"}}, ["a", "b"]) == [{"fixture": "b"}]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # written whole, no temporary left
