@@ -38,7 +38,7 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import stats_to_gather
-from .pipeline import calibrate_for, check_format_name, choose_format, make_plan, quant_config
+from .pipeline import calibrate_for, check_format_name, check_quant_classes, choose_format, make_plan, quant_config
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     protect = [model, calib_dir]
     check_output(out, overwrite, protect, kind="checkpoint")  # before any compute, a calibration included
     quant_config(quant)  # a bad quantization spec is refused before any compute too
+    check_quant_classes(model, quant, params, method)  # and a tensor class the model lacks
     check_format_name(format)  # and an unknown format
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)

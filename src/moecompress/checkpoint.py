@@ -240,6 +240,15 @@ class CheckpointReader:
             raise MoECompressError(f"Layer {i} does not exist; the checkpoint has {self.num_layers} decoder layers.")
         return self._state(self._by_layer.get(i, []))
 
+    def read_tensors(self, natives: list[str]) -> dict[str, torch.Tensor]:
+        """Only the given tensors (native names; on-disk dtype, CPU), without materialising their layer: what the
+        quantization of non-expert weights reads (`methods.tensor_quant`)."""
+        unknown = [n for n in natives if n not in self._targets]
+        if unknown:
+            raise MoECompressError(f"The checkpoint at {self.path} has no tensor '{unknown[0]}'; it does not match "
+                                   "its config.json.")
+        return self._state(list(natives))
+
     def other_state(self) -> dict[str, torch.Tensor]:
         """Every tensor outside the decoder layers (embeddings, final norm, lm_head, ...), native names."""
         return self._state(self._by_layer.get(None, []))

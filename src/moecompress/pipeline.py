@@ -154,14 +154,31 @@ def quant_config(quant: dict[str, Any] | str | None):
 
 
 def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bool = False):
-    """Quantize the stored experts of (plan, tensors) when a ``quant`` setting is given."""
+    """Quantize the stored experts of (plan, tensors) when a ``quant`` setting is given, and the non-expert tensor
+    classes it names (`methods.tensor_quant`)."""
     config = quant_config(quant)
     if config is None:
         return plan, tensors
     from .methods.quantize import quantize_plan
+    from .methods.tensor_quant import quantize_tensors
 
     source = lambda l, e: adapter.layer(l).storage.read(e)
-    return quantize_plan(plan, tensors, source, config, stats, progress)
+    if config.quant is not None:
+        plan, tensors = quantize_plan(plan, tensors, source, config, stats, progress)
+    return quantize_tensors(plan, tensors, adapter, config.class_specs(adapter))
+
+
+def check_quant_classes(model: str, quant, params: dict[str, Any] | None = None, method: str | None = None) -> None:
+    """Refuse, before any compute, a quantization setting naming a tensor class this checkpoint lacks or a spec a
+    class cannot take (one sentence): resolved on a meta skeleton of `model` (no weights read)."""
+    config = quant_config(quant)
+    if config is None and method == "quant":
+        config = parse_config("quant", params)
+    if config is None or not config.has_tensor_classes():
+        return
+    from .models import load_config, skeleton
+
+    config.class_specs(MoEAdapter(skeleton(load_config(model))))
 
 
 def check_format_name(requested: str) -> None:

@@ -68,6 +68,13 @@ class _Strict(BaseModel):
 
 
 # ----------------------------------------------------------------------------- model description
+def _floating_dtype(v: str) -> str:
+    # getattr(torch, v) must be a floating dtype: "load" named torch.load and failed later as a traceback
+    if not isinstance(getattr(torch, v, None), torch.dtype) or not getattr(torch, v).is_floating_point:
+        raise ValueError(f"'{v}' is not a floating torch dtype such as bfloat16 or float32")
+    return v
+
+
 class MoELayerInfo(_Strict):
     """What the plan needs to know about one original MoE layer."""
 
@@ -106,10 +113,7 @@ class ModelInfo(_Strict):
     @field_validator("dtype")
     @classmethod
     def _floating_dtype(cls, v: str) -> str:
-        # getattr(torch, v) must be a floating dtype: "load" named torch.load and failed later as a traceback
-        if not isinstance(getattr(torch, v, None), torch.dtype) or not getattr(torch, v).is_floating_point:
-            raise ValueError(f"'{v}' is not a floating torch dtype such as bfloat16 or float32")
-        return v
+        return _floating_dtype(v)
 
     def layer(self, i: int) -> MoELayerInfo:
         for info in self.layers:
@@ -325,6 +329,42 @@ def _fail(msg: str):
     raise MoECompressError(msg)
 
 
+# ----------------------------------------------------------------------------- non-expert precisions
+QUANT_TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+
+def quant_tensor_prefix(name: str) -> str:
+    """Where a quantized non-expert weight's integer tensors live, in plan tensors and in a `compact` checkpoint:
+    compressed-tensors' pack-quantized names, ``<module>.weight_packed`` / ``.weight_scale`` / ``.weight_shape``
+    (+ ``.weight_zero_point``) for checkpoint tensor ``<module>.weight``; returns ``<module>``."""
+    return name.removesuffix(".weight")
+
+
+class TensorQuant(_Strict):
+    """The integer precision of one non-expert checkpoint tensor (issue 30): its class, its [out, in] shape and
+    on-disk dtype in the original (for byte accounting and validation without the model), and the spec."""
+
+    kind: Literal["attention", "shared", "dense_mlp", "embeddings", "lm_head", "router"]
+    shape: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]  # a 2-D weight only
+    dtype: str  # the original tensor's on-disk dtype
+    quant: QuantSpec
+
+    @field_validator("dtype")
+    @classmethod
+    def _floating(cls, v: str) -> str:
+        return _floating_dtype(v)
+
+    @field_serializer("quant")
+    def _quant_in_full(self, quant: QuantSpec):
+        return quant.model_dump(mode="json")  # as StoredExpert.quant: group_size=None must survive exclude_none
+
+    def original_bytes(self) -> int:
+        return self.shape[0] * self.shape[1] * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def stored_bytes(self) -> int:
+        return self.quant.tensor_bytes(*self.shape)
+
+
 # ----------------------------------------------------------------------------- the plan
 class CompressionPlan(_Strict):
     """Per MoE layer (or scope): stored experts, the slot map and the gate semantics. See module doc."""
@@ -335,6 +375,9 @@ class CompressionPlan(_Strict):
     layers: list[LayerPlan]
     method: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
+    # a precision for non-expert tensors (issue 30): checkpoint tensor name -> TensorQuant; absent = as stored.
+    # Empty by default, and then left out of plan.json, so plans without it serialize as before
+    tensor_quant: dict[str, TensorQuant] = Field(default_factory=dict)
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="after")
@@ -410,6 +453,12 @@ class CompressionPlan(_Strict):
             if unused:
                 _fail(f"Stored expert {unused[0]} of scope '{sc.id}' is never used by any slot; remove it "
                       "(it would only cost bytes).")
+        for name, tq in self.tensor_quant.items():
+            if not name.endswith(".weight"):
+                _fail(f"The plan quantizes '{name}', which is not a '.weight' tensor; only 2-D weights of "
+                      "linear layers and embeddings take an integer precision.")
+        if sum(tq.original_bytes() for tq in self.tensor_quant.values()) > self.model.other_bytes:
+            _fail("The plan quantizes more non-expert bytes than the model holds; it was made for another model.")
 
     def _check_stored(self, sc: Scope, s: StoredExpert, info: dict[int, MoELayerInfo]) -> None:
         where = f"stored expert {s.id} of scope '{sc.id}'"
@@ -494,6 +543,16 @@ class CompressionPlan(_Strict):
                 _fail(f"Layer {x.layer} of the model has {adapter.num_experts(x.layer)} experts of width "
                       f"{adapter.intermediate_size(x.layer)}, the plan expects {x.num_experts} of width "
                       f"{x.intermediate_size}; use a plan made for this model.")
+        if self.tensor_quant:
+            from .models.tensor_classes import tensor_classes, tensor_shapes
+
+            classes, shapes = tensor_classes(adapter), tensor_shapes(adapter)
+            for name, tq in self.tensor_quant.items():
+                if classes.get(name) != tq.kind or shapes.get(name) != tuple(tq.shape):
+                    found = (f"a {classes[name]} tensor of shape {shapes[name]}" if name in classes
+                             else "not a tensor of it")
+                    _fail(f"The plan quantizes '{name}' as a {tq.kind} weight of shape {tuple(tq.shape)}, but in "
+                          f"the model it is {found}; use a plan made for this model.")
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Every tensor the plan references is present with the right shape (one sentence if not)."""
@@ -522,6 +581,9 @@ class CompressionPlan(_Strict):
                               "for element-wise merges; import the PuzzleMoE method module first.")
                     continue
                 self._need(tensors, s.tensor, self.expert_shapes(sc, s))
+        for name, tq in self.tensor_quant.items():
+            prefix, _, part = quant_tensor_prefix(name).rpartition(".")
+            self._need_quant(tensors, prefix, tq.quant, {part: tuple(tq.shape)}, what=f"quantized {tq.kind} weight")
         for lp in self.layers:
             for e, op in lp.operators():
                 if isinstance(op, ConstantOp):
@@ -544,13 +606,14 @@ class CompressionPlan(_Strict):
                       "the tensors do not belong to this plan.")
 
     @staticmethod
-    def _need_quant(tensors, prefix: str, spec: QuantSpec, shapes: dict[str, tuple]) -> None:
+    def _need_quant(tensors, prefix: str, spec: QuantSpec, shapes: dict[str, tuple], what: str = "stored expert"
+                    ) -> None:
         for part, shape in shapes.items():
-            key = f"{prefix}.{part}"
+            key = f"{prefix}.{part}" if prefix else part
             for suffix in ("weight_packed", "weight_scale", "weight_shape") + (() if spec.symmetric
                                                                               else ("weight_zero_point",)):
                 if f"{key}.{suffix}" not in tensors:
-                    _fail(f"The plan tensors lack '{key}.{suffix}' of a {spec.name()} stored expert; pass the "
+                    _fail(f"The plan tensors lack '{key}.{suffix}' of a {spec.name()} {what}; pass the "
                           "tensors the quantization produced (plan_tensors.safetensors beside plan.json).")
             if tuple(int(x) for x in tensors[f"{key}.weight_shape"].reshape(-1).tolist()) != shape:
                 _fail(f"Plan tensor '{key}' is quantized with shape {tuple(tensors[f'{key}.weight_shape'].tolist())}, "
@@ -607,7 +670,9 @@ class CompressionPlan(_Strict):
         use it. Everything is counted at the checkpoint's on-disk dtypes (`ModelInfo`): copies cost the
         original expert's bytes; dense merged experts and operators are stored in the experts' dtype
         (counted from shapes); packed element-wise merges count their tensors (or their declared
-        ``nbytes``). "Everything else" is the original's non-expert tensors.
+        ``nbytes``). "Everything else" is the original's non-expert tensors, each one the plan quantizes
+        (`tensor_quant`) at its pack-quantized bytes (`QuantSpec.tensor_bytes`) instead of its on-disk bytes: the
+        total is the whole file's weights.
 
         ``accounting="stored"`` counts what the compact/packed checkpoint writes, padding included: the
         runtime holds a scope's dense stored experts at the scope's widest width, a layer's tilts at its
@@ -658,9 +723,11 @@ class CompressionPlan(_Strict):
                 else:
                     w = pwidth if padded else op.width
                     ops += (3 * w * h + h + (2 * w if bias else 0)) * el
-        other = self.model.other_bytes
+        other = self.model.other_bytes + sum(tq.stored_bytes() - tq.original_bytes()
+                                             for tq in self.tensor_quant.values())
         return ByteReport(stored_experts=stored, operators=ops, other=other, total=stored + ops + other,
-                          original=self.model.expert_bytes + other, original_routed=self.model.expert_bytes)
+                          original=self.model.expert_bytes + self.model.other_bytes,
+                          original_routed=self.model.expert_bytes)
 
     def summary(self) -> list[dict]:
         """One row per MoE layer, for reports."""
@@ -676,6 +743,8 @@ class CompressionPlan(_Strict):
     def to_json(self) -> str:
         """Deterministic JSON: sorted keys, no None fields; same plan -> same bytes."""
         data = self.model_dump(mode="json", exclude_none=True)
+        if not data.get("tensor_quant"):
+            data.pop("tensor_quant", None)  # plans without non-expert precisions serialize as before
         return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
 
     @classmethod

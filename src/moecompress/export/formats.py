@@ -102,6 +102,24 @@ class Format:
     def finalize(self, tensors: dict) -> dict:
         return tensors
 
+    def quantized_tensors(self, tensors: dict, packed: bool) -> dict:
+        """`tensors` with each non-expert weight the plan quantizes (``plan.tensor_quant``) replaced by its
+        pack-quantized tensors (`packed`) or by its dequantized weight in the original tensor's dtype."""
+        if not self.plan.tensor_quant:
+            return tensors
+        from ..runtime.tensor_quant import dequantized, packed_of
+
+        out = {}
+        for k, v in tensors.items():
+            if k not in self.plan.tensor_quant:
+                out[k] = v
+            elif packed:
+                base = k.removesuffix(".weight")
+                out.update({f"{base}.{s}": t for s, t in packed_of(self.tensors, k).items()})
+            else:
+                out[k] = dequantized(self.plan, self.tensors, k, v.dtype)
+        return out
+
     def dense_layer(self, i: int, rel: dict) -> dict:
         return self.finalize(self.full(i, rel))
 
@@ -140,6 +158,8 @@ class HFFormat(Format):
         layout; quantized: compressed-tensors)? None if so, else why not."""
         if plan.has_packed():
             return "it stores packed element-wise merges"
+        if plan.tensor_quant:
+            return "it quantizes non-expert tensors, which only the compact format stores for now"
         specs = plan.quant_specs()
         if len(specs) > 1:
             return "its stored experts have different precisions"
@@ -264,7 +284,7 @@ class MaterializedFormat(Format):
         return None if problem is None else problem[1]
 
     def finalize(self, tensors):
-        return _revert(self.source.model, tensors)
+        return _revert(self.source.model, self.quantized_tensors(tensors, packed=False))
 
     def scope(self, sc, weights):
         out = {}
@@ -305,6 +325,9 @@ class CompactFormat(Format):
     def reason(cls, plan):
         return "it stores packed PuzzleMoE merges" if plan.has_packed() else None
 
+    def finalize(self, tensors):
+        return self.quantized_tensors(tensors, packed=True)  # quantized non-expert weights as pack-quantized
+
     def moe_layer(self, i, rel_nonexpert, layer):
         out = self.full(i, rel_nonexpert)
         lp = self.plan.layer(i)
@@ -313,7 +336,7 @@ class CompactFormat(Format):
         if ops is not None:
             for k, v in ops.state_dict().items():
                 out[f"{self.prefix}.{i}.{block_rel}.ops.{k}"] = v
-        return out
+        return self.finalize(out)
 
     def scope(self, sc, weights):
         _, _, layer, dtype = self.expert_names[sc.layers[0]]

@@ -103,6 +103,10 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
             adapter.set_block(i, CompressedMoEBlock(layer, lp, scopes[sc.id], ops, adapter.returns_tuple))
     single = isinstance(device_map, (str, torch.device)) and str(device_map) != "auto"
     device = str(device_map) if single else "cpu"
+    from ..runtime.tensor_quant import quantized_names
+
+    quantized = quantized_names(plan)  # packed key -> the non-expert weight it belongs to (plan.tensor_quant)
+    held: dict[str, torch.Tensor] = {}
     for shard in _shards(d):
         try:
             with safe_open(str(shard), framework="pt", device=device) as f:
@@ -111,6 +115,9 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
                     if t.device.type == "cpu" and t.data_ptr() % 64:
                         # mmap-backed at an unaligned file offset: copy, so kernels (and results) match memory
                         t = t.clone()
+                    if key in quantized:  # a quantized non-expert weight's codes: dequantized below
+                        held[key] = t
+                        continue
                     # PuzzleMoE packed words and quantized scales stay exactly as stored
                     packed = (".merged." in key or "_weight_" in key) and key.startswith(SCOPE_PREFIX)
                     if want is not None and t.is_floating_point() and not packed:  # packed tensors stay as stored
@@ -128,6 +135,8 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
             raise
         except Exception as exc:  # safetensors reports truncation / bad headers with its own error types
             raise MoECompressError(f"{shard} is corrupted ({type(exc).__name__}); re-export the checkpoint.") from None
+    for name in plan.tensor_quant:  # dequantized into the module's weight (runtime.tensor_quant)
+        _set_tensor(model, name, _dequantized_weight(plan, held, name, model, d), d)
     model.tie_weights()
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p is not None and p.is_meta:
@@ -154,6 +163,25 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
     model.eval()
     model._moecompress_plan = plan
     return model
+
+
+def _dequantized_weight(plan, held: dict, name: str, model: nn.Module, d: Path) -> torch.Tensor:
+    """Weight `name` of a quantized non-expert tensor, dequantized to the dtype the skeleton holds it in; one
+    sentence when its packed tensors are missing or do not hold the plan's shape."""
+    from ..quant.tensor import check_packed
+    from ..runtime.tensor_quant import dequantized, packed_of
+
+    tq = plan.tensor_quant[name]
+    found = packed_of(held, name)
+    need = {"weight_packed", "weight_scale", "weight_shape"} | (set() if tq.quant.symmetric else {"weight_zero_point"})
+    if not need <= set(found):
+        raise MoECompressError(f"{d} lacks the quantized tensors of '{name}': the checkpoint is incomplete or "
+                               "corrupted; re-export it.")
+    if tuple(check_packed(found, tq.quant, f"The quantized weight '{name}' in {d}")) != tuple(tq.shape):
+        raise MoECompressError(f"{d} holds '{name}' quantized with another shape than its plan's {tuple(tq.shape)}: "
+                               "the weights and plan.json do not belong together; re-export.")
+    ref = model.get_parameter(name)
+    return dequantized(plan, held, name, ref.dtype)
 
 
 def _check_quantized_slots(scopes, d: Path) -> None:

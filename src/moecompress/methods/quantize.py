@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..calibrate.streamed import each_layer
 from ..errors import MoECompressError
@@ -35,6 +35,7 @@ from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
 from .context import MethodContext
 from .registry import register_method
+from .tensor_quant import quantize_tensors
 
 Weighting = Literal["uniform", "gate2"]
 _HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
@@ -45,29 +46,83 @@ class QuantConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    quant: str = Field("w4g128", description="bits, group size and symmetry: w{2,3,4,8}g{32,64,128} or w{b}c "
-                       "(per channel); an 'a' suffix makes it asymmetric")
+    quant: str | None = Field("w4g128", description="bits, group size and symmetry: w{2,3,4,8}g{32,64,128} or w{b}c "
+                              "(per channel); an 'a' suffix makes it asymmetric; null leaves the routed experts as "
+                              "they are (only `classes` are quantized)")
     algo: Literal["gptq", "rtn"] = Field("gptq", description="GPTQ from calibration Hessians, or round-to-nearest")
     weighting: Weighting = Field("uniform", description="GPTQ Hessian: every routed token, or gate²-weighted")
     actorder: bool = Field(True, description="GPTQ columns in order of descending Hessian diagonal, each keeping its "
                            "group's parameters (llm-compressor's actorder='static', its default); ignored by rtn")
     damp: float = Field(0.01, gt=0, description="GPTQ dampening: damp · mean(diag H) added to diag H "
                         "(llm-compressor's dampening_frac, same default)")
+    # non-expert tensors (issue 30; methods/tensor_quant.py): None = untouched, and left out of plan.json's params
+    classes: dict[str, str] | None = Field(None, description="a spec per non-expert tensor class (attention, "
+                                           "shared, dense_mlp, embeddings, lm_head, router), round-to-nearest")
+    scope: Literal["experts", "all"] | None = Field(None, description="all: the experts' spec for attention, "
+                                                    "shared experts and dense MLPs too, w8c for embeddings and "
+                                                    "lm_head, the router untouched; `classes` override it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _class_keys(cls, data):
+        """A recipe's ``{experts: w4g128, attention: w8g128, ...}``: class keys into `classes`, experts into quant."""
+        from ..models.tensor_classes import QUANTIZABLE
+
+        if isinstance(data, dict) and any(k in data for k in (*QUANTIZABLE, "experts")):
+            data = dict(data)
+            classes = dict(data.pop("classes", None) or {})
+            classes.update({k: data.pop(k) for k in QUANTIZABLE if k in data})
+            if "experts" in data:
+                if "quant" in data:
+                    raise ValueError("give the routed experts' spec once: 'experts' or 'quant', not both")
+                data["quant"] = data.pop("experts")
+            elif "quant" not in data:
+                data["quant"] = None  # only the named classes are quantized
+            data["classes"] = classes or None
+        return data
 
     @field_validator("quant")
     @classmethod
-    def _spec(cls, v: str) -> str:
-        QuantSpec.parse(v)  # one sentence on a bad spec
+    def _spec(cls, v: str | None) -> str | None:
+        if v is not None:
+            QuantSpec.parse(v)  # one sentence on a bad spec
         return v
 
+    @field_validator("classes")
+    @classmethod
+    def _class_specs(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        from ..models.tensor_classes import QUANTIZABLE
+
+        for name, text in (v or {}).items():
+            if name not in QUANTIZABLE:
+                raise MoECompressError(f"'{name}' is not a tensor class that takes a precision; use "
+                                       f"{', '.join(QUANTIZABLE)} (and 'experts' for the routed experts).")
+            QuantSpec.parse(text)
+        return v
+
+    def has_tensor_classes(self) -> bool:
+        """Does this setting quantize any non-expert tensor?"""
+        return bool(self.classes) or self.scope == "all"
+
+    def class_specs(self, adapter) -> dict[str, QuantSpec]:
+        """class -> spec of the non-expert tensors on this model (`tensor_quant.resolve_class_specs`)."""
+        from .tensor_quant import resolve_class_specs
+
+        if not self.has_tensor_classes():
+            return {}
+        return resolve_class_specs(adapter, self.classes, self.scope, self.quant)
+
     def spec(self) -> QuantSpec:
+        if self.quant is None:
+            raise MoECompressError("This quantization setting leaves the routed experts as they are; give 'quant' "
+                                   "(or 'experts') a spec such as w4g128 to quantize them.")
         return QuantSpec.parse(self.quant, algo=self.algo, actorder=self.actorder and self.algo == "gptq",
                                damp=self.damp)
 
 
 def quant_stats(config: QuantConfig | None) -> list[str]:
     """Statistics quantization reads: the per-expert Hessians for GPTQ, nothing for round-to-nearest."""
-    if config is None or config.algo == "rtn":
+    if config is None or config.algo == "rtn" or config.quant is None:
         return []
     return ["counts", "tokens", *_HESSIANS[config.weighting]]
 
@@ -195,13 +250,22 @@ def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, co
 
 
 def build_quant(config: QuantConfig, ctx: MethodContext):
-    """The pure-quantization reference arm: the identity plan, every expert quantized.
+    """The pure-quantization reference arm: the identity plan, every expert quantized (and the non-expert classes
+    the setting names, `tensor_quant`).
 
     One layer at a time, in order (`each_layer`): from streamed statistics (`compress` from a data spec) each
     layer's Hessians exist only while its experts are quantized, so no per-expert H×H statistic is stored, as
     llm-compressor quantizes a layer while its Hessians are in memory. The codes equal those from a store."""
+    plan, tensors = _quantize_experts(config, ctx)
+    return quantize_tensors(plan, tensors, ctx.adapter, config.class_specs(ctx.adapter))
+
+
+def _quantize_experts(config: QuantConfig, ctx: MethodContext):
     plan = CompressionPlan.identity(ctx.adapter, method="quant")
     source = lambda l, e: ctx.adapter.layer(l).storage.read(e)
+    if config.quant is None:
+        plan.params = {**plan.params, "quant": config.model_dump()}
+        return plan, {}
     if ctx.stats is None or config.algo == "rtn":
         return quantize_plan(plan, {}, source, config, ctx.stats, ctx.progress)
     from rich.progress import track

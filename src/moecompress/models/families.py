@@ -41,6 +41,10 @@ class FamilySpec:
     # ``mlp.experts.E.{gate,up,down}_proj`` weights (`export.ct`); checkpoints that store the experts fused on disk
     # (GPT-OSS's gate_up_proj, Granite-MoE's input_linear) or under other names (Mixtral's w1/w2/w3) cannot
     hf_quantized: bool = True
+    # where a decoder layer keeps its attention and (in dense layers: DeepSeek's first_k_dense_replace) its dense MLP;
+    # `tensor_classes` reads them to give every weight a class (attention, dense_mlp, ...)
+    attention_attr: str = "self_attn"
+    dense_mlp_attr: str = "mlp"
     # config kwargs of the tiny random model the tests build (`testing.tiny_model`); None: no tiny model
     tiny: dict[str, Any] | None = field(default=None, hash=False)
 

@@ -200,5 +200,9 @@ def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor]
                 adapter.set_block(i, CompressedMoEBlock(layer, lp, stored, ops, adapter.returns_tuple))
             for i in sc.layers:  # drop our last references to the original experts
                 adapter.layers.pop(i)
+    if plan.tensor_quant:
+        from .tensor_quant import apply_tensor_quant
+
+        apply_tensor_quant(model, plan, tensors)
     model._moecompress_plan = plan
     return model
