@@ -16,8 +16,6 @@ _EXPORTS = {
     "verdict": "stats", "PairedResult": "stats",
     "disk_bytes": "bench", "resident_bytes": "bench", "peak_memory": "bench", "measure_latency": "bench",
     "benchmark": "bench",
-    "rtn_quantize": "quant", "quantize_experts": "quant", "storage_bits": "quant", "quant_arm": "quant",
-    "QuantConfig": "quant",
     "write_report": "report", "compare_arms": "report", "checklist": "report",
     "validate_results": "schema", "SCHEMA": "schema",
     "evaluate_model": "runner", "model_info": "runner", "plan_arm_fields": "runner", "ppl_task_name": "runner",
