@@ -200,11 +200,13 @@ def analyze_model(source: str, scope_size: int = 4, trust_remote_code: bool = Fa
     return analyze_scopes(experts_of, layers, scope_size, model_name=str(source), eps=eps, progress=progress)
 
 
-def write_analysis(res: CrossLayerAnalysis, out: str | os.PathLike, overwrite: bool = False, protect=()) -> Path:
-    """analysis.json + nn_heatmap.png into `out` (atomically)."""
+def write_analysis(res: CrossLayerAnalysis, out: str | os.PathLike, overwrite: bool = False, protect=(),
+                   inputs=None) -> Path:
+    """analysis.json + nn_heatmap.png into `out` (atomically). `inputs`: the model's fingerprint from when the
+    analysis started (`atomic.fingerprint_inputs`), checked before the rename."""
     from .atomic import atomic_dir
 
-    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="analysis") as tmp:
+    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="analysis", inputs=inputs) as tmp:
         (Path(tmp) / "analysis.json").write_text(json.dumps(res.to_dict(), indent=1, sort_keys=True) + "\n")
         plot_analysis(res, Path(tmp) / "nn_heatmap.png")
     return Path(out)

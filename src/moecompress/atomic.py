@@ -26,6 +26,7 @@ The policy (docs/architecture.md, "Outputs"):
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -59,7 +60,9 @@ def _is_within(path: Path, ancestor: Path) -> bool:
 
 
 def _abs(path: str | os.PathLike) -> Path:
-    return Path(os.path.abspath(Path(path).expanduser()))
+    """An output path made absolute, `~` left as it is: the verbs write `--out '~/x'` to ./~/x (the shell
+    expands an unquoted ~ itself), so the checks must look there too, not in $HOME."""
+    return Path(os.path.abspath(Path(path)))
 
 
 def _local(protect) -> list[Path]:
@@ -81,7 +84,7 @@ def check_apart(out: str | os.PathLike, protect=(), flag: str = "--out") -> None
     Writing it would delete or change the input while the run reads it (``eval ck --report ck``), or
     leave the output inside another directory's files (``--report ck/sub``); neither is ever wanted,
     so `--overwrite` does not lift this."""
-    full = _abs(out).resolve()
+    full = _resolve(out, flag)
     for p in _local(protect):
         src = _abs(p).resolve()
         if _is_within(src, full):
@@ -90,6 +93,60 @@ def check_apart(out: str | os.PathLike, protect=(), flag: str = "--out") -> None
         if _is_within(full, src):
             raise MoECompressError(f"{flag} {out} is inside {p}, which this run reads; pass an output path "
                                    "outside it.")
+
+
+def _resolve(out, flag: str) -> Path:
+    try:
+        return _abs(out).resolve()
+    except RuntimeError:  # Python < 3.13 reports a loop of symbolic links so
+        raise MoECompressError(f"{flag} {out} passes through a loop of symbolic links; pass another output "
+                               "path.") from None
+
+
+# room a name needs for its hidden siblings: ".NAME.tmp-PID-XXXXXXXX", ".NAME.lock", "NAME-calib", ".NAME.partial"
+_SIBLING_BYTES = 32
+
+
+def check_path(out: str | os.PathLike, flag: str = "--out") -> Path:
+    """Refuse an output path the file system cannot hold, in one sentence, before any compute; returns the
+    nearest existing ancestor of its parent.
+
+    A parent that is a file, a loop of symbolic links, a component or name too long, an unwritable parent:
+    each was an OSError (a traceback) when the run first wrote, often after all its compute. A name must
+    leave room for the hidden siblings a run writes beside it (`_SIBLING_BYTES`)."""
+    full = _abs(out)
+    parent = full.parent
+    while True:
+        try:
+            os.stat(parent)
+            break
+        except FileNotFoundError:
+            parent = parent.parent
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise MoECompressError(f"{flag} {out} passes through a loop of symbolic links; pass another "
+                                       "output path.") from None
+            if exc.errno == errno.ENAMETOOLONG:
+                raise MoECompressError(f"{flag} {out} is too long for the file system; pass a shorter output "
+                                       "path.") from None
+            if exc.errno == errno.ENOTDIR:  # a component is a file: report the file
+                while parent.parent != parent and not parent.is_file():
+                    parent = parent.parent
+                break
+            raise
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise MoECompressError(f"Cannot write {out}: {parent} is not a writable directory; pass an output path "
+                               "you can write to.")
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    longest = max(len(os.fsencode(part)) for part in full.relative_to(parent).parts) if full != parent else 0
+    if longest + _SIBLING_BYTES > limit:
+        raise MoECompressError(f"{flag} {out} is too long: a name in it has {longest} bytes, and moecompress needs "
+                               f"one of at most {limit - _SIBLING_BYTES} to write hidden files beside it; pass a "
+                               "shorter output path.")
+    return parent
 
 
 def marker_kind(directory: str | os.PathLike) -> str | None:
@@ -117,6 +174,7 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, protect=(), fl
     """
     out = Path(out)
     full = _abs(out)
+    check_path(out, flag)
     if full.is_symlink() and not full.exists():  # renaming onto it would replace the link, not write its target
         raise MoECompressError(f"{flag} {out} is a dangling symbolic link (to {os.readlink(full)}); remove it or "
                                "pass another output path.")
@@ -132,17 +190,25 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, protect=(), fl
         if not (full / MARKER).is_file():
             raise MoECompressError(f"{out} was not written by moecompress (no {MARKER} marker), so --overwrite "
                                    "will not delete it; remove it yourself or pass another output path.")
+        if not _marker_readable(full):
+            raise MoECompressError(f"The {MARKER} marker of {out} cannot be read (not a JSON object with a kind), "
+                                   "so --overwrite will not replace it; remove it yourself or pass another output "
+                                   "path.")
         old = marker_kind(full)
         if kind not in (None, "output") and old is not None and _family(old) != _family(kind):
             raise MoECompressError(f"{out} holds moecompress output of kind '{_family(old)}', not "
                                    f"'{_family(kind)}', so --overwrite will not replace it; pass another output path.")
-    parent = full.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise MoECompressError(f"Cannot write {out}: {parent} is not a writable directory; pass an output path "
-                               "you can write to.")
     return out
+
+
+def _marker_readable(directory: Path) -> bool:
+    """Whether `directory`'s marker says what it holds. A marker cut short or not ours tells nothing about the
+    kind, so --overwrite must not take it as leave to replace the directory."""
+    try:
+        data = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("kind"), str)
 
 
 def clean_stale(out: str | os.PathLike) -> list[tuple[Path, int]]:
@@ -150,7 +216,7 @@ def clean_stale(out: str | os.PathLike) -> list[tuple[Path, int]]:
 
     Returns (path, bytes) of those removed. Siblings of live processes are left alone.
     """
-    out = Path(os.path.abspath(Path(out).expanduser()))
+    out = _abs(out)
     if not out.parent.is_dir():
         return []
     removed = []

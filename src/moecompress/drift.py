@@ -204,11 +204,12 @@ def plot_drift(res: MaskDrift, name: str, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def write_drift(res: MaskDrift, out: str | os.PathLike, overwrite: bool = False, protect=()) -> Path:
-    """drift.json and one heatmap per criterion × ratio (drift_<criterion>_<ratio>.png) into `out`, atomically."""
+def write_drift(res: MaskDrift, out: str | os.PathLike, overwrite: bool = False, protect=(), inputs=None) -> Path:
+    """drift.json and one heatmap per criterion × ratio (drift_<criterion>_<ratio>.png) into `out`, atomically.
+    `inputs`: the model's fingerprint from when the run started, checked before the rename."""
     from .atomic import atomic_dir
 
-    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="analysis") as tmp:
+    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="analysis", inputs=inputs) as tmp:
         (Path(tmp) / "drift.json").write_text(json.dumps(res.to_dict(), indent=1, sort_keys=True) + "\n")
         for name in res.summary:
             plot_drift(res, name, Path(tmp) / f"drift_{name.replace('@', '_')}.png")

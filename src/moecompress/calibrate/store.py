@@ -278,7 +278,14 @@ class PartialRun:
     def _start(self, identity: dict, resume: bool) -> list[int]:
         run = self.dir / "run.json"
         if self.dir.exists() and resume and run.is_file():
-            old = json.loads(run.read_text())
+            try:  # cut short by a crash of an older version, or not ours: a clear refusal, not a traceback
+                old = json.loads(run.read_text())
+            except (OSError, ValueError):
+                old = None
+            if not (isinstance(old, dict) and isinstance(old.get("identity"), dict)
+                    and isinstance(old.get("finished"), list)):
+                raise MoECompressError(f"The interrupted run in {self.dir} cannot be resumed (its run.json is cut "
+                                       "short or unreadable); drop --resume to start over.") from None
             for key, what in (("model_fingerprint", "another model"), ("data_fingerprint", "other data"),
                               ("data_spec", "another data spec")):
                 if old["identity"].get(key) != identity.get(key):

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..analysis import analyze_model, write_analysis
-from ..atomic import check_output
+from ..atomic import check_output, claim, fingerprint_inputs
 from ..errors import MoECompressError
 from ..models.loading import resolve_fixture
 from ..validate import check_range, check_seed
@@ -47,8 +47,10 @@ def analyze_command(
     if scope < 1:
         raise MoECompressError(f"--scope must be at least 1 (got {scope}); use 1 for layer-local or e.g. 4.")
     check_output(out, overwrite, protect=[model], kind="analysis")
-    res = analyze_model(model, scope_size=scope, trust_remote_code=trust_remote_code, progress=True)
-    path = write_analysis(res, out, overwrite=overwrite, protect=[model])
+    with claim(out):  # one writer, and the model as it was when the analysis started (`_reads`)
+        inputs = _reads(model)
+        res = analyze_model(model, scope_size=scope, trust_remote_code=trust_remote_code, progress=True)
+        path = write_analysis(res, out, overwrite=overwrite, protect=[model], inputs=inputs)
     console = Console()
     table = Table(title=f"cross-layer nearest neighbours (scope {scope})")
     table.add_column("layer", justify="right")
@@ -58,6 +60,14 @@ def analyze_command(
     table.add_row("all", f"{100 * res.overall_cross_fraction:.1f}%")
     console.print(table)
     console.print(f"wrote {path / 'analysis.json'} and {path / 'nn_heatmap.png'}")
+
+
+def _reads(model):
+    """The model's fingerprint taken before the analysis reads it, checked again before the output's rename
+    (`atomic.Inputs`): taken only when writing starts, it missed a model replaced during the analysis."""
+    from ..checkpoint import checkpoint_fingerprint
+
+    return fingerprint_inputs([model], checkpoint_fingerprint)
 
 
 def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, seq_len, seed, bootstrap,
@@ -74,9 +84,11 @@ def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, se
         raise MoECompressError("--mask-drift needs calibration specs to compare; pass --data SPEC once per domain, "
                                "e.g. --data c4:64 --data gsm8k:64.")
     check_output(out, overwrite, protect=[model], kind="analysis")
-    res = mask_drift(model, specs, [criterion], [ratio], draws=draws, sequences=sequences, seq_len=seq_len,
-                     seed=seed, bootstrap=bootstrap)
-    path = write_drift(res, out, overwrite=overwrite, protect=[model])
+    with claim(out):
+        inputs = _reads(model)
+        res = mask_drift(model, specs, [criterion], [ratio], draws=draws, sequences=sequences, seq_len=seq_len,
+                         seed=seed, bootstrap=bootstrap)
+        path = write_drift(res, out, overwrite=overwrite, protect=[model], inputs=inputs)
     (name, s), = res.summary.items()
     table = Table(title=f"mask drift, {name}: {res.draws} draws x {res.sequences * res.seq_len:,} tokens per spec")
     for col in ("pair", "Jaccard distance", "drift ratio"):

@@ -5,8 +5,6 @@ The distill package imports the HF Trainer stack (seconds), so it is imported in
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 from rich.console import Console
 
@@ -67,9 +65,12 @@ def dense_sweep_command(
     heldout_tokens: int = typer.Option(16384, help="Held-out tokens scored per configuration."),
     window: int = typer.Option(256, help="Perplexity window."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
+    overwrite: bool = typer.Option(False, help="Replace an earlier sweep's --out (and its .json)."),
 ) -> None:
     """Pre-distillation perplexity over criterion × grouping × K × scaling, as a markdown table."""
-    from ..distill.sweep import dense_sweep, sweep_markdown, write_sweep
+    from ..atomic import claim, fingerprint_inputs
+    from ..checkpoint import checkpoint_fingerprint
+    from ..distill.sweep import check_sweep_out, dense_sweep, sweep_markdown, write_sweep
 
     for flag, v in (("--heldout-tokens", heldout_tokens), ("--window", window), ("--seq-len", seq_len)):
         check_range(flag, v, 2 if flag == "--window" else 1)
@@ -79,12 +80,14 @@ def dense_sweep_command(
         raise MoECompressError(f"--K '{K}' is not a comma-separated list of integers; write e.g. --K 2,4,8.") from None
     for k in Ks or []:
         check_range("--K", k, 1)
-    if Path(out).is_dir():
-        raise MoECompressError(f"--out {out} is a directory; pass a markdown file path such as dense_sweep.md.")
     model = resolve_fixture(model)
-    res = dense_sweep(model, calib, heldout, criteria=split_list(criteria), groupings=split_list(groupings),
-                      Ks=Ks, scalings=split_list(scalings), mass_scale=mass_scale,
-                      seq_len=seq_len, heldout_tokens=heldout_tokens, window=window)
-    write_sweep(res, out)
+    reads = [model, calib, heldout]
+    check_sweep_out(out, overwrite, reads)
+    with claim(out):  # one writer; what the sweep reads as it was when it started, checked before writing
+        inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
+        res = dense_sweep(model, calib, heldout, criteria=split_list(criteria), groupings=split_list(groupings),
+                          Ks=Ks, scalings=split_list(scalings), mass_scale=mass_scale,
+                          seq_len=seq_len, heldout_tokens=heldout_tokens, window=window)
+        write_sweep(res, out, inputs)
     Console().print(sweep_markdown(res))
     Console().print(f"wrote {out}")

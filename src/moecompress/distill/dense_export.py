@@ -358,9 +358,13 @@ def copy_tokenizer(source: str | Path | None, out: Path) -> list[str]:
     return copied
 
 
-def save_student(student, out: str | Path, *, plan: dict, tokenizer_source=None, overwrite: bool = False) -> Path:
-    """Write the student atomically: safetensors weights, config, tokenizer, and the plan beside them."""
-    with atomic_dir(out, overwrite=overwrite, kind="checkpoint:dense") as tmp:
+def save_student(student, out: str | Path, *, plan: dict, tokenizer_source=None, overwrite: bool = False,
+                 protect=(), inputs=None) -> Path:
+    """Write the student atomically: safetensors weights, config, tokenizer, and the plan beside them.
+
+    `protect`: what the conversion read (teacher, stats store, tokenizer), which `out` may not be, contain or
+    sit inside; `inputs`: their fingerprints from when it started, checked before the rename."""
+    with atomic_dir(out, overwrite=overwrite, protect=protect, kind="checkpoint:dense", inputs=inputs) as tmp:
         student.save_pretrained(tmp)
         copy_tokenizer(tokenizer_source, tmp)
         (tmp / PLAN_NAME).write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
@@ -412,7 +416,24 @@ def export_dense(model, out: str | Path, config: DenseConfig | None = None, *, c
     A directory or hub id is streamed (module doc): `dtype` is the arithmetic and student dtype, "auto" the
     checkpoint's own. Returns a summary: path, student class and form, FFN width, bytes on disk of teacher
     and student, and ``teacher_layer_loads`` (decoder layer -> times read) for a streamed teacher.
+
+    `out` is checked and claimed (`atomic.claim`) before the teacher is read, and what the conversion reads
+    (teacher, a stats store, the tokenizer) is fingerprinted then and checked before the rename: a teacher
+    replaced while it streamed is refused instead of giving a student made of two checkpoints.
     """
+    from ..atomic import check_output, claim, fingerprint_inputs
+    from ..checkpoint import checkpoint_fingerprint
+
+    protect = [p for p in (model, calib, tokenizer_source) if isinstance(p, (str, Path))]
+    check_output(out, overwrite, protect, kind="checkpoint:dense")
+    with claim(out):
+        inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
+        return _export_dense(model, out, config, calib=calib, seq_len=seq_len, tokenizer_source=tokenizer_source,
+                             overwrite=overwrite, dtype=dtype, progress=progress, protect=protect, inputs=inputs)
+
+
+def _export_dense(model, out, config, *, calib, seq_len, tokenizer_source, overwrite, dtype, progress, protect,
+                  inputs) -> dict:
     config = config or DenseConfig()
     source = None
     if isinstance(model, (str, Path)):
@@ -439,7 +460,8 @@ def export_dense(model, out: str | Path, config: DenseConfig | None = None, *, c
     plan = dict(conversion.plan, teacher=source or getattr(model, "name_or_path", None), calibration=calib_info,
                 student={"kind": target.kind, "model_type": target.model_type, "class": type(student).__name__,
                          "reason": target.reason, "intermediate_size": _width(student, target)})
-    save_student(student, out, plan=plan, tokenizer_source=tok_src, overwrite=overwrite)
+    save_student(student, out, plan=plan, tokenizer_source=tok_src, overwrite=overwrite, protect=protect,
+                 inputs=inputs)
     summary = {"out": str(out), "student_class": type(student).__name__, "form": target.kind,
                "model_type": target.model_type, "intermediate_size": plan["student"]["intermediate_size"],
                "bytes": dir_bytes(out)}

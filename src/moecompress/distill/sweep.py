@@ -133,10 +133,51 @@ def sweep_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_sweep(result: dict, out: str | Path) -> Path:
-    """Write the markdown table to `out` and the raw rows to `out` with a .json suffix."""
+def check_sweep_out(out: str | Path, overwrite: bool = False, protect=()) -> Path:
+    """Refuse, before any compute, a `dense-sweep --out` it may not write (docs/architecture.md, "Outputs").
+
+    The table and its raw rows (`out` with a .json suffix) may not be, contain or sit inside what the sweep
+    reads (`protect`: the model, a stats store, text files); an existing one is replaced only with
+    `overwrite`, and only when its .json is an earlier sweep's rows, so a notes.md or a config.json of
+    one's own is never written over."""
+    from ..atomic import check_apart, check_path
+
+    out = Path(out)
+    rows = out.with_suffix(".json")
+    check_path(out)
+    if out.is_dir():
+        raise MoECompressError(f"--out {out} is a directory; pass a markdown file path such as dense_sweep.md.")
+    if rows == out:
+        raise MoECompressError(f"--out {out} would be overwritten by the raw rows written beside it as .json; pass a "
+                               "markdown file path such as dense_sweep.md.")
+    for path in (out, rows):
+        check_apart(path, protect)
+    existing = [p for p in (out, rows) if p.exists() or p.is_symlink()]
+    if existing and not overwrite:
+        raise MoECompressError(f"{existing[0]} already exists; choose another --out or pass --overwrite.")
+    if existing and not _is_sweep(rows):
+        raise MoECompressError(f"{existing[0]} is not an earlier dense-sweep's output ({rows} holds no sweep rows), "
+                               "so --overwrite will not replace it; pass another --out.")
+    return out
+
+
+def _is_sweep(rows: Path) -> bool:
+    try:
+        data = json.loads(rows.read_text()) if rows.is_file() and not rows.is_symlink() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"rows", "top_k"} <= data.keys()
+
+
+def write_sweep(result: dict, out: str | Path, inputs=None) -> Path:
+    """Write the markdown table to `out` and the raw rows to `out` with a .json suffix, each complete or not at
+    all (`atomic.write_file`); `inputs` (fingerprints from when the sweep started) are checked first."""
+    from ..atomic import write_file
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(sweep_markdown(result))
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if inputs is not None:
+        inputs.check()
+    write_file(out.with_suffix(".json"), json.dumps(result, indent=2, default=str) + "\n")
+    write_file(out, sweep_markdown(result))
     return out

@@ -260,23 +260,70 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     teacher/student: directories, hub ids or loaded models. data / eval_data: a data spec (text file,
     fixture name, hub dataset) or token ids. A run whose checkpoints exist in `out` resumes from the
     last one unless resume=False. Returns paths of the student, the curve PNG and the JSON report.
+
+    `out` is checked before any model loads (`_check_run_dir`) and claimed (`atomic.claim`, by rank 0) for
+    the whole run, so a second run on it refuses instead of training into the same checkpoints; teacher,
+    student and data files are fingerprinted when it starts and checked before the student's rename.
     """
     if config is None:
         config = DistillConfig(tokens=tokens, **overrides)
     elif tokens is not None or overrides:
         config = config.model_copy(update=dict(overrides, **({"tokens": tokens} if tokens is not None else {})))
+    from contextlib import ExitStack
+
+    from ..atomic import claim, fingerprint_inputs
+    from ..checkpoint import checkpoint_fingerprint
+
     out = Path(out)
     final = out / STUDENT_DIR
-    if final.exists() and not overwrite:
-        raise MoECompressError(f"{final} already exists (this distillation finished); pass --overwrite to run again "
-                               "or choose another --out.")
-    ckpt_dir = out / CKPT_DIR
-    if overwrite and out.exists():
-        from ..atomic import check_output
+    protect = [p for p in (teacher, student, data, eval_data) if isinstance(p, (str, Path))]
+    _check_run_dir(out, overwrite, protect)
+    held = ExitStack()
+    if os.environ.get("RANK", "0") == "0":  # one lock per run: the other ranks of this run write the same --out
+        held.enter_context(claim(out))
+    with held:
+        if final.exists() and not overwrite:  # checked again under the lock: another run may have finished it
+            raise MoECompressError(f"{final} already exists (this distillation finished); pass --overwrite to run "
+                                   "again or choose another --out.")
+        if overwrite and out.exists():
+            shutil.rmtree(out)
+        inputs = fingerprint_inputs(protect, checkpoint_fingerprint)  # checked before the student's rename
+        return _distill(teacher, student, data, out, config, eval_data, tokenizer, resume, teacher_dtype, callbacks,
+                        progress, inputs)
 
-        check_output(out, overwrite, protect=[p for p in (teacher, student) if isinstance(p, (str, Path))],
-                     kind="distill-run")
-        shutil.rmtree(out)
+
+def _check_run_dir(out: Path, overwrite: bool, protect) -> None:
+    """Refuse, before any model loads, a run directory `distill` may not write into.
+
+    It may not be, contain or sit inside the teacher, the student or a data file (`atomic.check_apart`). An
+    existing one is used only when it is empty or a distill run (marker kind ``distill-run``: resumed from its
+    checkpoints), so neither a checkpoint nor someone's own directory gets checkpoints/ written into it and a
+    marker that a later --overwrite would take as leave to delete it; --overwrite replaces only a distill run."""
+    from ..atomic import MARKER, check_apart, check_output, check_path, marker_kind
+
+    check_path(out)
+    check_apart(out, protect)
+    if overwrite or not out.exists():
+        if overwrite and out.exists():
+            check_output(out, overwrite, protect, kind="distill-run")
+        return
+    if not out.is_dir():
+        raise MoECompressError(f"--out {out} is an existing file, not a directory; pass a new directory path.")
+    kind = marker_kind(out)
+    if (out / MARKER).is_file() and kind in (None, "distill-run"):
+        return  # a run to resume (None: a marker from before kinds were recorded)
+    if kind is not None:
+        raise MoECompressError(f"--out {out} holds moecompress output of kind '{kind.split(':')[0]}', not a distill "
+                               "run; pass another --out.")
+    if any(out.iterdir()):
+        raise MoECompressError(f"--out {out} is a directory that distill did not write (no {MARKER} marker), so it "
+                               "will not write its run into it; pass a new or empty directory.")
+
+
+def _distill(teacher, student, data, out: Path, config, eval_data, tokenizer, resume, teacher_dtype, callbacks,
+             progress, inputs) -> DistillResult:
+    """`distill`'s run, once `out` is checked and claimed."""
+    final, ckpt_dir = out / STUDENT_DIR, out / CKPT_DIR
     # models before TrainingArguments, so both load whole (no ZeRO-3 zero.Init, no rank-0-only FSDP loading);
     # the Trainer then shards the student and `place_teacher` the teacher
     teacher_model, teacher_src = _load(teacher, teacher_dtype)
@@ -373,6 +420,15 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
         elif tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the student needs none
+        from ..atomic import fsync_tree, write_marker
+
+        try:
+            write_marker(tmp, "checkpoint:dense")
+            fsync_tree(tmp)  # complete on disk before it is renamed into place
+            inputs.check()  # teacher, student and data as they were when the run started
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -383,5 +439,7 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
                   "eval_data": None if eval_data is None else (str(eval_data) if not isinstance(eval_data, torch.Tensor)
                                                                else "token ids"),
                   "metrics": metrics, "curve": str(curve), "log_history": trainer.state.log_history}
-        (out / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        from ..atomic import write_file
+
+        write_file(out / REPORT, json.dumps(report, indent=2, default=str) + "\n")
     return DistillResult(final, out / CURVE, out / REPORT, metrics)
