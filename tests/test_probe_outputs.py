@@ -119,6 +119,8 @@ CASES = [
      "which this run reads"),
     ("demo-out-store-trailing-slash", ["demo", "--out", "{R}/s/"], None, "of kind 'stats', not 'report'"),
     ("compress-out-name-too-long", ["compress", "{F}", *PRUNE, "--out", "{R}/" + LONG], None, "too long"),
+    ("eval-out-name-too-long", ["eval", "{F}", "--ppl", "fixture-heldout", *EVAL, "--out", "{R}/" + LONG[:-5] + ".json"],
+     None, "too long"),
     ("compress-out-parent-symlink-loop", ["compress", "{F}", *PRUNE, "--out", "{R}/loop/ck"], None,
      "symbolic links"),
     # outputs inside what the run reads, for verbs the other matrices do not cover

@@ -261,6 +261,9 @@ def _tokenizer(source: str, trust_remote_code: bool):
 
 def _check_results_file(out: Path, overwrite: bool) -> None:
     """`out`: a new file, or (with `overwrite`) a results file moecompress wrote; its directory writable."""
+    from .atomic import check_path
+
+    check_path(out)  # a parent that is a file or unwritable, a symlink loop, a name too long for .NAME.lock
     if out.exists():
         if not overwrite:
             raise MoECompressError(f"{out} already exists; choose another --out or pass --overwrite.")
@@ -271,8 +274,3 @@ def _check_results_file(out: Path, overwrite: bool) -> None:
         if not ours:
             raise MoECompressError(f"{out} is not a results file written by moecompress, so --overwrite will not "
                                    "replace it; pass another --out.")
-    parent = out.expanduser().absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise MoECompressError(f"Cannot write {out}: {parent} is not a writable directory; pass another --out.")
