@@ -178,7 +178,7 @@ def test_compact_file_is_smaller_by_the_expected_bytes(tmp_path):
     assert abs(r1.weight_bytes - want) / want < 0.01, (r1.weight_bytes, want)
     expected_saving = base.logical_bytes().total - plan.logical_bytes(tensors).total
     assert abs((r0.weight_bytes - r1.weight_bytes) - expected_saving) / expected_saving < 0.01
-    assert "vs original" in r1.describe() and r1.weight_bytes < r0.weight_bytes
+    assert "vs original" in r1.describe() and "other tensors" in r1.describe() and r1.weight_bytes < r0.weight_bytes
     loaded = load(tmp_path / "q", device_map="cpu")
     assert torch.equal(logits(loaded), logits(apply_plan(tiny_model("qwen3_moe", **kw), plan, tensors)))
 
@@ -192,3 +192,50 @@ def test_materialized_writes_the_dequantized_weights(tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     torch.testing.assert_close(logits(plain), logits(apply_plan(tiny_model("olmoe"), plan, tensors)),
                                atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- CLI, recipe
+def test_cli_quant_scope_all_end_to_end(tmp_path, capsys):
+    from moecompress.testing import fixture_dir, run_cli
+
+    f = fixture_dir("olmoe-tiny")
+    code, out, err = run_cli(["compress", str(f), "--method", "quant", "--quant", "w4g32", "--quant-algo", "rtn",
+                              "--quant-scope", "all", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    assert "compact checkpoint" in out and "other tensors" in out
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    kinds = {v["kind"]: v["quant"] for v in plan["tensor_quant"].values()}
+    assert set(kinds) == {"attention", "embeddings", "lm_head"}  # the router is left out of `all`
+    assert (kinds["attention"]["bits"], kinds["attention"]["group_size"], kinds["attention"]["algo"]) == (4, 32, "rtn")
+    assert (kinds["embeddings"]["bits"], kinds["embeddings"]["group_size"]) == (8, None)
+    weights = (tmp_path / "o" / "model.safetensors").stat().st_size
+    assert weights < 0.40 * (f / "model.safetensors").stat().st_size  # experts-only w4g32 is 0.56 of the file
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--quant-scope", "all"], "give --quant too"),
+    (["--quant", "w4g32", "--quant-scope", "most"], "--quant-scope 'most' is not known"),
+    (["--recipe", "RECIPE"], "has no dense_mlp weights"),
+])
+def test_cli_bad_quant_scope_is_one_sentence_exit_2(args, message, tmp_path, capsys):
+    from moecompress.testing import fixture_dir, run_cli
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: prune\nparams: {criterion: frequency, ratio: 0.5}\n"
+                      "quant: {experts: w4g32, dense_mlp: w4g32, algo: rtn}\n")
+    args = [str(recipe) if a == "RECIPE" else a for a in args]
+    code, out, err = run_cli(["compress", str(fixture_dir("olmoe-tiny")), "--out", str(tmp_path / "o"),
+                              "--calib", "fixture-calib:4", *args], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o-calib").exists()
+
+
+def test_recipe_arm_names_the_classes():
+    from moecompress.recipe import ArmSpec
+
+    arm = ArmSpec.model_validate({"method": "prune", "params": {"criterion": "frequency", "ratio": 0.5},
+                                  "quant": {"experts": "w4g32", "attention": "w8g32", "algo": "rtn"}})
+    assert arm.display_name() == "prune-frequency-50+w4g32-rtn-attention-w8g32"
+    plain = ArmSpec.model_validate({"method": "prune", "params": {"criterion": "frequency", "ratio": 0.5},
+                                    "quant": "w4g32"})
+    assert plain.display_name() == "prune-frequency-50+w4g32-gptq"

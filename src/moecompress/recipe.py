@@ -4,7 +4,8 @@
     calibration: {data: fixture-calib:64, seq_len: 256, seed: 0}
     eval: {ppl: fixture-heldout, tasks: [fixture_cloze, fixture_nextword], limit: 200}
     name: reap-50-keep            # optional; derived from method + params otherwise
-    quant: w4g128                 # optional: quantize the stored experts (a spec, or {quant, algo, weighting})
+    quant: w4g128                 # optional: quantize the stored experts (a spec, or {quant, algo, weighting}), and
+                                  # other tensor classes: {experts: w4g128, attention: w8g128, embeddings: w8c}
     method: prune
     params: {criterion: reap, ratio: 0.5, gate: keep}
     format: auto                  # auto | hf | compact | packed | materialized
@@ -92,7 +93,8 @@ class ArmSpec(BaseModel):
         "e.g. {tokens: 65536, data: fixture-calib}) applied to the student before evaluation")
     quant: QuantConfig | None = Field(
         None, description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
-        "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}")
+        "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}; non-expert tensor classes by name ({experts: "
+        "w4g128, attention: w8g128, shared: w4g128, embeddings: w8c}) or scope: all (round-to-nearest)")
     calibration: CalibrationSpec | None = Field(
         None, description="this arm's own calibration (e.g. in-domain: {data: 'task:gsm8k:128'}); default: the "
         "recipe's shared one. Arms naming the same spec share one calibration; every arm is still scored on the "
@@ -124,8 +126,19 @@ class ArmSpec(BaseModel):
                 bits.append(str(p["ratio"]))
         if self.method == "quant":
             bits.append(f"{p.get('quant', 'w4g128')}-{p.get('algo', 'gptq')}")
-        name = "-".join(bits) + (f"+{self.quant.quant}-{self.quant.algo}" if self.quant else "")
+        name = "-".join(bits) + (_quant_tag(self.quant) if self.quant else "")
         return check_name(name, "The derived arm name")
+
+
+def _quant_tag(q: QuantConfig) -> str:
+    """An arm name's quantization part: ``+w4g128-gptq`` (routed experts), then ``-all`` and ``-attention-w8g32``
+    ... for the non-expert classes (issue 30)."""
+    tag = f"+{q.quant}-{q.algo}" if q.quant is not None else "+"
+    if q.scope == "all":
+        tag += "-all"
+    for cls, spec in sorted((q.classes or {}).items()):
+        tag += f"-{cls}-{spec}"
+    return tag.replace("+-", "+")
 
 
 class Recipe(BaseModel):

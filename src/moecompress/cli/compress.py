@@ -56,6 +56,11 @@ def compress_command(
                                    "0.01 (--param damp=0.1), block 128, each expert's routed tokens "
                                    "(docs/quantization.md, 'Defaults')."),
     quant_weighting: str = typer.Option("uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."),
+    quant_scope: Optional[str] = typer.Option(None, help="experts (default): --quant applies to the routed experts "
+                                              "| all: also to attention, shared experts and dense MLPs, with "
+                                              "embeddings and lm_head at w8c and the router untouched; non-expert "
+                                              "weights are round-to-nearest and need --format compact "
+                                              "(docs/quantization.md, 'Non-expert tensors')."),
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     seed: int = typer.Option(0),
@@ -91,6 +96,16 @@ def compress_command(
         params.update(quant=quant, algo=quant_algo, weighting=quant_weighting)
     elif quant is not None:
         quant_setting = dict(quant=quant, algo=quant_algo, weighting=quant_weighting)
+    if quant_scope is not None:
+        if quant_scope not in ("experts", "all"):
+            raise MoECompressError(f"--quant-scope '{quant_scope}' is not known; use experts or all.")
+        if method == "quant":
+            params["scope"] = quant_scope
+        elif quant_setting is not None:
+            quant_setting["scope"] = quant_scope
+        else:
+            raise MoECompressError("--quant-scope says which weights --quant applies to; give --quant too (e.g. "
+                                   "--quant w4g128 --quant-scope all).")
     if dry_run or max_memory is not None:
         from ..export.writer import parse_size  # the exporters take seconds to import: only here
 

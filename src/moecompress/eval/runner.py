@@ -129,8 +129,14 @@ def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
                     if s.packing is None} | {s.packing for sc in plan.scopes for s in sc.stored if s.packing})
     return {"gate_semantics": "/".join(sorted(set(gates))) or None,
             "operator": " + ".join(sorted(ops_used)) or None, "mask_id": mask, "per_layer": rows,
-            "method": plan.method, "params": dict(plan.params), "precision": " + ".join(specs),
+            "method": plan.method, "params": dict(plan.params), "precision": " + ".join(specs) + _tensor_precisions(plan),
             "bits_per_weight": routed_bits_per_weight(plan, tensors)}
+
+
+def _tensor_precisions(plan) -> str:
+    """"; attention w4g32, embeddings w8c" for the non-expert classes the plan quantizes (issue 30), else ""."""
+    found = sorted({(tq.kind, tq.quant.name()) for tq in plan.tensor_quant.values()})
+    return "; " + ", ".join(f"{kind} {spec}" for kind, spec in found) if found else ""
 
 
 def routed_bits_per_weight(plan, tensors=None) -> float:

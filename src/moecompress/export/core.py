@@ -49,6 +49,8 @@ class ExportResult(BaseModel):
     shards: list[str]
     routed_bytes: int = 0  # what replaces the routed experts, as written (plan.logical_bytes, padding included)
     original_routed_bytes: int = 0  # the original's routed experts, at its on-disk dtype
+    other_bytes: int = 0  # every other tensor, as the plan stores it (quantized non-expert weights: packed bytes)
+    original_other_bytes: int = 0  # every other tensor of the original, at its on-disk dtypes
 
     @property
     def ratio(self) -> float:
@@ -60,9 +62,13 @@ class ExportResult(BaseModel):
         if self.original_routed_bytes and not self.evaluation_only:
             routed = (f"; routed experts {_human(self.routed_bytes)} vs {_human(self.original_routed_bytes)} "
                       f"({100 * self.routed_bytes / self.original_routed_bytes:.1f}%)")
+        other = ""
+        if self.other_bytes != self.original_other_bytes and self.original_other_bytes and not self.evaluation_only:
+            other = (f"; other tensors {_human(self.other_bytes)} vs {_human(self.original_other_bytes)} "
+                     f"({100 * self.other_bytes / self.original_other_bytes:.1f}%)")
         return (f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
                 f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)"
-                f"{routed}")
+                f"{routed}{other}")
 
 
 
@@ -198,7 +204,8 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     result = ExportResult(format=format, path=str(out), evaluation_only=fmt.evaluation_only, bytes_on_disk=total,
                           weight_bytes=weight_bytes, original_bytes=original or logical.original,
                           logical_bytes=logical.total, shards=shards, routed_bytes=written.routed,
-                          original_routed_bytes=written.original_routed)
+                          original_routed_bytes=written.original_routed, other_bytes=written.other,
+                          original_other_bytes=plan.model.other_bytes)
     # the summary line is the caller's to print (`compress` prints it once, on stdout); printing it here too
     # put it on stdout and stderr both
     return result
