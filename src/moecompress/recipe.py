@@ -65,7 +65,7 @@ class EvalSpec(BaseModel):
     def _size(cls, v):
         if v is None:
             return v
-        from .export.writer import parse_size
+        from .validate import parse_size
 
         try:
             ok = parse_size(v) > 0

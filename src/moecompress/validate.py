@@ -9,6 +9,24 @@ from .errors import MoECompressError
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
+# the one size syntax of every option and recipe field that takes bytes (--max-memory, --budget 4GB, shard size)
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' / '500MB' / '1.5GiB' / 1234 -> bytes: decimal B, KB, MB, GB, TB (powers of 1000, as transformers) or
+    binary KiB, MiB, GiB, TiB (powers of 1024), case-insensitive; a bare number is bytes. ValueError otherwise."""
+    if isinstance(size, bool):
+        raise ValueError(f"{size!r} is not a size")
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(str(size))
+    if m is None or m.group(2).upper() not in SIZE_UNITS:
+        raise ValueError(f"{size!r} is not a size such as 4GB, 500MB or 1.5GiB")
+    return math.floor(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
+
 
 def check_range(flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
                 hint: str = "") -> None:

@@ -17,7 +17,7 @@ from ..compress_dryrun import estimate_compress, refuse_if_over
 from ..errors import MoECompressError
 from ..export.formats import FORMATS
 from ..pipeline import moment_fraction, needs_for, streamed_chunk
-from ..validate import check_range, check_seed
+from ..validate import check_range, check_seed, parse_size
 
 
 def parse_params(pairs: list[str]) -> dict:
@@ -107,8 +107,6 @@ def compress_command(
             raise MoECompressError("--quant-scope says which weights --quant applies to; give --quant too (e.g. "
                                    "--quant w4g128 --quant-scope all).")
     if dry_run or max_memory is not None:
-        from ..export.writer import parse_size  # the exporters take seconds to import: only here
-
         try:
             limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
         except ValueError:

@@ -51,7 +51,7 @@ def eval_bytes(directory: str | Path, dtype: str) -> int:
 def memory_budget(max_memory: str | int | None) -> int:
     """`max_memory` in bytes, or HEADROOM × the memory available now."""
     if max_memory is not None:
-        from ..export.writer import parse_size
+        from ..validate import parse_size
 
         return parse_size(max_memory)
     import psutil

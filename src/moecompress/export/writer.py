@@ -20,20 +20,9 @@ import torch
 
 from ..disk import dtype_tag, encode_header
 from ..errors import MoECompressError
+from ..validate import parse_size
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def parse_size(size: int | str) -> int:
-    """'5GB' / '500MB' / 1234 -> bytes (decimal units, like transformers)."""
-    if isinstance(size, int):
-        return size
-    s = str(size).strip().upper()
-    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                       ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
 
 
 class ShardWriter:

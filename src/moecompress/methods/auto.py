@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +47,7 @@ from ..calibrate.streamed import each_layer
 from ..errors import MoECompressError
 from ..memory import large_blocks_mmapped
 from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
+from ..validate import parse_size
 from . import auto_estimate as est
 from . import auto_quant as aq
 from .auto_estimate import Candidate, LayerMoments
@@ -60,11 +60,6 @@ REPLACE_KINDS = frozenset({"keep", "quant", "drop", "constant", "tilt", "partial
 REROUTE_KINDS = frozenset({"keep", "quant", "reroute", "remap", "pair"})
 STORED_KINDS = ("keep", "quant")  # a stored copy of the slot's own expert: at 16 bits, or quantized
 ALL_BITS = (16, 8, 4, 3, 2)
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_budget(value) -> tuple[float | None, int | None]:
@@ -89,13 +84,16 @@ def parse_budget(value) -> tuple[float | None, int | None]:
             return parse_budget(float(text[:-1]) / 100)
         except ValueError:
             raise MoECompressError(bad) from None
-    m = _SIZE.match(text)
-    if m is None or m.group(2).upper() not in _UNITS:
-        raise MoECompressError(bad)
-    number, unit = float(m.group(1)), m.group(2).upper()
-    if not unit:
+    try:
+        number = float(text)  # a bare number is a fraction here, not bytes
+    except ValueError:
+        number = None
+    if number is not None:
         return parse_budget(number)
-    nbytes = math.floor(number * _UNITS[unit])
+    try:
+        nbytes = parse_size(text)
+    except ValueError:
+        raise MoECompressError(bad) from None
     if nbytes <= 0:
         raise MoECompressError(bad)
     return None, nbytes
