@@ -72,15 +72,17 @@ class StreamedAdapter(MoEAdapter):
     def __init__(self, path: str, compute_dtype: torch.dtype = torch.float32, reader=None):
         from ..checkpoint import CheckpointReader
         from ..models import skeleton
+        from ..models.loading import DEFAULT_DTYPE_LOCK
 
         self.reader = reader or CheckpointReader(str(path))
         self.compute_dtype = compute_dtype
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(compute_dtype)  # meta parameters report the dtype the methods compute in
-        try:
-            model = skeleton(self.reader.config)
-        finally:
-            torch.set_default_dtype(prev)
+        with DEFAULT_DTYPE_LOCK:  # the default dtype is process-wide: one thread at a time sets and restores it
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(compute_dtype)  # meta parameters report the dtype the methods compute in
+            try:
+                model = skeleton(self.reader.config)
+            finally:
+                torch.set_default_dtype(prev)
         model.name_or_path = str(self.reader.path)  # byte accounting reads the checkpoint's own headers
         model.config.name_or_path = str(self.reader.path)
         super().__init__(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -95,11 +96,17 @@ def load_config(source: str, trust_remote_code: bool = False):
         ) from None
 
 
+# torch's default dtype is one per process: `from_config` sets it to the config's dtype and back, and so does
+# `StreamedAdapter` around it. Two threads doing so at once (calibrations run in threads of one process) restore
+# each other's value, and the process was left with bfloat16 as its default; they take turns instead.
+DEFAULT_DTYPE_LOCK = threading.RLock()
+
+
 def skeleton(config):
     """The model with every parameter on the meta device: structure without memory."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with DEFAULT_DTYPE_LOCK, torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 
