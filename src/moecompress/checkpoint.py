@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .disk import read_weight_map
+from .disk import read_weight_map, tag_bytes
 from .errors import MoECompressError
 from .memory import release_freed_memory
 
@@ -200,7 +200,7 @@ class CheckpointReader:
                     n = 1
                     for s in sl.get_shape():
                         n *= s
-                    total += n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+                    total += n * tag_bytes(sl.get_dtype(), 4)
         return total
 
     def _group_by_shard(self, keys) -> dict[Path, list[str]]:
@@ -334,8 +334,6 @@ class CheckpointReader:
                                        "incomplete or does not match its config.json; re-download it.")
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def parse_dtype_or_none(dtype):

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic import human_bytes
-from .disk import free_bytes
+from .disk import free_bytes, tag_bytes
 from .errors import MoECompressError
 
-_DISK_ELEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 @dataclass
@@ -81,7 +80,7 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     disk_elem = 2
     if sample:
         with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
-            disk_elem = _DISK_ELEM.get(f.get_slice(sample[0]).get_dtype(), 2)
+            disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
     t0 = time.perf_counter()
     layer_disk = reader.layer_bytes(moe[0])
     reader.native_state(moe[0])  # the one timed read

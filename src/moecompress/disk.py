@@ -22,6 +22,11 @@ DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "
           "U8": ("uint8", 1), "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
 
 
+def tag_bytes(tag: str, default: int) -> int:
+    """Bytes per element of safetensors dtype `tag` (`DTYPES`, the one table), `default` for a tag it lacks."""
+    return DTYPES[tag][1] if tag in DTYPES else default
+
+
 def read_header(file: str | os.PathLike) -> dict[str, dict]:
     """{tensor name: {"dtype", "shape", "data_offsets"}} of one safetensors file (metadata dropped)."""
     with open(file, "rb") as f:

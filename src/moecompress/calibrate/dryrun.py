@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from ..atomic import human_bytes as _human
-from ..disk import free_bytes
+from ..disk import free_bytes, tag_bytes
 from ..errors import MoECompressError
 
-_DISK_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 
@@ -120,7 +119,7 @@ def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, 
         from safetensors import safe_open
 
         with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
-            disk_elem = _DISK_BYTES.get(f.get_slice(sample[0]).get_dtype(), 2)
+            disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
     comp_elem = _elem(dtype) if dtype is not None else disk_elem
     scale = comp_elem / disk_elem
     layer_bytes = int(max(reader.layer_bytes(i) for i in range(last + 1)) * scale)
