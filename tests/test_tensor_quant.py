@@ -239,3 +239,101 @@ def test_recipe_arm_names_the_classes():
     plain = ArmSpec.model_validate({"method": "prune", "params": {"criterion": "frequency", "ratio": 0.5},
                                     "quant": "w4g32"})
     assert plain.display_name() == "prune-frequency-50+w4g32-gptq"
+
+
+# ----------------------------------------------------------------------------- GPTQ of non-expert weights
+def _reference_hessians(path, data, names):
+    """Σ x xᵀ of each named module's input over the real tokens, from plain full-model forwards (float64 sums)."""
+    from moecompress import load_model
+    from moecompress.data import load_calibration, load_tokenizer
+
+    model = load_model(str(path), dtype="auto")  # the checkpoint's own dtype, as the pass runs it
+    calib = load_calibration(data["spec"], load_tokenizer(str(path)), data["seq_len"], data["seed"])
+    acc, mask = {}, {}
+
+    def hook(name):
+        def fn(mod, args):
+            x = args[0].reshape(-1, args[0].shape[-1])[mask["m"].reshape(-1).bool()].double()
+            acc[name] = acc.get(name, 0) + x.T @ x
+        return fn
+
+    handles = [model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(hook(n)) for n in names]
+    with torch.no_grad():
+        for _, rows in calib.batches(8, 0, 1):
+            mask["m"] = calib.attention_mask[rows]
+            model(input_ids=calib.input_ids[rows], attention_mask=calib.attention_mask[rows], use_cache=False)
+    for h in handles:
+        h.remove()
+    return model, acc
+
+
+def test_linear_hessians_equal_sum_of_input_outer_products():
+    from moecompress.calibrate.linear_hessian import linear_hessian_pass
+    from moecompress.testing import fixture_dir
+
+    path = fixture_dir("olmoe-tiny")
+    data = {"spec": "fixture-calib:4", "seq_len": 32, "seed": 0}
+    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+             "model.layers.3.self_attn.k_proj.weight", "lm_head.weight"]
+    got = {}
+    order = []
+    for layer, hs in linear_hessian_pass(str(path), data, names):
+        order.append(layer)
+        got.update(hs)
+    assert order == [1, 3, None]  # decoder layers in order, lm_head last
+    _, ref = _reference_hessians(path, data, names)
+    assert set(got) == set(names)
+    for n in names:
+        assert got[n].dtype == torch.float64 and got[n].shape == (192, 192)
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=1e-6)
+    # 4 sequences x 32 tokens: the trace of H is the sum of squared inputs over exactly those 128 tokens
+    assert got[names[0]].diagonal().gt(0).all()
+
+
+def test_gptq_codes_of_non_expert_weights_equal_gptq_on_their_hessians():
+    from moecompress.calibrate.linear_hessian import linear_hessian_pass
+    from moecompress.quant import QuantizedTensor, gptq
+    from moecompress.testing import fixture_dir
+
+    path = fixture_dir("olmoe-tiny")
+    data = {"spec": "fixture-calib:4", "seq_len": 32, "seed": 0}
+    from moecompress import load_model
+
+    model = load_model(str(path), dtype="auto")
+    adapter = MoEAdapter(model)
+    specs = resolve_class_specs(adapter, {"attention": "w4g32", "lm_head": "w8c", "embeddings": "w8c"}, None, None,
+                                gptq=dict(actorder=True, damp=0.01))
+    assert specs["embeddings"].algo == "rtn" and specs["attention"].algo == "gptq"
+    plan, tensors = quantize_tensors(CompressionPlan.identity(model), {}, adapter, specs,
+                                     lambda names: linear_hessian_pass(str(path), data, names))
+    _, ref = _reference_hessians(path, data, ["model.layers.2.self_attn.v_proj.weight", "lm_head.weight"])
+    for name, spec in (("model.layers.2.self_attn.v_proj.weight", specs["attention"]),
+                       ("lm_head.weight", specs["lm_head"])):
+        assert plan.tensor_quant[name].quant.algo == "gptq"
+        base = name.removesuffix(".weight")
+        q = QuantizedTensor.from_packed({s: tensors[f"{base}.{s}"] for s in ("weight_packed", "weight_scale",
+                                                                            "weight_shape")}, spec)
+        want = gptq(model.get_parameter(name).detach().float(), ref[name], spec)
+        assert torch.equal(q.codes, want.codes) and torch.equal(q.scale, want.scale)
+    assert plan.tensor_quant["model.embed_tokens.weight"].quant.algo == "rtn"
+
+
+def test_gptq_of_non_expert_weights_without_calibration_is_one_sentence():
+    model = tiny_model("olmoe")
+    adapter = MoEAdapter(model)
+    specs = resolve_class_specs(adapter, {"attention": "w4g32"}, None, None, gptq=dict(actorder=True, damp=0.01))
+    with pytest.raises(MoECompressError, match="needs calibration Hessians"):
+        quantize_tensors(CompressionPlan.identity(model), {}, adapter, specs)
+
+
+def test_compress_from_a_data_spec_gptqs_the_non_expert_weights(tmp_path):
+    from moecompress import compress
+    from moecompress.testing import fixture_dir
+
+    result = compress(str(fixture_dir("olmoe-tiny")), "quant", {"quant": "w4g32", "scope": "all"},
+                      calib="fixture-calib:4", seq_len=32, out=tmp_path / "o", progress=False)
+    assert result.format == "compact"
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    algos = {(v["kind"], v["quant"]["algo"]) for v in plan["tensor_quant"].values()}
+    assert algos == {("attention", "gptq"), ("lm_head", "gptq"), ("embeddings", "rtn")}
+    assert all(s["quant"]["algo"] == "gptq" for sc in plan["scopes"] for s in sc["stored"])

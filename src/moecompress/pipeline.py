@@ -160,12 +160,12 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
     if config is None:
         return plan, tensors
     from .methods.quantize import quantize_plan
-    from .methods.tensor_quant import quantize_tensors
+    from .methods.tensor_quant import hessian_source, quantize_tensors
 
     source = lambda l, e: adapter.layer(l).storage.read(e)
     if config.quant is not None:
         plan, tensors = quantize_plan(plan, tensors, source, config, stats, progress)
-    return quantize_tensors(plan, tensors, adapter, config.class_specs(adapter))
+    return quantize_tensors(plan, tensors, adapter, config.class_specs(adapter), hessian_source(adapter, stats))
 
 
 def check_quant_classes(model: str, quant, params: dict[str, Any] | None = None, method: str | None = None) -> None:

@@ -94,7 +94,7 @@ class ArmSpec(BaseModel):
     quant: QuantConfig | None = Field(
         None, description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
         "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}; non-expert tensor classes by name ({experts: "
-        "w4g128, attention: w8g128, shared: w4g128, embeddings: w8c}) or scope: all (round-to-nearest)")
+        "w4g128, attention: w8g128, shared: w4g128, embeddings: w8c}) or scope: all")
     calibration: CalibrationSpec | None = Field(
         None, description="this arm's own calibration (e.g. in-domain: {data: 'task:gsm8k:128'}); default: the "
         "recipe's shared one. Arms naming the same spec share one calibration; every arm is still scored on the "

@@ -58,9 +58,9 @@ def compress_command(
     quant_weighting: str = typer.Option("uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."),
     quant_scope: Optional[str] = typer.Option(None, help="experts (default): --quant applies to the routed experts "
                                               "| all: also to attention, shared experts and dense MLPs, with "
-                                              "embeddings and lm_head at w8c and the router untouched; non-expert "
-                                              "weights are round-to-nearest and need --format compact "
-                                              "(docs/quantization.md, 'Non-expert tensors')."),
+                                              "embeddings and lm_head at w8c (round-to-nearest) and the router "
+                                              "untouched; written --format compact (docs/quantization.md, "
+                                              "'Non-expert tensors')."),
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     seed: int = typer.Option(0),

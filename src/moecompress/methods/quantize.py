@@ -35,7 +35,7 @@ from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
 from .context import MethodContext
 from .registry import register_method
-from .tensor_quant import quantize_tensors
+from .tensor_quant import hessian_source, quantize_tensors
 
 Weighting = Literal["uniform", "gate2"]
 _HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
@@ -57,7 +57,8 @@ class QuantConfig(BaseModel):
                         "(llm-compressor's dampening_frac, same default)")
     # non-expert tensors (issue 30; methods/tensor_quant.py): None = untouched, and left out of plan.json's params
     classes: dict[str, str] | None = Field(None, description="a spec per non-expert tensor class (attention, "
-                                           "shared, dense_mlp, embeddings, lm_head, router), round-to-nearest")
+                                           "shared, dense_mlp, embeddings, lm_head, router); GPTQ or RTN as algo says, "
+                                           "the embeddings always RTN")
     scope: Literal["experts", "all"] | None = Field(None, description="all: the experts' spec for attention, "
                                                     "shared experts and dense MLPs too, w8c for embeddings and "
                                                     "lm_head, the router untouched; `classes` override it")
@@ -110,7 +111,8 @@ class QuantConfig(BaseModel):
 
         if not self.has_tensor_classes():
             return {}
-        return resolve_class_specs(adapter, self.classes, self.scope, self.quant)
+        gptq = dict(actorder=self.actorder, damp=self.damp) if self.algo == "gptq" else None
+        return resolve_class_specs(adapter, self.classes, self.scope, self.quant, gptq)
 
     def spec(self) -> QuantSpec:
         if self.quant is None:
@@ -122,8 +124,10 @@ class QuantConfig(BaseModel):
 
 def quant_stats(config: QuantConfig | None) -> list[str]:
     """Statistics quantization reads: the per-expert Hessians for GPTQ, nothing for round-to-nearest."""
-    if config is None or config.algo == "rtn" or config.quant is None:
+    if config is None or config.algo == "rtn":
         return []
+    if config.quant is None:  # GPTQ of non-expert classes only: their pass re-reads the data the store records
+        return ["tokens"] if config.has_tensor_classes() else []
     return ["counts", "tokens", *_HESSIANS[config.weighting]]
 
 
@@ -257,7 +261,8 @@ def build_quant(config: QuantConfig, ctx: MethodContext):
     layer's Hessians exist only while its experts are quantized, so no per-expert H×H statistic is stored, as
     llm-compressor quantizes a layer while its Hessians are in memory. The codes equal those from a store."""
     plan, tensors = _quantize_experts(config, ctx)
-    return quantize_tensors(plan, tensors, ctx.adapter, config.class_specs(ctx.adapter))
+    return quantize_tensors(plan, tensors, ctx.adapter, config.class_specs(ctx.adapter),
+                            hessian_source(ctx.adapter, ctx.stats))
 
 
 def _quantize_experts(config: QuantConfig, ctx: MethodContext):

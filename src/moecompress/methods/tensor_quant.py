@@ -5,11 +5,11 @@ A quantization setting (`QuantConfig`) maps tensor classes (`models.tensor_class
 (``classes: {attention: w8g128, embeddings: w8c}``, a recipe's ``quant: {experts: w4g128, attention: ...}``) or
 through ``scope: all`` — the experts' spec for every linear class (attention, shared, dense_mlp), ``w8c`` for
 the embeddings and an untied lm_head, the router untouched — with explicit classes overriding it. Every 2-D
-``.weight`` of a chosen class is quantized by **round-to-nearest** (`quant.rtn`, the grid of
-docs/quantization.md) and recorded in ``plan.tensor_quant``; its compressed-tensors pack-quantized tensors go
-into the plan tensors under ``<module>.weight_packed`` etc. (`plan.quant_tensor_prefix`). GPTQ for these
-classes needs their input Hessians from the calibration pass, which the runner does not gather yet: a GPTQ
-setting quantizes the routed experts by GPTQ and these by RTN, and the plan records ``algo: rtn`` for them.
+``.weight`` of a chosen class is quantized by GPTQ (`quant.gptq`, Frantar et al. 2023) on its input Hessian from
+one more streaming calibration pass over the data the statistics record (`calibrate.linear_hessian`), or by
+round-to-nearest (`quant.rtn`; always for the embeddings, whose input is a one-hot token), and recorded in
+``plan.tensor_quant``; its compressed-tensors pack-quantized tensors go into the plan tensors under
+``<module>.weight_packed`` etc. (`plan.quant_tensor_prefix`).
 
 Weights are read one decoder layer's worth at a time: from the checkpoint (`CheckpointReader.read_tensors`,
 on-disk dtype) on the streamed view, from the module otherwise.
@@ -24,7 +24,7 @@ import torch
 from ..errors import MoECompressError
 from ..models.tensor_classes import QUANTIZABLE, quantizable, tensor_classes, tensor_shapes
 from ..plan import CompressionPlan, PlanTensors, TensorQuant, quant_tensor_prefix
-from ..quant import rtn
+from ..quant import gptq, rtn
 from ..quant.spec import QuantSpec
 
 # classes `scope: all` gives the experts' spec; the embeddings and an untied lm_head get EDGE_SPEC
@@ -34,9 +34,11 @@ EDGE_SPEC = "w8c"
 ROUTER_MIN_BITS = 8
 
 
-def resolve_class_specs(adapter, classes: dict[str, str] | None, scope: str | None, expert_spec: str | None
-                        ) -> dict[str, QuantSpec]:
-    """class -> spec for this model (round-to-nearest), from explicit `classes` over `scope`'s defaults.
+def resolve_class_specs(adapter, classes: dict[str, str] | None, scope: str | None, expert_spec: str | None,
+                        gptq: dict | None = None) -> dict[str, QuantSpec]:
+    """class -> spec for this model, from explicit `classes` over `scope`'s defaults: GPTQ with the options
+    `gptq` (``{actorder, damp}``) when given, else round-to-nearest; the embeddings are always round-to-nearest
+    (an embedding's input is a one-hot token: it has no Hessian to weigh its columns with).
 
     One sentence (`MoECompressError`) for a class the model has no quantizable tensor of (e.g. ``dense_mlp`` in a
     model without dense layers, ``lm_head`` tied to the embeddings), an unknown class, or a spec a class cannot
@@ -61,7 +63,8 @@ def resolve_class_specs(adapter, classes: dict[str, str] | None, scope: str | No
             raise MoECompressError(f"This {adapter.model_type} model has no {cls} weights to quantize (its classes: "
                                    f"{', '.join(sorted(present))}); remove '{cls}' from the quantization setting.")
         chosen[cls] = text
-    specs = {cls: QuantSpec.parse(text, algo="rtn") for cls, text in chosen.items()}
+    specs = {cls: QuantSpec.parse(text, algo="rtn") if gptq is None or cls == "embeddings"
+             else QuantSpec.parse(text, algo="gptq", **gptq) for cls, text in chosen.items()}
     router = specs.get("router")
     if router is not None and router.bits < ROUTER_MIN_BITS:
         raise MoECompressError(f"The router cannot take {router.name()}: router weights keep at least "
@@ -104,9 +107,13 @@ def _read(adapter, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter, specs: dict[str, QuantSpec],
-                     ) -> tuple[CompressionPlan, PlanTensors]:
-    """(plan, tensors) with every quantizable tensor of the classes in `specs` quantized by round-to-nearest and
-    recorded in ``plan.tensor_quant``; the rest untouched. Bytes follow at once (`plan.logical_bytes`)."""
+                     hessians=None) -> tuple[CompressionPlan, PlanTensors]:
+    """(plan, tensors) with every quantizable tensor of the classes in `specs` quantized and recorded in
+    ``plan.tensor_quant``; the rest untouched. Bytes follow at once (`plan.logical_bytes`).
+
+    A GPTQ spec needs `hessians(names)`: an iterator of (decoder layer or None, {name: H}) in layer order, None
+    (lm_head) last (`calibrate.linear_hessian.linear_hessian_pass`). A weight without a Hessian there (no real
+    token reached it) falls back to round-to-nearest, and its entry says ``algo: rtn``."""
     out = dict(tensors or {})
     if not specs:
         return plan, out
@@ -118,18 +125,48 @@ def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter
     by_layer: dict[int, list[str]] = {}
     for n in names:
         by_layer.setdefault(_layer_of(n, prefix), []).append(n)
-    for layer in sorted(by_layer):
+    want = [n for n in names if specs[classes[n]].algo == "gptq"]
+    if want and hessians is None:
+        raise MoECompressError("GPTQ of non-expert weights needs calibration Hessians; pass --calib (a stats directory "
+                               "or a data spec) or use --quant-algo rtn.")
+    passes = iter(hessians(want)) if want else iter(())
+    held: tuple[int | None, dict] = (-2, {})
+    for layer in sorted(by_layer, key=lambda i: (i < 0, i)):  # decoder layers in order, then the rest
+        key = None if layer < 0 else layer
+        if any(n in want for n in by_layer[layer]):
+            while held[0] != key:
+                held = next(passes)
         for name, w in _read(adapter, by_layer[layer]).items():
             cls, spec = classes[name], specs[classes[name]]
-            q = rtn(w.float(), spec)
+            h = held[1].get(name) if held[0] == key else None
+            if spec.algo == "gptq" and h is not None and bool(h.diagonal().gt(0).any()):
+                q = gptq(w.float(), h, spec)
+            else:
+                spec = spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+                q = rtn(w.float(), spec)
             base = quant_tensor_prefix(name)
             out.update({f"{base}.{k}": v for k, v in q.packed().items()})
             dtype = disk[name][0] if disk is not None and name in disk else str(w.dtype).removeprefix("torch.")
             entries[name] = TensorQuant(kind=cls, shape=tuple(w.shape), dtype=dtype, quant=spec)
+        held = (held[0], {}) if held[0] == key else held  # this layer's Hessians are done with
+    for _ in passes:  # let the pass finish (it frees its last layer and its activation cache)
+        pass
     plan = plan.model_copy(update={"tensor_quant": dict(sorted(entries.items()))})
     plan = CompressionPlan.model_validate(plan.model_dump())  # validated as a whole, as a loaded plan would be
     plan.check_tensors(out)
     return plan, out
+
+
+def hessian_source(adapter, stats):
+    """`quantize_tensors`' ``hessians`` for a plan built on the streamed view of a checkpoint with statistics
+    `stats` (a store or streamed statistics, whose ``meta["data"]`` names the calibration data), else None."""
+    reader = getattr(adapter, "reader", None)
+    data = (getattr(stats, "meta", None) or {}).get("data") if stats is not None else None
+    if reader is None or data is None:
+        return None
+    from ..calibrate.linear_hessian import linear_hessian_pass
+
+    return lambda names: linear_hessian_pass(str(reader.path), data, names)
 
 
 def _layers_prefix(adapter) -> str:
