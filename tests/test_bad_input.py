@@ -98,6 +98,11 @@ CASES = [
     # the range lives in PruneConfig alone (0 is MoNE's constant, which the CLI used to refuse)
     ("compress-rank-negative", ["compress", "{F}", "--rank", "-1", "--out", "x"], "field 'rank' for method 'prune'"),
     ("compress-seq-len-zero", ["compress", "{F}", "--seq-len", "0", "--out", "x"], "--seq-len must be"),
+    ("compress-calib-mode-unknown", ["compress", "{F}", "--method", "quant", "--calib", "fixture-calib:2",
+                                     "--calib-mode", "layerwise", "--out", "x"], "--calib-mode 'layerwise' is not known"),
+    ("compress-calib-mode-prune", ["compress", "{F}", "--criterion", "frequency", "--ratio", "0.5", "--calib",
+                                   "fixture-calib:2", "--calib-mode", "sequential", "--out", "x"],
+     "--calib-mode sequential works with --method quant"),
     ("compress-param-no-eq", ["compress", "{F}", "--param", "rank8", "--out", "x"], "is not key=value"),
     ("compress-param-bad-yaml", ["compress", "{F}", "--param", "rank=[", "--out", "x"], "not a YAML"),
     # recipes: one schema (item 5) and safe names (item 6)

@@ -2,6 +2,7 @@
 store, square statistics gathered a few experts at a time, and `auto` plans identical to a store's."""
 
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,38 @@ def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tm
     streamed = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs, streamed_chunk=WHOLE_LAYER)
     stored = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs)
     assert streamed.disk_bytes == streamed.checkpoint_bytes < stored.disk_bytes
+
+
+def test_sequential_statistics_are_those_of_the_model_with_the_earlier_layers_replaced(setup, tmp_path):
+    """--calib-mode sequential (known answer): a layer's statistics, after the reader replaced layer 0's experts,
+    equal a one-pass calibration of a checkpoint whose layer 0 holds those experts; layer 0's own are unchanged;
+    without replacements the pass is the one-pass store bit for bit."""
+    import shutil
+
+    from moecompress.models import MoEAdapter, load_model
+
+    _, model, _, _ = setup
+    names = ["counts", "tokens", "hessian_in", "hessian_mid"]
+    plain = calibrate(model, SPEC, seq_len=SEQ, out=tmp_path / "plain", stats=names, progress=False)
+    edited = tmp_path / "edited"  # the fixture with layer 0's experts scaled by 1/2 (exact in bf16)
+    m = load_model(model, dtype="bfloat16")
+    ad = MoEAdapter(m)
+    first = ad.moe_layers[0]
+    halves = {e: ad.get_expert(first, e).map(lambda t: t / 2) for e in range(ad.num_experts(first))}
+    for e, w in halves.items():
+        with torch.no_grad():
+            ad.layer(first).storage.write(e, w)
+    m.save_pretrained(edited)
+    for f in Path(model).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, edited / f.name)
+    want = calibrate(str(edited), SPEC, seq_len=SEQ, out=tmp_path / "want", stats=names, progress=False)
+    for replace, ref_first, ref_rest in ((False, plain, plain), (True, plain, want)):
+        for view in StreamedStats(model, SPEC, names, seq_len=SEQ, sequential=True, chunk=1 << 20).layers():
+            i = view.layer
+            ref = ref_first if i == first else ref_rest
+            for name in ("hessian_in", "hessian_mid"):
+                assert torch.equal(view.get(i, name), ref.get(i, name)), (replace, i, name)
+            if replace and i == first:
+                for e, w in halves.items():
+                    view.replace_expert(e, w)

@@ -38,7 +38,8 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import stats_to_gather
-from .pipeline import calibrate_for, check_format_name, check_quant_classes, choose_format, make_plan, quant_config
+from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_quant_classes, choose_format,
+                       make_plan, quant_config)
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
@@ -60,12 +61,15 @@ def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=N
 
 def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
              out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
-             dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None):
+             dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None,
+             calib_mode: str = "one-pass"):
     """Compress checkpoint `model` with `method` and write it to `out`; returns the `ExportResult`.
 
     calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
     format: auto | hf | compact | packed | materialized (`pipeline.choose_format`).
     quant: optional weight quantization of every stored expert the method keeps (`pipeline.quant_config`).
+    calib_mode: "one-pass" (every layer's statistics on the original model's activations) or "sequential"
+    (on the already-quantized earlier layers; `--method quant` from a data spec, `pipeline.check_calib_mode`).
 
     `out` is claimed (`atomic.claim`) for the whole run and the model and stats store are fingerprinted
     when it starts: the method reopens the model for every layer and the exporter once more, so a model
@@ -83,15 +87,19 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     quant_config(quant)  # a bad quantization spec is refused before any compute too
     check_quant_classes(model, quant, params, method)  # and a tensor class the model lacks
     check_format_name(format)  # and an unknown format
+    check_calib_mode(calib_mode, method, calib, quant)  # and a calibration mode this run cannot honour
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
         stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
-                              work_dir=out.parent / f"{out.name}-calib", progress=progress, overwrite=overwrite)
+                              work_dir=out.parent / f"{out.name}-calib", progress=progress, overwrite=overwrite,
+                              calib_mode=calib_mode)
         plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype,
                                   progress=progress)
         recipe = {"model": str(model), "method": method, "params": params or {},
                   "calib": str(calib) if calib else None, "seq_len": seq_len, "seed": seed,
                   "quant": quant.model_dump(mode="json") if isinstance(quant, BaseModel) else quant}
+        if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
+            recipe["calib_mode"] = calib_mode
         return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
                       overwrite=overwrite, protect=protect, inputs=inputs)
 

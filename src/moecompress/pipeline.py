@@ -50,8 +50,11 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
 
 def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, params: dict[str, Any] | None,
                   quant=None, *, seq_len: int = 256, seed: int = 0, work_dir: str | os.PathLike | None = None,
-                  progress: bool = True, overwrite: bool = True):
+                  progress: bool = True, overwrite: bool = True, calib_mode: str = "one-pass"):
     """The statistics `method` with `params` (and `quant`) reads, as `resolve_calibration` gives them.
+
+    `calib_mode` "sequential" takes each layer's statistics on the outputs of the already-quantized layers
+    before it (`StreamedStats(sequential=True)`); it needs `quant`'s streamed GPTQ (a data spec, not a store).
 
     A method whose build reads input/cross moments of a subset of experts (prune's tilt: the removed
     ones, `MethodEntry.moment_experts`), calibrated from a data spec, is calibrated in two passes:
@@ -62,11 +65,12 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
     from .methods.context import ChainedStats
 
     needs = needs_for(method, params, quant)
+    check_calib_mode(calib_mode, method, calib, quant)
     if streams_statistics(method, calib, quant):
         from .calibrate.streamed import StreamedStats
 
         return StreamedStats(model, str(calib), needs, seq_len=seq_len, seed=seed,
-                             chunk=streamed_chunk(method, calib, quant))
+                             chunk=streamed_chunk(method, calib, quant), sequential=calib_mode == "sequential")
     entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
     staged = moments and entry.moment_experts is not None and calib is not None and not Path(calib).is_dir()
     common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress, overwrite=overwrite)
@@ -80,6 +84,17 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
         return first
     second = resolve_calibration(model, calib, moments, **common, moment_experts=subset, name="stats-moments")
     return ChainedStats(first, second)
+
+
+def check_calib_mode(calib_mode: str, method: str, calib, quant=None) -> None:
+    """Refuse, before any compute, a calibration mode this run cannot honour: sequential statistics are taken
+    while `compress --method quant` (GPTQ) streams a data spec, the only build that hands its quantized layers
+    back to the pass (`LayerStats.replace_expert`)."""
+    if calib_mode not in ("one-pass", "sequential"):
+        raise MoECompressError(f"--calib-mode '{calib_mode}' is not known: use one-pass or sequential.")
+    if calib_mode == "sequential" and not (method == "quant" and streams_statistics(method, calib, quant)):
+        raise MoECompressError("--calib-mode sequential works with --method quant (GPTQ) calibrated from a data "
+                               "spec (--calib fixture-calib:64, not a stats directory); drop it or use that.")
 
 
 def streams_statistics(method: str, calib, quant=None) -> bool:

@@ -13,6 +13,11 @@ the method the way the streamed view gives weights:
   collectors only (``square_experts``), and keeps only the current chunk.
 * Nothing is written to disk; a pass cannot resume. A method reads the layers more than once by starting
   another pass (auto: once to build its fronts, once to rebuild the chosen states).
+* ``sequential=True`` (``--calib-mode sequential``, GPTQ's own pipeline and llm-compressor's default): the
+  layer's outputs, which are the next layer's inputs, are computed after the reader is done with the layer,
+  with the experts it replaced (`LayerStats.replace_expert`: the quantized ones), so each layer's statistics
+  are taken on the activations of the already-compressed layers before it. One-pass (the default) computes
+  every layer's inputs with the original model.
 
 Single process only; the multi-process calibration writes a store.
 """
@@ -53,8 +58,10 @@ class LayerStats(_Named):
     (``get``, ``get_row``, ``has``, ``require``, ``meta``) for that layer only."""
 
     def __init__(self, layer: int, stats: dict[str, torch.Tensor], rows, square: frozenset[str], meta: dict,
-                 chunk: int, weights=None):
+                 chunk: int, weights=None, replace=None):
         self.layer, self.meta, self.chunk = layer, meta, chunk
+        self.sequential = replace is not None  # the pass computes the next layer's inputs after the reader
+        self._replace = replace
         self.weights = weights  # (checkpoint, native name -> tensor) of the pass's loaded layer, as stored; or None
         self._stats, self._rows, self._square = stats, rows, square
         self._cached: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (experts, their square rows)
@@ -110,6 +117,13 @@ class LayerStats(_Named):
         self._cached = (experts, self._rows(experts))
         self.passes += 1
 
+    def replace_expert(self, e: int, weights) -> None:
+        """Sequential calibration: expert e of this layer computes with `weights` (`ExpertWeights`, e.g. its
+        dequantized codes) when the pass computes the next layer's inputs, after the reader is done."""
+        if self._replace is None:
+            raise RuntimeError("replace_expert on a one-pass view; this is a bug, please report it.")
+        self._replace(e, weights)
+
     def drop_rows(self) -> None:
         """The reader is done with square statistics for now: free the chunk held (the next read gathers)."""
         self._cached = None
@@ -117,22 +131,23 @@ class LayerStats(_Named):
 
     def close(self) -> None:
         """The pass moved on: the layer is gone, so nothing can be gathered any more."""
-        self._rows, self._cached, self._stats, self.weights = None, None, {}, None
+        self._rows, self._cached, self._stats, self.weights, self._replace = None, None, {}, None, None
 
 
 class StreamedStats(_Named):
     """Statistics `names` of `model` on calibration `data`, per layer, gathered on demand (module doc)."""
 
     def __init__(self, model: str, data, names: list[str], *, seq_len: int = 256, seed: int = 0,
-                 batch_size: int = 8, dtype: str = "auto", chunk: int = CHUNK):
+                 batch_size: int = 8, dtype: str = "auto", chunk: int = CHUNK, sequential: bool = False):
         self.cal = Calibration(model, data, CalibrationOptions(seq_len=seq_len, stats=names, batch_size=batch_size,
                                                                dtype=dtype, seed=seed, progress=False), stream=True)
         if self.cal.world > 1:
             raise MoECompressError("Streamed statistics run in one process; calibrate into a store with "
                                    "moecompress calibrate (multi-process) and pass it with --calib DIR.")
-        self.chunk = chunk
+        self.chunk, self.sequential = chunk, sequential
         self.square = frozenset().union(*(cls.square for cls in self.cal.classes))
-        self.meta = {"data": self.cal.calib.to_dict(), "stats": list(self.cal.names), "streamed": True}
+        self.meta = {"data": self.cal.calib.to_dict(), "stats": list(self.cal.names), "streamed": True,
+                     "calib_mode": "sequential" if sequential else "one-pass"}
 
     def layers(self) -> Iterator[LayerStats]:
         """One pass: a `LayerStats` per MoE layer in order, valid until the next one is asked for."""
@@ -145,7 +160,9 @@ class StreamedStats(_Named):
         try:
             runner.embed()
             for i in runner.moe_passes():
-                stats_i = gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device)
+                # sequential: the layer's outputs wait until the reader has replaced what it compressed
+                stats_i = gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device,
+                                 write=not self.sequential)
                 stats_i = {k: v for k, v in stats_i.items() if k not in self.square}
 
                 def rows(ids: list[int], i=i) -> dict[str, torch.Tensor]:
@@ -158,10 +175,18 @@ class StreamedStats(_Named):
                     prefix = f"{cal.reader.layers_prefix}.{i}"
                     weights = (str(cal.reader.path), {**dict(layer.named_parameters(prefix)),
                                                       **dict(layer.named_buffers(prefix))})
-                view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk, weights)
+                replace = None
+                if self.sequential:
+                    def replace(e: int, w, i=i) -> None:
+                        with torch.no_grad():
+                            runner.adapter.layer(i).storage.write(e, w)
+                view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk, weights, replace)
                 del stats_i, weights  # held by the view only: freeing the layer must free its tensors
                 yield view
                 view.close()
+                if self.sequential:  # the next layer's inputs, from the layer as the reader left it, computed
+                    # through the same observed forward a one-pass run writes them with (its statistics unused)
+                    gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device)
         finally:
             runner.cache.clear()
 

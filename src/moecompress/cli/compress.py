@@ -63,6 +63,9 @@ def compress_command(
                                               "'Non-expert tensors')."),
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
+    calib_mode: str = typer.Option("one-pass", help="one-pass: every layer's statistics on the original model's "
+                                   "activations | sequential: on the already-quantized earlier layers (GPTQ's "
+                                   "pipeline; --method quant with --calib a data spec)."),
     seed: int = typer.Option(0),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print memory, disk and time estimates; compute nothing."),
@@ -125,7 +128,7 @@ def compress_command(
         if dry_run:
             return
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
-                      overwrite=overwrite, quant=quant_setting)
+                      overwrite=overwrite, quant=quant_setting, calib_mode=calib_mode)
     Console().print(result.describe())
     table = auto_table(Path(result.path) / "plan.json")
     if table is not None:

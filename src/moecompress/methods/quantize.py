@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..calibrate.streamed import each_layer
+from ..calibrate.streamed import LayerStats, each_layer
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, PlanTensors, Scope
 from ..quant import QuantizedTensor, gptq, rtn
@@ -281,6 +281,9 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
         sc = plan.scope_of(i)
         specs = {(sc.id, s.id): spec for s in sc.stored}
         plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs)
+        if isinstance(stats, LayerStats) and stats.sequential:  # later layers calibrate on these quantized ones
+            for s in sc.stored:
+                stats.replace_expert(s.sources[0][1], stored_weights(plan, sc, s, source, tensors))
     plan.params = {**plan.params, "quant": config.model_dump()}
     return plan, tensors
 
