@@ -97,8 +97,8 @@ def test_a_named_format_that_cannot_hold_the_plan_is_refused_in_one_sentence(inf
         choose_format(packed, "compact")
     with pytest.raises(MoECompressError, match="cannot delete or mask the dropped slots.*use --format hf"):
         choose_format(_half(info), "materialized")
-    with pytest.raises(MoECompressError, match="Unknown export format 'gguf'; use one of hf, compact"):
-        choose_format(_half(info), "gguf")
+    with pytest.raises(MoECompressError, match="Unknown export format 'onnx'; use one of hf, compact"):
+        choose_format(_half(info), "onnx")
     assert HFFormat.refusal(_remap(info)).endswith("export it with format='compact' instead.")
     assert HFFormat.refusal(packed).endswith("export it with format='packed' instead.")
     assert CompactFormat.refusal(packed).endswith("export it with format='packed' instead.")

@@ -73,7 +73,7 @@ class ExportResult(BaseModel):
 
 
 def _weights_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    return sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".safetensors", ".gguf"))
 
 
 def _write_recipe(tmp: Path, recipe) -> None:
@@ -154,8 +154,8 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
 
     format: ``compact`` (any plan without packed experts; read with `moecompress.load`), ``packed``
     (compact plus PuzzleMoE packed experts stored packed; read with `moecompress.load`), ``hf``
-    (vanilla checkpoint when the family's config can express the plan) or ``materialized`` (full
-    size, evaluation only).
+    (vanilla checkpoint when the family's config can express the plan), ``materialized`` (full
+    size, evaluation only) or ``gguf`` (one model.gguf for llama.cpp; docs/export.md).
 
     protect: paths `out` may not be, contain or sit inside (the source directory is added); inputs: their
     fingerprints from when the run started (`atomic.fingerprint_inputs`), checked before the rename
@@ -171,7 +171,8 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     with atomic_dir(out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}", inputs=inputs) as tmp:
         writer = ShardWriter(tmp, max_shard_size)
         _stream(source, plan, fmt, writer, quiet)
-        shards = writer.close()
+        own = fmt.write_files(tmp)  # a format that writes its own file (gguf) names it; else the shards
+        shards = writer.close() if own is None else own
         config = fmt.output_config()
         if fmt.runtime_tensors:
             # no config.json on purpose: plain from_pretrained must not load a compact dir with random experts

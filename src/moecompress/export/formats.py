@@ -17,6 +17,7 @@ class plus its `FORMATS` entry (docs/architecture.md, "Worked example: a new exp
   dense experts, ``moecompress.scopes.<id>.merged.s<k>.*`` each packed expert's tensors, once).
 * ``materialized``: every original slot filled with what it computes (zeros for dropped slots; a
   slot of a packed merge gets its own member's decoded reconstruction), full size, evaluation only.
+* ``gguf``: llama.cpp's GGUF, one ``model.gguf`` (export/gguf.py, docs/export.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ..models.families import expert_count_keys
 from ..plan import CompressionPlan, Scope
 from ..runtime import build_ops, native_tensors, runtime_layout
 from ..runtime.build import _complete_bias, scope_from_weights, stored_weights
+from .gguf import GGUFFile, load_gguf
+from .gguf import reason as gguf_reason
 from .readers import SCOPE_PREFIX, load_runtime, load_transformers
 
 
@@ -131,6 +134,11 @@ class Format:
 
     def other(self, state: dict) -> dict:
         return self.finalize(state)
+
+    def write_files(self, directory) -> list[str] | None:
+        """The files of a format that writes its own (gguf: one .gguf), once every tensor has streamed past;
+        None: the tensors the hooks returned, in safetensors shards."""
+        return None
 
     def expert_tensors(self, i: int, experts: list[ExpertWeights]) -> dict:
         """Experts of layer i in the layer's own storage layout and names (native)."""
@@ -354,7 +362,44 @@ class PackedFormat(CompactFormat):
         return None
 
 
-FORMATS: dict[str, type[Format]] = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat)}
+class GGUFFormat(Format):
+    """llama.cpp's GGUF: one model.gguf in llama.cpp's names, layouts and types (export/gguf.py)."""
+
+    name = "gguf"
+    load = staticmethod(load_gguf)
+
+    @classmethod
+    def reason(cls, plan):
+        return gguf_reason(plan)
+
+    def check(self):
+        super().check()
+        self.file = GGUFFile(self.plan, self.tensors, self.source)
+
+    def dense_layer(self, i, rel):
+        self.file.add_all(self.full(i, rel))
+        return {}
+
+    def moe_layer(self, i, rel_nonexpert, layer):
+        self.file.add_all(self.full(i, rel_nonexpert), layer=i)
+        return {}
+
+    def scope(self, sc, weights):
+        (i,) = sc.layers
+        kept = [self.plan.layer(i).slots[e] for e in self.file.kept[i]]
+        self.file.experts(i, [sc.stored[s] for s in kept], [weights[s] for s in kept], self.expert_names[i][3])
+        return {}
+
+    def other(self, state):
+        self.file.add_all(state, outside=True)
+        return {}
+
+    def write_files(self, directory):
+        return [self.file.write(directory)]
+
+
+FORMATS: dict[str, type[Format]] = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat,
+                                                        GGUFFormat)}
 # `auto`: the first of these that holds the plan — a vanilla checkpoint when the family's config can express it,
 # else the runtime's compact tensors, else (PuzzleMoE packed merges) the packed ones
 AUTO_ORDER = ("hf", "compact", "packed")

@@ -1,0 +1,360 @@
+"""GGUF, llama.cpp's file format, written with llama.cpp's own writer (the `gguf` package): the `gguf` export format.
+
+One ``model.gguf`` per export (docs/export.md). Tensor names come from gguf's own tensor-name map for the
+architecture (`gguf.get_tensor_name_map`), metadata keys from its writer, types from its constants:
+
+* each MoE layer's kept experts (in slot order, as a sliced `hf` checkpoint keeps them) stacked into
+  ``blk.N.ffn_{gate,up,down}_exps`` ([E, I, H], [E, I, H], [E, H, I]: GGML's ne reversed), the router
+  ``blk.N.ffn_gate_inp`` with the kept rows only, ``expert_count`` = the kept count;
+* float weights in the checkpoint's own dtype (BF16, F16 or F32: nothing is rounded), 1-D tensors, norms, biases
+  and routers in F32, as llama.cpp's converter writes them;
+* stored experts quantized symmetric 8- or 4-bit with group 32 (``w8g32`` / ``w4g32``) as ``Q8_0`` / ``Q4_0``,
+  written from our codes and scales (not quantized again); ``Q8_0``/``Q4_0`` hold each group's scale in fp16;
+* the tokenizer as llama.cpp's byte-level BPE (``gpt2``: tokens, token types, merges, special ids) with the
+  pre-tokenizer named after the tokenizer's own splitting rule;
+* ``output.weight`` written from the embedding when the model ties them and llama.cpp's architecture has no
+  fallback (OLMoE, Qwen2-MoE); Qwen3-MoE and Mixtral (llama) fall back to ``token_embd`` themselves.
+
+Which plans a GGUF holds is `reason`; what llama.cpp computes for each architecture is `ARCHES`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import MoECompressError
+from ..plan import CompressionPlan
+from ..quant.spec import QuantSpec
+from ..quant.tensor import QuantizedTensor
+
+GGUF_FILE = "model.gguf"
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What llama.cpp's graph for one architecture computes, where the GGUF cannot say otherwise."""
+
+    arch: str  # gguf.MODEL_ARCH member
+    renormalises: bool  # its build_moe_ffn call renormalises the top-k weights (norm_w, hard-coded per architecture)
+    output_required: bool  # it needs output.weight (no fallback to token_embd for a tied head)
+    expert_width_key: bool  # the expert width goes in expert_feed_forward_length (else feed_forward_length)
+    rope_permuted: bool = False  # q/k rows permuted to GGML's rope layout, as the converter's LlamaModel does
+
+
+# llama.cpp's src/models/{olmoe,qwen3moe,qwen2moe,llama}.cpp and its converter's classes for these families
+ARCHES = {
+    "olmoe": Arch("OLMOE", renormalises=False, output_required=True, expert_width_key=False),
+    "qwen3_moe": Arch("QWEN3MOE", renormalises=True, output_required=False, expert_width_key=True),
+    "qwen2_moe": Arch("QWEN2MOE", renormalises=False, output_required=True, expert_width_key=True),
+    "mixtral": Arch("LLAMA", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True),
+}
+BLOCK = 32  # Q8_0 / Q4_0: 32 weights a block, one fp16 scale
+
+
+def exact_type(spec: QuantSpec | None) -> str | None:
+    """The GGUF type whose grid is exactly `spec`'s (``Q8_0`` / ``Q4_0``), ``"float"`` for unquantized, or None."""
+    if spec is None:
+        return "float"
+    if spec.symmetric and spec.group_size == BLOCK and spec.bits in (8, 4):
+        return f"Q{spec.bits}_0"
+    return None
+
+
+def reason(plan: CompressionPlan) -> str | None:
+    """Why llama.cpp cannot run `plan` from a GGUF (a clause), or None when it can."""
+    info = plan.model
+    arch = ARCHES.get(info.model_type)
+    if arch is None:
+        *first, last = ARCHES
+        return f"this GGUF writer covers the {', '.join(first)} and {last} families, not {info.model_type}"
+    if plan.has_packed():
+        return "it stores packed element-wise merges"
+    if plan.tensor_quant:
+        return "it quantizes non-expert tensors, which this GGUF writer does not write yet"
+    if len(plan.layers) != info.num_hidden_layers:
+        return f"some of its decoder layers are dense, which llama.cpp's {arch.arch.lower()} cannot hold"
+    counts, widths = set(), set()
+    for lp in sorted(plan.layers, key=lambda x: x.layer):
+        sc, li = plan.scope(lp.scope), info.layer(lp.layer)
+        if li.keep_equals_renorm != arch.renormalises:
+            return (f"layer {lp.layer}'s router {'does not renormalise' if arch.renormalises else 'renormalises'} "
+                    f"its top-k weights and llama.cpp's {arch.arch.lower()} always "
+                    f"{'does' if arch.renormalises else 'does not'}")
+        if sc.layers != [lp.layer]:
+            return f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
+        if lp.operators():
+            return f"layer {lp.layer} has replacement operators"
+        if not (lp.gate == "renorm" or (lp.gate == "keep" and li.keep_equals_renorm) or not lp.dropped()):
+            return f"layer {lp.layer} uses gate '{lp.gate}', which llama.cpp's router cannot express"
+        ids = lp.stored_ids()
+        if len(set(ids)) != len(ids):
+            return f"layer {lp.layer} maps several slots to one stored expert"
+        if li.n_group > 1 or info.expert_bias:
+            return f"layer {lp.layer} has a grouped router or expert biases"
+        stored = [sc.stored[s] for s in ids]
+        if any(plan.stored_width(sc, s) != li.intermediate_size for s in stored):
+            return f"layer {lp.layer} stores an expert of a different width"
+        specs = {s.quant for s in stored}
+        if len(specs) > 1:
+            return f"layer {lp.layer}'s experts have different precisions, and one GGUF tensor holds them all"
+        (spec,) = specs
+        if exact_type(spec) is None:
+            return (f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32 and w4g32 do, as "
+                    "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet")
+        if spec is not None and (info.hidden_size % BLOCK or li.intermediate_size % BLOCK):
+            return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q4_0 block"
+        if len(ids) < li.top_k:
+            return f"layer {lp.layer} keeps fewer experts ({len(ids)}) than it routes to ({li.top_k})"
+        counts.add(len(ids))
+        widths.add(li.intermediate_size)
+    if len(counts) != 1:
+        return f"its layers keep different numbers of experts ({sorted(counts)}), and llama.cpp has one expert count"
+    if len(widths) != 1:
+        return "its layers have experts of different widths"
+    return None
+
+
+def load_gguf(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
+    raise MoECompressError(f"{d} holds a GGUF file for llama.cpp (llama-cli -m {d / GGUF_FILE}), which moecompress "
+                           "does not load; evaluate the plan in Python with format='compact' or apply_plan.")
+
+
+# ----------------------------------------------------------------------------- tensor encodings
+def fp16_scales(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Our bf16 group scales as the fp16 that Q8_0/Q4_0 store, and how many of them fp16 does not hold exactly.
+
+    bf16 has 8 significant bits, fp16 11: every bf16 scale from 2^-17 (fp16's subnormals still carry the 8 bits)
+    up to 65504 is exact. A smaller one (a group whose largest |w| is below about 1e-3 at 8 bits) is rounded."""
+    half = scale.to(torch.float16)
+    return half, int((half.float() != scale.float()).sum())
+
+
+def encode_quantized(q: QuantizedTensor) -> tuple[np.ndarray, str, int]:
+    """Our codes and scales of [..., out, in] as GGUF blocks: (uint8 [..., out, in/32 · block bytes], type name,
+    inexact scales). Q8_0 block: fp16 d, 32 int8 codes (w = d·q). Q4_0 block: fp16 d, 16 bytes holding code j + 8
+    in the low nibble of byte j and code j + 16 (+ 8) in its high nibble (w = d·(nibble − 8))."""
+    kind = exact_type(q.spec)
+    if kind not in ("Q8_0", "Q4_0"):
+        raise MoECompressError(f"No GGUF type holds {q.spec.name()} codes exactly.")
+    codes = q.codes.detach().to(torch.int8)
+    *lead, out, n = codes.shape
+    groups = n // BLOCK
+    half, inexact = fp16_scales(q.scale.detach())
+    d = half.contiguous().view(torch.uint8).reshape(*lead, out, groups, 2)
+    blocks = codes.reshape(*lead, out, groups, BLOCK)
+    if kind == "Q8_0":
+        qs = blocks.view(torch.uint8)
+    else:
+        nib = (blocks + 8).to(torch.uint8)
+        qs = nib[..., : BLOCK // 2] | (nib[..., BLOCK // 2:] << 4)
+    data = torch.cat([d, qs], dim=-1).reshape(*lead, out, -1)
+    return data.numpy(), kind, inexact
+
+
+# ----------------------------------------------------------------------------- tokenizer
+# Hugging Face's Split regex of the Qwen2/Qwen3 tokenizers: llama.cpp's "qwen2" pre-tokenizer
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+
+
+def pre_tokenizer(tok: dict) -> str | None:
+    """llama.cpp's name for the tokenizer's splitting rule, or None when it is not one this writer knows.
+
+    A byte-level BPE splitting with GPT-2's regex (ByteLevel, use_regex, no prefix space) is llama.cpp's ``gpt-2``
+    (the same regex as its ``olmo``); the Qwen2/Qwen3 Split regex is ``qwen2``."""
+    pre = tok.get("pre_tokenizer") or {}
+    if (pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+            and tok.get("normalizer") is None):
+        return "gpt-2"
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern", {}).get("Regex") == _QWEN2_SPLIT
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
+        return "qwen2"
+    return None
+
+
+def add_tokenizer(w, directory: Path | None, vocab_size: int) -> None:
+    """Vocabulary (one entry per embedding row), token types, merges and special ids, as llama.cpp's ``gpt2``."""
+    import gguf
+
+    path = directory / "tokenizer.json" if directory is not None else None
+    if path is None or not path.is_file():
+        raise MoECompressError("A GGUF export needs the model's tokenizer.json; export from the checkpoint "
+                               "directory that holds it.")
+    tok = json.loads(path.read_text())
+    model, pre = tok.get("model", {}), pre_tokenizer(tok)
+    if model.get("type") != "BPE" or pre is None:
+        raise MoECompressError(f"{path} is not a byte-level BPE tokenizer with a pre-tokenizer this GGUF writer can "
+                               "name for llama.cpp; export with format='hf' and convert with llama.cpp's "
+                               "convert_hf_to_gguf.py.")
+    names = {i: t for t, i in model["vocab"].items()}
+    added = {a["id"]: a for a in tok.get("added_tokens", [])}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in added:
+            tokens.append(added[i]["content"])
+            types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+        elif i in names:
+            tokens.append(names[i])
+            types.append(gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    special = gguf.SpecialVocab(directory, load_merges=True, n_vocab=vocab_size)
+    special.add_to_gguf(w, quiet=True)
+    if not special.add_special_token:  # the tokenizer adds no special tokens itself: neither does llama.cpp
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+
+
+# ----------------------------------------------------------------------------- the file
+def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> GGML's interleaved rope pairs (llama.cpp's converter, LlamaModel.permute)."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+class GGUFFile:
+    """One plan's GGUF, built while the export streams: metadata and tokenizer first, tensors as they come
+    (spooled to a temporary file by gguf's writer), the file itself in `write`."""
+
+    def __init__(self, plan: CompressionPlan, tensors, source):
+        import gguf
+
+        self.plan, self.tensors, self.config = plan, tensors or {}, source.config
+        self.arch = ARCHES[plan.model.model_type]
+        arch = getattr(gguf.MODEL_ARCH, self.arch.arch)
+        cfg, info = self.config, plan.model
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise MoECompressError(f"This model's rope type '{rope.get('rope_type')}' is not written by this GGUF "
+                                   "writer; export with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
+        self.names = gguf.get_tensor_name_map(arch, info.num_hidden_layers)
+        self.kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers}
+        self.gate_inp = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]
+        self.exps = {part: gguf.TENSOR_NAMES[t] for part, t in (
+            ("gate", gguf.MODEL_TENSOR.FFN_GATE_EXP), ("up", gguf.MODEL_TENSOR.FFN_UP_EXP),
+            ("down", gguf.MODEL_TENSOR.FFN_DOWN_EXP))}
+        self.inexact = 0
+        self.written: set[str] = set()
+
+        w = self.w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch], use_temp_file=True)
+        li = info.layers[0]
+        width, k = li.intermediate_size, len(next(iter(self.kept.values())))
+        w.add_block_count(info.num_hidden_layers)
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(info.hidden_size)
+        if self.arch.expert_width_key:
+            w.add_feed_forward_length(cfg.intermediate_size)
+            w.add_expert_feed_forward_length(width)
+        else:
+            w.add_feed_forward_length(width)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        head_dim = getattr(cfg, "head_dim", None)
+        if head_dim:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        if "rope_theta" in rope:
+            w.add_rope_freq_base(float(rope["rope_theta"]))
+        w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+        w.add_expert_count(k)
+        w.add_expert_used_count(li.top_k)
+        specs = plan.quant_specs()  # the file type names the experts' type when they all have one
+        kind = exact_type(next(iter(specs))) if len(specs) == 1 else None
+        w.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(
+            kind, {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16}.get(
+                info.dtype, gguf.LlamaFileType.ALL_F32)))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_tokenizer(w, source.source_dir, cfg.vocab_size)
+
+    # ---- tensors
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        """Write one float tensor: F32 for 1-D, norms, biases and routers (llama.cpp's converter), else as stored."""
+        import gguf
+
+        t = t.detach().cpu().contiguous()
+        kind = name.split(".")[-2]
+        if t.ndim <= 1 or kind.endswith("_norm") or not name.endswith(".weight") or kind.startswith(self.gate_inp):
+            self.w.add_tensor(name, t.float().numpy())
+        elif t.dtype == torch.bfloat16:
+            self.w.add_tensor(name, t.view(torch.uint8).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        elif t.dtype == torch.float16:
+            self.w.add_tensor(name, t.numpy())
+        else:
+            self.w.add_tensor(name, t.float().numpy())
+        self.written.add(name)
+
+    def add_all(self, state: dict, layer: int | None = None, outside: bool = False) -> None:
+        """Non-expert tensors under their native names (`layer`: a MoE layer's, whose router keeps the kept rows
+        only; `outside`: the tensors outside the decoder layers, which come last)."""
+        embedding = None
+        for name, t in sorted(state.items()):
+            gname = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gname is None:
+                raise MoECompressError(f"Tensor '{name}' has no llama.cpp name for {self.arch.arch.lower()}; export "
+                                       "with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
+            if layer is not None and gname.split(".")[-2] == self.gate_inp:
+                t = t.index_select(0, torch.tensor(self.kept[layer], dtype=torch.long, device=t.device))
+            if self.arch.rope_permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+                t = _permute(t, self.config.num_attention_heads)
+            elif self.arch.rope_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+                t = _permute(t, self.config.num_key_value_heads)
+            self._put(gname, t)
+            if gname == "token_embd.weight":
+                embedding = t
+        if outside and self.arch.output_required and "output.weight" not in self.written:
+            self._put("output.weight", embedding)  # a tied head, which this architecture wants written out
+
+    def experts(self, layer: int, stored: list, weights: list, dtype: torch.dtype) -> None:
+        """Layer `layer`'s kept experts (slot order) stacked into ffn_{gate,up,down}_exps.
+
+        stored: the plan's StoredExpert of each kept slot; weights: their ExpertWeights (None when quantized)."""
+        import gguf
+
+        spec = stored[0].quant
+        for part in ("gate", "up", "down"):
+            name = self.exps[part].format(bid=layer) + ".weight"
+            if spec is None:
+                self._put(name, torch.stack([getattr(w, part).to(dtype) for w in weights]))
+                continue
+            qs = [QuantizedTensor.from_packed({k.rsplit(".", 1)[1]: v for k, v in self.tensors.items()
+                                               if k.startswith(f"{s.tensor}.{part}.")}, spec) for s in stored]
+            q = QuantizedTensor(torch.stack([x.codes for x in qs]), torch.stack([x.scale for x in qs]), None, spec)
+            data, kind, inexact = encode_quantized(q)
+            self.inexact += inexact
+            self.w.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            self.written.add(name)
+
+    def write(self, directory: Path) -> str:
+        """The file itself (header, metadata, tensor infos, then the spooled tensors); returns its name."""
+        if self.inexact:
+            self.w.add_uint64("moecompress.inexact_fp16_scales", self.inexact)
+            warnings.warn(f"{self.inexact} group scales lie below fp16's exact range (2^-17) and were rounded in the "
+                          "GGUF's Q8_0/Q4_0 blocks.", stacklevel=2)
+        path = Path(directory) / GGUF_FILE
+        self.w.write_header_to_file(path)
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+        return GGUF_FILE
+
+
+def tensor_bytes(path: str | Path) -> int:
+    """Bytes of every tensor's data in a GGUF file (as gguf's reader sees them), without header or padding."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+

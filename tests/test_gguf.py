@@ -1,0 +1,308 @@
+"""The `gguf` export format (issue 31): llama.cpp's file written with llama.cpp's own writer, read back with its reader.
+
+Pure Python: `gguf.GGUFReader` and `gguf.quants.dequantize` check what llama.cpp would read. Loading the file
+inside llama.cpp itself is not done here (docs/export.md, "GGUF")."""
+
+import re
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from moecompress.api import export
+from moecompress.errors import MoECompressError
+from moecompress.export import gguf as G
+from moecompress.export.formats import FORMATS, GGUFFormat
+from moecompress.methods.quantize import QuantConfig, quantize_plan
+from moecompress.models import MoEAdapter
+from moecompress.plan import CompressionPlan, ModelInfo
+from moecompress.quant.rtn import rtn
+from moecompress.quant.spec import QuantSpec
+from moecompress.testing import fixture_dir, run_cli, tiny_model
+
+FIXTURES = {"olmoe-tiny": "olmoe", "qwen3-moe-tiny": "qwen3moe"}
+_EXP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+_MODELS = {}
+
+
+def _model(name):
+    if name not in _MODELS:
+        from moecompress.models import load_model
+
+        _MODELS[name] = load_model(str(fixture_dir(name)))
+    return _MODELS[name]
+
+
+def _half_keep(info):
+    """A 50 % prune that keeps a different set in every layer (so the stacks' order is checked)."""
+    return {li.layer: sorted({(3 * j + li.layer) % li.num_experts for j in range(li.num_experts // 2)})
+            for li in info.layers}
+
+
+def _read(path):
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    return reader, fields, {t.name: t for t in reader.tensors}
+
+
+def _checkpoint(name):
+    with safe_open(fixture_dir(name) / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Both fixtures, identity and a 50 % renorm prune, exported once."""
+    out = {}
+    for name in FIXTURES:
+        info = ModelInfo.from_model(_model(name), checkpoint=fixture_dir(name))
+        for kind, plan in (("identity", CompressionPlan.identity(_model(name))),
+                           ("half", CompressionPlan.prune(info, _half_keep(info), gate="renorm"))):
+            d = tmp_path_factory.mktemp(f"{name}-{kind}")
+            result = export(str(fixture_dir(name)), plan, d / "out", format="gguf", quiet=True)
+            out[name, kind] = (plan, d / "out", result)
+    return out
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("kind", ["identity", "half"])
+def test_the_gguf_holds_the_checkpoint_in_llamacpp_names_layouts_and_types(written, name, kind):
+    plan, d, result = written[name, kind]
+    assert sorted(p.name for p in d.iterdir() if p.suffix in (".gguf", ".safetensors")) == ["model.gguf"]
+    assert result.shards == ["model.gguf"] and result.weight_bytes == (d / "model.gguf").stat().st_size
+    _, fields, tensors = _read(d / "model.gguf")
+    arch = FIXTURES[name]
+    config = _model(name).config
+    kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers}
+    k = len(kept[0])
+    assert k == (16 if kind == "identity" else 8)
+    assert fields["general.architecture"] == arch
+    assert fields[f"{arch}.block_count"] == 4 and fields[f"{arch}.context_length"] == 1024
+    assert fields[f"{arch}.embedding_length"] == 192
+    assert fields[f"{arch}.expert_count"] == k and fields[f"{arch}.expert_used_count"] == config.num_experts_per_tok
+    assert fields[f"{arch}.attention.head_count"] == 6
+    assert fields[f"{arch}.attention.head_count_kv"] == config.num_key_value_heads
+    assert fields[f"{arch}.rope.freq_base"] == 10000.0
+    width = 96 if arch == "olmoe" else 128
+    assert fields[f"{arch}.expert_feed_forward_length" if arch == "qwen3moe" else f"{arch}.feed_forward_length"] == width
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert len(fields["tokenizer.ggml.tokens"]) == 4096 and fields["tokenizer.ggml.tokens"][:2] == ["<|endoftext|>",
+                                                                                                   "<|pad|>"]
+    assert list(fields["tokenizer.ggml.token_type"][:3]) == [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+                                                            gguf.TokenType.NORMAL]
+    assert fields["tokenizer.ggml.merges"][0] == "Ġ t" and len(fields["tokenizer.ggml.merges"]) == 3838
+    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.padding_token_id"]) == (0, 0, 1)
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+
+    # every tensor: its name from gguf's own map, its shape, its type, and its values (experts in slot order)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), 4)
+    expected = {}
+    experts = {}
+    for key, t in _checkpoint(name).items():
+        m = _EXP.fullmatch(key)
+        if m:
+            experts[int(m[1]), int(m[2]), m[3]] = t
+            continue
+        gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if gname.endswith("ffn_gate_inp.weight"):
+            t = t[kept[int(key.split(".")[2])]]
+        expected[gname] = t
+    for i in range(4):
+        for part in ("gate", "up", "down"):
+            expected[f"blk.{i}.ffn_{part}_exps.weight"] = torch.stack([experts[i, e, part] for e in kept[i]])
+    assert set(tensors) == set(expected)
+    for gname, t in expected.items():
+        found = tensors[gname]
+        f32 = t.ndim == 1 or "ffn_gate_inp" in gname
+        assert found.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.BF16), gname
+        assert [int(x) for x in found.shape] == list(reversed(t.shape)), gname  # GGML's ne: PyTorch's reversed
+        values = gguf.quants.dequantize(found.data, found.tensor_type)
+        assert np.array_equal(values, t.float().numpy()), gname
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_file_bytes_against_the_plans(written, name, capsys):
+    """The tensors' bytes against `CompressionPlan.logical_bytes`: within 1 % (norms and routers are F32 in GGUF)."""
+    for kind in ("identity", "half"):
+        plan, d, _ = written[name, kind]
+        data = G.tensor_bytes(d / "model.gguf")
+        logical = plan.logical_bytes().total
+        with capsys.disabled():
+            print(f"\n{name} {kind}: GGUF tensor bytes {data} / file {(d / 'model.gguf').stat().st_size} vs plan "
+                  f"{logical} ({100 * (data / logical - 1):+.2f} %)")
+        assert abs(data / logical - 1) < 0.01
+
+
+@pytest.mark.parametrize("spec", ["w8g32", "w4g32"])
+def test_q8_0_and_q4_0_are_our_codes_exactly(spec):
+    """Known answer: gguf's own dequantizer gives back exactly our dequantized weights (float32), including scales of
+    every magnitude fp16 holds exactly; a scale below 2^-17 is counted as rounded."""
+    spec = QuantSpec.parse(spec, algo="rtn")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 16, 128, generator=g)
+    w = w * torch.logspace(-2, 1.5, 16).reshape(1, 16, 1)  # rows from 0.01 to ~30: scales down to ~2e-5 (8-bit)
+    q = rtn(w.to(torch.bfloat16), spec)
+    data, kind, inexact = G.encode_quantized(q)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    assert kind == f"Q{spec.bits}_0" and data.shape == (3, 16, 4 * (34 if spec.bits == 8 else 18))
+    ours = q.dequantize(torch.float32).numpy()
+    assert inexact == 0 and (q.scale.float() >= 2.0 ** -17).all()
+    assert np.array_equal(gguf.quants.dequantize(data, qtype), ours)
+    assert np.array_equal(gguf.quants.dequantize(data, qtype), q.dequantize(torch.float32).numpy())
+    # gguf's quantizer, by contrast, picks its own codes (Q4_0: d = max/-8), so its weights are not ours
+    if spec.bits == 4:
+        assert not np.array_equal(gguf.quants.dequantize(gguf.quants.quantize(ours.reshape(-1, 128), qtype), qtype),
+                                  ours.reshape(-1, 128))
+    tiny = rtn((w[:1, :1] * 1e-4).to(torch.bfloat16), spec)  # |w| ~ 3e-8: scales below fp16's exact range
+    assert G.encode_quantized(tiny)[2] > 0
+
+
+@pytest.mark.parametrize("spec", ["w8g32", "w4g32"])
+def test_a_quantized_plan_writes_q_blocks_that_dequantize_to_the_runtimes_weights(tmp_path, spec):
+    name = "olmoe-tiny"
+    model = _model(name)
+    adapter = MoEAdapter(model)
+    info = ModelInfo.from_model(model, checkpoint=fixture_dir(name))
+    plan = CompressionPlan.prune(info, _half_keep(info), gate="renorm")
+    plan, tensors = quantize_plan(plan, {}, lambda l, e: adapter.layer(l).storage.read(e),
+                                  QuantConfig(quant=spec, algo="rtn"))
+    assert GGUFFormat.reason(plan) is None
+    result = export(str(fixture_dir(name)), plan, tmp_path / "q", format="gguf", quiet=True, tensors=tensors)
+    _, fields, found = _read(tmp_path / "q" / "model.gguf")
+    qtype = getattr(gguf.GGMLQuantizationType, f"Q{spec[1]}_0")
+    assert fields["general.file_type"] == (gguf.LlamaFileType.MOSTLY_Q8_0 if spec == "w8g32" else
+                                           gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert "moecompress.inexact_fp16_scales" not in fields  # every scale of the fixture is an fp16 value
+    from moecompress.quant.tensor import QuantizedTensor
+
+    for lp in plan.layers:
+        sc = plan.scope(lp.scope)
+        stored = [sc.stored[t] for t in lp.slots if isinstance(t, int)]
+        for part in ("gate", "up", "down"):
+            t = found[f"blk.{lp.layer}.ffn_{part}_exps.weight"]
+            assert t.tensor_type == qtype
+            ours = [QuantizedTensor.from_packed(
+                {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{s.tensor}.{part}.")},
+                plan.scope(lp.scope).stored[s.id].quant) for s in stored]
+            theirs = gguf.quants.dequantize(t.data, qtype)
+            assert np.array_equal(theirs, torch.stack([q.dequantize(torch.float32) for q in ours]).detach().numpy())
+            # what the runtime computes with (bf16, rounded once from the float32 product) is theirs rounded to bf16
+            assert torch.equal(torch.from_numpy(theirs).to(torch.bfloat16),
+                               torch.stack([q.dequantize(torch.bfloat16) for q in ours]))
+    data, logical = G.tensor_bytes(tmp_path / "q" / "model.gguf"), plan.logical_bytes(tensors).total
+    print(f"{spec}: GGUF tensor bytes {data} vs plan {logical} ({100 * (data / logical - 1):+.2f} %)")
+    assert abs(data / logical - 1) < 0.01 and result.format == "gguf"
+
+
+def _with_constant(plan):
+    """`plan` with layer 0's first dropped slot computing a constant vector (a replacement operator)."""
+    data = plan.model_dump(mode="json")
+    slots = data["layers"][0]["slots"]
+    slots[slots.index("drop")] = {"op": "constant", "tensor": "ops.c"}
+    return CompressionPlan.model_validate(data)
+
+
+def test_refusals_are_one_sentence_naming_a_format_that_can(tmp_path):
+    info = ModelInfo.from_model(_model("olmoe-tiny"), checkpoint=fixture_dir("olmoe-tiny"))
+    qinfo = ModelInfo.from_model(_model("qwen3-moe-tiny"), checkpoint=fixture_dir("qwen3-moe-tiny"))
+    uneven = CompressionPlan.prune(info, {0: list(range(8)), 1: list(range(8)), 2: list(range(8)), 3: list(range(6))})
+    cases = {
+        "different numbers of experts": uneven,
+        "several slots to one stored expert": CompressionPlan.remap(info, {li.layer: [e // 2 * 2 for e in range(16)]
+                                                                          for li in info.layers}),
+        "uses gate 'keep'": CompressionPlan.prune(info, _half_keep(info), gate="keep"),  # OLMoE: not renormalised
+        "uses gate 'replace'": CompressionPlan.prune(info, _half_keep(info), gate="replace"),
+        "replacement operators": _with_constant(CompressionPlan.prune(info, _half_keep(info), gate="replace")),
+        "covers the olmoe, qwen3_moe, qwen2_moe and mixtral families, not deepseek_v2":
+            CompressionPlan.identity(tiny_model("deepseek_v2")),
+    }
+    for why, plan in cases.items():
+        refusal = GGUFFormat.refusal(plan)
+        assert why in refusal and "\n" not in refusal and re.search(r"export it with format='\w+' instead\.$", refusal)
+    # keep == renorm where the router renormalises (Qwen3-MoE): llama.cpp holds it
+    assert GGUFFormat.reason(CompressionPlan.prune(qinfo, _half_keep(qinfo), gate="keep")) is None
+    adapter = MoEAdapter(_model("olmoe-tiny"))
+    for spec, why in (("w4g128", "w4g128 experts match no GGUF type exactly"), ("w8g32a", "only symmetric")):
+        plan, _ = quantize_plan(CompressionPlan.identity(adapter), {},
+                                lambda l, e: adapter.layer(l).storage.read(e), QuantConfig(quant=spec, algo="rtn"))
+        assert why in GGUFFormat.refusal(plan)
+    with pytest.raises(MoECompressError, match=r"^The 'gguf' format cannot express this plan \(.*compact"):
+        export(str(fixture_dir("olmoe-tiny")), cases["uses gate 'replace'"], tmp_path / "x", format="gguf")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(MoECompressError, match="needs the model's tokenizer.json"):
+        export(tiny_model("olmoe"), CompressionPlan.identity(tiny_model("olmoe")), tmp_path / "y", format="gguf")
+    with pytest.raises(MoECompressError, match="does not load"):
+        from moecompress.api import load
+
+        load(_export_identity(tmp_path))
+
+
+def _export_identity(tmp_path):
+    d = tmp_path / "id"
+    export(str(fixture_dir("olmoe-tiny")), CompressionPlan.identity(_model("olmoe-tiny")), d, format="gguf", quiet=True)
+    return d
+
+
+def test_the_cli_writes_gguf_and_refuses_in_one_sentence(tmp_path, capsys):
+    assert "gguf" in FORMATS
+    base = ["compress", "fixture:olmoe-tiny", "--method", "quant", "--quant-algo", "rtn", "--format", "gguf"]
+    code, out, err = run_cli([*base, "--quant", "w8g32", "--out", str(tmp_path / "ok")], capsys)
+    assert code == 0, err
+    assert "gguf checkpoint" in out
+    found = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "ok" / "model.gguf").tensors}
+    assert found["blk.3.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
+    code, out, err = run_cli([*base, "--quant", "w4g128", "--out", str(tmp_path / "no")], capsys)
+    assert code == 2 and not (tmp_path / "no").exists()
+    line = err.strip()
+    assert "\n" not in line and "The 'gguf' format cannot express this plan" in line and "use --format" in line
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
+def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
+    """Shared experts (Qwen2-MoE) and llama's q/k rope permutation (Mixtral): every tensor gets a llama.cpp name."""
+    model = tiny_model(family, dtype=torch.bfloat16, vocab_size=4096, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fixture_dir("olmoe-tiny") / f, tmp_path / "m" / f)
+    info = ModelInfo.from_model(model, checkpoint=tmp_path / "m")
+    plan = CompressionPlan.prune(info, {li.layer: [0, 2, 5, 7] for li in info.layers})
+    export(str(tmp_path / "m"), plan, tmp_path / "g", format="gguf", quiet=True)
+    _, fields, found = _read(tmp_path / "g" / "model.gguf")
+    assert fields["general.architecture"] == arch and fields[f"{arch}.expert_count"] == 4
+    assert found["blk.1.ffn_gate_exps.weight"].shape.tolist() == [32, 16, 4]
+    assert ("output.weight" in found) == (family == "qwen2_moe")  # tied: written only where llama.cpp needs it
+    if family == "qwen2_moe":
+        assert {"blk.0.ffn_gate_shexp.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.attn_q.bias"} <= set(found)
+    else:
+        for proj, heads in (("q", model.config.num_attention_heads), ("k", model.config.num_key_value_heads)):
+            w = getattr(model.model.layers[0].self_attn, f"{proj}_proj").weight.detach().float()
+            t = found[f"blk.0.attn_{proj}.weight"]
+            got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+            # rows permuted within each head to GGML's interleaved rope pairs, as llama.cpp's converter writes them
+            d = w.shape[0] // heads
+            order = torch.arange(w.shape[0]).reshape(heads, 2, d // 2).transpose(1, 2).reshape(-1)
+            assert torch.equal(got, w[order]) and not torch.equal(got, w)
+
+
+def test_the_pre_tokenizer_is_named_after_the_tokenizers_splitting_rule():
+    """GPT-2's regex is llama.cpp's `gpt-2` (not `default`, which splits punctuation and digits differently); the
+    Qwen2/Qwen3 Split regex is `qwen2`; Llama-3's (digits in runs of 1-3) is not named, so it is refused."""
+    import json
+
+    fixture = json.loads((fixture_dir("olmoe-tiny") / "tokenizer.json").read_text())
+    assert G.pre_tokenizer(fixture) == "gpt-2"
+    assert G.pre_tokenizer({**fixture, "normalizer": {"type": "NFC"}}) is None
+
+    def split(regex):
+        return {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}}
+
+    assert G.pre_tokenizer(split(G._QWEN2_SPLIT)) == "qwen2"
+    assert G.pre_tokenizer(split(G._QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"))) is None
