@@ -80,6 +80,22 @@ def kept_fixtures(name: str, fresh: dict[str, object], order) -> list:
     return [fresh.get(f) or by[f] for f in order if f in fresh or f in by]
 
 
+def fixture_main(doc: str, fixtures, run, report, out: Path) -> None:
+    """The command line of a per-fixture generator: ``run [--fixtures F ...] [--out DIR]`` measures (`run(fixtures,
+    out)`), ``report`` rewrites its section from the committed results (`report()`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["run", "report"])
+    ap.add_argument("--fixtures", nargs="+", default=list(fixtures), choices=fixtures)
+    ap.add_argument("--out", type=Path, default=out)
+    args = ap.parse_args()
+    if args.step == "run":
+        run(args.fixtures, args.out)
+    else:
+        report()
+
+
 def load_results(name: str):
     path = results_path(name)
     if not path.is_file():

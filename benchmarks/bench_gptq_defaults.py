@@ -14,8 +14,6 @@ comparisons; the report's sentences are computed from those verdicts.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import time
@@ -24,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._bench_md import kept_fixtures, save_results, write_section  # noqa: E402
+from benchmarks._bench_md import (  # noqa: E402
+    fixture_main, kept_fixtures, load_results, save_results, write_section)
 
 RESULTS = ROOT / "benchmarks" / "results" / "gptq_defaults.json"
 SECTION = "## GPTQ defaults (issue 32)"
@@ -147,22 +146,8 @@ def markdown(results: dict) -> str:
 
 
 def report() -> None:
-    if not RESULTS.is_file():
-        sys.exit(f"{RESULTS.relative_to(ROOT)} is missing; run `python benchmarks/bench_gptq_defaults.py run` first.")
-    write_section(SECTION, markdown(json.loads(RESULTS.read_text())))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["run", "report"])
-    ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES), choices=FIXTURES)
-    ap.add_argument("--out", type=Path, default=ROOT / "build" / "bench_gptq_defaults")
-    args = ap.parse_args()
-    if args.step == "run":
-        run(args.fixtures, args.out)
-    else:
-        report()
+    write_section(SECTION, markdown(load_results(RESULTS.name)))
 
 
 if __name__ == "__main__":
-    main()
+    fixture_main(__doc__, FIXTURES, run, report, ROOT / "build" / "bench_gptq_defaults")
