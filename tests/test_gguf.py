@@ -279,6 +279,17 @@ def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
     assert ("output.weight" in found) == (family == "qwen2_moe")  # tied: written only where llama.cpp needs it
     if family == "qwen2_moe":
         assert {"blk.0.ffn_gate_shexp.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.attn_q.bias"} <= set(found)
+        assert found["blk.0.ffn_gate_inp_shexp.weight"].shape.tolist() == [32]  # {n_embd}, as llama.cpp reads it
+        # transformers' GGUF loader reads it back to the hf export's logits, shared expert and tied head included
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        export(str(tmp_path / "m"), plan, tmp_path / "h", format="hf", quiet=True)
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path / "h", dtype=torch.float32)
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file=G.GGUF_FILE, dtype=torch.float32,
+                                                    config=AutoConfig.from_pretrained(tmp_path / "h"))
+        ids = torch.randint(2, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(ref(ids).logits, back(ids).logits)
     else:
         for proj, heads in (("q", model.config.num_attention_heads), ("k", model.config.num_key_value_heads)):
             w = getattr(model.model.layers[0].self_attn, f"{proj}_proj").weight.detach().float()
@@ -306,3 +317,29 @@ def test_the_pre_tokenizer_is_named_after_the_tokenizers_splitting_rule():
 
     assert G.pre_tokenizer(split(G._QWEN2_SPLIT)) == "qwen2"
     assert G.pre_tokenizer(split(G._QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"))) is None
+
+
+def test_transformers_gguf_loader_reads_back_the_same_qwen3_moe(written, tmp_path):
+    """A second reader: transformers' own GGUF loader (which un-stacks the experts by llama.cpp's names) gives the
+    original's logits bit for bit from the identity GGUF, and the hf export's from the pruned one; the tokenizer it
+    rebuilds from the GGUF tokenises like the original. Its GGUF config mapping ignores expert_feed_forward_length
+    (it would build 768-wide experts), so the config is passed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    name = "qwen3-moe-tiny"
+    ids = torch.randint(2, 4096, (1, 48), generator=torch.Generator().manual_seed(0))
+    for kind in ("identity", "half"):
+        plan, d, _ = written[name, kind]
+        ref_dir = fixture_dir(name)
+        if kind == "half":
+            ref_dir = tmp_path / "hf"
+            export(str(fixture_dir(name)), plan, ref_dir, format="hf", quiet=True)
+        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+        back = AutoModelForCausalLM.from_pretrained(d, gguf_file=G.GGUF_FILE, config=AutoConfig.from_pretrained(ref_dir),
+                                                    dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.equal(ref(ids).logits, back(ids).logits), kind
+    text = "The cat sat on the mat, 12345 times!! Don't   stop.\n\nNew line"
+    plan, d, _ = written[name, "identity"]
+    assert (AutoTokenizer.from_pretrained(d, gguf_file=G.GGUF_FILE)(text).input_ids
+            == AutoTokenizer.from_pretrained(fixture_dir(name))(text).input_ids)

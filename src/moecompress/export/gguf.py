@@ -307,6 +307,8 @@ class GGUFFile:
                                        "with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
             if layer is not None and gname.split(".")[-2] == self.gate_inp:
                 t = t.index_select(0, torch.tensor(self.kept[layer], dtype=torch.long, device=t.device))
+            if gname.split(".")[-2] == self.gate_inp + "_shexp":  # Qwen2-MoE's [1, H] gate: llama.cpp reads {H}
+                t = t.reshape(-1)
             if self.arch.rope_permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = _permute(t, self.config.num_attention_heads)
             elif self.arch.rope_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
