@@ -3,6 +3,7 @@
 Pure Python: `gguf.GGUFReader` and `gguf.quants.dequantize` check what llama.cpp would read. Loading the file
 inside llama.cpp itself is not done here (docs/export.md, "GGUF")."""
 
+import json
 import re
 import shutil
 
@@ -237,6 +238,12 @@ def test_refusals_are_one_sentence_naming_a_format_that_can(tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(MoECompressError, match="needs the model's tokenizer.json"):
         export(tiny_model("olmoe"), CompressionPlan.identity(tiny_model("olmoe")), tmp_path / "y", format="gguf")
+    clipped = tmp_path / "clipped"
+    shutil.copytree(fixture_dir("olmoe-tiny"), clipped)
+    cfg = json.loads((clipped / "config.json").read_text())
+    (clipped / "config.json").write_text(json.dumps({**cfg, "clip_qkv": 8.0}))
+    with pytest.raises(MoECompressError, match=r"clips its q/k/v activations \(clip_qkv\).*format='hf'"):
+        export(str(clipped), CompressionPlan.identity(_model("olmoe-tiny")), tmp_path / "z", format="gguf")
     with pytest.raises(MoECompressError, match="does not load"):
         from moecompress.api import load
 
@@ -304,8 +311,6 @@ def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
 def test_the_pre_tokenizer_is_named_after_the_tokenizers_splitting_rule():
     """GPT-2's regex is llama.cpp's `gpt-2` (not `default`, which splits punctuation and digits differently); the
     Qwen2/Qwen3 Split regex is `qwen2`; Llama-3's (digits in runs of 1-3) is not named, so it is refused."""
-    import json
-
     fixture = json.loads((fixture_dir("olmoe-tiny") / "tokenizer.json").read_text())
     assert G.pre_tokenizer(fixture) == "gpt-2"
     assert G.pre_tokenizer({**fixture, "normalizer": {"type": "NFC"}}) is None
@@ -343,3 +348,37 @@ def test_transformers_gguf_loader_reads_back_the_same_qwen3_moe(written, tmp_pat
     plan, d, _ = written[name, "identity"]
     assert (AutoTokenizer.from_pretrained(d, gguf_file=G.GGUF_FILE)(text).input_ids
             == AutoTokenizer.from_pretrained(fixture_dir(name))(text).input_ids)
+
+
+def test_quantized_non_expert_weights_are_q_blocks_too(tmp_path):
+    """Issue 30's non-expert precisions on the same grids (attention w4g32; embeddings, lm_head and router w8g32):
+    Q4_0 / Q8_0 from our codes, routers with the kept rows; any other grid is refused naming the weight."""
+    from moecompress.methods.tensor_quant import quantize_tensors
+    from moecompress.quant.tensor import QuantizedTensor
+    from moecompress.runtime.tensor_quant import packed_of
+
+    name = "qwen3-moe-tiny"
+    model, adapter = _model(name), MoEAdapter(_model(name))
+    info = ModelInfo.from_model(model, checkpoint=fixture_dir(name))
+    plan = CompressionPlan.prune(info, _half_keep(info), gate="renorm")
+    specs = {"attention": "w4g32", "embeddings": "w8g32", "lm_head": "w8g32", "router": "w8g32"}
+    plan, tensors = quantize_tensors(plan, {}, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()})
+    plan, tensors = quantize_plan(plan, tensors, lambda l, e: adapter.layer(l).storage.read(e),
+                                  QuantConfig(quant="w4g32", algo="rtn"))
+    export(str(fixture_dir(name)), plan, tmp_path / "g", format="gguf", quiet=True, tensors=tensors)
+    _, _, found = _read(tmp_path / "g" / "model.gguf")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 4)
+    kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers}
+    for hf_name, tq in plan.tensor_quant.items():
+        t = found[names.get_name(hf_name, try_suffixes=(".weight",))]
+        assert t.tensor_type == getattr(gguf.GGMLQuantizationType, f"Q{tq.quant.bits}_0"), hf_name
+        ours = QuantizedTensor.from_packed(packed_of(tensors, hf_name), tq.quant).dequantize(torch.float32).detach()
+        if tq.kind == "router":
+            ours = ours[kept[int(hf_name.split(".")[2])]]
+        assert np.array_equal(gguf.quants.dequantize(t.data, t.tensor_type), ours.numpy()), hf_name
+    assert {tq.kind for tq in plan.tensor_quant.values()} == set(specs)
+    data, logical = G.tensor_bytes(tmp_path / "g" / "model.gguf"), plan.logical_bytes(tensors).total
+    assert abs(data / logical - 1) < 0.01, (data, logical)
+    coarse, _ = quantize_tensors(CompressionPlan.identity(model), {}, adapter,
+                                 {"attention": QuantSpec.parse("w4g128", algo="rtn")})
+    assert "attention weight 'model.layers.0.self_attn.k_proj.weight' is w4g128" in GGUFFormat.refusal(coarse)

@@ -8,8 +8,9 @@ architecture (`gguf.get_tensor_name_map`), metadata keys from its writer, types 
   ``blk.N.ffn_gate_inp`` with the kept rows only, ``expert_count`` = the kept count;
 * float weights in the checkpoint's own dtype (BF16, F16 or F32: nothing is rounded), 1-D tensors, norms, biases
   and routers in F32, as llama.cpp's converter writes them;
-* stored experts quantized symmetric 8- or 4-bit with group 32 (``w8g32`` / ``w4g32``) as ``Q8_0`` / ``Q4_0``,
-  written from our codes and scales (not quantized again); ``Q8_0``/``Q4_0`` hold each group's scale in fp16;
+* stored experts and non-expert weights (``plan.tensor_quant``) quantized symmetric 8- or 4-bit with group 32
+  (``w8g32`` / ``w4g32``) as ``Q8_0`` / ``Q4_0``, written from our codes and scales (not quantized again);
+  ``Q8_0``/``Q4_0`` hold each group's scale in fp16;
 * the tokenizer as llama.cpp's byte-level BPE (``gpt2``: tokens, token types, merges, special ids) with the
   pre-tokenizer named after the tokenizer's own splitting rule;
 * ``output.weight`` written from the embedding when the model ties them and llama.cpp's architecture has no
@@ -75,8 +76,12 @@ def reason(plan: CompressionPlan) -> str | None:
         return f"this GGUF writer covers the {', '.join(first)} and {last} families, not {info.model_type}"
     if plan.has_packed():
         return "it stores packed element-wise merges"
-    if plan.tensor_quant:
-        return "it quantizes non-expert tensors, which this GGUF writer does not write yet"
+    for name, tq in plan.tensor_quant.items():
+        if exact_type(tq.quant) is None:
+            return (f"its {tq.kind} weight '{name}' is {tq.quant.name()}, which matches no GGUF type exactly: only "
+                    "symmetric w8g32 and w4g32 do, as Q8_0 and Q4_0")
+        if tq.shape[1] % BLOCK:
+            return f"its {tq.kind} weight '{name}' is {tq.shape[1]} wide, not a multiple of the {BLOCK}-weight block"
     if len(plan.layers) != info.num_hidden_layers:
         return f"some of its decoder layers are dense, which llama.cpp's {arch.arch.lower()} cannot hold"
     counts, widths = set(), set()
@@ -218,6 +223,11 @@ def add_tokenizer(w, directory: Path | None, vocab_size: int) -> None:
 
 
 # ----------------------------------------------------------------------------- the file
+def _rows(t, fn):
+    """`fn` (a function of a tensor's rows) applied to a float tensor, or to a quantized one's codes and scales."""
+    return QuantizedTensor(fn(t.codes), fn(t.scale), None, t.spec) if isinstance(t, QuantizedTensor) else fn(t)
+
+
 def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
     """HF's rotate-half q/k rows -> GGML's interleaved rope pairs (llama.cpp's converter, LlamaModel.permute)."""
     return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
@@ -238,6 +248,9 @@ class GGUFFile:
         if rope.get("rope_type", "default") != "default":
             raise MoECompressError(f"This model's rope type '{rope.get('rope_type')}' is not written by this GGUF "
                                    "writer; export with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
+        if getattr(cfg, "clip_qkv", None) is not None:  # llama.cpp's olmoe graph never clamps q/k/v
+            raise MoECompressError("This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
+                                   f"{self.arch.arch.lower()} does not; export it with format='hf' instead.")
         self.names = gguf.get_tensor_name_map(arch, info.num_hidden_layers)
         self.kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers}
         self.gate_inp = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]
@@ -280,10 +293,17 @@ class GGUFFile:
         add_tokenizer(w, source.source_dir, cfg.vocab_size)
 
     # ---- tensors
-    def _put(self, name: str, t: torch.Tensor) -> None:
-        """Write one float tensor: F32 for 1-D, norms, biases and routers (llama.cpp's converter), else as stored."""
+    def _put(self, name: str, t: torch.Tensor | QuantizedTensor) -> None:
+        """Write one tensor: quantized ones as their Q8_0/Q4_0 blocks; float ones F32 for 1-D, norms, biases and
+        routers (llama.cpp's converter), else as stored."""
         import gguf
 
+        if isinstance(t, QuantizedTensor):
+            data, kind, inexact = encode_quantized(t)
+            self.inexact += inexact
+            self.w.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            self.written.add(name)
+            return
         t = t.detach().cpu().contiguous()
         kind = name.split(".")[-2]
         if t.ndim <= 1 or kind.endswith("_norm") or not name.endswith(".weight") or kind.startswith(self.gate_inp):
@@ -299,20 +319,24 @@ class GGUFFile:
     def add_all(self, state: dict, layer: int | None = None, outside: bool = False) -> None:
         """Non-expert tensors under their native names (`layer`: a MoE layer's, whose router keeps the kept rows
         only; `outside`: the tensors outside the decoder layers, which come last)."""
+        from ..runtime.tensor_quant import packed_of
+
         embedding = None
         for name, t in sorted(state.items()):
             gname = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
             if gname is None:
                 raise MoECompressError(f"Tensor '{name}' has no llama.cpp name for {self.arch.arch.lower()}; export "
                                        "with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
+            if name in self.plan.tensor_quant:  # a quantized non-expert weight: its codes, rows moved alike below
+                t = QuantizedTensor.from_packed(packed_of(self.tensors, name), self.plan.tensor_quant[name].quant)
             if layer is not None and gname.split(".")[-2] == self.gate_inp:
-                t = t.index_select(0, torch.tensor(self.kept[layer], dtype=torch.long, device=t.device))
-            if gname.split(".")[-2] == self.gate_inp + "_shexp":  # Qwen2-MoE's [1, H] gate: llama.cpp reads {H}
-                t = t.reshape(-1)
+                t = _rows(t, lambda x: x.index_select(0, torch.tensor(self.kept[layer], device=x.device)))
+            if gname.split(".")[-2] == self.gate_inp + "_shexp" and torch.is_tensor(t):
+                t = t.reshape(-1)  # Qwen2-MoE's [1, H] gate: llama.cpp declares it {H}
             if self.arch.rope_permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-                t = _permute(t, self.config.num_attention_heads)
+                t = _rows(t, lambda x: _permute(x, self.config.num_attention_heads))
             elif self.arch.rope_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-                t = _permute(t, self.config.num_key_value_heads)
+                t = _rows(t, lambda x: _permute(x, self.config.num_key_value_heads))
             self._put(gname, t)
             if gname == "token_embd.weight":
                 embedding = t
@@ -323,8 +347,6 @@ class GGUFFile:
         """Layer `layer`'s kept experts (slot order) stacked into ffn_{gate,up,down}_exps.
 
         stored: the plan's StoredExpert of each kept slot; weights: their ExpertWeights (None when quantized)."""
-        import gguf
-
         spec = stored[0].quant
         for part in ("gate", "up", "down"):
             name = self.exps[part].format(bid=layer) + ".weight"
@@ -333,11 +355,8 @@ class GGUFFile:
                 continue
             qs = [QuantizedTensor.from_packed({k.rsplit(".", 1)[1]: v for k, v in self.tensors.items()
                                                if k.startswith(f"{s.tensor}.{part}.")}, spec) for s in stored]
-            q = QuantizedTensor(torch.stack([x.codes for x in qs]), torch.stack([x.scale for x in qs]), None, spec)
-            data, kind, inexact = encode_quantized(q)
-            self.inexact += inexact
-            self.w.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
-            self.written.add(name)
+            self._put(name, QuantizedTensor(torch.stack([x.codes for x in qs]), torch.stack([x.scale for x in qs]),
+                                            None, spec))
 
     def write(self, directory: Path) -> str:
         """The file itself (header, metadata, tensor infos, then the spooled tensors); returns its name."""
