@@ -141,30 +141,62 @@ def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tm
     assert streamed.disk_bytes == streamed.checkpoint_bytes < stored.disk_bytes
 
 
+def _with_layer_replaced(model: str, layer: int, weights: dict, dest: Path) -> str:
+    """A copy of checkpoint `model` (bf16, with its tokenizer) whose MoE `layer` holds `weights` {expert: ExpertWeights}."""
+    import shutil
+
+    from moecompress.models import MoEAdapter, load_model
+
+    m = load_model(model, dtype="bfloat16")
+    ad = MoEAdapter(m)
+    for e, w in weights.items():
+        with torch.no_grad():
+            ad.layer(layer).storage.write(e, w)
+    m.save_pretrained(dest)
+    for f in Path(model).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, dest / f.name)
+    return str(dest)
+
+
+def test_sequential_gptq_quantizes_each_layer_on_the_quantized_layers_before_it(setup, tmp_path):
+    """compress --method quant --calib-mode sequential (known answer): layer 0's codes are one-pass's; layer 1's equal
+    one-pass GPTQ of a checkpoint whose layer 0 holds layer 0's dequantized codes (and differ from one-pass's)."""
+    from moecompress.models import MoEAdapter, load_model
+    from moecompress.runtime.build import stored_weights
+
+    _, model, _, _ = setup
+    params = {"quant": "w2g64"}
+    plans = {mode: pipeline.make_plan(model, "quant", params, pipeline.calibrate_for(
+        model, SPEC, "quant", params, seq_len=SEQ, calib_mode=mode)) for mode in ("one-pass", "sequential")}
+    (plan, t_seq), (_, t_one) = plans["sequential"], plans["one-pass"]
+    first, second = MoEAdapter(load_model(model, dtype="float32")).moe_layers[:2]
+    layer0 = {k: v for k, v in t_seq.items() if k.startswith(f"q.layer{first}.")}
+    assert all(torch.equal(v, t_one[k]) for k, v in layer0.items())
+    sc = plan.scope_of(first)
+    codes = {s.sources[0][1]: stored_weights(plan, sc, s, None, t_seq) for s in sc.stored}
+    edited = _with_layer_replaced(model, first, codes, tmp_path / "edited")
+    _, t_want = pipeline.make_plan(edited, "quant", params, pipeline.calibrate_for(edited, SPEC, "quant", params,
+                                                                                   seq_len=SEQ))
+    layer1 = [k for k in t_seq if k.startswith(f"q.layer{second}.")]
+    assert layer1 and all(torch.equal(t_seq[k], t_want[k]) for k in layer1)
+    assert any(not torch.equal(t_seq[k], t_one[k]) for k in layer1)
+
+
 def test_sequential_statistics_are_those_of_the_model_with_the_earlier_layers_replaced(setup, tmp_path):
     """--calib-mode sequential (known answer): a layer's statistics, after the reader replaced layer 0's experts,
     equal a one-pass calibration of a checkpoint whose layer 0 holds those experts; layer 0's own are unchanged;
     without replacements the pass is the one-pass store bit for bit."""
-    import shutil
-
     from moecompress.models import MoEAdapter, load_model
 
     _, model, _, _ = setup
     names = ["counts", "tokens", "hessian_in", "hessian_mid"]
     plain = calibrate(model, SPEC, seq_len=SEQ, out=tmp_path / "plain", stats=names, progress=False)
-    edited = tmp_path / "edited"  # the fixture with layer 0's experts scaled by 1/2 (exact in bf16)
-    m = load_model(model, dtype="bfloat16")
-    ad = MoEAdapter(m)
-    first = ad.moe_layers[0]
+    ad = MoEAdapter(load_model(model, dtype="bfloat16"))
+    first = ad.moe_layers[0]  # layer 0's experts scaled by 1/2 (exact in bf16)
     halves = {e: ad.get_expert(first, e).map(lambda t: t / 2) for e in range(ad.num_experts(first))}
-    for e, w in halves.items():
-        with torch.no_grad():
-            ad.layer(first).storage.write(e, w)
-    m.save_pretrained(edited)
-    for f in Path(model).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, edited / f.name)
-    want = calibrate(str(edited), SPEC, seq_len=SEQ, out=tmp_path / "want", stats=names, progress=False)
+    edited = _with_layer_replaced(model, first, halves, tmp_path / "edited")
+    want = calibrate(edited, SPEC, seq_len=SEQ, out=tmp_path / "want", stats=names, progress=False)
     for replace, ref_first, ref_rest in ((False, plain, plain), (True, plain, want)):
         for view in StreamedStats(model, SPEC, names, seq_len=SEQ, sequential=True, chunk=1 << 20).layers():
             i = view.layer

@@ -282,8 +282,9 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
         specs = {(sc.id, s.id): spec for s in sc.stored}
         plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs)
         if isinstance(stats, LayerStats) and stats.sequential:  # later layers calibrate on these quantized ones
-            for s in sc.stored:
-                stats.replace_expert(s.sources[0][1], stored_weights(plan, sc, s, source, tensors))
+            done = plan.scope_of(i)  # quantize_plan returned a new plan: its scope holds the codes
+            for s in done.stored:
+                stats.replace_expert(s.sources[0][1], stored_weights(plan, done, s, source, tensors))
     plan.params = {**plan.params, "quant": config.model_dump()}
     return plan, tensors
 
