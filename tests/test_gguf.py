@@ -220,7 +220,7 @@ def test_refusals_are_one_sentence_naming_a_format_that_can(tmp_path):
         "uses gate 'keep'": CompressionPlan.prune(info, _half_keep(info), gate="keep"),  # OLMoE: not renormalised
         "uses gate 'replace'": CompressionPlan.prune(info, _half_keep(info), gate="replace"),
         "replacement operators": _with_constant(CompressionPlan.prune(info, _half_keep(info), gate="replace")),
-        "covers the olmoe, qwen3_moe, qwen2_moe and mixtral families, not deepseek_v2":
+        "covers the olmoe, qwen3_moe, qwen2_moe, mixtral and granitemoe families, not deepseek_v2":
             CompressionPlan.identity(tiny_model("deepseek_v2")),
     }
     for why, plan in cases.items():
@@ -270,9 +270,10 @@ def test_the_cli_writes_gguf_and_refuses_in_one_sentence(tmp_path, capsys):
     assert "\n" not in line and "The 'gguf' format cannot express this plan" in line and "use --format" in line
 
 
-@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
+@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("mixtral", "llama"), ("granitemoe", "granitemoe")])
 def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
-    """Shared experts (Qwen2-MoE) and llama's q/k rope permutation (Mixtral): every tensor gets a llama.cpp name."""
+    """Shared experts (Qwen2-MoE) and llama's q/k rope permutation (Mixtral, Granite-MoE, whose multipliers are
+    metadata): every tensor gets a llama.cpp name."""
     model = tiny_model(family, dtype=torch.bfloat16, vocab_size=4096, tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "m")
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -298,6 +299,9 @@ def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
         with torch.no_grad():
             assert torch.equal(ref(ids).logits, back(ids).logits)
     else:
+        if family == "granitemoe":
+            assert fields["granitemoe.logit_scale"] == model.config.logits_scaling
+            assert fields["granitemoe.attention.scale"] == pytest.approx(model.config.attention_multiplier)
         for proj, heads in (("q", model.config.num_attention_heads), ("k", model.config.num_key_value_heads)):
             w = getattr(model.model.layers[0].self_attn, f"{proj}_proj").weight.detach().float()
             t = found[f"blk.0.attn_{proj}.weight"]

@@ -376,12 +376,15 @@ class GGUFFormat(Format):
         super().check()
         self.file = GGUFFile(self.plan, self.tensors, self.source)
 
+    def finalize(self, tensors):
+        return _revert(self.source.model, tensors)  # the checkpoint's own names, which gguf's name map knows
+
     def dense_layer(self, i, rel):
-        self.file.add_all(self.full(i, rel))
+        self.file.add_all(self.finalize(self.full(i, rel)))
         return {}
 
     def moe_layer(self, i, rel_nonexpert, layer):
-        self.file.add_all(self.full(i, rel_nonexpert), layer=i)
+        self.file.add_all(self.finalize(self.full(i, rel_nonexpert)), layer=i)
         return {}
 
     def scope(self, sc, weights):
@@ -391,7 +394,7 @@ class GGUFFormat(Format):
         return {}
 
     def other(self, state):
-        self.file.add_all(state, outside=True)
+        self.file.add_all(self.finalize(state), outside=True)
         return {}
 
     def write_files(self, directory):

@@ -14,7 +14,7 @@ architecture (`gguf.get_tensor_name_map`), metadata keys from its writer, types 
 * the tokenizer as llama.cpp's byte-level BPE (``gpt2``: tokens, token types, merges, special ids) with the
   pre-tokenizer named after the tokenizer's own splitting rule;
 * ``output.weight`` written from the embedding when the model ties them and llama.cpp's architecture has no
-  fallback (OLMoE, Qwen2-MoE); Qwen3-MoE and Mixtral (llama) fall back to ``token_embd`` themselves.
+  fallback (OLMoE, Qwen2-MoE); Qwen3-MoE, Mixtral (llama) and Granite-MoE fall back to ``token_embd`` themselves.
 
 Which plans a GGUF holds is `reason`; what llama.cpp computes for each architecture is `ARCHES`.
 """
@@ -48,13 +48,18 @@ class Arch:
     rope_permuted: bool = False  # q/k rows permuted to GGML's rope layout, as the converter's LlamaModel does
 
 
-# llama.cpp's src/models/{olmoe,qwen3moe,qwen2moe,llama}.cpp and its converter's classes for these families
+# llama.cpp's src/models/{olmoe,qwen3moe,qwen2moe,llama,granite}.cpp and its converter's classes for these families
 ARCHES = {
     "olmoe": Arch("OLMOE", renormalises=False, output_required=True, expert_width_key=False),
     "qwen3_moe": Arch("QWEN3MOE", renormalises=True, output_required=False, expert_width_key=True),
     "qwen2_moe": Arch("QWEN2MOE", renormalises=False, output_required=True, expert_width_key=True),
     "mixtral": Arch("LLAMA", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True),
+    "granitemoe": Arch("GRANITE_MOE", renormalises=True, output_required=False, expert_width_key=False,
+                       rope_permuted=True),
 }
+# Granite's multipliers, as its converter names them in the GGUF (llama.cpp requires the logit scale)
+_SCALES = (("attention_multiplier", "add_attention_scale"), ("embedding_multiplier", "add_embedding_scale"),
+           ("residual_multiplier", "add_residual_scale"), ("logits_scaling", "add_logit_scale"))
 BLOCK = 32  # Q8_0 / Q4_0: 32 weights a block, one fp16 scale
 
 
@@ -282,6 +287,9 @@ class GGUFFile:
         if "rope_theta" in rope:
             w.add_rope_freq_base(float(rope["rope_theta"]))
         w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+        for key, add in _SCALES:
+            if getattr(cfg, key, None) is not None:
+                getattr(w, add)(float(getattr(cfg, key)))
         w.add_expert_count(k)
         w.add_expert_used_count(li.top_k)
         specs = plan.quant_specs()  # the file type names the experts' type when they all have one
