@@ -66,7 +66,7 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     """Compress checkpoint `model` with `method` and write it to `out`; returns the `ExportResult`.
 
     calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
-    format: auto | hf | compact | packed | materialized (`pipeline.choose_format`).
+    format: auto | hf | compact | packed | materialized | gguf (`pipeline.choose_format`; docs/export.md).
     quant: optional weight quantization of every stored expert the method keeps (`pipeline.quant_config`).
     calib_mode: "one-pass" (every layer's statistics on the original model's activations) or "sequential"
     (on the already-quantized earlier layers; `--method quant` from a data spec, `pipeline.check_calib_mode`).
@@ -231,7 +231,7 @@ def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor]
 
 def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
            tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False, **kwargs):
-    """Write the compressed checkpoint (``compact`` | ``hf`` | ``packed`` | ``materialized``); returns an
+    """Write the compressed checkpoint (``compact`` | ``hf`` | ``packed`` | ``materialized`` | ``gguf``); returns an
     `ExportResult`. kwargs: `export.core.export`'s (max_shard_size, quiet, protect)."""
     from .export import export as _export
 

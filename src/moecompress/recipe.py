@@ -8,7 +8,7 @@
                                   # other tensor classes: {experts: w4g128, attention: w8g128, embeddings: w8c}
     method: prune
     params: {criterion: reap, ratio: 0.5, gate: keep}
-    format: auto                  # auto | hf | compact | packed | materialized
+    format: auto                  # auto | hf | compact | packed | materialized | gguf
 
 A file may instead hold ``arms: [{name, method, params, format}, ...]`` beside the shared
 ``model``/``calibration``/``eval`` keys; an arm may name its own ``calibration`` (its domain), which
