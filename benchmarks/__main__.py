@@ -81,6 +81,8 @@ SECTIONS: dict[str, Section] = {
         "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",), "peer_llmcompressor_gptq.py"),
     "gptq-defaults": _run_report(
         "## GPTQ defaults (issue 32)", ("gptq_defaults.json",), "bench_gptq_defaults.py"),
+    "calib-mode": _run_report(
+        "## GPTQ calibration: one-pass vs sequential (issue 32)", ("calib_mode.json",), "bench_calib_mode.py"),
     "auto-bits": _run_report(
         "## auto over structure × bits (issue 14)", ("auto_bits.json", "auto_bits_frontier.png"), "bench_auto_bits.py"),
     "compress-memory": _run_report(
