@@ -7,15 +7,13 @@ create nor remove nor change a file. Most cases fail before any model is loaded.
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 
 from moecompress.atomic import MARKER
-from moecompress.testing import fixture_dir, run_cli
+from moecompress.testing import fixture_dir, run_cli, tree_snapshot
 
 F = fixture_dir("olmoe-tiny")
 Q = fixture_dir("qwen3-moe-tiny")
@@ -61,15 +59,6 @@ def ws(tmp_path_factory):
     return root
 
 
-def _snapshot(*roots: Path) -> dict:
-    snap = {}
-    for root in roots:
-        for dirpath, dirs, files in os.walk(root):
-            for name in dirs + files:
-                p = Path(dirpath) / name
-                st = p.lstat()
-                snap[str(p)] = (p.is_dir(), 0 if p.is_dir() else st.st_size, 0 if p.is_dir() else st.st_mtime_ns)
-    return snap
 
 
 # (case id, argv with {R}=workspace root, {F}/{Q}=fixtures, expected fragment of the one sentence)
@@ -199,9 +188,9 @@ def test_matrix_is_large():
 def test_bad_input(ws, capsys, monkeypatch, argv, fragment):
     monkeypatch.chdir(ws / "w")
     argv = [a.replace("{R}", str(ws)).replace("{F}", str(F)).replace("{Q}", str(Q)) for a in argv]
-    before = _snapshot(ws, F.parent)
+    before = tree_snapshot(ws, F.parent)
     code, _, err = run_cli(argv, capsys)
-    after = _snapshot(ws, F.parent)
+    after = tree_snapshot(ws, F.parent)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, err
     assert "Traceback" not in err

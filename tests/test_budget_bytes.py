@@ -33,7 +33,8 @@ def routed_written(directory) -> int:
     return total
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+# the bf16 checkpoint (what real ones are) in the default run; the float32 one with the slow tests (README)
+@pytest.fixture(scope="module", params=["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def calibrated(request, tmp_path_factory):
     """A tiny OLMoE stored in `dtype`, calibrated and loaded in float32 (as `compress` computes)."""
     dtype = request.param

@@ -24,7 +24,7 @@ import pytest
 
 from moecompress.atomic import MARKER, atomic_dir, claim, lock_path
 from moecompress.errors import MoECompressError
-from moecompress.testing import fixture_dir, run_cli
+from moecompress.testing import another_run_writing, fixture_dir, run_cli, tree_snapshot
 
 F = fixture_dir("olmoe-tiny")
 CAL = ["--calib", "fixture-calib:2", "--seq-len", "16"]
@@ -58,30 +58,8 @@ def ws(tmp_path_factory):
     return root
 
 
-def _snapshot(*roots: Path) -> dict:
-    snap = {}
-    for root in roots:
-        for dirpath, dirs, files in os.walk(root):
-            for name in dirs + files:
-                p = Path(dirpath) / name
-                st = p.lstat()
-                snap[str(p)] = (p.is_dir(), 0 if p.is_dir() else st.st_size, 0 if p.is_dir() else st.st_mtime_ns)
-    return snap
 
 
-@contextlib.contextmanager
-def another_run_writing(out: Path, pid: int = 4242):
-    """Hold `out`'s lock as a second moecompress process would (and its partial run, for a calibration)."""
-    path = lock_path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, f"moecompress pid {pid}\n".encode())
-        yield path
-    finally:
-        os.unlink(path)
-        os.close(fd)
 
 
 # (case id, argv with {R}=workspace, {F}=fixture; output whose lock another run holds, or None; fragment)
@@ -140,9 +118,9 @@ def test_refused_in_one_sentence_and_nothing_lost(ws, capsys, monkeypatch, argv,
             if held == "cs":  # the other run's partial calibration, which a second start used to delete
                 (ws / ".cs.partial").mkdir(exist_ok=True)
                 (ws / ".cs.partial" / "run.json").write_text('{"identity": {}, "finished": []}\n')
-        before = _snapshot(ws, F.parent)
+        before = tree_snapshot(ws, F.parent)
         code, _, err = run_cli(argv, capsys)
-        after = _snapshot(ws, F.parent)
+        after = tree_snapshot(ws, F.parent)
     shutil.rmtree(ws / ".cs.partial", ignore_errors=True)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, err

@@ -11,7 +11,6 @@ after: exit 2, one sentence, nothing of the user's lost, changed or added (no lo
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from moecompress.atomic import MARKER, lock_path
-from moecompress.testing import fixture_dir, run_cli
+from moecompress.testing import another_run_writing, fixture_dir, run_cli, tree_snapshot
 
 F = fixture_dir("olmoe-tiny")
 DATA = ["--data", "fixture-calib:2", "--seq-len", "16"]
@@ -76,29 +75,8 @@ def ws(tmp_path_factory):
     return root
 
 
-def _snapshot(*roots: Path) -> dict:
-    snap = {}
-    for root in roots:
-        for dirpath, dirs, files in os.walk(root):
-            for name in dirs + files:
-                p = Path(dirpath) / name
-                st = p.lstat()
-                snap[str(p)] = (p.is_dir(), 0 if p.is_dir() else st.st_size, 0 if p.is_dir() else st.st_mtime_ns)
-    return snap
 
 
-@contextlib.contextmanager
-def another_run_writing(out: Path, pid: int = 4242):
-    """Hold `out`'s lock as a second moecompress process would (its own open file, so `flock` refuses us)."""
-    path = lock_path(out)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, f"moecompress pid {pid}\n".encode())
-        yield path
-    finally:
-        os.unlink(path)
-        os.close(fd)
 
 
 # (case id, argv with {R}=workspace and {F}=fixture, output whose lock another run holds or None, fragment)
@@ -183,9 +161,9 @@ def test_refused_in_one_sentence_and_nothing_lost(ws, capsys, monkeypatch, argv,
     with contextlib.ExitStack() as stack:
         if held is not None:
             stack.enter_context(another_run_writing(ws / held))
-        before = _snapshot(ws, F.parent)
+        before = tree_snapshot(ws, F.parent)
         code, _, err = run_cli(argv, capsys)
-        after = _snapshot(ws, F.parent)
+        after = tree_snapshot(ws, F.parent)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, err
     assert "Traceback" not in err

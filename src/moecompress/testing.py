@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -113,3 +114,38 @@ def save_as(src: str | Path, dst: str | Path, dtype: str) -> Path:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     return dst
+
+
+def tree_snapshot(*roots: Path) -> dict:
+    """Every path under `roots` with (is_dir, size, mtime_ns): equal before and after a refused run means no file
+    of the user's was touched."""
+    import os
+
+    snap = {}
+    for root in roots:
+        for dirpath, dirs, files in os.walk(root):
+            for name in dirs + files:
+                p = Path(dirpath) / name
+                st = p.lstat()
+                snap[str(p)] = (p.is_dir(), 0 if p.is_dir() else st.st_size, 0 if p.is_dir() else st.st_mtime_ns)
+    return snap
+
+
+@contextlib.contextmanager
+def another_run_writing(out: Path, pid: int = 4242):
+    """Hold `out`'s lock as a second moecompress process would (its own open file, so `flock` refuses this one)."""
+    import fcntl
+    import os
+
+    from .atomic import lock_path
+
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"moecompress pid {pid}\n".encode())
+        yield path
+    finally:
+        os.unlink(path)
+        os.close(fd)
