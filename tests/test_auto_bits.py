@@ -98,12 +98,18 @@ def test_bits_16_is_the_structure_only_solver(olmoe):
     assert sorted(tensors) == sorted(tensors16) and all(torch.equal(tensors[k], tensors16[k]) for k in tensors)
 
 
-def test_uniform_quantization_is_on_the_frontier_and_never_beaten_by_the_allocation(olmoe):
+@pytest.fixture(scope="module")
+def layer_fronts(olmoe):
+    """Every layer's problem and frontier under FAST (the uniform-bits safeguard's inputs)."""
     _, store, adapter, _ = olmoe
     info = ModelInfo.from_model(adapter)
     config = A.AutoConfig(**FAST)
     probs = {i: A.layer_problem(config, adapter, store, info, i, True)[0] for i in adapter.moe_layers}
-    fronts = {i: A.layer_front(p, config, info.layer(i)) for i, p in probs.items()}
+    return probs, {i: A.layer_front(p, config, info.layer(i)) for i, p in probs.items()}
+
+
+def test_uniform_quantization_is_on_the_frontier_and_never_beaten_by_the_allocation(layer_fronts):
+    probs, fronts = layer_fronts
     for b in (8, 4, 3, 2):
         uni = {i: A.uniform_state(p, b) for i, p in probs.items()}
         nbytes = {i: p.bytes_of(uni[i]) for i, p in probs.items()}
@@ -118,13 +124,9 @@ def test_uniform_quantization_is_on_the_frontier_and_never_beaten_by_the_allocat
         assert sum(fronts[i][k].loss for i, k in pick.items()) <= loss * (1 + 1e-9)
 
 
-def test_uniform_bits_check_replaces_an_allocation_worse_than_uniform(olmoe):
+def test_uniform_bits_check_replaces_an_allocation_worse_than_uniform(layer_fronts):
     """The safeguard itself: handed the worst allocation that fits, it returns one no lossier than uniform b."""
-    _, store, adapter, _ = olmoe
-    info = ModelInfo.from_model(adapter)
-    config = A.AutoConfig(**FAST)
-    probs = {i: A.layer_problem(config, adapter, store, info, i, True)[0] for i in adapter.moe_layers}
-    fronts = {i: A.layer_front(p, config, info.layer(i)) for i, p in probs.items()}
+    probs, fronts = layer_fronts
     uni = {i: A.uniform_state(p, 4) for i, p in probs.items()}
     nbytes = {i: p.bytes_of(uni[i]) for i, p in probs.items()}
     uniform_loss = sum(sum(c.loss for c in s) for s in uni.values())

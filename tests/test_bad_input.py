@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from moecompress.atomic import MARKER
-from moecompress.testing import fixture_dir, run_cli, tree_snapshot
+from moecompress.testing import assert_refused, fixture_dir, run_cli
 
 F = fixture_dir("olmoe-tiny")
 Q = fixture_dir("qwen3-moe-tiny")
@@ -188,15 +188,7 @@ def test_matrix_is_large():
 def test_bad_input(ws, capsys, monkeypatch, argv, fragment):
     monkeypatch.chdir(ws / "w")
     argv = [a.replace("{R}", str(ws)).replace("{F}", str(F)).replace("{Q}", str(Q)) for a in argv]
-    before = tree_snapshot(ws, F.parent)
-    code, _, err = run_cli(argv, capsys)
-    after = tree_snapshot(ws, F.parent)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert fragment in lines[0]
-    assert after == before, sorted(set(after) ^ set(before))
+    assert_refused(argv, capsys, fragment, (ws, F.parent))
 
 
 def test_a_checkpoint_without_tokenizer_files_is_refused_not_encoded_to_nothing(tmp_path, capsys):

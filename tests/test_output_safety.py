@@ -24,7 +24,7 @@ import pytest
 
 from moecompress.atomic import MARKER, atomic_dir, claim, lock_path
 from moecompress.errors import MoECompressError
-from moecompress.testing import another_run_writing, fixture_dir, run_cli, tree_snapshot
+from moecompress.testing import another_run_writing, assert_refused, fixture_dir, run_cli
 
 F = fixture_dir("olmoe-tiny")
 CAL = ["--calib", "fixture-calib:2", "--seq-len", "16"]
@@ -118,16 +118,10 @@ def test_refused_in_one_sentence_and_nothing_lost(ws, capsys, monkeypatch, argv,
             if held == "cs":  # the other run's partial calibration, which a second start used to delete
                 (ws / ".cs.partial").mkdir(exist_ok=True)
                 (ws / ".cs.partial" / "run.json").write_text('{"identity": {}, "finished": []}\n')
-        before = tree_snapshot(ws, F.parent)
-        code, _, err = run_cli(argv, capsys)
-        after = tree_snapshot(ws, F.parent)
-    shutil.rmtree(ws / ".cs.partial", ignore_errors=True)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert fragment in lines[0], lines[0]
-    assert after == before, sorted(set(after) ^ set(before))
+        try:
+            assert_refused(argv, capsys, fragment, (ws, F.parent))
+        finally:
+            shutil.rmtree(ws / ".cs.partial", ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- the lock itself

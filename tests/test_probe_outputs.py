@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from moecompress.atomic import MARKER, lock_path
-from moecompress.testing import another_run_writing, fixture_dir, run_cli, tree_snapshot
+from moecompress.testing import another_run_writing, assert_refused, fixture_dir, run_cli
 
 F = fixture_dir("olmoe-tiny")
 DATA = ["--data", "fixture-calib:2", "--seq-len", "16"]
@@ -161,15 +161,7 @@ def test_refused_in_one_sentence_and_nothing_lost(ws, capsys, monkeypatch, argv,
     with contextlib.ExitStack() as stack:
         if held is not None:
             stack.enter_context(another_run_writing(ws / held))
-        before = tree_snapshot(ws, F.parent)
-        code, _, err = run_cli(argv, capsys)
-        after = tree_snapshot(ws, F.parent)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert fragment in lines[0], lines[0]
-    assert after == before, sorted(set(after) ^ set(before))
+        assert_refused(argv, capsys, fragment, (ws, F.parent))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")

@@ -149,3 +149,18 @@ def another_run_writing(out: Path, pid: int = 4242):
     finally:
         os.unlink(path)
         os.close(fd)
+
+
+def assert_refused(argv: list[str], capsys, fragment: str, roots) -> str:
+    """Run the CLI on `argv` and check the bad-input policy (docs/architecture.md): exit 2, one `error:` sentence
+    containing `fragment`, no traceback, and no file under `roots` created, changed or removed. Returns the line."""
+    before = tree_snapshot(*roots)
+    code, _, err = run_cli(argv, capsys)
+    after = tree_snapshot(*roots)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert fragment in lines[0], lines[0]
+    assert after == before, sorted(set(after) ^ set(before))
+    return lines[0]
