@@ -207,6 +207,13 @@ def test_an_interrupted_compare_resumes_without_recomputing_finished_arms(tiny_w
     with pytest.raises(MoECompressError, match="drop --resume"):
         compare(other, out, progress=False, resume=True)
     assert built == ["frequency"]
+    # a directory of the user's where the partial run would go is refused, never deleted
+    mine = tmp_path / ".mine.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    with pytest.raises(MoECompressError, match="was not written by moecompress"):
+        compare(files, tmp_path / "mine", progress=False)
+    assert (mine / "notes.txt").read_text() == "the user's" and not (tmp_path / "mine").exists()
     results = compare(files, out, progress=False, resume=True)
     assert built == ["frequency", "reap"]  # the finished arm was not built again
     assert not partial.exists() and (out / "report.md").is_file()

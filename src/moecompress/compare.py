@@ -160,8 +160,12 @@ class ArmJournal:
         from .errors import MoECompressError
 
         run = self.dir / "run.json"
-        if resume and run.is_file():
-            if json.loads(run.read_text()).get("identity") != self.identity:
+        old = self._read(run)
+        if self.dir.exists() and old is None:  # never delete what moecompress did not write
+            raise MoECompressError(f"{self.dir} is in the way of this report's partial run and was not written by "
+                                   "moecompress (no readable run.json); remove it or choose another --out.")
+        if resume and old is not None:
+            if old.get("identity") != self.identity:
                 raise MoECompressError(f"The interrupted run in {self.dir} was made with another recipe, model or "
                                        "--keep-checkpoints setting; drop --resume to start over or pass the same ones.")
             return {p.stem: json.loads(p.read_text()) for p in sorted((self.dir / "arms").glob("*.json"))}
@@ -169,6 +173,14 @@ class ArmJournal:
         (self.dir / "arms").mkdir(parents=True)
         write_file(run, json.dumps({"identity": self.identity}))
         return {}
+
+    @staticmethod
+    def _read(run: Path) -> dict | None:
+        try:
+            got = json.loads(run.read_text())
+        except (OSError, ValueError):
+            return None
+        return got if isinstance(got, dict) and "identity" in got else None
 
     def save(self, entry: dict[str, Any]) -> None:
         from .atomic import write_file
