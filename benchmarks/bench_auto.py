@@ -87,9 +87,9 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 6, windows: int
 
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
-    setup = A.prepare(A.AutoConfig(budget=0.5), adapter, store, keep_tensors=True)  # the default: per-(layer, kind) sensitivity
+    setup = A.prepare(A.AutoConfig(budget=0.5, budget_scope="routed"), adapter, store, keep_tensors=True)  # the default: per-(layer, kind) sensitivity
     prepare_s = time.perf_counter() - t0
-    lay = A.prepare(A.AutoConfig(budget=0.5, sensitivity="probe"), adapter, store, keep_tensors=True)  # per-layer probe (+ noise)
+    lay = A.prepare(A.AutoConfig(budget=0.5, budget_scope="routed", sensitivity="probe"), adapter, store, keep_tensors=True)  # per-layer probe (+ noise)
     info, problems = setup.info, setup.problems
     held_ref = est._logprobs(adapter.model, held)
 
@@ -200,7 +200,7 @@ def arms_for(level: int, with_puzzle: bool, info) -> list[dict]:
     inter = info.layers[0].intermediate_size
     width = min((32 * 2 * h) // (3 * h), inter)
     arms = [
-        dict(name=f"auto-{level}", method="auto", params=dict(budget=level / 100)),
+        dict(name=f"auto-{level}", method="auto", params=dict(budget=level / 100, budget_scope="routed")),
         dict(name=f"reap-keep-{level}", method="prune", params=dict(criterion="reap", ratio=ratio, gate="keep")),
         dict(name=f"freq-renorm-{level}", method="prune",
              params=dict(criterion="frequency", ratio=ratio, gate="renorm")),

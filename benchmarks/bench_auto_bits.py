@@ -68,11 +68,11 @@ def arms_for(path: str) -> list[dict]:
     out, pure = [], set()
     for p in BUDGETS:
         t = tag(p)
-        out.append(dict(name=f"auto-{t}", method="auto", params={"budget": p, "quant_group": GROUP}, family="auto",
+        out.append(dict(name=f"auto-{t}", method="auto", params={"budget": p, "budget_scope": "routed", "quant_group": GROUP}, family="auto",
                         budget=p))
         # structure-only auto: below 7/16 of the routed bytes its walks end in "every slot paired" (a packed pair
         # is final, and a bf16 pair costs half of its two experts), so there it runs without pair candidates
-        p16 = {"budget": p, "bits": [16]}
+        p16 = {"budget": p, "budget_scope": "routed", "bits": [16]}
         if p < PAIR_FLOOR:
             p16["candidates"] = [c for c in ALL_CANDIDATES if c != "pair"]
         out.append(dict(name=f"auto16-{t}", method="auto", params=p16, family="auto 16-bit", budget=p))
@@ -175,7 +175,7 @@ def run_spearman(fixture: str, out: Path, slots_per_layer: int = 4, windows: int
                                       for k in range(min(windows, n))])
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
-    setup = A.prepare(A.AutoConfig(budget=0.25, quant_group=GROUP), adapter, store, keep_tensors=True)
+    setup = A.prepare(A.AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP), adapter, store, keep_tensors=True)
     prepare_s = time.perf_counter() - t0
     info, problems = setup.info, setup.problems
     ref = est._logprobs(adapter.model, held)

@@ -43,9 +43,9 @@ FAMILIES = {
     "dense": ["--method", "dense", "--criterion", "frequency", "--param", "grouping=wc", "--param", "K=8"],
     # uniform sensitivities, no measured KL: auto's KL probes are full-model forwards (streamed, one layer
     # resident, but dozens of passes over 5 GB on this 2-core box); its plan building is what is measured here
-    "auto": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform", "--param", "measure=false"],
+    "auto": ["--method", "auto", "--budget", "0.5", "--budget-scope", "routed", "--param", "sensitivity=uniform", "--param", "measure=false"],
     # auto without the candidates whose statistics are [E, H, H] per layer (tilt and partial fits, GPTQ Hessians)
-    "auto (no H×H statistics)": ["--method", "auto", "--budget", "0.5", "--param", "sensitivity=uniform",
+    "auto (no H×H statistics)": ["--method", "auto", "--budget", "0.5", "--budget-scope", "routed", "--param", "sensitivity=uniform",
                                 "--param", "measure=false", "--param", "candidates=[reroute,drop,constant,remap,pair]",
                                 "--param", "quant_algo=rtn"],
 }

@@ -26,7 +26,7 @@ from moecompress.testing import calibrated_tiny, save_tiny
 
 EXTRA = ["out_mean", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
          "cross_moment", "mid_channel_norm", "mid_mean"]
-FAST = dict(sensitivity="uniform", measure=False)  # no forward passes: the solver and plan only
+FAST = dict(sensitivity="uniform", measure=False, budget_scope="routed")  # no forward passes: the experts' solver
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
                "BOOL": 1}
 

@@ -16,7 +16,7 @@ from moecompress.pipeline import choose_format
 from moecompress.plan import ModelInfo
 from moecompress.testing import calibrated_tiny
 
-FAST = dict(sensitivity="uniform", measure=False, ranks=[4])
+FAST = dict(sensitivity="uniform", measure=False, ranks=[4], budget_scope="routed")  # the experts' solver
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_mixed_precision_plan_exports_compact_and_reloads_equal(olmoe, tmp_path)
     assert all(sum(row["bits"].values()) == sum(1 for s in plan.scope(f"layer{row['layer']}").stored
                                                 if s.packing is None) for row in rows)
     assert plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"] \
-        <= plan.params["auto"]["budget_routed_bytes"]
+        <= plan.params["auto"]["budget_bytes"]
     assert choose_format(plan) == "compact"
     export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(4))

@@ -1,7 +1,8 @@
 """`auto`'s budget holds as the exporter writes it, on bf16 and float32 checkpoints alike and with quantized
-experts among the stored ones (issue 14): the routed-expert tensors in the exported safetensors equal the
-plan's byte count (CompressionPlan.logical_bytes) and match
-the budget within 1 % of the original routed-expert bytes as stored. Also through `moecompress compress`."""
+experts among the stored ones (issue 14): with ``budget_scope: routed`` the routed-expert tensors in the exported
+safetensors equal the plan's byte count (CompressionPlan.logical_bytes) and match the budget within 1 % of the
+original routed-expert bytes as stored; with the default whole-file scope (issue 30) every weight tensor of the
+export does, against the original file's weights. Also through `moecompress compress`."""
 
 import math
 
@@ -20,6 +21,7 @@ from moecompress.testing import run_cli, tiny_model
 
 SIZES = {"BF16": 2, "F32": 4, "F16": 2, "I16": 2, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
 FAST = dict(sensitivity="uniform", measure=False, ranks=[1, 2, 4], bits=[16, 4, 2])  # quantized keeps included
+ROUTED = dict(FAST, budget_scope="routed")
 
 
 def routed_written(directory) -> int:
@@ -31,6 +33,11 @@ def routed_written(directory) -> int:
             if k.startswith("moecompress.scopes.") or ".ops." in k or ".mlp.experts." in k:
                 total += SIZES[h["dtype"]] * math.prod(h["shape"])
     return total
+
+
+def whole_written(directory) -> int:
+    """Bytes of every tensor in an export's safetensors files (the whole file's weights)."""
+    return sum(n for _, n in stored_tensors(directory).values())
 
 
 # the bf16 checkpoint (what real ones are) in the default run; the float32 one with the slow tests (README)
@@ -55,7 +62,7 @@ def _original_routed(path) -> int:
 def test_fraction_budget_is_written_within_one_percent(calibrated, tmp_path, budget):
     dtype, path, store, adapter = calibrated
     original = _original_routed(path)
-    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, **FAST)),
+    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, **ROUTED)),
                                              MethodContext(adapter, store))
     assert plan.model.dtype == dtype and plan.model.expert_bytes == original
     out = tmp_path / "out"
@@ -65,7 +72,7 @@ def test_fraction_budget_is_written_within_one_percent(calibrated, tmp_path, bud
     target = math.floor(budget * original)
     assert written == plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"]
     assert target - 0.01 * original <= written <= target
-    assert plan.params["auto"]["budget_routed_bytes"] == target
+    assert plan.params["auto"]["budget_bytes"] == target and not plan.tensor_quant
     # the count holds with quantized experts (packed int32 codes + bf16 scales) among the stored ones
     assert any(s.quant is not None for sc in plan.scopes for s in sc.stored)
 
@@ -74,10 +81,10 @@ def test_absolute_budget_is_routed_expert_bytes(calibrated, tmp_path):
     dtype, path, store, adapter = calibrated
     original = _original_routed(path)
     size = f"{original * 0.6 / 1000:.3f}KB"  # decimal kilobytes
-    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=size, **FAST)),
+    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=size, **ROUTED)),
                                              MethodContext(adapter, store))
     target = math.floor(float(size[:-2]) * 1000)
-    assert plan.params["auto"]["budget_routed_bytes"] == target
+    assert plan.params["auto"]["budget_bytes"] == target
     out = tmp_path / "out"
     export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
     assert target - 0.01 * original <= routed_written(out) <= target
@@ -89,11 +96,42 @@ def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, caps
     original = _original_routed(path)
     out = tmp_path / "cli"
     args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
-            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param", "bits=[16,4,2]", "--out", str(out)]
+            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param",
+            "bits=[16,4,2]", "--budget-scope", "routed", "--out", str(out)]
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
     assert "auto: per-layer choices" in text and "-bit" in text  # representation × bits, per layer
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_whole_file_budget_is_written_within_one_percent(calibrated, tmp_path, budget):
+    """The default scope: every weight of the export (experts, attention, embeddings, lm_head, norms, routers)
+    within the budget and within 1 % of it, non-expert weights quantized where that saves most (issue 30)."""
+    dtype, path, store, adapter = calibrated
+    original = whole_written(path)
+    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, **FAST)),
+                                             MethodContext(adapter, store))
+    assert plan.model.expert_bytes + plan.model.other_bytes == original
+    out = tmp_path / "out"
+    export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
+    target = math.floor(budget * original)
+    written = plan.logical_bytes(tensors, accounting="stored").total
+    assert written == plan.params["auto"]["whole_bytes"] and plan.params["auto"]["budget_bytes"] == target
+    assert target - 0.01 * original <= written <= target
+    assert whole_written(out) == written  # every tensor of the file, packed codes and their shapes included
+
+
+def test_cli_budget_is_the_whole_file_by_default(calibrated, tmp_path, capsys):
+    dtype, path, store, _ = calibrated
+    original = whole_written(path)
+    out = tmp_path / "cli"
+    args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
+            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param",
+            "bits=[16,4,2]", "--out", str(out)]
+    code, text, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert original // 2 - 0.02 * original <= whole_written(out) <= original // 2 + 0.01 * original
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -194,6 +194,53 @@ def test_materialized_writes_the_dequantized_weights(tmp_path):
                                atol=1e-6, rtol=1e-6)
 
 
+def _with_quantized_experts(model, specs):
+    from moecompress.methods.quantize import quantize_plan
+
+    adapter = MoEAdapter(model)
+    plan, tensors = quantize_plan(CompressionPlan.identity(model), {}, lambda l, e: adapter.layer(l).storage.read(e),
+                                  QuantConfig(quant="w4c", algo="rtn"), None)
+    if not specs:
+        return plan, tensors
+    return quantize_tensors(plan, tensors, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()})
+
+
+def test_hf_export_has_one_config_group_per_precision_and_loads_in_transformers(tmp_path):
+    """Issue 30 item 5: experts at w4c, attention at w4g32 and lm_head at w8c become three compressed-tensors
+    config groups, the non-expert ones targeting their modules by name; plain transformers (compressed-tensors)
+    loads the checkpoint and computes what our runtime computes (up to its bf16 dequantized weights)."""
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny("olmoe", tmp_path / "src")
+    model = tiny_model("olmoe")
+    plan, tensors = _with_quantized_experts(model, {"attention": "w4g32", "lm_head": "w8c"})
+    export(str(src), plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
+    qc = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+    groups = {tuple(g["targets"])[0]: g["weights"] for g in qc["config_groups"].values()}
+    assert len(groups) == 3 and "lm_head" not in qc["ignore"]
+    assert groups["lm_head"]["num_bits"] == 8 and groups["lm_head"]["strategy"] == "channel"
+    assert groups["model.layers.0.self_attn.k_proj"]["group_size"] == 32
+    targets = next(g["targets"] for g in qc["config_groups"].values() if g["weights"].get("group_size") == 32)
+    assert set(targets) == {n.removesuffix(".weight") for n, tq in plan.tensor_quant.items() if tq.kind == "attention"}
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours = apply_plan(tiny_model("olmoe"), plan, tensors)
+    assert not torch.equal(logits(ours), logits(tiny_model("olmoe")))
+    torch.testing.assert_close(logits(plain).float(), logits(ours), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("specs, message", [
+    ({"embeddings": "w8c"}, "compressed-tensors stores quantized Linear layers only"),
+    ({"attention": "w4g32"}, "keeps routed experts unquantized"),
+])
+def test_hf_export_refusals_are_one_sentence(tmp_path, specs, message):
+    src = save_tiny("olmoe", tmp_path / "src")
+    model = tiny_model("olmoe")
+    plan, tensors = _with_quantized_experts(model, specs) if "embeddings" in specs else _quantized(model, specs)
+    with pytest.raises(MoECompressError, match=message):
+        export(str(src), plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
+    assert not (tmp_path / "hf").exists()
+
+
 # ----------------------------------------------------------------------------- CLI, recipe
 def test_cli_quant_scope_all_end_to_end(tmp_path, capsys):
     from moecompress.testing import fixture_dir, run_cli

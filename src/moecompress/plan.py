@@ -176,9 +176,9 @@ class ModelInfo(_Strict):
             if id(p) not in expert_params:
                 other += nbytes_of(key, p)
         for mod_name, mod in model.named_modules():
-            for name, b in mod.named_buffers(recurse=False):
-                if b is not None and name not in mod._non_persistent_buffers_set:
-                    other += nbytes_of(f"{mod_name}.{name}" if mod_name else name, b)
+            for buf, b in mod.named_buffers(recurse=False):
+                if b is not None and buf not in mod._non_persistent_buffers_set:
+                    other += nbytes_of(f"{mod_name}.{buf}" if mod_name else buf, b)
         first = adapter.layer(adapter.moe_layers[0])
         return cls(
             model_type=adapter.model_type, hidden_size=adapter.hidden_size,

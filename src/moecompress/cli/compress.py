@@ -45,8 +45,13 @@ def compress_command(
     operator: Optional[str] = typer.Option(None, help="Replacement operator (prune)."),
     rank: Optional[int] = typer.Option(None, help="Tilt rank / partial-copy budget (prune)."),
     gate: Optional[str] = typer.Option(None, help="keep | renorm (prune, reroute)."),
-    budget: Optional[str] = typer.Option(None, help="Routed-expert bytes kept (auto): a fraction of the original's "
-                                         "as stored on disk (0.5, 50%), or a size (4GB, 500MB, 1.5GiB)."),
+    budget: Optional[str] = typer.Option(None, help="Bytes kept (auto): a fraction of the original's weights as "
+                                         "stored on disk (0.5, 50%), or a size (4GB, 500MB, 1.5GiB); of the whole "
+                                         "file unless --budget-scope routed."),
+    budget_scope: Optional[str] = typer.Option(None, help="whole (default): --budget counts every weight of the "
+                                               "file and auto also gives attention, shared experts, dense MLPs, "
+                                               "embeddings and lm_head a precision | routed: it counts the routed "
+                                               "experts only, the rest stays as it is (auto)."),
     param: list[str] = typer.Option([], help="Any other method parameter as key=value (repeatable)."),
     recipe: Optional[Path] = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
     quant: Optional[str] = typer.Option(None, help="Also quantize every stored expert: w4g128, w3g64, w2g32, w8c "
@@ -92,7 +97,8 @@ def compress_command(
         quant_setting = arm.quant.model_dump() if arm.quant else None
         if format == "auto":
             format = arm.format
-    given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget)
+    given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget,
+                 budget_scope=budget_scope)
     params.update({k: v for k, v in given.items() if v is not None})
     params.update(parse_params(param))
     if quant is not None and method == "quant":

@@ -5,7 +5,9 @@ installed) and vLLM load (../shared/notes/compressed-tensors-moe.md): the expert
 expert as 2-D weights under the family's on-disk names, each ``...experts.E.{gate,up,down}_proj.weight``
 replaced by ``weight_packed`` (int32), ``weight_scale`` (bf16), ``weight_shape`` (int64 [2]) and, when
 asymmetric, ``weight_zero_point``; every other tensor stays as it was; ``config.json`` carries a
-``quantization_config`` whose one config group targets the routed experts' projections.
+``quantization_config`` whose config groups target the routed experts' projections and, for a plan that
+quantizes non-expert weights (attention, shared experts, dense MLPs, lm_head), those modules by name, one group
+per precision.
 """
 
 from __future__ import annotations
@@ -21,14 +23,25 @@ EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
 _PER_EXPERT = re.compile(r"^(?P<base>.*\.experts\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj)\.weight$")
 
 
-def quantization_config(spec: QuantSpec) -> dict:
-    """The checkpoint's ``quantization_config``, built by compressed-tensors itself."""
+def quantization_config(spec: QuantSpec | None, modules: dict[str, QuantSpec] | None = None) -> dict:
+    """The checkpoint's ``quantization_config``, built by compressed-tensors itself: one config group for the
+    routed experts' projections at `spec` (if any), and one per precision among the quantized non-expert
+    modules (`modules`: module name -> spec, e.g. attention at w4g32 and lm_head at w8c), targeting them by name
+    (issue 30, item 5)."""
     from compressed_tensors import __version__ as ct_version
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    scheme = QuantizationScheme(targets=[EXPERT_TARGET], weights=spec.quantization_args())
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                            quantization_status="compressed", ignore=["lm_head"])
+    groups = {}
+    if spec is not None:
+        groups["group_0"] = QuantizationScheme(targets=[EXPERT_TARGET], weights=spec.quantization_args())
+    by_spec: dict[str, tuple[QuantSpec, list[str]]] = {}
+    for name, s in sorted((modules or {}).items()):
+        by_spec.setdefault(s.model_dump_json(), (s, []))[1].append(name)
+    for s, names in by_spec.values():
+        groups[f"group_{len(groups)}"] = QuantizationScheme(targets=names, weights=s.quantization_args())
+    ignore = [] if "lm_head" in (modules or {}) else ["lm_head"]
+    qc = QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
+                            ignore=ignore)
     data = qc.model_dump(mode="json")
     data["quant_method"] = "compressed-tensors"
     data.setdefault("version", ct_version)

@@ -157,6 +157,24 @@ class Format:
         return {f"{base}.{k}": v for k, v in t.items()}
 
 
+def _tensor_quant_problem(plan: CompressionPlan) -> str | None:
+    """Why compressed-tensors cannot hold the plan's quantized non-expert weights, or None."""
+    if plan.tensor_quant and None in plan.quant_specs():
+        # measured (transformers 5.24, compressed-tensors 0.20.1): with a quantization_config, the loader finds
+        # no tensors for unquantized fused experts ("Concatenate on tensors destined for ...gate_up_proj")
+        return ("it quantizes non-expert weights but keeps routed experts unquantized, which transformers' "
+                "compressed-tensors loader cannot read: quantize the experts too, e.g. with --quant w4c")
+    for name, tq in plan.tensor_quant.items():
+        if tq.kind == "embeddings":
+            return ("it quantizes the embeddings, and compressed-tensors stores quantized Linear layers only "
+                    "(keep the embeddings out of the quantization or use the compact format)")
+        group = tq.quant.group_size
+        if group is not None and tq.shape[1] % group:
+            return (f"its quantization group {group} leaves a shorter last group on {name} (input dimension "
+                    f"{tq.shape[1]}), which compressed-tensors cannot load")
+    return None
+
+
 class HFFormat(Format):
     name = "hf"
 
@@ -166,8 +184,9 @@ class HFFormat(Format):
         layout; quantized: compressed-tensors)? None if so, else why not."""
         if plan.has_packed():
             return "it stores packed element-wise merges"
-        if plan.tensor_quant:
-            return "it quantizes non-expert tensors, which only the compact format stores for now"
+        problem = _tensor_quant_problem(plan)
+        if problem is not None:
+            return problem
         specs = plan.quant_specs()
         if len(specs) > 1:
             return "its stored experts have different precisions"
@@ -217,17 +236,19 @@ class HFFormat(Format):
             setattr(config, key, self.k)
         self.out_skeleton = skeleton(config)  # before quantization_config: on-disk names of the dense experts
         (self.quant,) = self.plan.quant_specs()  # `reason`: one precision for every stored expert
-        if self.quant is not None:
+        if self.quant is not None or self.plan.tensor_quant:
             from .ct import quantization_config
 
-            config.quantization_config = quantization_config(self.quant)
+            config.quantization_config = quantization_config(self.quant, {
+                n.removesuffix(".weight"): tq.quant for n, tq in self.plan.tensor_quant.items()})
         self.config = config
 
     def output_config(self):
         return self.config
 
     def finalize(self, tensors: dict) -> dict:
-        return _revert(self.out_skeleton, tensors)
+        # quantized non-expert weights keep their module names (compressed-tensors' pack-quantized keys)
+        return self.quantized_tensors(_revert(self.out_skeleton, tensors), packed=True)
 
     def moe_layer(self, i, rel_nonexpert, layer):
         router_rel = child_name(self.adapter.decoder_layers[i], layer.router) + "."

@@ -36,6 +36,7 @@ bytes come from ``CompressionPlan.logical_bytes`` (the one byte count) and must 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -104,10 +105,19 @@ class AutoConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    budget: float | None = Field(0.5, gt=0.0, le=1.0, description="routed-expert bytes kept, as a fraction of the "
-                                 "original's as stored on disk; a size string ('4GB', '500MiB') sets budget_bytes")
-    budget_bytes: int | None = Field(None, gt=0, description="absolute budget: routed-expert bytes (stored experts "
-                                     "+ operators) at the checkpoint's dtypes; overrides budget")
+    budget: float | None = Field(0.5, gt=0.0, le=1.0, description="bytes kept, as a fraction of the original's "
+                                 "as stored on disk (of the whole file's weights, or of the routed experts': "
+                                 "budget_scope); a size string ('4GB', '500MiB') sets budget_bytes")
+    budget_bytes: int | None = Field(None, gt=0, description="absolute budget at the checkpoint's dtypes: the whole "
+                                     "file's weights, or the routed experts' (stored experts + operators) with "
+                                     "budget_scope routed; overrides budget")
+    budget_scope: Literal["whole", "routed"] = Field(
+        "whole", description="whole: the budget counts every weight of the file, and auto also chooses a precision "
+        "for the non-expert weights (tensor_classes); routed: it counts the routed experts only, every other "
+        "tensor stays as it is")
+    tensor_classes: list[str] | None = Field(
+        None, description="non-expert classes auto may quantize with budget_scope whole (attention, shared, "
+        "dense_mlp, embeddings, lm_head; never the router); None: every one the model has, []: none")
     candidates: list[CandidateName] = Field(default_factory=lambda: list(ALL_CANDIDATES),
                                             description="representations a removed slot may take (keep is implicit)")
     ranks: list[int] = Field(default_factory=lambda: [8, 32], description="tilt ranks (and partial-copy budgets)")
@@ -160,6 +170,9 @@ class AutoConfig(BaseModel):
             raise ValueError("ranks must be positive (the constant is candidate 'constant')")
         if "reroute" in self.candidates and not self.gates:
             raise ValueError("reroute needs at least one gate")
+        if self.budget_scope == "routed" and self.tensor_classes:
+            raise ValueError("tensor_classes need budget_scope whole: a routed budget counts the routed experts only, "
+                             "so it has no bytes to give other tensors")
         if 16 not in self.bits:
             raise ValueError("bits must include 16 (every layer starts from its unquantized experts); "
                              "e.g. bits: [16, 4, 2]")
@@ -636,10 +649,16 @@ def _sig(x: float, digits: int = 6) -> float:
 
 
 def routed_budget(config: AutoConfig, info: ModelInfo) -> int:
-    """Routed-expert bytes allowed: budget_bytes, or the fraction of the original's routed bytes as stored."""
+    """Bytes allowed in the budget's scope: budget_bytes, or the fraction of the original's bytes as stored (the
+    whole file's weights, or the routed experts' with budget_scope routed)."""
     if config.budget_bytes is not None:
         return config.budget_bytes
-    return math.floor((0.5 if config.budget is None else config.budget) * info.expert_bytes)
+    return math.floor((0.5 if config.budget is None else config.budget) * scope_bytes(config, info))
+
+
+def scope_bytes(config: AutoConfig, info: ModelInfo) -> int:
+    """The original's bytes the budget is a fraction of."""
+    return info.expert_bytes + (info.other_bytes if config.budget_scope == "whole" else 0)
 
 
 @dataclass
@@ -647,7 +666,7 @@ class AutoSetup:
     """Everything estimated once per model and calibration: candidates, frontiers, sensitivities."""
 
     info: ModelInfo
-    budget: int  # routed bytes
+    budget: int  # bytes in the budget's scope
     problems: dict[int, LayerProblem]
     moments: dict[int, LayerMoments]
     fronts: dict[int, list[LayerPoint]]
@@ -775,7 +794,7 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
     if config.sensitivity != "uniform":
         noise = est.layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
-    ratio = budget / info.expert_bytes
+    ratio = min(1.0, budget / scope_bytes(config, info))
     fronts, moments, problems = {}, {}, {}
     probes: dict[int, tuple[int, float, float]] = {}
     kind_sens: dict[int, dict[str, float]] = {}
@@ -926,6 +945,57 @@ def measure_states(adapter, info: ModelInfo, states: dict[int, LayerPoint], ids:
         return est.kl_to(ref, adapter.model, ids)
 
 
+def _identity(config: AutoConfig, adapter, info: ModelInfo, budget: int):
+    """Everything fits: keep every expert (a zero-loss removal is still a change to the model)."""
+    plan = CompressionPlan.identity(adapter.model, method="auto")
+    params = config.model_dump()
+    params["auto"] = dict(budget_scope=config.budget_scope, budget_bytes=budget, routed_bytes=info.expert_bytes,
+                          original_routed_bytes=info.expert_bytes, whole_bytes=info.expert_bytes + info.other_bytes,
+                          original_whole_bytes=info.expert_bytes + info.other_bytes, accounting=config.accounting,
+                          est_kl=0.0,
+                          layers=[dict(layer=i, gate="renorm", choices={"keep": adapter.num_experts(i)},
+                                       routed_bytes=info.layer(i).bytes_per_expert * adapter.num_experts(i),
+                                       est_error=0.0, est_kl=0.0) for i in adapter.moe_layers])
+    return plan.model_copy(update={"params": params}), {}
+
+
+def _whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup):
+    """The non-expert part of a whole-file budget (`auto_tensors.WholeFile`), or None with a routed budget."""
+    if config.budget_scope != "whole":
+        return None
+    from .auto_tensors import WholeFile, chosen_classes
+
+    ids, ref = setup.ids, setup.ref
+    if ids is None:  # sensitivity uniform, measure off: the Hessians and class probes still need tokens
+        ids, _ = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
+                                     config.seed)
+        ref = est._logprobs(adapter.model, ids)
+    classes = chosen_classes(adapter, config.tensor_classes)
+    return WholeFile.price(adapter, stats, setup.info, classes, config.quant_bits, config.quant_group,
+                           config.quant_algo, ids, ref)
+
+
+def _allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dict[int, int]]:
+    """(fronts of every item, the chosen index of each): MoE layers and, for a whole-file budget, tensors."""
+    fronts, scale, uniform = dict(setup.fronts), dict(setup.sens), {b: dict(v) for b, v in setup.uniform.items()}
+    budget = setup.budget
+    if whole is not None:
+        tf = whole.fronts()
+        fronts.update(tf)
+        scale.update(dict.fromkeys(tf, 1.0))  # tensor losses are in KL units already
+        for b in uniform:
+            uniform[b].update(whole.uniform(b))
+        budget -= whole.fixed
+        minimum = sum(f[0].bytes for f in fronts.values())
+        if minimum > budget:
+            raise MoECompressError(f"The budget of {setup.budget} bytes is below the smallest whole file auto can "
+                                   f"reach ({minimum + whole.fixed}: every expert layer keeps what its router "
+                                   "needs, every weight at the lowest width tried, norms and routers as they "
+                                   "are); raise the budget or add lower widths to bits.")
+    chosen = allocate(fronts, scale, budget)
+    return fronts, uniform_bits_check(fronts, scale, budget, chosen, uniform)
+
+
 @large_blocks_mmapped()
 def build_auto(config: AutoConfig, context: MethodContext):
     """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the module doc."""
@@ -936,37 +1006,53 @@ def build_auto(config: AutoConfig, context: MethodContext):
     stats.require(*needs_stats(config), method="auto")
     info = ModelInfo.from_model(adapter)
     budget = routed_budget(config, info)
-    layers = adapter.moe_layers
-
-    if sum(li.bytes_per_expert * li.num_experts for li in info.layers) <= budget:
-        # everything fits: keep every expert (a zero-loss removal is still a change to the model)
-        plan = CompressionPlan.identity(adapter.model, method="auto")
-        params = config.model_dump()
-        params["auto"] = dict(budget_routed_bytes=budget, routed_bytes=info.expert_bytes,
-                              original_routed_bytes=info.expert_bytes, accounting=config.accounting, est_kl=0.0,
-                              layers=[dict(layer=i, gate="renorm", choices={"keep": adapter.num_experts(i)},
-                                           routed_bytes=info.layer(i).bytes_per_expert * adapter.num_experts(i),
-                                           est_error=0.0, est_kl=0.0) for i in layers])
-        return plan.model_copy(update={"params": params}), {}
+    if scope_bytes(config, info) <= budget:
+        return _identity(config, adapter, info, budget)
 
     setup = prepare(config, adapter, stats, context.progress)
-    fronts, sens, moments, ids, ref = setup.fronts, setup.sens, setup.moments, setup.ids, setup.ref
-    chosen_idx = allocate(fronts, sens, budget)
-    chosen_idx = uniform_bits_check(fronts, sens, budget, chosen_idx, setup.uniform)
-    chosen = {i: fronts[i][chosen_idx[i]] for i in layers}
+    whole = _whole_file(config, adapter, stats, setup)
+    fronts, chosen_idx = _allocate_all(config, setup, whole)
+    chosen = {i: fronts[i][chosen_idx[i]] for i in adapter.moe_layers}
     sample_error: dict[int, float] = {}
 
     def measure_sample(i: int, part: CompressionPlan, part_tensors) -> None:
         # here, not after the plan: the layer is still lent and its tensors in memory (read back from the
         # store, every layer's were mapped in again on the streamed view)
-        if any(c.kind != "keep" for c in chosen[i].choice) and moments[i].sample is not None:
-            sample_error[i] = _sig(est.sample_layer_error(adapter, part, part_tensors, i, moments[i].sample))
+        if any(c.kind != "keep" for c in chosen[i].choice) and setup.moments[i].sample is not None:
+            sample_error[i] = _sig(est.sample_layer_error(adapter, part, part_tensors, i, setup.moments[i].sample))
 
     plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen, on_layer=measure_sample)
+    if whole is not None and (specs := whole.specs(fronts, chosen_idx)):
+        from .auto_tensors import hessians
+        from .tensor_quant import quantize_tensors
 
-    # the per-layer table: what was chosen, estimated and measured
+        plan, tensors = quantize_tensors(plan, tensors, adapter, specs, hessians(adapter, stats, whole.ids))
+    summary = _summary(config, adapter, setup, plan, tensors, chosen, sample_error)
+    if whole is not None:
+        _whole_summary(summary, whole, fronts, chosen_idx, plan, tensors, budget)
+    if config.measure:
+        with _installed(adapter, plan, tensors, adapter.moe_layers):
+            summary["measured_kl"] = _sig(est.kl_to(setup.ref, adapter.model, setup.ids))
+    params = config.model_dump()
+    params["auto"] = summary
+    return plan.model_copy(update={"params": params}), tensors
+
+
+@contextlib.contextmanager
+def _installed(adapter, plan: CompressionPlan, tensors, layers):
+    """The plan's MoE `layers` and its quantized non-expert weights in the model, for a measurement."""
+    from .auto_tensors import dequantized_weights, weights_installed
+
+    with est.plan_installed(adapter, plan, tensors, layers), \
+            weights_installed(adapter, dequantized_weights(plan, tensors)):
+        yield
+
+
+def _summary(config: AutoConfig, adapter, setup: AutoSetup, plan, tensors, chosen, sample_error) -> dict:
+    """params["auto"]: the per-layer table (what was chosen, estimated and measured) and the routed bytes."""
+    sens, info = setup.sens, setup.info
     table = []
-    for i in layers:
+    for i in adapter.moe_layers:
         pt = chosen[i]
         hist: dict[str, int] = {}
         for c in pt.choice:
@@ -989,23 +1075,31 @@ def build_auto(config: AutoConfig, context: MethodContext):
             row["sample_error"] = sample_error[i]
         if any(c.kind != "keep" for c in pt.choice) and config.measure:
             with est.plan_installed(adapter, plan, tensors, [i]):
-                row["measured_kl"] = _sig(est.kl_to(ref, adapter.model, ids))
+                row["measured_kl"] = _sig(est.kl_to(setup.ref, adapter.model, setup.ids))
         table.append(row)
     routed = plan.logical_bytes(tensors, accounting=config.accounting).routed
-    if routed != sum(chosen[i].bytes for i in layers) or routed > budget:
-        raise RuntimeError(f"auto: the solver counted {sum(chosen[i].bytes for i in layers)} routed bytes, the plan "
-                           f"holds {routed} (budget {budget}); this is a bug, please report it.")
-    summary = dict(budget_routed_bytes=budget, routed_bytes=routed, dtype=info.dtype,
-                   original_routed_bytes=info.expert_bytes, accounting=config.accounting,
-                   est_kl=_sig(sum(chosen[i].loss * sens[i] for i in layers)), sensitivity_data=setup.ids_note,
-                   layers=table)
-    if config.measure:
-        with est.plan_installed(adapter, plan, tensors, layers):
-            summary["measured_kl"] = _sig(est.kl_to(ref, adapter.model, ids))
-    params = config.model_dump()
-    params["auto"] = summary
-    plan = plan.model_copy(update={"params": params})
-    return plan, tensors
+    solver = sum(chosen[i].bytes for i in adapter.moe_layers)
+    if routed != solver or (config.budget_scope == "routed" and routed > setup.budget):
+        raise RuntimeError(f"auto: the solver counted {solver} routed bytes, the plan holds {routed} (budget "
+                           f"{setup.budget}); this is a bug, please report it.")
+    return dict(budget_scope=config.budget_scope, budget_bytes=setup.budget, routed_bytes=routed, dtype=info.dtype,
+                original_routed_bytes=info.expert_bytes, accounting=config.accounting,
+                est_kl=_sig(sum(chosen[i].loss * sens[i] for i in adapter.moe_layers)),
+                sensitivity_data=setup.ids_note, layers=table)
+
+
+def _whole_summary(summary: dict, whole, fronts, chosen_idx, plan, tensors, budget: int) -> None:
+    """The whole-file part of params["auto"]: per-class precisions and the whole file's bytes (checked)."""
+    from .auto_tensors import KEY_OFFSET
+
+    total = plan.logical_bytes(tensors, accounting=summary["accounting"]).total
+    solver = whole.fixed + sum(fronts[k][i].bytes for k, i in chosen_idx.items())
+    if total != solver or total > budget:
+        raise RuntimeError(f"auto: the solver counted {solver} bytes for the whole file, the plan holds {total} "
+                           f"(budget {budget}); this is a bug, please report it.")
+    tensor_kl = sum(fronts[k][i].loss for k, i in chosen_idx.items() if k >= KEY_OFFSET)
+    summary.update(whole_bytes=total, original_whole_bytes=plan.model.expert_bytes + plan.model.other_bytes,
+                   est_kl=_sig(summary["est_kl"] + tensor_kl), tensors=whole.table(fronts, chosen_idx))
 
 
 # the view: a layer as stored and one float32 layer, the embeddings and head (sensitivity probes and measured KL

@@ -86,11 +86,12 @@ def present_classes(adapter) -> set[str]:
     return {cls for name, cls in tensor_classes(adapter).items() if quantizable(name, shapes[name], cls)}
 
 
-def _on_disk_dtypes(plan: CompressionPlan) -> dict[str, tuple[str, int]] | None:
+def on_disk_dtypes(info) -> dict[str, tuple[str, int]] | None:
+    """name -> (on-disk dtype, bytes) of the checkpoint `info` (a `ModelInfo`) was described from, else None."""
     from ..disk import checkpoint_dir, stored_tensors
 
-    found = checkpoint_dir(plan.model.source)
-    return stored_tensors(found) if found is not None and plan.model.disk_dtypes is not None else None
+    found = checkpoint_dir(info.source)
+    return stored_tensors(found) if found is not None and info.disk_dtypes is not None else None
 
 
 def _layer_of(name: str, prefix: str) -> int:
@@ -108,24 +109,27 @@ def _read(adapter, names: list[str]) -> dict[str, torch.Tensor]:
 
 def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter, specs: dict[str, QuantSpec],
                      hessians=None) -> tuple[CompressionPlan, PlanTensors]:
-    """(plan, tensors) with every quantizable tensor of the classes in `specs` quantized and recorded in
-    ``plan.tensor_quant``; the rest untouched. Bytes follow at once (`plan.logical_bytes`).
+    """(plan, tensors) with every quantizable tensor `specs` names — by class, or by tensor name (auto's
+    per-tensor choices; a name wins over its class) — quantized and recorded in ``plan.tensor_quant``; the rest
+    untouched. Bytes follow at once (`plan.logical_bytes`).
 
     A GPTQ spec needs `hessians(names)`: an iterator of (decoder layer or None, {name: H}) in layer order, None
     (lm_head) last (`calibrate.linear_hessian.linear_hessian_pass`). A weight without a Hessian there (no real
     token reached it) falls back to round-to-nearest, and its entry says ``algo: rtn``."""
-    out = dict(tensors or {})
+    # a store on disk (`SpilledTensors`, the streamed view) takes the codes in place: copying it would read it all
+    out = tensors if tensors is not None and not isinstance(tensors, dict) else dict(tensors or {})
     if not specs:
         return plan, out
     classes, shapes = tensor_classes(adapter), tensor_shapes(adapter)
-    names = [n for n, cls in classes.items() if cls in specs and quantizable(n, shapes[n], cls)]
+    spec_of = {n: specs.get(n, specs.get(cls)) for n, cls in classes.items()}
+    names = [n for n, cls in classes.items() if spec_of[n] is not None and quantizable(n, shapes[n], cls)]
     prefix = _layers_prefix(adapter)
-    disk = _on_disk_dtypes(plan)
+    disk = on_disk_dtypes(plan.model)
     entries = dict(plan.tensor_quant)
     by_layer: dict[int, list[str]] = {}
     for n in names:
         by_layer.setdefault(_layer_of(n, prefix), []).append(n)
-    want = [n for n in names if specs[classes[n]].algo == "gptq"]
+    want = [n for n in names if spec_of[n].algo == "gptq"]
     if want and hessians is None:
         raise MoECompressError("GPTQ of non-expert weights needs calibration Hessians; pass --calib (a stats directory "
                                "or a data spec) or use --quant-algo rtn.")
@@ -137,7 +141,7 @@ def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter
             while held[0] != key:
                 held = next(passes)
         for name, w in _read(adapter, by_layer[layer]).items():
-            cls, spec = classes[name], specs[classes[name]]
+            cls, spec = classes[name], spec_of[name]
             h = held[1].get(name) if held[0] == key else None
             if spec.algo == "gptq" and h is not None and bool(h.diagonal().gt(0).any()):
                 q = gptq(w.float(), h, spec)
