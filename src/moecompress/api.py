@@ -38,8 +38,8 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import stats_to_gather
-from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_quant_classes, choose_format,
-                       make_plan, quant_config)
+from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_quant_classes, check_target_name,
+                       choose_format, make_plan, quant_config, target_format)
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=N
 def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
              out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
              dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None,
-             calib_mode: str = "one-pass"):
+             calib_mode: str = "one-pass", target: str = "moecompress"):
     """Compress checkpoint `model` with `method` and write it to `out`; returns the `ExportResult`.
 
     calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
@@ -70,6 +70,8 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     quant: optional weight quantization of every stored expert the method keeps (`pipeline.quant_config`).
     calib_mode: "one-pass" (every layer's statistics on the original model's activations) or "sequential"
     (on the already-quantized earlier layers; `--method quant` from a data spec, `pipeline.check_calib_mode`).
+    target: the runtime that serves the output (moecompress | llama.cpp | vllm | transformers): its format is
+    chosen and a plan it cannot run is refused (`pipeline.target_format`); `auto` searches only what it runs.
 
     `out` is claimed (`atomic.claim`) for the whole run and the model and stats store are fingerprinted
     when it starts: the method reopens the model for every layer and the exporter once more, so a model
@@ -88,6 +90,9 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     check_quant_classes(model, quant, params, method)  # and a tensor class the model lacks
     check_format_name(format)  # and an unknown format
     check_calib_mode(calib_mode, method, calib, quant)  # and a calibration mode this run cannot honour
+    check_target_name(target)
+    if target != "moecompress" and method == "auto":
+        params = {**(params or {}), "target": target}
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
         stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
@@ -100,7 +105,9 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
                   "quant": quant.model_dump(mode="json") if isinstance(quant, BaseModel) else quant}
         if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
             recipe["calib_mode"] = calib_mode
-        return export(model, plan, out, format=choose_format(plan, format), tensors=tensors, recipe=recipe,
+        if target != "moecompress":
+            recipe["target"] = target
+        return export(model, plan, out, format=target_format(plan, target, format), tensors=tensors, recipe=recipe,
                       overwrite=overwrite, protect=protect, inputs=inputs)
 
 

@@ -204,6 +204,33 @@ def check_format_name(requested: str) -> None:
         format_class(requested)
 
 
+TARGET_FORMAT = {"llama.cpp": "gguf", "vllm": "hf", "transformers": "hf"}  # the format each runtime loads
+
+
+def check_target_name(target: str) -> None:
+    if target != "moecompress" and target not in TARGET_FORMAT:
+        raise MoECompressError(f"Target '{target}' is not known; use moecompress, {', '.join(TARGET_FORMAT)}.")
+
+
+def target_format(plan, target: str, requested: str = "auto") -> str:
+    """The export format for `plan` served by `target` (issue 31, item 3): ``auto`` becomes the format the runtime
+    loads (llama.cpp: gguf; vLLM, transformers: hf), and a plan that format cannot hold is refused in one sentence
+    naming why (whatever method made it)."""
+    if target == "moecompress":
+        return choose_format(plan, requested)
+    from .export.formats import format_class
+
+    fmt = TARGET_FORMAT[target]
+    if requested not in ("auto", fmt):
+        raise MoECompressError(f"{target} loads --format {fmt}, not {requested}; drop --format or --target.")
+    why = format_class(fmt).reason(plan)
+    if why is not None:
+        hint = " (auto --target llama.cpp searches only what it runs)" if target == "llama.cpp" else ""
+        raise MoECompressError(f"This plan cannot run in {target}: {why}; change the method's settings{hint}, or "
+                               "drop --target to write it for moecompress's runtime.")
+    return fmt
+
+
 def choose_format(plan, requested: str = "auto") -> str:
     """The export format for `plan`: for ``auto`` the first of `export.formats.AUTO_ORDER` that holds it (`hf`
     when a vanilla config can express it, else `compact`, else `packed` for PuzzleMoE packed merges); a named

@@ -67,6 +67,10 @@ def compress_command(
                                               "untouched; written --format compact (docs/quantization.md, "
                                               "'Non-expert tensors')."),
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
+    target: str = typer.Option("moecompress", help="The runtime that serves the output: moecompress (every plan) | "
+                               "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q4_0 / 16-bit "
+                               "type per layer tensor) | vllm | transformers (write hf); a plan the runtime cannot "
+                               "run is refused."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     calib_mode: str = typer.Option("one-pass", help="one-pass: every layer's statistics on the original model's "
                                    "activations | sequential: on the already-quantized earlier layers (GPTQ's "
@@ -134,7 +138,7 @@ def compress_command(
         if dry_run:
             return
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
-                      overwrite=overwrite, quant=quant_setting, calib_mode=calib_mode)
+                      overwrite=overwrite, quant=quant_setting, calib_mode=calib_mode, target=target)
     Console().print(result.describe())
     table = auto_table(Path(result.path) / "plan.json")
     if table is not None:
@@ -145,13 +149,17 @@ def auto_table(plan_json: Path):
     """`auto`'s per-layer choices as a table — representation × bits — or None for other methods."""
     if not plan_json.is_file():
         return None
-    rows = json.loads(plan_json.read_text()).get("params", {}).get("auto", {}).get("layers")
+    summary = json.loads(plan_json.read_text()).get("params", {}).get("auto", {})
+    rows = summary.get("layers")
     if not rows:
         return None
-    table = Table("layer", "gate", "representations", "stored bits", "routed bytes", "est. KL",
+    table = Table("layer", "gate", "representations", "stored bits", "bytes", "est. KL",
                   title="auto: per-layer choices")
     for r in rows:
         table.add_row(str(r["layer"]), r["gate"], ", ".join(f"{k} {v}" for k, v in r["choices"].items()),
                       ", ".join(f"{k}-bit {v}" for k, v in r.get("bits", {}).items()) or "—",
                       str(r["routed_bytes"]), f"{r['est_kl']:.3g}")
+    for r in summary.get("tensors", []):  # a whole-file budget: the non-expert weights, one row per class
+        table.add_row(r["cls"], "", f"{sum(r['bits'].values())} tensors",
+                      ", ".join(f"{k}-bit {v}" for k, v in r["bits"].items()), str(r["bytes"]), f"{r['est_kl']:.3g}")
     return table

@@ -115,6 +115,9 @@ class AutoConfig(BaseModel):
         "whole", description="whole: the budget counts every weight of the file, and auto also chooses a precision "
         "for the non-expert weights (tensor_classes); routed: it counts the routed experts only, every other "
         "tensor stays as it is")
+    target: Literal["moecompress", "llama.cpp", "vllm", "transformers"] = Field(
+        "moecompress", description="the runtime the plan must run in: moecompress (everything); llama.cpp (one "
+        "expert count in every layer, one Q8_0 / Q4_0 / 16-bit type per layer tensor: auto_target.py)")
     tensor_classes: list[str] | None = Field(
         None, description="non-expert classes auto may quantize with budget_scope whole (attention, shared, "
         "dense_mlp, embeddings, lm_head; never the router); None: every one the model has, []: none")
@@ -153,7 +156,11 @@ class AutoConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _budget(cls, data):
-        """``budget`` may be a size: it then becomes ``budget_bytes`` (one sentence if it is neither)."""
+        """``budget`` may be a size: it then becomes ``budget_bytes`` (one sentence if it is neither); a target
+        fills in its search space (`auto_target.target_defaults`)."""
+        from .auto_target import target_defaults
+
+        data = target_defaults(data)
         if isinstance(data, dict) and data.get("budget") is not None:
             fraction, nbytes = parse_budget(data["budget"])
             if nbytes is not None:
@@ -979,6 +986,12 @@ def _allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, di
     """(fronts of every item, the chosen index of each): MoE layers and, for a whole-file budget, tensors."""
     fronts, scale, uniform = dict(setup.fronts), dict(setup.sens), {b: dict(v) for b, v in setup.uniform.items()}
     budget = setup.budget
+    if config.target == "llama.cpp":
+        from .auto_target import allocate_for_target
+
+        extra = whole.fronts() if whole is not None else {}
+        fronts, chosen, _ = allocate_for_target(config, setup, extra, budget - (whole.fixed if whole else 0))
+        return fronts, chosen
     if whole is not None:
         tf = whole.fronts()
         fronts.update(tf)
