@@ -81,3 +81,40 @@ def test_cli_target_writes_gguf_and_refuses_a_plan_llama_cpp_cannot_run(calibrat
     assert not (tmp_path / "p").exists()
     code, _, err = run_cli([*args[:-1], str(tmp_path / "x"), "--target", "tensorrt"], capsys)
     assert code == 2 and "Target 'tensorrt' is not known" in err
+
+
+def test_imatrix_gguf_is_llama_cpps_format_from_our_statistics(tmp_path, capsys):
+    """`--imatrix` writes imatrix.gguf beside model.gguf: per llama.cpp tensor of the GGUF, `in_sum2` [n_mat, n_in]
+    and `counts` — the kept experts' squared channel norms and routed counts, the attention inputs' Σ x²."""
+    import gguf
+
+    from moecompress import calibrate as gather
+    from moecompress.calibrate.linear_hessian import linear_hessian_pass
+    from moecompress.export.imatrix import EXPERT_STATS
+
+    model = fixture_dir("olmoe-tiny")
+    store = gather(str(model), "fixture-calib:4", seq_len=64, out=tmp_path / "stats", stats=[*EXPERT_STATS, "out_norm_sq_mean"],
+                   batch_size=4, progress=False)
+    args = ["compress", str(model), "--method", "prune", "--criterion", "frequency", "--ratio", "0.5", "--gate",
+            "renorm", "--format", "gguf", "--imatrix", "--calib", str(tmp_path / "stats"), "--out", str(tmp_path / "g")]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    im = gguf.GGUFReader(str(tmp_path / "g" / "imatrix.gguf"))
+    weights = {t.name for t in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors}
+    entries = {t.name: t for t in im.tensors}
+    bases = {n.rsplit(".", 1)[0] for n in entries}
+    assert bases <= weights and {"blk.0.ffn_down_exps.weight", "blk.0.attn_q.weight", "blk.1.attn_output.weight"} <= bases
+    assert str(bytes(im.fields["general.type"].parts[-1]), "utf-8") == "imatrix"
+    plan = __import__("json").loads((tmp_path / "g" / "plan.json").read_text())
+    kept = [e for e, t in enumerate(plan["layers"][0]["slots"]) if isinstance(t, int)]
+    down = entries["blk.0.ffn_down_exps.weight.in_sum2"].data
+    want = store.get(0, "mid_channel_norm").double()[kept].square().numpy()
+    assert down.shape == want.shape and abs(down - want).max() <= 1e-5 * abs(want).max()
+    counts = entries["blk.0.ffn_gate_exps.weight.counts"].data.reshape(-1)
+    assert list(counts) == [float(c) for c in store.get(0, "counts")[kept]]
+    (_, hs), = [x for x in linear_hessian_pass(str(model), store.meta["data"], ["model.layers.0.self_attn.q_proj.weight"])]
+    q = entries["blk.0.attn_q.weight.in_sum2"].data.reshape(-1)
+    ref = hs["model.layers.0.self_attn.q_proj.weight"].diagonal().numpy()
+    assert abs(q - ref).max() <= 1e-5 * abs(ref).max()
+    code, _, err = run_cli([*args[:-1], str(tmp_path / "h"), "--format", "compact"], capsys)
+    assert code == 2 and "--imatrix belongs with a GGUF output" in err and not (tmp_path / "h").exists()

@@ -38,8 +38,8 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import stats_to_gather
-from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_quant_classes, check_target_name,
-                       choose_format, make_plan, quant_config, target_format)
+from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_imatrix, check_quant_classes,
+                       check_target_name, imatrix_writer, make_plan, quant_config, target_format)
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=N
 def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
              out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
              dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None,
-             calib_mode: str = "one-pass", target: str = "moecompress"):
+             calib_mode: str = "one-pass", target: str = "moecompress", imatrix: bool = False):
     """Compress checkpoint `model` with `method` and write it to `out`; returns the `ExportResult`.
 
     calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
@@ -72,6 +72,8 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     (on the already-quantized earlier layers; `--method quant` from a data spec, `pipeline.check_calib_mode`).
     target: the runtime that serves the output (moecompress | llama.cpp | vllm | transformers): its format is
     chosen and a plan it cannot run is refused (`pipeline.target_format`); `auto` searches only what it runs.
+    imatrix: with a GGUF output, also write llama.cpp's importance matrix from the statistics store `calib`
+    (``imatrix.gguf``, for `llama-quantize --imatrix`; `pipeline.imatrix_writer`).
 
     `out` is claimed (`atomic.claim`) for the whole run and the model and stats store are fingerprinted
     when it starts: the method reopens the model for every layer and the exporter once more, so a model
@@ -91,6 +93,8 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     check_format_name(format)  # and an unknown format
     check_calib_mode(calib_mode, method, calib, quant)  # and a calibration mode this run cannot honour
     check_target_name(target)
+    if imatrix:
+        check_imatrix(calib, format, target)
     if target != "moecompress" and method == "auto":
         params = {**(params or {}), "target": target}
     with claim(out):
@@ -107,8 +111,9 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
             recipe["calib_mode"] = calib_mode
         if target != "moecompress":
             recipe["target"] = target
-        return export(model, plan, out, format=target_format(plan, target, format), tensors=tensors, recipe=recipe,
-                      overwrite=overwrite, protect=protect, inputs=inputs)
+        extras = imatrix_writer(model, plan, stats) if imatrix else None
+        return export(model, plan, out, format=target_format(plan, target, format), tensors=tensors, recipe=recipe, overwrite=overwrite,
+                      protect=protect, inputs=inputs, extras=extras)
 
 
 def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str | None = None, limit=None,

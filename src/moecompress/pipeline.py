@@ -231,6 +231,58 @@ def target_format(plan, target: str, requested: str = "auto") -> str:
     return fmt
 
 
+def check_imatrix(calib, format: str, target: str) -> None:
+    """Refuse, before any compute and in one sentence, an ``--imatrix`` this run cannot write: it needs a GGUF
+    output and a statistics store with the experts' channel norms, gathered from calibration text it can re-read
+    (the other linears' input moments come from one more pass over it)."""
+    from .calibrate.store import load_stats
+    from .export.imatrix import EXPERT_STATS
+
+    if not (format == "gguf" or (format == "auto" and target == "llama.cpp")):
+        raise MoECompressError("--imatrix belongs with a GGUF output; add --format gguf or --target llama.cpp.")
+    if calib is None or not Path(calib).is_dir():
+        raise MoECompressError(f"--imatrix reads a statistics store: calibrate with --stats {','.join(EXPERT_STATS)} "
+                               "(and what the method needs) and pass the store as --calib.")
+    store = load_stats(calib)
+    store.require(*EXPERT_STATS)
+    spec = str(store.meta.get("data", {}).get("spec", ""))
+    if not spec or spec.startswith("tokens:"):
+        raise MoECompressError("--imatrix re-reads the calibration text for the attention inputs, but this store was "
+                               "gathered from token ids; calibrate from a data spec (e.g. fixture-calib:64).")
+
+
+def imatrix_writer(model: str, plan, stats):
+    """The `export` extra that writes llama.cpp's importance matrix (`export.imatrix`) into a GGUF output: the
+    experts' entries from the store's channel norms and routed counts, the other linears' from the diagonal of
+    their input Hessians, streamed over the calibration data the store records (`check_imatrix` first)."""
+    from .export.imatrix import IMATRIX_FILE, expert_entries, linear_entries, write_imatrix
+
+    entries = expert_entries(plan, stats)
+
+    def write(directory: Path) -> None:
+        import gguf
+
+        from .export.gguf import ARCHES
+        from .methods.auto_tensors import hessians
+        from .models.tensor_classes import quantizable, tensor_classes, tensor_shapes
+
+        adapter = open_view(model)
+        cls, shapes = tensor_classes(adapter), tensor_shapes(adapter)
+        names = [n for n, c in cls.items() if c in ("attention", "shared", "dense_mlp", "lm_head")
+                 and quantizable(n, shapes[n], c)]
+        data = stats.meta.get("data", {})
+        diag = {n: h.diagonal().clone() for _, hs in hessians(adapter, stats, None)(names) for n, h in hs.items()}
+        adapter.release()
+        tokens = int(stats.get(adapter.moe_layers[0], "tokens"))
+        name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHES[plan.model.model_type].arch),
+                                            plan.model.num_hidden_layers)
+        seq = int(data.get("seq_len", 0) or 0)
+        write_imatrix(directory / IMATRIX_FILE, {**entries, **linear_entries(diag, tokens, name_map)},
+                      [str(data.get("spec", ""))], seq, tokens // seq if seq else 0)
+
+    return write
+
+
 def choose_format(plan, requested: str = "auto") -> str:
     """The export format for `plan`: for ``auto`` the first of `export.formats.AUTO_ORDER` that holds it (`hf`
     when a vanilla config can express it, else `compact`, else `packed` for PuzzleMoE packed merges); a named

@@ -71,6 +71,10 @@ def compress_command(
                                "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q4_0 / 16-bit "
                                "type per layer tensor) | vllm | transformers (write hf); a plan the runtime cannot "
                                "run is refused."),
+    imatrix: bool = typer.Option(False, "--imatrix", help="With a GGUF output: also write imatrix.gguf, llama.cpp's "
+                                 "importance matrix from the --calib statistics store, for llama-quantize "
+                                 "--imatrix (K- and i-quants); the store needs --stats "
+                                 "counts,tokens,in_channel_norm,mid_channel_norm."),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
     calib_mode: str = typer.Option("one-pass", help="one-pass: every layer's statistics on the original model's "
                                    "activations | sequential: on the already-quantized earlier layers (GPTQ's "
@@ -138,7 +142,8 @@ def compress_command(
         if dry_run:
             return
     result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
-                      overwrite=overwrite, quant=quant_setting, calib_mode=calib_mode, target=target)
+                      overwrite=overwrite, quant=quant_setting, calib_mode=calib_mode, target=target,
+                      imatrix=imatrix)
     Console().print(result.describe())
     table = auto_table(Path(result.path) / "plan.json")
     if table is not None:

@@ -73,7 +73,10 @@ class ExportResult(BaseModel):
 
 
 def _weights_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    from .imatrix import IMATRIX_FILE
+
+    return sum(p.stat().st_size for p in directory.iterdir()
+               if p.suffix in (".safetensors", ".gguf") and p.name != IMATRIX_FILE)
 
 
 def _write_recipe(tmp: Path, recipe) -> None:
@@ -149,7 +152,7 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
 def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
            tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False,
            max_shard_size: int | str = "5GB", quiet: bool = False, protect=(),
-           inputs=None) -> ExportResult:
+           inputs=None, extras=None) -> ExportResult:
     """Write `plan` applied to `model_or_path` (an original model, or its checkpoint directory) to `out`.
 
     format: ``compact`` (any plan without packed experts; read with `moecompress.load`), ``packed``
@@ -159,7 +162,9 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
 
     protect: paths `out` may not be, contain or sit inside (the source directory is added); inputs: their
     fingerprints from when the run started (`atomic.fingerprint_inputs`), checked before the rename
-    (default: `protect` as it is when the export starts).
+    (default: `protect` as it is when the export starts). extras: called with the output's temporary directory
+    once the weights are written, to add files that belong with them (gguf's ``imatrix.gguf``), so they are renamed
+    into place with the rest or not at all.
     """
     fmt_class = format_class(format)
     source = open_source(model_or_path)
@@ -197,6 +202,8 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
         if fmt.evaluation_only:
             marker["note"] = "every original slot is filled: full size, for evaluation only, never a compressed model"
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        if extras is not None:
+            extras(tmp)
         weight_bytes = _weights_bytes(tmp)
         total = dir_bytes(tmp)
     logical = plan.logical_bytes(tensors)

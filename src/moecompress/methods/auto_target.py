@@ -62,7 +62,7 @@ def kept_counts(setup) -> list[int]:
 def layer_states(prob, k: int, widths: list[int]):
     """The states (k experts kept, all at width b) of one layer, for each b of `widths` that every kept slot
     has a candidate for: LayerPoints of `auto`'s own type."""
-    from .auto import LayerPoint, pareto
+    from .auto_solver import LayerPoint, pareto
 
     e = prob.num_experts
     reroute = [next((c for c in slot if c.kind == "reroute" and c.gate == "renorm"), None) for slot in prob.options]
@@ -91,7 +91,7 @@ def layer_states(prob, k: int, widths: list[int]):
 def allocate_for_target(config, setup, extra_fronts: dict, budget: int):
     """(fronts, chosen index per item, k) minimising the scaled estimated loss over every common expert count k;
     `extra_fronts` are the non-expert items (their losses already in KL units)."""
-    from .auto import allocate
+    from .auto_solver import allocate
 
     widths = sorted({16, *config.quant_bits}, reverse=True)
     best = None
