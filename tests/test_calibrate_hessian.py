@@ -140,12 +140,13 @@ def test_hessian_layers_subset_and_dry_run_bytes(tmp_path):
     full = calibrate(str(path), data, out=tmp_path / "d1", stats=both, dry_run=True, **kw)
     one = calibrate(str(path), data, out=tmp_path / "d2", stats=both, hessian_layers=[1], dry_run=True, **kw)
     mid = calibrate(str(path), data, out=tmp_path / "d3", stats=["hessian_mid"], dry_run=True, **kw)
-    assert mid.stats_bytes - base.stats_bytes == L * E * I * I * 4  # the down projection's alone: no [E, H, H] sums
+    tri = lambda d: d * (d + 1) // 2  # a store keeps each symmetric matrix's upper triangle
+    assert mid.stats_bytes - base.stats_bytes == L * E * tri(I) * 4  # the down projection's alone: no [E, H, H] sums
     assert mid.accumulator_bytes - base.accumulator_bytes == E * I * I * 8
     per_layer = E * (H * H + I * I)
-    assert full.stats_bytes - base.stats_bytes == L * per_layer * 4  # stored in float32
-    assert one.stats_bytes - base.stats_bytes == per_layer * 4
-    assert full.accumulator_bytes - base.accumulator_bytes == per_layer * 8  # float64 sums of one layer
+    assert full.stats_bytes - base.stats_bytes == L * E * (tri(H) + tri(I)) * 4  # stored in float32, packed
+    assert one.stats_bytes - base.stats_bytes == E * (tri(H) + tri(I)) * 4
+    assert full.accumulator_bytes - base.accumulator_bytes == per_layer * 8  # float64 sums of one layer, whole
     assert "collector sums (one layer)" in dict(full.rows())
 
     store = calibrate(str(path), data, out=tmp_path / "s", stats=both, hessian_layers="1", **kw)
@@ -184,7 +185,7 @@ def test_cli_for_method_quant_on_fixture(tmp_path, capsys):
                                str(tmp_path / "D"), "--for-method", "quant", "--dry-run", "--json"], capsys)
     assert code == 0
     est = json.loads(stdout)
-    assert est["stats_bytes"] >= len(store.layers) * E * (H * H + I * I) * 4
+    assert est["stats_bytes"] >= len(store.layers) * E * (H * (H + 1) + I * (I + 1)) // 2 * 4  # upper triangles
     assert est["accumulator_bytes"] >= E * (H * H + I * I) * 8
     code, _, err = run_cli(["calibrate", model, "--data", "fixture-calib:8", "--out", str(tmp_path / "X"),
                             "--for-method", "quant", "--hessian-layers", "0,x"], capsys)

@@ -9,6 +9,17 @@ output is at most the checkpoint's size, plus the statistics. Time: one layer's 
 by the passes over the checkpoint each phase makes; a method's own arithmetic is not counted (it is most of
 the time of the fitting methods, `auto`'s especially), and the row says so.
 BENCHMARKS.md, "Streaming compress", sets these estimates beside the measured peaks and times.
+
+Statistics each way (a method that reads statistics): *streamed* (`pipeline.streams_statistics`: `auto` and
+`quant` from a data spec) writes none, and holds one layer's statistics in memory while the method works on
+it; a *kept store* (`moecompress calibrate --out DIR`, then `--calib DIR`; every other method, and `compress`
+itself for them, under ``<out>-calib``) takes each collector's `stat_bytes` on disk, the symmetric ones as
+upper triangles (stats store format 2; the format 1 size, full matrices, is given beside it), and calibration
+holds one layer's float64 sums, twice. Both are reported for a method that can stream.
+
+A directory holding a ``config.json`` and no weights is estimated from its meta skeleton alone: sizes at the
+config's dtype (bfloat16 when it names none), the fusing factor from whether transformers converts the family's
+on-disk keys, and no time (nothing to read).
 """
 
 from __future__ import annotations
@@ -30,23 +41,92 @@ class CompressEstimate:
     plan_bytes: int
     export_bytes: int
     disk_bytes: int
-    time_s: float
+    time_s: float | None  # None: no weights to time (a config.json alone)
     checkpoint_bytes: int
     disk_available_bytes: int | None = None  # free where --out goes (None: no output path given)
+    # the statistics each way (module doc); None where the method reads none, or (streamed) cannot stream them
+    stats_streamed_disk_bytes: int | None = None  # nothing is written: 0
+    stats_streamed_memory_bytes: int | None = None  # one layer's statistics (square rows of a chunk), held twice
+    stats_kept_disk_bytes: int | None = None  # a kept store, symmetric statistics as upper triangles
+    stats_kept_full_bytes: int | None = None  # the same store with every matrix whole (format 1)
+    stats_kept_memory_bytes: int | None = None  # calibrating it: one layer's float64 sums, held twice
+    stats_streamed: bool = False  # this run streams its statistics (else it reads or writes a store)
+    config_only: bool = False  # estimated from a config.json without weights
 
     def to_dict(self) -> dict:
         return dict(vars(self))
 
     def rows(self) -> list[tuple[str, str]]:
-        return [("peak memory", human_bytes(self.peak_memory_bytes)),
+        time = ("unknown (a config.json without weights: nothing to time)" if self.time_s is None
+                else f"{self.time_s:.0f} s")
+        rows = [("peak memory", human_bytes(self.peak_memory_bytes)),
                 ("  calibration phase", human_bytes(self.calibration_bytes)),
                 ("  plan building (streamed view)", human_bytes(self.plan_bytes)),
                 ("  export (streamed)", human_bytes(self.export_bytes)),
-                ("checkpoint on disk", human_bytes(self.checkpoint_bytes)),
+                ("checkpoint on disk" + (" (from config.json, no weights)" if self.config_only else ""),
+                 human_bytes(self.checkpoint_bytes)),
                 ("disk needed (output upper bound + statistics)", human_bytes(self.disk_bytes) + (
                     "" if self.disk_available_bytes is None else
-                    f" ({human_bytes(self.disk_available_bytes)} free where --out goes)")),
-                ("time of the checkpoint reads (the method's own arithmetic not counted)", f"{self.time_s:.0f} s")]
+                    f" ({human_bytes(self.disk_available_bytes)} free where --out goes)"))]
+        if self.stats_streamed_memory_bytes is not None:
+            rows.append(("statistics streamed (--calib a data spec" + ("; this run)" if self.stats_streamed else ")"),
+                         (f"{human_bytes(self.stats_streamed_disk_bytes)} on disk (no per-expert matrix written), "
+                          f"{human_bytes(self.stats_streamed_memory_bytes)} in memory at a layer")))
+        if self.stats_kept_disk_bytes is not None:
+            rows.append(("statistics kept as a store (calibrate --out DIR, then --calib DIR"
+                         + (")" if self.stats_streamed else "; this run)"),
+                         (f"{human_bytes(self.stats_kept_disk_bytes)} on disk (symmetric matrices as upper "
+                          f"triangles; {human_bytes(self.stats_kept_full_bytes)} as full matrices), "
+                          f"{human_bytes(self.stats_kept_memory_bytes)} in memory while calibrating a layer")))
+        rows.append(("time of the checkpoint reads (the method's own arithmetic not counted)", time))
+        return rows
+
+
+class _ConfigOnly:
+    """What `estimate_compress` reads of a checkpoint, for a directory holding a config.json and no weights:
+    sizes from the meta skeleton at the config's dtype (bfloat16 when it names none)."""
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        from .checkpoint import CheckpointReader
+        from .models import MoEAdapter, load_config, skeleton
+
+        self.path = path
+        self.config = load_config(str(path))
+        self._skeleton = skeleton(self.config)
+        self.layers_prefix, self.num_layers = CheckpointReader._find_layers(self._skeleton, MoEAdapter)
+        dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None) or "bfloat16"
+        dtype = getattr(torch, dtype.replace("torch.", "")) if isinstance(dtype, str) else dtype
+        self.elem = torch.empty((), dtype=dtype).element_size()
+        self._bytes: dict[int | None, int] = {}
+        prefix = self.layers_prefix + "."
+        for name, p in self._skeleton.named_parameters():  # tied weights once
+            key = int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
+            self._bytes[key] = self._bytes.get(key, 0) + p.numel() * self.elem
+        # per-expert keys on disk, fused on reading (as CheckpointReader.converts finds them in real shards)
+        self._converts = any(isinstance(m, WeightConverter) for m in get_model_conversion_mapping(self._skeleton))
+
+    def layer_bytes(self, i: int | None) -> int:
+        return self._bytes.get(i, 0)
+
+    def converts(self, i: int | None) -> bool:
+        return self._converts and i is not None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+
+def _config_only(model: str) -> Path | None:
+    """`model` as a local directory holding a config.json and no safetensors weights, else None."""
+    p = Path(model)
+    if p.is_dir() and (p / "config.json").is_file() and not any(p.glob("*.safetensors")) \
+            and not (p / "model.safetensors.index.json").is_file():
+        return p
+    return None
 
 
 def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
@@ -71,24 +151,30 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     from .methods.registry import get_method, parse_config
     from .models import MoEAdapter
 
-    view = get_method(method).view_for(parse_config(method, params))
-    reader = CheckpointReader(model)
+    entry = get_method(method)
+    view = entry.view_for(parse_config(method, params))
+    config_dir = _config_only(model)
+    reader = CheckpointReader(model) if config_dir is None else _ConfigOnly(config_dir)
     baseline = psutil.Process().memory_info().rss  # before the timed read, which would count a layer twice
     adapter = MoEAdapter(reader._skeleton)
     moe = adapter.moe_layers
-    sample = reader.layer_keys(moe[0])[:1]
-    disk_elem = 2
-    if sample:
-        with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
-            disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
-    t0 = time.perf_counter()
-    layer_disk = reader.layer_bytes(moe[0])
-    reader.native_state(moe[0])  # the one timed read
-    t_layer = time.perf_counter() - t0
-    release_freed_memory()
+    t_layer = None
+    if config_dir is None:
+        sample = reader.layer_keys(moe[0])[:1]
+        disk_elem = 2
+        if sample:
+            with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
+                disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
+        t0 = time.perf_counter()
+        layer_disk = reader.layer_bytes(moe[0])
+        reader.native_state(moe[0])  # the one timed read
+        t_layer = time.perf_counter() - t0
+        release_freed_memory()
+        ckpt = sum(p.stat().st_size for p in Path(reader.path).glob("*.safetensors"))
+    else:
+        disk_elem, layer_disk, ckpt = reader.elem, 0, reader.total_bytes
     layer_disk = max(layer_disk, *(reader.layer_bytes(i) for i in range(reader.num_layers)))
     non_layer_disk = reader.layer_bytes(None)
-    ckpt = sum(p.stat().st_size for p in Path(reader.path).glob("*.safetensors"))
     scale = dtype_bytes / disk_elem
     factor = 3.5 if any(reader.converts(i) for i in moe) else 2.0  # calibrate dry-run's measured fusing factor
     hidden = int(reader.config.hidden_size)
@@ -113,15 +199,34 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     overlap = calib_bytes + plan_bytes if streamed_chunk is not None and stats else max(calib_bytes, plan_bytes)
     peak = baseline + max(overlap, export_bytes)
     passes = calib_passes + 1 + (1 if view.stored or view.compute else 0)  # + export, + the view's reads
+    each_way = _statistics_each_way(adapter, entry, list(stats), moment_fraction) if stats else {}
     return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
                             export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
-                            time_s=t_layer * reader.num_layers * passes,
-                            disk_available_bytes=None if out is None else free_bytes(out))
+                            time_s=None if t_layer is None else t_layer * reader.num_layers * passes,
+                            disk_available_bytes=None if out is None else free_bytes(out), **each_way,
+                            stats_streamed=bool(stats) and streamed_chunk is not None,
+                            config_only=config_dir is not None)
 
 
-def _statistics(adapter, stats: list[str], moment_fraction: float | None) -> tuple[int, int]:
+def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: float | None) -> dict:
+    """The statistics' disk and memory streamed (when `entry` can stream them) and kept as a store (module doc)."""
+    from .calibrate.streamed import CHUNK, WHOLE_LAYER
+
+    acc, kept = _statistics(adapter, stats, moment_fraction)
+    _, full = _statistics(adapter, stats, moment_fraction, packed=False)
+    out = {"stats_kept_disk_bytes": int(kept), "stats_kept_full_bytes": int(full),
+           "stats_kept_memory_bytes": int(2 * acc)}
+    if entry.streamed_stats:
+        chunk = WHOLE_LAYER if entry.streamed_whole_layer else CHUNK
+        out.update(stats_streamed_disk_bytes=0,
+                   stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, chunk)))
+    return out
+
+
+def _statistics(adapter, stats: list[str], moment_fraction: float | None, packed: bool = True) -> tuple[int, int]:
     """(largest one-layer collector sums, statistics of every layer) in bytes, from the collectors' shapes;
-    with `moment_fraction`, the moments are a second pass over that fraction of each layer's experts."""
+    with `moment_fraction`, the moments are a second pass over that fraction of each layer's experts.
+    `packed`: symmetric statistics as a store keeps them (upper triangles); False: full matrices (format 1)."""
     from .calibrate.collectors import MomentCollector
     from .calibrate.dryrun import stat_sizes
     from .calibrate.registry import collectors_for
@@ -129,11 +234,11 @@ def _statistics(adapter, stats: list[str], moment_fraction: float | None) -> tup
     moe = adapter.moe_layers
     moments = [s for s in stats if s in MomentCollector.provides]
     if moment_fraction is None or not moments:
-        return stat_sizes(adapter, moe, collectors_for(stats), {})
+        return stat_sizes(adapter, moe, collectors_for(stats), {}, packed)
     first = [s for s in stats if s not in moments]
-    acc1, fin1 = stat_sizes(adapter, moe, collectors_for(first), {}) if first else (0, 0)
+    acc1, fin1 = stat_sizes(adapter, moe, collectors_for(first), {}, packed) if first else (0, 0)
     subset = {i: list(range(round(adapter.num_experts(i) * moment_fraction))) for i in moe}
-    acc2, fin2 = stat_sizes(adapter, moe, [MomentCollector], {"moment_experts": subset})
+    acc2, fin2 = stat_sizes(adapter, moe, [MomentCollector], {"moment_experts": subset}, packed)
     return max(acc1, acc2), fin1 + fin2
 
 

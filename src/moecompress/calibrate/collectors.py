@@ -66,8 +66,10 @@ class Collector:
         """The layer's statistics from the (reduced) sums; called once, so it may divide the sums in place."""
         raise NotImplementedError
 
-    def stat_bytes(self) -> int:
-        """Bytes of this layer's finalized statistics (default: the accumulators' shapes and dtypes)."""
+    def stat_bytes(self, packed: bool = True) -> int:
+        """Bytes of this layer's finalized statistics in a store (default: the accumulators' shapes and dtypes).
+        `packed`: the `symmetric` ones as the store keeps them (upper triangles); False: as full matrices (stats
+        store format 1)."""
         return sum(t.numel() * t.element_size() for t in self.sums.values())
 
     def counts(self) -> torch.Tensor | None:
@@ -76,6 +78,9 @@ class Collector:
 
     # statistics of shape [E, D, D] (one D x D matrix per expert), which parameter ``square_experts`` restricts
     square: ClassVar[tuple[str, ...]] = ()
+    # statistics of shape [..., D, D] that `finalize` leaves exactly symmetric: a store keeps their upper triangle
+    # only (`calibrate.symmetric`, docs/calibration.md "Stats store")
+    symmetric: ClassVar[tuple[str, ...]] = ()
 
     def square_experts(self) -> list[int]:
         """The experts whose [D, D] statistics this collector gathers, in row order: parameter
@@ -277,6 +282,7 @@ class MomentCollector(Collector):
     name = "moments"
     provides = ("input_moment", "cross_moment", "moment_experts", "moment_count", "moment_in_mean",
                 "moment_out_mean")
+    symmetric = ("input_moment",)
     needs = frozenset({"routing", "outputs"})
 
     def __init__(self, *a, **k):
@@ -314,10 +320,20 @@ class MomentCollector(Collector):
             s["xy"][k] += x.T @ y
 
     def finalize(self) -> dict[str, torch.Tensor]:
+        from .symmetric import mirror_
+
         s, c = self.sums, self.sums["count"]
         return {"moment_experts": torch.tensor(self.experts, dtype=torch.int64), "moment_count": c.clone(),
                 "moment_in_mean": _safe_div(s["in_sum"], c), "moment_out_mean": _safe_div(s["out_sum"], c),
-                "input_moment": _safe_div(s["xx"], c, out=s["xx"]), "cross_moment": _safe_div(s["xy"], c, out=s["xy"])}
+                "input_moment": mirror_(_safe_div(s["xx"], c, out=s["xx"])),
+                "cross_moment": _safe_div(s["xy"], c, out=s["xy"])}
+
+    def stat_bytes(self, packed: bool = True) -> int:
+        from .symmetric import packed_size
+
+        full = super().stat_bytes()
+        xx = self.sums["xx"]
+        return full - (xx.numel() - xx.shape[0] * packed_size(self.H)) * xx.element_size() if packed else full
 
     def counts(self):
         return None  # a subset only

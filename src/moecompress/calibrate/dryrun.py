@@ -93,16 +93,26 @@ def _elem(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def stat_sizes(adapter, layers, collector_classes, params) -> tuple[int, int]:
+def stat_sizes(adapter, layers, collector_classes, params, packed: bool = True) -> tuple[int, int]:
     """(largest one-layer accumulator bytes, finalized statistic bytes of all `layers`), from collector shapes on
     meta. Accumulators are float64 sums; most statistics keep their shapes and dtypes, the Hessians are stored
-    in float32 (each collector's `stat_bytes`)."""
+    in float32, and the symmetric ones as upper triangles (each collector's `stat_bytes`; `packed=False`: as full
+    matrices, stats store format 1)."""
     acc = fin = 0
     for layer in layers:
         cs = [cls(adapter, layer, "meta", **params) for cls in collector_classes]
         acc = max(acc, sum(t.numel() * t.element_size() for c in cs for t in c.sums.values()))
-        fin += sum(c.stat_bytes() for c in cs)
+        fin += sum(_stat_bytes(c, packed) for c in cs)
     return acc, fin
+
+
+def _stat_bytes(collector, packed: bool) -> int:
+    if packed:
+        return collector.stat_bytes()
+    try:
+        return collector.stat_bytes(packed=False)
+    except TypeError:  # a collector defined elsewhere, overriding `stat_bytes()` without the argument
+        return collector.stat_bytes()
 
 
 def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, offload_dir, out,

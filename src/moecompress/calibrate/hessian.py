@@ -68,7 +68,7 @@ class _HessianBase(Collector):
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        cls.square = cls.provides
+        cls.square = cls.symmetric = cls.provides
 
     def update(self, obs: Observation) -> None:
         if not self.active:
@@ -85,14 +85,22 @@ class _HessianBase(Collector):
             total[k] += x.T @ x
 
     def finalize(self) -> dict[str, torch.Tensor]:
+        from .symmetric import mirror_
+
         (name,) = self.provides
         if not self.active:
             return {name: torch.zeros(0, self.D, self.D, dtype=self.stored_dtype)}
-        return {name: self.sums[self.part].to(self.stored_dtype)}
+        # exactly symmetric (a no-op where the float64 sums of x xᵀ already are), so a store keeps the upper
+        # triangle alone and rebuilds these very matrices
+        return {name: mirror_(self.sums[self.part].to(self.stored_dtype))}
 
-    def stat_bytes(self) -> int:
+    def stat_bytes(self, packed: bool = True) -> int:
+        from .symmetric import packed_size
+
         size = torch.empty((), dtype=self.stored_dtype).element_size()
-        return sum(t.numel() for t in self.sums.values()) * size
+        if not self.active:
+            return 0
+        return len(self.experts) * (packed_size(self.D) if packed else self.D * self.D) * size
 
     def counts(self):
         return None

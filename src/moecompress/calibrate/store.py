@@ -12,6 +12,12 @@ A run in progress keeps finished layers in a sibling ``.DIR.partial/`` (``run.js
 ``layer_XXXX.safetensors`` files), so a killed run resumes from its last finished layer and the
 finished files are moved, byte for byte, into the final directory, which appears only when the run
 completes (written atomically). One file per layer keeps memory flat however large the statistics.
+
+Format 2 (``moecompress-stats/2``) writes the symmetric [..., D, D] statistics (`Collector.symmetric`: the
+GPTQ Hessians, ``input_moment``) as their upper triangles, [..., D(D + 1)/2] in their own dtype
+(`calibrate.symmetric`), and names them in each layer file's metadata (``packed``); every read rebuilds the
+full matrices bit for bit. Format 1 stores (every tensor whole, no ``packed``) read as before; any other
+format is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import torch
 
 from ..errors import MoECompressError
 
-FORMAT = "moecompress-stats/1"
+FORMAT = "moecompress-stats/2"
+FORMATS = ("moecompress-stats/1", FORMAT)  # the formats this version reads (1: no packed symmetric statistics)
 
 # statistics whose shape follows from the model alone ("E": the layer's experts, "H": the hidden size), checked
 # against the model from the files' headers (`StatsStore.check_model`)
@@ -41,14 +48,47 @@ def _write_json(path: Path, obj) -> None:
     write_file(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _symmetric_names() -> frozenset[str]:
+    """Statistics some registered collector leaves exactly symmetric (`Collector.symmetric`)."""
+    from .registry import COLLECTORS
+
+    return frozenset(n for cls in COLLECTORS.values() for n in cls.symmetric)
+
+
+def _pack(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(tensors with the symmetric statistics as upper triangles, the names packed). A statistic declared
+    symmetric that is not exactly so (a collector's mistake) is written whole: a read must give back what was
+    computed."""
+    from .symmetric import is_symmetric, pack
+
+    names = _symmetric_names()
+    packed = sorted(k for k, t in tensors.items() if k in names and t.dim() >= 3 and is_symmetric(t))
+    return {k: pack(t) if k in packed else t for k, t in tensors.items()}, packed
+
+
+def _packed_in(metadata: dict | None) -> frozenset[str]:
+    """The names a layer file holds packed, from its own metadata (none in a format 1 file)."""
+    return frozenset(n for n in ((metadata or {}).get("packed") or "").split(",") if n)
+
+
+def _unpacked(t: torch.Tensor, name: str, path: Path) -> torch.Tensor:
+    from .symmetric import dim_of, unpack
+
+    if t.dim() < 1 or dim_of(t.shape[-1]) is None:
+        raise MoECompressError(f"{path} holds '{name}' packed with {list(t.shape)} values, no upper triangle of a "
+                               "square matrix: the stats store is corrupted; re-run calibration.")
+    return unpack(t)
+
+
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """One layer's file, fsynced before its rename so that a resumed run never trusts a file the crash
-    left empty; the temporary is removed on any failure."""
+    """One layer's file (symmetric statistics packed, `_pack`), fsynced before its rename so that a resumed run
+    never trusts a file the crash left empty; the temporary is removed on any failure."""
     from ..disk import write_tensors
 
     tmp = path.with_suffix(path.suffix + ".tmp")
+    tensors, packed = _pack(tensors)
     try:
-        write_tensors(tmp, tensors, metadata={"format": FORMAT})
+        write_tensors(tmp, tensors, metadata={"format": FORMAT, "packed": ",".join(packed)})
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -94,9 +134,10 @@ class StatsStore:
         except json.JSONDecodeError:
             raise MoECompressError(f"{meta_file} is not valid JSON: the stats store is corrupted; re-run "
                                    "calibration.") from None
-        if meta.get("format") != FORMAT:
-            raise MoECompressError(f"{path} holds stats format '{meta.get('format')}', not {FORMAT}; re-run "
-                                   "calibration with this version of moecompress.")
+        if meta.get("format") not in FORMATS:
+            raise MoECompressError(f"{path} holds stats format '{meta.get('format')}', which this version of "
+                                   f"moecompress does not read ({' or '.join(FORMATS)}); re-run calibration with this "
+                                   "version.")
         store = cls(path, meta)
         store.check(model_fingerprint, data_spec)
         return store
@@ -205,6 +246,7 @@ class StatsStore:
 
         try:
             with safe_open(str(self._file(layer)), framework="pt") as f:
+                packed = name in _packed_in(f.metadata())
                 t = f.get_tensor(name) if index is ... else f.get_slice(name)[index]
         except Exception:
             raise MoECompressError(f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
@@ -214,7 +256,7 @@ class StatsStore:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise MoECompressError(f"The stats store {self.path} holds NaN or infinite values in '{name}' of layer "
                                    f"{layer}: it is corrupted; re-run calibration.")
-        return t
+        return _unpacked(t, name, self._file(layer)) if packed else t
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         return {n: self.get(layer, n) for n in self.names}
@@ -239,9 +281,13 @@ def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict,
     from ..atomic import atomic_dir
 
     with atomic_dir(out, overwrite=overwrite, kind="stats", inputs=inputs) as tmp:
+        packed: set[str] = set()
         for i in layers:
             os.replace(partial.dir / f"layer_{i:04d}.safetensors", Path(tmp) / f"layer_{i:04d}.safetensors")
-        _write_json(Path(tmp) / "stats.json", meta)
+            packed |= _file_packed(Path(tmp) / f"layer_{i:04d}.safetensors")
+        # informational (each file's metadata says what it holds packed): which statistics are upper triangles
+        _write_json(Path(tmp) / "stats.json", {**meta, "packed": sorted(packed),
+                                               "packing": "upper triangle, torch.triu_indices order"})
     return StatsStore(Path(out), json.loads((Path(out) / "stats.json").read_text()))
 
 
@@ -314,9 +360,8 @@ class PartialRun:
         _write_json(self.dir / "run.json", run)
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        return load_file(str(self.dir / f"layer_{i:04d}.safetensors"))
+        """A finished layer's statistics, symmetric ones rebuilt whole."""
+        return _load_tensors(self.dir / f"layer_{i:04d}.safetensors")
 
     @property
     def holding(self) -> bool:
@@ -335,6 +380,23 @@ class PartialRun:
             shutil.rmtree(self.dir, ignore_errors=True)
         finally:
             self.close()
+
+
+def _file_packed(path: Path) -> frozenset[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return _packed_in(f.metadata())
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one layer file, packed ones rebuilt (`calibrate.symmetric.unpack`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        packed = _packed_in(f.metadata())
+        names = list(f.keys())  # a safe_open handle is no mapping
+        return {k: _unpacked(f.get_tensor(k), k, path) if k in packed else f.get_tensor(k) for k in names}
 
 
 def load_stats(path, model_fingerprint: str | None = None, data_spec: str | None = None) -> StatsStore:
