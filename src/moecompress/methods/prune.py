@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import MoECompressError
 from ..models import MoEAdapter
@@ -42,7 +42,9 @@ class PruneConfig(BaseModel):
     criterion: str = Field("reap", description="selection criterion (higher score = kept): any criterion of the "
                            "registry (scoring/registry.py) under its own name")
     ratio: float = Field(0.5, ge=0.0, lt=1.0, description="fraction of routed experts removed")
-    budget: Literal["uniform", "nonuniform"] = Field("uniform", description="per-layer or global budget")
+    allocation: Literal["uniform", "nonuniform"] = Field(
+        "uniform", description="the removed experts spread over layers: uniform = the same ratio in every layer, "
+        "nonuniform = one global ranking (called `budget` before issue 34: --budget is auto's byte budget)")
     operator: OperatorName = Field("reroute", description="what a removed slot computes")
     gate: Literal["keep", "renorm"] = Field("keep", description="gate scale when rerouting")
     remap: Literal["nearest", "functional"] = Field(
@@ -54,6 +56,15 @@ class PruneConfig(BaseModel):
     ridge: float = Field(1e-3, ge=0.0, allow_inf_nan=False, description="scale-free ridge of the tilt fit")
     protect_super_experts: bool = Field(True, description="never prune experts with extreme output norms")
     seed: int = Field(0, ge=0, le=2**32 - 1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_budget(cls, data):
+        # --budget means one thing, auto's byte budget (issue 34); prune's old field of that name is `allocation`
+        if isinstance(data, dict) and "budget" in data:
+            raise ValueError("prune takes no budget (--budget is auto's byte budget); set how removals spread over "
+                             "layers with allocation: uniform or nonuniform, and how many with ratio")
+        return data
 
     @field_validator("criterion")
     @classmethod
@@ -100,8 +111,8 @@ def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -
             protected[i] = C.super_experts(_get(stats, i, "out_norm_sq_mean") * _get(stats, i, "counts"),
                                            _get(stats, i, "counts"))
     if get_criterion(config.criterion).doptimal:
-        if config.budget != "uniform":
-            raise MoECompressError("D-optimal selection chooses a set per layer; use budget 'uniform' with it.")
+        if config.allocation != "uniform":
+            raise MoECompressError("D-optimal selection chooses a set per layer; use allocation 'uniform' with it.")
         keep = {}
         for i in adapter.moe_layers:
             counts = _get(stats, i, "counts")
@@ -112,7 +123,7 @@ def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -
             _check_feasible(adapter, i, keep[i], config.ratio)
         return keep
     scores = {i: layer_scores(config.criterion, stats, i, config.seed, adapter) for i in adapter.moe_layers}
-    if config.budget == "nonuniform":
+    if config.allocation == "nonuniform":
         keep = nonuniform_keep(scores, config.ratio, {i: adapter.top_k(i) for i in adapter.moe_layers})
         return {i: _with_protected(v, protected.get(i), scores[i]) for i, v in keep.items()}
     out = {}
