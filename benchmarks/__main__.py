@@ -91,6 +91,8 @@ SECTIONS: dict[str, Section] = {
         "## Calibration domain: mask drift (issue 18)", ("drift.json",), "bench_drift.py"),
     "operators-bits": _run_report(
         "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",), "bench_operators_bits.py"),
+    "gguf-llamacpp": _run_report(
+        "## GGUF inside llama.cpp (issue 31)", ("gguf_llamacpp.json",), "bench_gguf_llamacpp.py"),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
