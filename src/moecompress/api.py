@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
-from .methods import stats_to_gather
+from .methods import parse_config, stats_to_gather
 from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_imatrix, check_quant_classes,
                        check_target_name, imatrix_writer, make_plan, quant_config, target_format)
 from .plan import CompressionPlan
@@ -88,15 +88,21 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     calib_dir = calib if calib is not None and Path(calib).is_dir() else None
     protect = [model, calib_dir]
     check_output(out, overwrite, protect, kind="checkpoint")  # before any compute, a calibration included
-    quant_config(quant)  # a bad quantization spec is refused before any compute too
-    check_quant_classes(model, quant, params, method)  # and a tensor class the model lacks
-    check_format_name(format)  # and an unknown format
-    check_calib_mode(calib_mode, method, calib, quant)  # and a calibration mode this run cannot honour
     check_target_name(target)
+    recorded = (params.model_dump(mode="json", exclude_unset=True) if isinstance(params, BaseModel)
+                else dict(params or {}))
+    if target != "moecompress" and method == "auto":
+        params = recorded = {**recorded, "target": target}
+    # validated once, here: the method's config and the quantization setting (a bad field or spec is one sentence
+    # before any compute); everything below takes these objects (`parse_config` returns them as they are)
+    config = parse_config(method, params)
+    recorded_quant, quant_setting = quant, quant_config(quant)
+    check_quant_classes(model, quant_setting, config, method)  # and a tensor class the model lacks
+    check_format_name(format)  # and an unknown format
+    check_calib_mode(calib_mode, method, calib, quant_setting)  # and a calibration mode this run cannot honour
     if imatrix:
         check_imatrix(calib, format, target)
-    if target != "moecompress" and method == "auto":
-        params = {**(params or {}), "target": target}
+    params, quant = config, quant_setting
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
         stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
@@ -104,16 +110,17 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
                               calib_mode=calib_mode)
         plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype,
                                   progress=progress)
-        recipe = {"model": str(model), "method": method, "params": params or {},
+        recipe = {"model": str(model), "method": method, "params": recorded,
                   "calib": str(calib) if calib else None, "seq_len": seq_len, "seed": seed,
-                  "quant": quant.model_dump(mode="json") if isinstance(quant, BaseModel) else quant}
+                  "quant": recorded_quant.model_dump(mode="json") if isinstance(recorded_quant, BaseModel)
+                  else recorded_quant}
         if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
             recipe["calib_mode"] = calib_mode
         if target != "moecompress":
             recipe["target"] = target
         extras = imatrix_writer(model, plan, stats) if imatrix else None
-        return export(model, plan, out, format=target_format(plan, target, format), tensors=tensors, recipe=recipe, overwrite=overwrite,
-                      protect=protect, inputs=inputs, extras=extras)
+        return export(model, plan, out, format=target_format(plan, target, format), tensors=tensors, recipe=recipe,
+                      overwrite=overwrite, protect=protect, inputs=inputs, extras=extras)
 
 
 def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str | None = None, limit=None,

@@ -163,8 +163,8 @@ def quant_config(quant: dict[str, Any] | str | None):
     """A recipe's ``quant:`` field (``w4g128`` or ``{quant: w4g128, algo: gptq, weighting: gate2}``) validated."""
     if quant is None:
         return None
-    if isinstance(quant, BaseModel):  # a recipe arm's validated QuantConfig
-        quant = quant.model_dump()
+    if isinstance(quant, BaseModel):  # validated already (a recipe arm's, or the API's): the same object
+        return parse_config("quant", quant)
     return parse_config("quant", {"quant": quant} if isinstance(quant, str) else quant)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from .errors import MoECompressError
 from .methods.quantize import QuantConfig
@@ -95,6 +95,7 @@ class ArmSpec(BaseModel):
         None, description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
         "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}; non-expert tensor classes by name ({experts: "
         "w4g128, attention: w8g128, shared: w4g128, embeddings: w8c}) or scope: all")
+    _config: BaseModel | None = PrivateAttr(None)  # the method's validated config (`load_recipe`)
     calibration: CalibrationSpec | None = Field(
         None, description="this arm's own calibration (e.g. in-domain: {data: 'task:gsm8k:128'}); default: the "
         "recipe's shared one. Arms naming the same spec share one calibration; every arm is still scored on the "
@@ -113,6 +114,15 @@ class ArmSpec(BaseModel):
             raise ValueError("may hold only letters, digits, '.', '_', '+' and '-' and must start with a letter "
                              "or digit")
         return v
+
+    @property
+    def config(self) -> BaseModel | None:
+        """The method's config, validated once when the recipe was loaded (None before)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: BaseModel) -> None:
+        self._config = value
 
     def display_name(self) -> str:
         if self.name:
@@ -177,7 +187,7 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
 
     for arm in recipe.arms:
         try:
-            parse_config(arm.method, arm.params)
+            arm.config = parse_config(arm.method, arm.params)  # validated once; compress takes this object
         except MoECompressError as exc:
             raise MoECompressError(f"{where}: {exc}") from None
     return recipe

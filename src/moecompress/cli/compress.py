@@ -9,6 +9,7 @@ from typing import Optional
 import psutil
 import typer
 import yaml
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
@@ -92,6 +93,7 @@ def compress_command(
     check_seed("--seed", seed)
     params: dict = {}
     quant_setting = None
+    validated = None  # the recipe arm's config, validated when the recipe was loaded
     if recipe is not None:
         from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
 
@@ -102,7 +104,9 @@ def compress_command(
         arm = spec.arms[0]
         method = arm.method
         params.update(arm.params)
-        quant_setting = arm.quant.model_dump() if arm.quant else None
+        validated = arm.config
+        recipe_params = dict(arm.params)
+        quant_setting = arm.quant  # validated with the recipe: passed down as it is unless a flag changes it
         if format == "auto":
             format = arm.format
     given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget,
@@ -113,6 +117,8 @@ def compress_command(
         params.update(quant=quant, algo=quant_algo, weighting=quant_weighting)
     elif quant is not None:
         quant_setting = dict(quant=quant, algo=quant_algo, weighting=quant_weighting)
+    if quant_scope is not None and isinstance(quant_setting, BaseModel):
+        quant_setting = quant_setting.model_dump()  # a flag changes the recipe's setting: validated again below
     if quant_scope is not None:
         if quant_scope not in ("experts", "all"):
             raise MoECompressError(f"--quant-scope '{quant_scope}' is not known; use experts or all.")
@@ -123,6 +129,8 @@ def compress_command(
         else:
             raise MoECompressError("--quant-scope says which weights --quant applies to; give --quant too (e.g. "
                                    "--quant w4g128 --quant-scope all).")
+    if validated is not None and params == recipe_params:
+        params = validated  # no flag changed the recipe's params: its config object goes down as it is
     if dry_run or max_memory is not None:
         try:
             limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available

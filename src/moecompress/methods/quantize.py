@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from ..calibrate.streamed import LayerStats, each_layer
 from ..errors import MoECompressError
@@ -82,12 +82,15 @@ class QuantConfig(BaseModel):
             data["classes"] = classes or None
         return data
 
-    @field_validator("quant")
-    @classmethod
-    def _spec(cls, v: str | None) -> str | None:
-        if v is not None:
-            QuantSpec.parse(v)  # one sentence on a bad spec
-        return v
+    _spec: QuantSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _parsed(self):
+        """The routed experts' spec, parsed once with this setting's algorithm and GPTQ options (one sentence on a
+        bad spec): `spec()` returns this object."""
+        self._spec = None if self.quant is None else QuantSpec.parse(
+            self.quant, algo=self.algo, actorder=self.actorder and self.algo == "gptq", damp=self.damp)
+        return self
 
     @field_validator("classes")
     @classmethod
@@ -118,8 +121,7 @@ class QuantConfig(BaseModel):
         if self.quant is None:
             raise MoECompressError("This quantization setting leaves the routed experts as they are; give 'quant' "
                                    "(or 'experts') a spec such as w4g128 to quantize them.")
-        return QuantSpec.parse(self.quant, algo=self.algo, actorder=self.actorder and self.algo == "gptq",
-                               damp=self.damp)
+        return self._spec
 
 
 def quant_stats(config: QuantConfig | None) -> list[str]:

@@ -85,9 +85,13 @@ def get_method(name: str) -> MethodEntry:
         raise MoECompressError(f"Unknown method '{name}'; {hint}") from None
 
 
-def parse_config(name: str, params: dict | None) -> BaseModel:
-    """Validate a recipe's params for method `name`; a bad field is named in one sentence."""
+def parse_config(name: str, params: dict | BaseModel | None) -> BaseModel:
+    """Validate a recipe's params for method `name`; a bad field is named in one sentence. A config of the
+    method's own type is returned as it is: the boundary (CLI, recipe, API) validates once and everything below
+    takes that object (issue 34)."""
     entry = get_method(name)
+    if isinstance(params, entry.config_cls):
+        return params
     try:
         return entry.config_cls(**(params or {}))
     except ValidationError as exc:
