@@ -93,6 +93,8 @@ SECTIONS: dict[str, Section] = {
         "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",), "bench_operators_bits.py"),
     "gguf-llamacpp": _run_report(
         "## GGUF inside llama.cpp (issue 31)", ("gguf_llamacpp.json",), "bench_gguf_llamacpp.py"),
+    "vllm-cpu": _run_report(
+        "## vLLM CPU: pruned hf exports (issue 31)", ("vllm_cpu.json",), "bench_vllm_cpu.py"),
     "slow-tests": Section(
         None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
