@@ -40,70 +40,107 @@ def _run_report(title: str, results: tuple[str, ...], script: str) -> Section:
 
 SECTIONS: dict[str, Section] = {
     "calibration": Section(
-        "## Calibration (issue 3)", ("calibration_speed.json", "calibration_memory.json"),
-        run=(_b("bench_calibration.py", "speed", "--repeats", "7"), _b("bench_calibration.py", "build"),
-             _b("bench_calibration.py", "memory")),
-        report=(_b("bench_calibration.py", "report"),)),
+        "## Calibration (issue 3)",
+        ("calibration_speed.json", "calibration_memory.json"),
+        run=(
+            _b("bench_calibration.py", "speed", "--repeats", "7"),
+            _b("bench_calibration.py", "build"),
+            _b("bench_calibration.py", "memory"),
+        ),
+        report=(_b("bench_calibration.py", "report"),),
+    ),
     "runtime": Section(
         "## Plan runtime and export (issue 4)",
         ("runtime_speed.json", "runtime_speed_runs.jsonl", "export_memory.json"),
-        run=(_b("bench_runtime_speed.py", "--repeats", "15", "--threads", "1"), _b("bench_export_memory.py", "build"),
-             _b("bench_export_memory.py", "run", "--formats", "compact", "hf")),
-        report=(_b("bench_export_memory.py", "report"),)),
+        run=(
+            _b("bench_runtime_speed.py", "--repeats", "15", "--threads", "1"),
+            _b("bench_export_memory.py", "build"),
+            _b("bench_export_memory.py", "run", "--formats", "compact", "hf"),
+        ),
+        report=(_b("bench_export_memory.py", "report"),),
+    ),
     "peer": _run_report(
-        "## Peer check: REAP vs llm-compressor (issue 10)", ("peer_reap.json",), "peer_llmcompressor_reap.py"),
+        "## Peer check: REAP vs llm-compressor (issue 10)", ("peer_reap.json",), "peer_llmcompressor_reap.py"
+    ),
     "puzzle": Section(
-        "## PuzzleMoE (issue 7)", ("puzzle/",),
+        "## PuzzleMoE (issue 7)",
+        ("puzzle/",),
         run=(_b("bench_puzzle.py", "--out", "build/bench_puzzle"),),
-        report=(_b("bench_puzzle.py", "--report", "benchmarks/results/puzzle", "--write"),)),
+        report=(_b("bench_puzzle.py", "--report", "benchmarks/results/puzzle", "--write"),),
+    ),
     "pruning": Section(
-        "## Expert pruning: fixed-mask operator grid (issue 10)", ("pruning/",),
+        "## Expert pruning: fixed-mask operator grid (issue 10)",
+        ("pruning/",),
         run=(_b("bench_methods.py", "pruning", "--out", "build/bench_pruning"),),
-        report=(_b("bench_methods.py", "pruning", "--write"),)),
-    "demo": _run_report(
-        "## Demo (issue 5)", ("demo.json",), "bench_demo.py"),
+        report=(_b("bench_methods.py", "pruning", "--write"),),
+    ),
+    "demo": _run_report("## Demo (issue 5)", ("demo.json",), "bench_demo.py"),
     "dense": Section(
-        "## MoE to dense (issue 8)", ("dense/", "dense_distill_olmoe-tiny.png", "dense_distill_qwen3-moe-tiny.png"),
-        run=(_b("bench_dense.py", "sweep"), _b("bench_dense.py", "distill", "--distill-fixture", "qwen3-moe-tiny"),
-             _b("bench_dense.py", "distill", "--distill-fixture", "olmoe-tiny")),
-        report=(_b("bench_dense.py", "report"),)),
+        "## MoE to dense (issue 8)",
+        ("dense/", "dense_distill_olmoe-tiny.png", "dense_distill_qwen3-moe-tiny.png"),
+        run=(
+            _b("bench_dense.py", "sweep"),
+            _b("bench_dense.py", "distill", "--distill-fixture", "qwen3-moe-tiny"),
+            _b("bench_dense.py", "distill", "--distill-fixture", "olmoe-tiny"),
+        ),
+        report=(_b("bench_dense.py", "report"),),
+    ),
     "consolidation": Section(
-        "## Consolidation and merging (issue 6)", ("consolidation/",),
+        "## Consolidation and merging (issue 6)",
+        ("consolidation/",),
         run=(_b("bench_methods.py", "consolidation", "--out", "build/bench_consolidation"),),
-        report=(_b("bench_methods.py", "consolidation", "--write"),)),
+        report=(_b("bench_methods.py", "consolidation", "--write"),),
+    ),
     "auto": Section(
-        "## Budget-optimal auto (issue 9)", ("auto/",),
+        "## Budget-optimal auto (issue 9)",
+        ("auto/",),
         run=(_b("bench_auto.py", "--out", "build/bench_auto"),),
-        report=(_b("bench_auto.py", "--report", "benchmarks/results/auto", "--write"),)),
+        report=(_b("bench_auto.py", "--report", "benchmarks/results/auto", "--write"),),
+    ),
     "quant": _run_report(
-        "## Quantization: structure × bits (issue 13)", ("quant.json", "quant_quality_vs_bytes.png"), "bench_quant.py"),
+        "## Quantization: structure × bits (issue 13)",
+        ("quant.json", "quant_quality_vs_bytes.png"),
+        "bench_quant.py",
+    ),
     "peer-gptq": _run_report(
-        "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",), "peer_llmcompressor_gptq.py"),
+        "## Peer check: GPTQ vs llm-compressor (issue 13)", ("peer_gptq.json",), "peer_llmcompressor_gptq.py"
+    ),
     "gptq-defaults": _run_report(
-        "## GPTQ defaults (issue 32)", ("gptq_defaults.json",), "bench_gptq_defaults.py"),
+        "## GPTQ defaults (issue 32)", ("gptq_defaults.json",), "bench_gptq_defaults.py"
+    ),
     "calib-mode": _run_report(
-        "## GPTQ calibration: one-pass vs sequential (issue 32)", ("calib_mode.json",), "bench_calib_mode.py"),
+        "## GPTQ calibration: one-pass vs sequential (issue 32)", ("calib_mode.json",), "bench_calib_mode.py"
+    ),
     "auto-bits": _run_report(
-        "## auto over structure × bits (issue 14)", ("auto_bits.json", "auto_bits_frontier.png"), "bench_auto_bits.py"),
+        "## auto over structure × bits (issue 14)",
+        ("auto_bits.json", "auto_bits_frontier.png"),
+        "bench_auto_bits.py",
+    ),
     "compress-memory": _run_report(
-        "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",), "bench_compress_memory.py"),
-    "drift": _run_report(
-        "## Calibration domain: mask drift (issue 18)", ("drift.json",), "bench_drift.py"),
+        "## Streaming compress: peak memory (issue 19)", ("compress_memory.json",), "bench_compress_memory.py"
+    ),
+    "drift": _run_report("## Calibration domain: mask drift (issue 18)", ("drift.json",), "bench_drift.py"),
     "operators-bits": _run_report(
-        "## Operators under quantization: §6.5 (issue 18)", ("operators_bits.json",), "bench_operators_bits.py"),
+        "## Operators under quantization: §6.5 (issue 18)",
+        ("operators_bits.json",),
+        "bench_operators_bits.py",
+    ),
     "gguf-llamacpp": _run_report(
-        "## GGUF inside llama.cpp (issue 31)", ("gguf_llamacpp.json",), "bench_gguf_llamacpp.py"),
+        "## GGUF inside llama.cpp (issue 31)", ("gguf_llamacpp.json",), "bench_gguf_llamacpp.py"
+    ),
     "vllm-cpu": _run_report(
-        "## vLLM CPU: pruned hf exports (issue 31)", ("vllm_cpu.json",), "bench_vllm_cpu.py"),
-    "slow-tests": Section(
-        None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
+        "## vLLM CPU: pruned hf exports (issue 31)", ("vllm_cpu.json",), "bench_vllm_cpu.py"
+    ),
+    "slow-tests": Section(None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
 
 
 def commands(name: str, step: str) -> list[tuple[str, ...]]:
     """The argv lists `python -m benchmarks NAME STEP` runs, in order (`all` = run, then report)."""
     sec = SECTIONS[name]
-    return list(sec.run if step in ("run", "all") else ()) + list(sec.report if step in ("report", "all") else ())
+    return list(sec.run if step in ("run", "all") else ()) + list(
+        sec.report if step in ("report", "all") else ()
+    )
 
 
 def _describe() -> str:
@@ -115,11 +152,17 @@ def _describe() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("section", nargs="?", choices=[*SECTIONS, "all"], help="which section ('all': every one)")
-    ap.add_argument("step", nargs="?", default="all", choices=["run", "report", "all"],
-                    help="run: measure and write results; report: rewrite the section from committed results")
+    ap.add_argument(
+        "step",
+        nargs="?",
+        default="all",
+        choices=["run", "report", "all"],
+        help="run: measure and write results; report: rewrite the section from committed results",
+    )
     ap.add_argument("--list", action="store_true", help="list the sections and their results files")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)

@@ -21,12 +21,12 @@ def write_section(title: str, text: str, path: Path = ROOT / "BENCHMARKS.md") ->
     if title in doc:
         start = doc.index(title)
         nxt = doc.find("\n## ", start + len(title))
-        doc = doc[:start] + text + ("\n" + doc[nxt + 1:] if nxt >= 0 else "")
+        doc = doc[:start] + text + ("\n" + doc[nxt + 1 :] if nxt >= 0 else "")
     else:
         doc = doc.rstrip("\n") + "\n\n" + text
     first = doc.find("\n## ")
     if doc.startswith("# Benchmarks\n") and first >= 0:
-        doc = "# Benchmarks\n\n" + preamble(doc) + "\n" + doc[first + 1:]
+        doc = "# Benchmarks\n\n" + preamble(doc) + "\n" + doc[first + 1 :]
     path.write_text(doc)
 
 
@@ -50,11 +50,16 @@ def stale_sections(doc: str) -> list[str]:
 def preamble(doc: str) -> str:
     """BENCHMARKS.md's opening paragraph, with the sections still due for a re-run computed from `doc`."""
     stale = [t.removeprefix("## ") for t in stale_sections(doc)]
-    due = (f"These sections have no results file there yet and were last measured on the earlier float32 "
-           f"fixtures; they are due for a re-run with their command: {'; '.join(stale)}." if stale else
-           "Every section has its results file there, i.e. was measured on the bf16 fixtures.")
-    return ("Every section below is written by the command it names (`python -m benchmarks --list`), from results "
-            "committed under `benchmarks/results/`. The shipped fixtures are bf16 since issue 17. " + due + "\n")
+    due = (
+        f"These sections have no results file there yet and were last measured on the earlier float32 "
+        f"fixtures; they are due for a re-run with their command: {'; '.join(stale)}."
+        if stale
+        else "Every section has its results file there, i.e. was measured on the bf16 fixtures."
+    )
+    return (
+        "Every section below is written by the command it names (`python -m benchmarks --list`), from results "
+        "committed under `benchmarks/results/`. The shipped fixtures are bf16 since issue 17. " + due + "\n"
+    )
 
 
 def results_path(name: str) -> Path:
@@ -99,8 +104,10 @@ def fixture_main(doc: str, fixtures, run, report, out: Path) -> None:
 def load_results(name: str):
     path = results_path(name)
     if not path.is_file():
-        raise SystemExit(f"{path.relative_to(ROOT)} is missing: run this section's `run` step first "
-                         f"(python -m benchmarks --list).")
+        raise SystemExit(
+            f"{path.relative_to(ROOT)} is missing: run this section's `run` step first "
+            f"(python -m benchmarks --list)."
+        )
     return json.loads(path.read_text())
 
 
@@ -117,8 +124,16 @@ def model_shape(path: Path) -> dict:
     The routed-expert count is stored under a family-specific key (Qwen3-MoE: ``num_local_experts`` since
     transformers 5); it is reported as ``num_experts``."""
     cfg = json.loads((Path(path) / "config.json").read_text())
-    shape = {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "moe_intermediate_size",
-                                     "num_experts_per_tok")}
+    shape = {
+        k: cfg.get(k)
+        for k in (
+            "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "moe_intermediate_size",
+            "num_experts_per_tok",
+        )
+    }
     shape["num_experts"] = next((cfg[k] for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
     shape["dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
     return shape

@@ -30,8 +30,10 @@ def child(cmd: list[str], log: Path) -> None:
     with log.open("w") as fh:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(map(str, cmd))} failed (exit {proc.returncode}); see {log}:\n"
-                 + log.read_text()[-3000:])
+        sys.exit(
+            f"{' '.join(map(str, cmd))} failed (exit {proc.returncode}); see {log}:\n"
+            + log.read_text()[-3000:]
+        )
 
 
 PEER_WHOLE = ROOT / "benchmarks" / "results" / "peer_gptq_whole.json"
@@ -58,7 +60,18 @@ def load_peer_whole(fixture: str, path: str | os.PathLike | None = None) -> list
     if fx is None:
         return []
     spec = dict(data["eval"], stride=fx["eval"]["stride"])
-    return [{"name": a["name"], "bits": a["bits"], "scope": a["scope"], "whole_bytes": a["whole_bytes"],
-             "original_bytes": a["original_bytes"], "file_ratio": a["whole_bytes"] / a["original_bytes"],
-             "kl": a["kl"], "kl_windows": list(a["kl_windows"]), "window_ids": list(fx["eval"]["window_ids"]),
-             "eval": spec} for a in fx["arms"]]
+    return [
+        {
+            "name": a["name"],
+            "bits": a["bits"],
+            "scope": a["scope"],
+            "whole_bytes": a["whole_bytes"],
+            "original_bytes": a["original_bytes"],
+            "file_ratio": a["whole_bytes"] / a["original_bytes"],
+            "kl": a["kl"],
+            "kl_windows": list(a["kl_windows"]),
+            "window_ids": list(fx["eval"]["window_ids"]),
+            "eval": spec,
+        }
+        for a in fx["arms"]
+    ]

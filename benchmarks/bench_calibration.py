@@ -46,10 +46,25 @@ SECTION = "## Calibration (issue 3)"
 TARGET_SPEED = 1.3  # calibration / plain forward (issue 3)
 TARGET_MEMORY = 0.35  # peak RSS / checkpoint bytes on disk (issue 3)
 
-WIDE_SHAPE = dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=128, intermediate_size=2048, moe_intermediate_size=512,
-                  num_experts=64, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
-                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=1, dtype="bfloat16")
+WIDE_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=1,
+    dtype="bfloat16",
+)
 
 
 def _tokenizer_dir() -> Path:
@@ -75,11 +90,15 @@ def speed(sequences: int, seq_len: int, batch_size: int, repeats: int) -> dict:
     tok = load_tokenizer(str(path), str(_tokenizer_dir()))
     data = load_calibration(f"fixture-calib:{sequences}", tok, seq_len, seed=0)
     model = load_model(str(path), dtype="float32")
-    batches = [(data.input_ids[s:s + batch_size], data.attention_mask[s:s + batch_size])
-               for s in range(0, data.num_sequences, batch_size)]
+    batches = [
+        (data.input_ids[s : s + batch_size], data.attention_mask[s : s + batch_size])
+        for s in range(0, data.num_sequences, batch_size)
+    ]
 
     def plain(decoder_only: bool = False) -> float:
-        run = model.model if decoder_only else model  # decoder only: no final norm / lm_head, like calibration
+        run = (
+            model.model if decoder_only else model
+        )  # decoder only: no final norm / lm_head, like calibration
         t0 = time.perf_counter()
         with torch.no_grad():
             for ids, mask in batches:
@@ -88,8 +107,17 @@ def speed(sequences: int, seq_len: int, batch_size: int, repeats: int) -> dict:
 
     def calib(stats) -> float:
         t0 = time.perf_counter()
-        calibrate(str(path), data, out=OUT / "store", stats=stats, batch_size=batch_size, dtype="float32",
-                  overwrite=True, progress=False, device="cpu")
+        calibrate(
+            str(path),
+            data,
+            out=OUT / "store",
+            stats=stats,
+            batch_size=batch_size,
+            dtype="float32",
+            overwrite=True,
+            progress=False,
+            device="cpu",
+        )
         return time.perf_counter() - t0
 
     plain()
@@ -101,12 +129,24 @@ def speed(sequences: int, seq_len: int, batch_size: int, repeats: int) -> dict:
         times["routing"].append(calib(None))
         times["reap"].append(calib(["reap", "out_mean", "out_var"]))
     med = {k: statistics.median(v) for k, v in times.items()}
-    res = {"model": what, "path": str(path), "sequences": data.num_sequences, "seq_len": seq_len,
-           "tokens": data.num_tokens, "batch_size": batch_size, "repeats": repeats, "threads": 1,
-           "times_s": times, "median_s": med, "ratio_routing": med["routing"] / med["plain"],
-           "ratio_reap": med["reap"] / med["plain"],
-           "ratio_routing_vs_decoder": med["routing"] / med["plain_decoder"], "dtype": "float32",
-           "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+    res = {
+        "model": what,
+        "path": str(path),
+        "sequences": data.num_sequences,
+        "seq_len": seq_len,
+        "tokens": data.num_tokens,
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "threads": 1,
+        "times_s": times,
+        "median_s": med,
+        "ratio_routing": med["routing"] / med["plain"],
+        "ratio_reap": med["reap"] / med["plain"],
+        "ratio_routing_vs_decoder": med["routing"] / med["plain_decoder"],
+        "dtype": "float32",
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     save_results("calibration_speed.json", res)
     print(json.dumps(res, indent=2))
     return res
@@ -162,8 +202,9 @@ def build_wide() -> Path:
         total += sum(v.numel() * v.element_size() for v in disk.values())
         print(f"shard {g + 1}/{len(groups)}: {len(disk)} tensors", flush=True)
         del sd, disk
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     tmp.rename(WIDE)
     return WIDE
 
@@ -188,18 +229,48 @@ def memory(sequences: int, seq_len: int) -> dict:
 
     path = build_wide()
     disk = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(OUT / "wide_store"), str(_tokenizer_dir()),
-                           str(sequences), str(seq_len)], capture_output=True, text=True, check=False,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(path),
+            str(OUT / "wide_store"),
+            str(_tokenizer_dir()),
+            str(sequences),
+            str(seq_len),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     if proc.returncode != 0:
         sys.exit(proc.stderr[-4000:])
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    res = {"checkpoint": str(path), "disk_bytes": disk, "dir_bytes": dir_bytes(path), "peak_rss_bytes": peak,
-           "ratio": peak / disk, "rss_after_imports_bytes": child["rss_after_imports_kb"] * 1024,
-           "seconds": child["seconds"], "tokens": child["tokens"], "layers": child["layers"],
-           "shape": {k: WIDE_SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "num_experts",
-                                                "moe_intermediate_size", "num_experts_per_tok", "dtype")}}
+    res = {
+        "checkpoint": str(path),
+        "disk_bytes": disk,
+        "dir_bytes": dir_bytes(path),
+        "peak_rss_bytes": peak,
+        "ratio": peak / disk,
+        "rss_after_imports_bytes": child["rss_after_imports_kb"] * 1024,
+        "seconds": child["seconds"],
+        "tokens": child["tokens"],
+        "layers": child["layers"],
+        "shape": {
+            k: WIDE_SHAPE[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_experts",
+                "moe_intermediate_size",
+                "num_experts_per_tok",
+                "dtype",
+            )
+        },
+    }
     res.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
     save_results("calibration_memory.json", res)
     print(json.dumps(res, indent=2))
@@ -209,19 +280,23 @@ def memory(sequences: int, seq_len: int) -> dict:
 def report() -> None:
     sp = load_results("calibration_speed.json")
     mem = load_results("calibration_memory.json")
-    gb = 1024 ** 3
+    gb = 1024**3
     s = sp["median_s"]
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"Measured by `python -m benchmarks calibration` (`benchmarks/bench_calibration.py`); results "
         f"`benchmarks/results/calibration_speed.json`, `benchmarks/results/calibration_memory.json`. Machine: "
-        f"{sp.get('machine', 'not recorded')}, shared, {sp['threads']} thread, no GPU; {sp.get('date', '')}.", "",
+        f"{sp.get('machine', 'not recorded')}, shared, {sp['threads']} thread, no GPU; {sp.get('date', '')}.",
+        "",
         f"**Summary: calibration costs {sp['ratio_routing_vs_decoder']:.2f}× a like-for-like forward** (the "
         f"decoder stack calibration runs: no final norm / lm_head); {sp['ratio_routing']:.2f}× a full-model "
-        "forward that also runs the final norm and lm_head.", "",
+        "forward that also runs the final norm and lm_head.",
+        "",
         f"**(a) Calibration speed** — {sp['model']}; {sp['sequences']} × {sp['seq_len']} tokens of "
         f"`fixture-calib` ({sp['tokens']:,} tokens), batch {sp['batch_size']}, computed in {sp.get('dtype', 'float32')} (model and calibration alike); plain forward and "
-        f"calibration alternate in one run, median of {sp['repeats']} repeats each.", "",
+        f"calibration alternate in one run, median of {sp['repeats']} repeats each.",
+        "",
         "| run | median s | ÷ decoder-only forward (like for like) | ÷ full-model forward | target |",
         "| --- | ---: | ---: | ---: | --- |",
         f"| plain decoder-only forward (no final norm / lm_head, as calibration) | {s['plain_decoder']:.2f} | "
@@ -232,27 +307,35 @@ def report() -> None:
         f"store written | {s['routing']:.2f} | **{sp['ratio_routing_vs_decoder']:.2f}** | {sp['ratio_routing']:.2f} | "
         f"≤ {TARGET_SPEED} {'✅' if sp['ratio_routing_vs_decoder'] <= TARGET_SPEED else '❌'} |",
         f"| `calibrate` + REAP/EAN/output norms, mean and variance (expert outputs shared with the block) | "
-        f"{s['reap']:.2f} | {s['reap'] / s['plain_decoder']:.2f} | {sp['ratio_reap']:.2f} | (reference) |", "",
+        f"{s['reap']:.2f} | {s['reap'] / s['plain_decoder']:.2f} | {sp['ratio_reap']:.2f} | (reference) |",
+        "",
         f"Spread over the {sp['repeats']} repeats (min–max s): "
-        + "; ".join(f"{k} {min(v):.2f}–{max(v):.2f}" for k, v in sp["times_s"].items()) + ".", "",
+        + "; ".join(f"{k} {min(v):.2f}–{max(v):.2f}" for k, v in sp["times_s"].items())
+        + ".",
+        "",
         "Where calibration's time goes beyond the decoder forward: docs/calibration.md (fixed costs per run, "
-        "router re-evaluation per token).", "",
+        "router re-evaluation per token).",
+        "",
         f"**(b) Peak memory** — wide random Qwen3-MoE (hidden {mem['shape']['hidden_size']}, "
         f"{mem['shape']['num_hidden_layers']} layers, {mem['shape']['num_experts']} experts of width "
         f"{mem['shape']['moe_intermediate_size']}, top-{mem['shape']['num_experts_per_tok']}, "
         f"{mem['shape']['dtype']}, per-expert keys in {mem['layers']} MoE-layer shards), routing statistics on "
-        f"{mem['tokens']:,} tokens in a child process.", "",
-        "| quantity | value |", "| --- | ---: |",
+        f"{mem['tokens']:,} tokens in a child process.",
+        "",
+        "| quantity | value |",
+        "| --- | ---: |",
         f"| checkpoint on disk | {mem['disk_bytes'] / gb:.2f} GiB |",
         f"| peak RSS of the calibration process (ru_maxrss) | {mem['peak_rss_bytes'] / gb:.2f} GiB |",
         f"| of which Python + torch + transformers after imports | {mem['rss_after_imports_bytes'] / gb:.2f} GiB |",
         f"| **peak RSS ÷ size on disk** | **{mem['ratio']:.3f}** (target ≤ {TARGET_MEMORY} "
         f"{'✅' if mem['ratio'] <= TARGET_MEMORY else '❌'}) |",
-        f"| calibration wall time | {mem['seconds']:.0f} s |", "",
+        f"| calibration wall time | {mem['seconds']:.0f} s |",
+        "",
         f"The checkpoint is {mem['disk_bytes'] / 1e9:.2f} GB; peak memory is one decoder layer (read from its "
         "shard, per-expert tensors fused into the model's 3-D parameters) plus the activation cache and the "
         "interpreter; safetensors handles are closed after each fused tensor so mapped pages leave the "
-        "resident set.", "",
+        "resident set.",
+        "",
     ]
     block = "\n".join(lines)
     write_section(SECTION, block)

@@ -43,11 +43,18 @@ def run(out: Path = OUT) -> dict:
     for arm in results["arms"]:
         arm.pop("path", None)  # scratch paths of the machine that ran it
     recipe = ROOT / "src" / "moecompress" / "recipes" / "demo.yaml"
-    results["bench"] = dict(command="moecompress demo --out build/demo", recipe=str(recipe.relative_to(ROOT)),
-                            wall_s=round(wall, 1), user_cpu_s=round(usage.ru_utime, 1),
-                            peak_rss_bytes=usage.ru_maxrss * 1024, load_before=load_before,
-                            load_after=os.getloadavg(), machine=machine(), date=time.strftime("%Y-%m-%d"),
-                            eval=_eval_settings(recipe))
+    results["bench"] = dict(
+        command="moecompress demo --out build/demo",
+        recipe=str(recipe.relative_to(ROOT)),
+        wall_s=round(wall, 1),
+        user_cpu_s=round(usage.ru_utime, 1),
+        peak_rss_bytes=usage.ru_maxrss * 1024,
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        machine=machine(),
+        date=time.strftime("%Y-%m-%d"),
+        eval=_eval_settings(recipe),
+    )
     save_results(RESULTS, results)
     return results
 
@@ -69,29 +76,43 @@ def markdown(results: dict) -> str:
     distilled = [a for a in arms if a.get("distilled")]
     loads = sorted([*b["load_before"], *b["load_after"]])
     minutes, seconds = divmod(round(b["wall_s"]), 60)
-    lines = [SECTION, "",
-             f"Command: `python -m benchmarks demo` (= `{b['command']}`, the README's run command, timed in a child "
-             f"process; recipe `{b['recipe']}`); results `benchmarks/results/{RESULTS}`. Machine: {b['machine']}, "
-             f"shared (load average {loads[0]:.1f}–{loads[-1]:.1f} around the run), no GPU; {b['date']}.", "",
-             f"**Wall time: {minutes} min {seconds} s** ({b['user_cpu_s']:.0f} s user CPU; peak RSS "
-             f"{b['peak_rss_bytes'] / 2**30:.2f} GiB) for one calibration ({cal.get('source')}, "
-             f"{cal.get('tokens'):,} tokens), {kinds['compressed'] + kinds['materialized']} compressed arms"
-             + (f" (incl. {len(distilled)} distilled dense student(s))" if distilled else "")
-             + f" + {kinds['quant_baseline']} quantization reference arm(s) + the original, each exported, "
-             f"reloaded and evaluated on the same {ev['max_tokens']:,} held-out tokens (window {ev['window']})"
-             + "".join(f", {ev['limit']} {t} items" for t in ev["tasks"])
-             + (", plus latency" if ev.get("latency") else "") + f". Target: at most {TARGET_MINUTES} minutes "
-             + ("✅" if b["wall_s"] <= 60 * TARGET_MINUTES else "❌") + ".", ""]
+    lines = [
+        SECTION,
+        "",
+        f"Command: `python -m benchmarks demo` (= `{b['command']}`, the README's run command, timed in a child "
+        f"process; recipe `{b['recipe']}`); results `benchmarks/results/{RESULTS}`. Machine: {b['machine']}, "
+        f"shared (load average {loads[0]:.1f}–{loads[-1]:.1f} around the run), no GPU; {b['date']}.",
+        "",
+        f"**Wall time: {minutes} min {seconds} s** ({b['user_cpu_s']:.0f} s user CPU; peak RSS "
+        f"{b['peak_rss_bytes'] / 2**30:.2f} GiB) for one calibration ({cal.get('source')}, "
+        f"{cal.get('tokens'):,} tokens), {kinds['compressed'] + kinds['materialized']} compressed arms"
+        + (f" (incl. {len(distilled)} distilled dense student(s))" if distilled else "")
+        + f" + {kinds['quant_baseline']} quantization reference arm(s) + the original, each exported, "
+        f"reloaded and evaluated on the same {ev['max_tokens']:,} held-out tokens (window {ev['window']})"
+        + "".join(f", {ev['limit']} {t} items" for t in ev["tasks"])
+        + (", plus latency" if ev.get("latency") else "")
+        + f". Target: at most {TARGET_MINUTES} minutes "
+        + ("✅" if b["wall_s"] <= 60 * TARGET_MINUTES else "❌")
+        + ".",
+        "",
+    ]
     task_verdicts = {}
     for c in results.get("comparisons", []):
         if not c["task"].startswith("ppl:"):
             task_verdicts.setdefault(c["task"], []).append(c["verdict"] != "not detectably different")
-    moves = "; ".join(f"{t}: {sum(v)} of {len(v)} arms detectably different from the original"
-                      for t, v in task_verdicts.items())
+    moves = "; ".join(
+        f"{t}: {sum(v)} of {len(v)} arms detectably different from the original"
+        for t, v in task_verdicts.items()
+    )
     m = results["model"]
-    lines += [f"Fixture: {m.get('name')} ({m.get('router_convention')}). Sorted by KL to the original. "
-              + byte_agreement(results) + (f" Paired task intervals (Holm): {moves}." if moves else ""), "",
-              table(results), ""]
+    lines += [
+        f"Fixture: {m.get('name')} ({m.get('router_convention')}). Sorted by KL to the original. "
+        + byte_agreement(results)
+        + (f" Paired task intervals (Holm): {moves}." if moves else ""),
+        "",
+        table(results),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -34,20 +34,40 @@ def run(args) -> None:
     from moecompress.drift import mask_drift, plot_drift
 
     specs = [f"fixture-calib/{d}" for d in DOMAINS]
-    out = {"machine": machine(), "draws": args.draws, "seq_len": args.seq_len, "seed": args.seed,
-           "bootstrap": args.bootstrap, "fixtures": {}}
+    out = {
+        "machine": machine(),
+        "draws": args.draws,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "bootstrap": args.bootstrap,
+        "fixtures": {},
+    }
     for fx in FIXTURES:
         t0 = time.perf_counter()
-        res = mask_drift(f"fixture:{fx}", specs, list(CRITERIA), list(RATIOS), draws=args.draws,
-                         seq_len=args.seq_len, seed=args.seed, bootstrap=args.bootstrap)
+        res = mask_drift(
+            f"fixture:{fx}",
+            specs,
+            list(CRITERIA),
+            list(RATIOS),
+            draws=args.draws,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            bootstrap=args.bootstrap,
+        )
         plots = {}
         for name in res.summary:
             png = results_path(f"drift_{fx}_{name.replace('@', '_')}.png")
             plot_drift(res, name, png)
             plots[name] = rel(png)
-        out["fixtures"][fx] = {"wall_s": round(time.perf_counter() - t0, 1), "sequences": res.sequences,
-                               "layers": res.layers, "summary": res.summary, "masks": res.masks, "plots": plots,
-                               "documents": {k: [len(d["documents"]) for d in v] for k, v in res.calibration.items()}}
+        out["fixtures"][fx] = {
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "sequences": res.sequences,
+            "layers": res.layers,
+            "summary": res.summary,
+            "masks": res.masks,
+            "plots": plots,
+            "documents": {k: [len(d["documents"]) for d in v] for k, v in res.calibration.items()},
+        }
         print(f"{fx}: done in {out['fixtures'][fx]['wall_s']} s")
     print(f"wrote {save_results(RESULTS, out)}")
 
@@ -58,40 +78,59 @@ def _f(x: float, nd: int = 2) -> str:
 
 def report() -> None:
     res = load_results(RESULTS)
-    lines = [SECTION, "",
-             f"Measured by `python -m benchmarks drift` (`benchmarks/bench_drift.py`); results `{rel(results_path(RESULTS))}`"
-             f" (every draw's mask included). Machine: {res['machine']}, no GPU.", "",
-             f"Domains: the three corpora of `fixture-calib` ({', '.join(DOMAINS)}). Each is drawn {res['draws']} "
-             "times on disjoint passages, every draw the same token count; each draw is calibrated once and pruned "
-             "as `compress --method prune` would. Distances are Jaccard distances between pruned sets over all MoE "
-             "layers (docs/calibration.md); *resampling* is the mean over pairs of draws of one domain, *domain* the "
-             "mean over domain pairs of draw r against draw r; the ratio is domain ÷ resampling, with a 95 % "
-             f"percentile bootstrap over draws ({res['bootstrap']} replicates).", ""]
+    lines = [
+        SECTION,
+        "",
+        f"Measured by `python -m benchmarks drift` (`benchmarks/bench_drift.py`); results `{rel(results_path(RESULTS))}`"
+        f" (every draw's mask included). Machine: {res['machine']}, no GPU.",
+        "",
+        f"Domains: the three corpora of `fixture-calib` ({', '.join(DOMAINS)}). Each is drawn {res['draws']} "
+        "times on disjoint passages, every draw the same token count; each draw is calibrated once and pruned "
+        "as `compress --method prune` would. Distances are Jaccard distances between pruned sets over all MoE "
+        "layers (docs/calibration.md); *resampling* is the mean over pairs of draws of one domain, *domain* the "
+        "mean over domain pairs of draw r against draw r; the ratio is domain ÷ resampling, with a 95 % "
+        f"percentile bootstrap over draws ({res['bootstrap']} replicates).",
+        "",
+    ]
     holds = []
     for fx, r in res["fixtures"].items():
         tokens = r["sequences"] * res["seq_len"]
-        lines += [f"### {fx} ({res['draws']} draws x {tokens:,} tokens per domain; run {_f(r['wall_s'] / 60, 1)} min)",
-                  "", "| criterion | pruned | resampling | domain | drift ratio | 95 % interval | "
-                  "largest pair ratio |", "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+        lines += [
+            f"### {fx} ({res['draws']} draws x {tokens:,} tokens per domain; run {_f(r['wall_s'] / 60, 1)} min)",
+            "",
+            "| criterion | pruned | resampling | domain | drift ratio | 95 % interval | largest pair ratio |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+        ]
         for name, s in r["summary"].items():
             crit, ratio = name.split("@")
             lo, hi = s["interval"]["overall"]
             pair, top = max(s["ratio"].items(), key=lambda kv: kv[1])
             top_pair = " vs ".join(p.split("/")[-1] for p in pair.split(" | "))
-            lines.append(f"| {crit} | {float(ratio):.0%} | {_f(s['overall']['resampling'])} | "
-                         f"{_f(s['overall']['domain'])} | **{_f(s['overall']['ratio'])}** | [{_f(lo)}, {_f(hi)}] | "
-                         f"{_f(top)} ({top_pair}) |")
+            lines.append(
+                f"| {crit} | {float(ratio):.0%} | {_f(s['overall']['resampling'])} | "
+                f"{_f(s['overall']['domain'])} | **{_f(s['overall']['ratio'])}** | [{_f(lo)}, {_f(hi)}] | "
+                f"{_f(top)} ({top_pair}) |"
+            )
             holds.append((fx, name, s["overall"]["ratio"], lo, hi))
-        lines += ["", "Per-layer distances: " + ", ".join(f"[{n}]({Path(p).name})" for n, p in r["plots"].items())
-                  + " (in `benchmarks/results/`).", ""]
+        lines += [
+            "",
+            "Per-layer distances: "
+            + ", ".join(f"[{n}]({Path(p).name})" for n, p in r["plots"].items())
+            + " (in `benchmarks/results/`).",
+            "",
+        ]
     above = [h for h in holds if h[3] > 1]
     in_range = [h for h in holds if PAPER_RATIO[0] <= h[2] <= PAPER_RATIO[1]]
-    lines += ["### Does the paper's direction hold?", "",
-              f"The paper finds a domain change moves the pruned set {PAPER_RATIO[0]}–{PAPER_RATIO[1]} times more "
-              f"than resampling. Here the drift ratio's interval lies above 1 in {len(above)} of {len(holds)} "
-              f"settings (fixture × criterion × ratio), in those the domain moves the pruned set more than resampling does; the point estimate falls "
-              f"inside the paper's range in {len(in_range)} of {len(holds)} "
-              f"(smallest {_f(min(h[2] for h in holds))}, largest {_f(max(h[2] for h in holds))}).", ""]
+    lines += [
+        "### Does the paper's direction hold?",
+        "",
+        f"The paper finds a domain change moves the pruned set {PAPER_RATIO[0]}–{PAPER_RATIO[1]} times more "
+        f"than resampling. Here the drift ratio's interval lies above 1 in {len(above)} of {len(holds)} "
+        f"settings (fixture × criterion × ratio), in those the domain moves the pruned set more than resampling does; the point estimate falls "
+        f"inside the paper's range in {len(in_range)} of {len(holds)} "
+        f"(smallest {_f(min(h[2] for h in holds))}, largest {_f(max(h[2] for h in holds))}).",
+        "",
+    ]
     write_section(SECTION, "\n".join(lines))
     print(f"wrote {SECTION} into BENCHMARKS.md")
 

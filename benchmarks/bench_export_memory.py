@@ -82,23 +82,39 @@ def run(formats: list[str]) -> dict:
     results = {}
     for fmt in formats:
         out = OUT / fmt
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(out), fmt], capture_output=True,
-                              text=True, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(path), str(out), fmt],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         if proc.returncode != 0:
             sys.exit(proc.stderr[-4000:])
         child = json.loads(proc.stdout.strip().splitlines()[-1])
         peak = child["peak_rss_kb"] * 1024
         r = child["result"]
-        results[fmt] = {"peak_rss_bytes": peak, "ratio": peak / disk, "seconds": child["seconds"],
-                        "rss_after_imports_bytes": child["rss_after_imports_kb"] * 1024,
-                        "output_weight_bytes": r["weight_bytes"], "output_dir_bytes": r["bytes_on_disk"],
-                        "logical_bytes": child["logical_bytes"], "shards": len(r["shards"])}
+        results[fmt] = {
+            "peak_rss_bytes": peak,
+            "ratio": peak / disk,
+            "seconds": child["seconds"],
+            "rss_after_imports_bytes": child["rss_after_imports_kb"] * 1024,
+            "output_weight_bytes": r["weight_bytes"],
+            "output_dir_bytes": r["bytes_on_disk"],
+            "logical_bytes": child["logical_bytes"],
+            "shards": len(r["shards"]),
+        }
         print(fmt, json.dumps(results[fmt]), flush=True)
-    res = {"checkpoint": str(path.relative_to(ROOT)), "disk_bytes": disk,
-           "shape": _shape(path),
-           "plan": "renorm, every second expert of every layer (50%)", "threads": 1,
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)", "date": time.strftime("%Y-%m-%d"),
-           "formats": results}
+    res = {
+        "checkpoint": str(path.relative_to(ROOT)),
+        "disk_bytes": disk,
+        "shape": _shape(path),
+        "plan": "renorm, every second expert of every layer (50%)",
+        "threads": 1,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+        "date": time.strftime("%Y-%m-%d"),
+        "formats": results,
+    }
     mem_file = results_path("export_memory.json")
     prev = json.loads(mem_file.read_text()) if mem_file.is_file() else {}
     prev_formats = prev.get("formats", {})
@@ -113,8 +129,10 @@ def _shape(path: Path) -> str:
     from _bench_md import model_shape
 
     c = model_shape(path)
-    return (f"{c['model_type']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_experts']} "
-            f"experts x width {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}, {c['dtype']}")
+    return (
+        f"{c['model_type']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_experts']} "
+        f"experts x width {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}, {c['dtype']}"
+    )
 
 
 def _gb(n: float) -> str:
@@ -151,12 +169,22 @@ def report() -> str:
     ]
     o = s["tokens_per_s"]["original"]
     for name, t in s["tokens_per_s"].items():
-        lines.append(f"| {name} | {t['prefill']:.0f} | {t['decode']:.1f} | {t['prefill'] / o['prefill']:.2f}x | "
-                     f"{t['decode'] / o['decode']:.2f}x |")
+        lines.append(
+            f"| {name} | {t['prefill']:.0f} | {t['decode']:.1f} | {t['prefill'] / o['prefill']:.2f}x | "
+            f"{t['decode'] / o['decode']:.2f}x |"
+        )
     runs_file = results_path("runtime_speed_runs.jsonl")
-    runs = [json.loads(x) for x in runs_file.read_text().splitlines() if x.strip()] if runs_file.is_file() else []
+    runs = (
+        [json.loads(x) for x in runs_file.read_text().splitlines() if x.strip()]
+        if runs_file.is_file()
+        else []
+    )
     # only runs on the model (and compute dtype) this table shows
-    runs = [r for r in runs if r.get("model") == s["model"] and r.get("dtype", "float32") == s.get("dtype", "float32")]
+    runs = [
+        r
+        for r in runs
+        if r.get("model") == s["model"] and r.get("dtype", "float32") == s.get("dtype", "float32")
+    ]
     t = s.get("times_s", {})
     if "original" in t and "runtime-50%" in t:
         import statistics
@@ -174,21 +202,35 @@ def report() -> str:
             q1, q3 = quartiles(v)
             what = "parity" if q1 <= 1.0 <= q3 else ("faster" if q1 > 1.0 else "slower")
             parts.append(f"{kind} {min(v):.2f}x–{max(v):.2f}x (quartiles {q1:.2f}x–{q3:.2f}x: {what})")
-        lines += ["", f"Within this run, runtime-50% vs original per repeat: " + "; ".join(parts) + "."]
+        lines += ["", "Within this run, runtime-50% vs original per repeat: " + "; ".join(parts) + "."]
     if runs:
         fmt = lambda r: f"{r['prefill']:.2f}x / {r['decode']:.2f}x"
-        lines += ["", f"{'All ' + str(len(runs)) + ' runs' if len(runs) > 1 else 'The one run'} on this model "
-                  "(runtime-50% vs original, prefill / decode): "
-                  + "; ".join(fmt(r["ratio_runtime"]) for r in runs) + ". The hf-export arm, which does "
-                  "the same expert compute: " + "; ".join(fmt(r["ratio_hf"]) for r in runs) + "."]
+        lines += [
+            "",
+            f"{'All ' + str(len(runs)) + ' runs' if len(runs) > 1 else 'The one run'} on this model "
+            "(runtime-50% vs original, prefill / decode): "
+            + "; ".join(fmt(r["ratio_runtime"]) for r in runs)
+            + ". The hf-export arm, which does "
+            "the same expert compute: " + "; ".join(fmt(r["ratio_hf"]) for r in runs) + ".",
+        ]
         mean = {k: sum(r["ratio_runtime"][k] for r in runs) / len(runs) for k in ("prefill", "decode")}
         if len(runs) > 1:
-            lines += ["", f"Mean over the runs: {mean['prefill']:.2f}x prefill, {mean['decode']:.2f}x decode; prefill "
-                      f"{_verdict([r['ratio_runtime']['prefill'] for r in runs])}, decode "
-                      f"{_verdict([r['ratio_runtime']['decode'] for r in runs])}."]
-        lines += ["", "Why a pruned plan runs the same expert FLOPs per token at a fixed top-k: docs/plan.md."]
-    lines += ["", "Target: the runtime with half the experts is not slower than the original (ratios at least "
-              f"{1:.2f}x within the noise of a shared machine).", ""]
+            lines += [
+                "",
+                f"Mean over the runs: {mean['prefill']:.2f}x prefill, {mean['decode']:.2f}x decode; prefill "
+                f"{_verdict([r['ratio_runtime']['prefill'] for r in runs])}, decode "
+                f"{_verdict([r['ratio_runtime']['decode'] for r in runs])}.",
+            ]
+        lines += [
+            "",
+            "Why a pruned plan runs the same expert FLOPs per token at a fixed top-k: docs/plan.md.",
+        ]
+    lines += [
+        "",
+        "Target: the runtime with half the experts is not slower than the original (ratios at least "
+        f"{1:.2f}x within the noise of a shared machine).",
+        "",
+    ]
     m = load_results("export_memory.json")
     lines += [
         "### Export memory: peak RSS / checkpoint size",
@@ -206,23 +248,36 @@ def report() -> str:
     ]
     for fmt, r in m["formats"].items():
         dir_b, logical = r.get("output_dir_bytes"), r["logical_bytes"]
-        pct = lambda n: f"{100 * (n / logical - 1):+.2f} %" if n else "—"
-        lines.append(f"| {fmt} | {_gb(r['peak_rss_bytes'])} | **{r['ratio']:.3f}** | "
-                     f"{_gb(r['rss_after_imports_bytes'])} | {_gb(r['output_weight_bytes'])} | "
-                     f"{_gb(dir_b) if dir_b else '—'} | {_gb(logical)} | {pct(r['output_weight_bytes'])} | "
-                     f"{pct(dir_b)} | {r['shards']} | {r['seconds']:.0f} s |")
+        pct = lambda n, logical=logical: f"{100 * (n / logical - 1):+.2f} %" if n else "—"
+        lines.append(
+            f"| {fmt} | {_gb(r['peak_rss_bytes'])} | **{r['ratio']:.3f}** | "
+            f"{_gb(r['rss_after_imports_bytes'])} | {_gb(r['output_weight_bytes'])} | "
+            f"{_gb(dir_b) if dir_b else '—'} | {_gb(logical)} | {pct(r['output_weight_bytes'])} | "
+            f"{pct(dir_b)} | {r['shards']} | {r['seconds']:.0f} s |"
+        )
     fm = m["formats"]
     if fm:
         worst = max(fm.values(), key=lambda r: r["ratio"])
-        lines += ["", f"Peak RSS ÷ checkpoint: at most {worst['ratio']:.3f} over {len(fm)} format(s), target "
-                  f"<= {TARGET_MEMORY} {'met' if worst['ratio'] <= TARGET_MEMORY else 'NOT met'}."]
+        lines += [
+            "",
+            f"Peak RSS ÷ checkpoint: at most {worst['ratio']:.3f} over {len(fm)} format(s), target "
+            f"<= {TARGET_MEMORY} {'met' if worst['ratio'] <= TARGET_MEMORY else 'NOT met'}.",
+        ]
         w = [abs(r["output_weight_bytes"] / r["logical_bytes"] - 1) for r in fm.values()]
-        dirs = [abs(r["output_dir_bytes"] / r["logical_bytes"] - 1) for r in fm.values() if r.get("output_dir_bytes")]
-        bytes_line = (f"Bytes on disk against the plan's logical size: the output weights are within "
-                      f"{100 * max(w):.2f} % of it")
+        dirs = [
+            abs(r["output_dir_bytes"] / r["logical_bytes"] - 1)
+            for r in fm.values()
+            if r.get("output_dir_bytes")
+        ]
+        bytes_line = (
+            f"Bytes on disk against the plan's logical size: the output weights are within "
+            f"{100 * max(w):.2f} % of it"
+        )
         if dirs:
-            bytes_line += (f"; the whole output directory (weights plus config, plan, index and recipe) is within "
-                           f"{100 * max(dirs):.2f} %")
+            bytes_line += (
+                f"; the whole output directory (weights plus config, plan, index and recipe) is within "
+                f"{100 * max(dirs):.2f} %"
+            )
         lines += ["", bytes_line + "."]
     lines += ["", f"Target: peak RSS / checkpoint size <= {TARGET_MEMORY}.", ""]
     text = "\n".join(lines).rstrip() + "\n"

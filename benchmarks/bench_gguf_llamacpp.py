@@ -36,7 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._bench_md import (  # noqa: E402
-    fixture_main, kept_fixtures, load_results, machine, model_shape, save_results, write_section)
+    fixture_main,
+    kept_fixtures,
+    load_results,
+    machine,
+    model_shape,
+    save_results,
+    write_section,
+)
 
 RESULTS = ROOT / "benchmarks" / "results" / "gguf_llamacpp.json"
 SECTION = "## GGUF inside llama.cpp (issue 31)"
@@ -50,7 +57,9 @@ PROMPT, DECODE, REPEATS = 128, 128, 11
 KL_TARGET, BYTES_TARGET = 1e-4, 0.01
 DECODE_TARGET, RSS_TARGET = 1.3, 0.45
 PRUNE = dict(criterion="reap", ratio=0.5, gate="renorm")
-ALL8 = dict(scope="all", classes=dict(embeddings="w8g32", lm_head="w8g32"))  # w8c (the scope's default): no GGUF type
+ALL8 = dict(
+    scope="all", classes=dict(embeddings="w8g32", lm_head="w8g32")
+)  # w8c (the scope's default): no GGUF type
 # name -> (method, params, quant setting): every kind of GGUF the exporter writes from these fixtures
 ARMS = {
     "original": ("quant", dict(quant=None), None),
@@ -81,10 +90,13 @@ def llama_env() -> tuple[str, dict]:
 
 def child(*args, check: bool = True) -> tuple[int, str]:
     py, env = llama_env()
-    proc = subprocess.run([py, str(CHILD), *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [py, str(CHILD), *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True, check=False
+    )
     if check and proc.returncode != 0:
-        sys.exit(f"llama.cpp child {args} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        sys.exit(
+            f"llama.cpp child {args} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        )
     return proc.returncode, proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
 
 
@@ -94,7 +106,7 @@ def heldout_windows(model: str):
     from moecompress.data.calibration import load_tokenizer, token_stream
 
     ids = token_stream(HELDOUT, load_tokenizer(model)).ids.reshape(-1)
-    return ids[:WINDOWS * WINDOW].reshape(WINDOWS, WINDOW).to(torch.long)
+    return ids[: WINDOWS * WINDOW].reshape(WINDOWS, WINDOW).to(torch.long)
 
 
 def build_plan(model: str, arm: str, stats):
@@ -128,7 +140,11 @@ def control_gguf(src: Path, dst: Path, runtime_rounding: bool = True) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if runtime_rounding and "_exps." in t.name and t.tensor_type in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+        if (
+            runtime_rounding
+            and "_exps." in t.name
+            and t.tensor_type in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)
+        ):
             w = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
         writer.add_tensor(t.name, np.ascontiguousarray(w))
     writer.write_header_to_file()
@@ -145,8 +161,14 @@ def kl_stats(ours, theirs) -> dict:
     b = torch.as_tensor(theirs).double().log_softmax(-1)
     kl = (a.exp() * (a - b)).sum(-1)
     q = torch.quantile(kl.flatten(), torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
-    return dict(kl=kl.mean().item(), kl_median=q[0], kl_p99=q[1], kl_max=kl.max().item(),
-                window_kl=kl.mean(-1).tolist(), top1=(a.argmax(-1) == b.argmax(-1)).double().mean().item())
+    return dict(
+        kl=kl.mean().item(),
+        kl_median=q[0],
+        kl_p99=q[1],
+        kl_max=kl.max().item(),
+        window_kl=kl.mean(-1).tolist(),
+        top1=(a.argmax(-1) == b.argmax(-1)).double().mean().item(),
+    )
 
 
 def gguf_facts(path: Path) -> dict:
@@ -156,9 +178,13 @@ def gguf_facts(path: Path) -> dict:
     types = {}
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + int(t.n_bytes)
-    return dict(file_bytes=path.stat().st_size, tensor_bytes=sum(types.values()), bytes_by_type=types,
-                output_bytes=next((int(t.n_bytes) for t in reader.tensors if t.name == "output.weight"), 0),
-                file_type=int(reader.fields["general.file_type"].contents()))
+    return dict(
+        file_bytes=path.stat().st_size,
+        tensor_bytes=sum(types.values()),
+        bytes_by_type=types,
+        output_bytes=next((int(t.n_bytes) for t in reader.tensors if t.name == "output.weight"), 0),
+        file_type=int(reader.fields["general.file_type"].contents()),
+    )
 
 
 def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
@@ -178,11 +204,20 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
     del ours_model
     np.save(d / "ids.npy", ids.numpy().astype(np.int32))
     gg = d / "gguf" / "model.gguf"
-    row = dict(arm=arm, method=ARMS[arm][0], params=ARMS[arm][1], quant=ARMS[arm][2],
-               plan_bytes=plan.logical_bytes(tensors).total, **gguf_facts(gg))
+    row = dict(
+        arm=arm,
+        method=ARMS[arm][0],
+        params=ARMS[arm][1],
+        quant=ARMS[arm][2],
+        plan_bytes=plan.logical_bytes(tensors).total,
+        **gguf_facts(gg),
+    )
     files = {"gguf": gg, "control": d / "control.gguf"}
     control_gguf(gg, files["control"])
-    if set(row["bytes_by_type"]) & {"Q8_0", "Q4_0"}:  # the file's own weights, without the runtime's bf16 rounding
+    if set(row["bytes_by_type"]) & {
+        "Q8_0",
+        "Q4_0",
+    }:  # the file's own weights, without the runtime's bf16 rounding
         files["exact"] = d / "exact.gguf"
         control_gguf(gg, files["exact"], runtime_rounding=False)
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -190,16 +225,27 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
     # llama.cpp's olmoe/qwen2moe graphs need output.weight: for a tied head that is a second copy of the embedding
     row.update(tied=tied, required_extra_bytes=row["output_bytes"] if tied else 0)
     for which, path in files.items():
-        _, desc = child("logits", path, d / "ids.npy", d / f"llama_{which}.npy", "--threads", THREADS,
-                        "--extra-bufts", EXTRA_BUFTS)
+        _, desc = child(
+            "logits",
+            path,
+            d / "ids.npy",
+            d / f"llama_{which}.npy",
+            "--threads",
+            THREADS,
+            "--extra-bufts",
+            EXTRA_BUFTS,
+        )
         row[f"llama_{which}"] = json.loads(desc)
         row[f"{which}_kl"] = kl_stats(ours, np.load(d / f"llama_{which}.npy"))
         (d / f"llama_{which}.npy").unlink()
         if which != "gguf":
             path.unlink()
     row["seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"[{fixture}] {arm}: KL {row['gguf_kl']['kl']:.3g} (control {row['control_kl']['kl']:.3g}), "
-          f"tensors {row['tensor_bytes']} / plan {row['plan_bytes']}", flush=True)
+    print(
+        f"[{fixture}] {arm}: KL {row['gguf_kl']['kl']:.3g} (control {row['control_kl']['kl']:.3g}), "
+        f"tensors {row['tensor_bytes']} / plan {row['plan_bytes']}",
+        flush=True,
+    )
     return row
 
 
@@ -228,22 +274,47 @@ def speed_runs(d: Path, ids) -> dict:
         for arm in order:
             out = d / f"speed_{arm}_{r}.json"
             load = os.getloadavg()[0]  # the machine is shared: its 1-minute load average as each run starts
-            child("speed", d / arm / "gguf" / "model.gguf", prompt, out, "--threads", THREADS, "--decode", DECODE,
-                  "--extra-bufts", EXTRA_BUFTS)
+            child(
+                "speed",
+                d / arm / "gguf" / "model.gguf",
+                prompt,
+                out,
+                "--threads",
+                THREADS,
+                "--decode",
+                DECODE,
+                "--extra-bufts",
+                EXTRA_BUFTS,
+            )
             res = json.loads(out.read_text())
             res.pop("model")
             runs[arm].append(dict(res, loadavg=load))
     summary = {}
     for arm, rs in runs.items():
-        summary[arm] = {k: statistics.median(r[k] for r in rs)
-                        for k in ("prompt_tok_s", "decode_tok_s", "prompt_tok_s_wall", "decode_tok_s_wall",
-                                  "peak_rss", "rss_start", "rss_loaded", "load_s")}
+        summary[arm] = {
+            k: statistics.median(r[k] for r in rs)
+            for k in (
+                "prompt_tok_s",
+                "decode_tok_s",
+                "prompt_tok_s_wall",
+                "decode_tok_s_wall",
+                "peak_rss",
+                "rss_start",
+                "rss_loaded",
+                "load_s",
+            )
+        }
         summary[arm]["greedy_first16"] = rs[0]["greedy"][:16]
     loads = [r["loadavg"] for rs in runs.values() for r in rs]
-    return dict(repeats=REPEATS, prompt_tokens=PROMPT, decode_tokens=DECODE, threads=THREADS,
-                loadavg=dict(min=min(loads), median=statistics.median(loads), max=max(loads)),
-                medians=summary, runs={a: [{k: v for k, v in r.items() if k != "greedy"} for r in rs]
-                                       for a, rs in runs.items()})
+    return dict(
+        repeats=REPEATS,
+        prompt_tokens=PROMPT,
+        decode_tokens=DECODE,
+        threads=THREADS,
+        loadavg=dict(min=min(loads), median=statistics.median(loads), max=max(loads)),
+        medians=summary,
+        runs={a: [{k: v for k, v in r.items() if k != "greedy"} for r in rs] for a, rs in runs.items()},
+    )
 
 
 def run_fixture(fixture: str, work: Path) -> dict:
@@ -252,14 +323,27 @@ def run_fixture(fixture: str, work: Path) -> dict:
 
     model = str(fixture_dir(fixture))
     t0 = time.perf_counter()
-    stats = resolve_calibration(model, CALIBRATION["data"], needs_for("prune", PRUNE), seq_len=CALIBRATION["seq_len"],
-                                seed=CALIBRATION["seed"], work_dir=work / fixture, progress=False)
+    stats = resolve_calibration(
+        model,
+        CALIBRATION["data"],
+        needs_for("prune", PRUNE),
+        seq_len=CALIBRATION["seq_len"],
+        seed=CALIBRATION["seed"],
+        work_dir=work / fixture,
+        progress=False,
+    )
     ids = heldout_windows(model)
     arms = [run_arm(model, fixture, a, stats, ids, work) for a in ARMS]
     probe = probe_extra_bufts(work / fixture, work / fixture / "original" / "ids.npy")
     speed = speed_runs(work / fixture, ids)
-    return dict(fixture=fixture, shape=model_shape(Path(model)), seconds=round(time.perf_counter() - t0, 1),
-                arms=arms, extra_bufts_probe=probe, speed=speed)
+    return dict(
+        fixture=fixture,
+        shape=model_shape(Path(model)),
+        seconds=round(time.perf_counter() - t0, 1),
+        arms=arms,
+        extra_bufts_probe=probe,
+        speed=speed,
+    )
 
 
 def run(fixtures, out: Path) -> None:
@@ -267,14 +351,24 @@ def run(fixtures, out: Path) -> None:
     import torch
 
     _, desc = child("info", "-", "-", "-")
-    results = dict(machine=dict(machine=machine(), platform=platform.platform(), torch=torch.__version__,
-                                gguf=gguf.__version__ if hasattr(gguf, "__version__") else None,
-                                llama_cpp=json.loads(desc)),
-                   calibration=CALIBRATION, heldout=HELDOUT, windows=WINDOWS, window=WINDOW, threads=THREADS,
-                   extra_bufts=EXTRA_BUFTS,
-                   targets=dict(kl=KL_TARGET, bytes=BYTES_TARGET, decode=DECODE_TARGET, rss=RSS_TARGET),
-                   pair=[BASE, SMALL],
-                   fixtures=kept_fixtures(RESULTS.name, {f: run_fixture(f, out) for f in fixtures}, FIXTURES))
+    results = dict(
+        machine=dict(
+            machine=machine(),
+            platform=platform.platform(),
+            torch=torch.__version__,
+            gguf=gguf.__version__ if hasattr(gguf, "__version__") else None,
+            llama_cpp=json.loads(desc),
+        ),
+        calibration=CALIBRATION,
+        heldout=HELDOUT,
+        windows=WINDOWS,
+        window=WINDOW,
+        threads=THREADS,
+        extra_bufts=EXTRA_BUFTS,
+        targets=dict(kl=KL_TARGET, bytes=BYTES_TARGET, decode=DECODE_TARGET, rss=RSS_TARGET),
+        pair=[BASE, SMALL],
+        fixtures=kept_fixtures(RESULTS.name, {f: run_fixture(f, out) for f in fixtures}, FIXTURES),
+    )
     save_results(RESULTS.name, results)
 
 
@@ -308,50 +402,66 @@ def markdown(res: dict) -> str:
     t = res["targets"]
     mach = res["machine"]
     lc = mach["llama_cpp"]
-    lines = [SECTION, "",
-             "Regenerate: `python -m benchmarks gguf-llamacpp` (results: `benchmarks/results/gguf_llamacpp.json`; "
-             "needs llama.cpp built as in docs/export.md, \"Checked inside llama.cpp\").", "",
-             f"Every kind of GGUF `--format gguf` writes from the two bf16 fixtures, loaded by llama.cpp "
-             f"(llama-cpp-python {lc['llama_cpp_python']}'s bindings over the llama.cpp it vendors, built here; "
-             f"`{lc['system_info']}`) in a process and virtualenv of its own. KL(ours ‖ llama.cpp), mean over "
-             f"{res['windows']} windows × {res['window']} tokens of `{res['heldout']}` (token ids fed directly, each "
-             "window from an empty context), where ours is `moecompress.load` of the same plan exported `compact`, in "
-             "float32. The control is the same GGUF with every tensor F32, holding exactly the weights our runtime "
-             "multiplies by (quantized experts as bf16(code·scale), the compressed-tensors convention; other "
-             "quantized weights as code·scale): it checks llama.cpp's graph, names, layouts and router semantics "
-             "apart from llama.cpp's arithmetic on bf16/Q8_0/Q4_0 weights (its CPU kernels round activations to "
-             "bf16 for BF16 weights and quantize them to 8 bits per block of 32 for Q8_0/Q4_0). Quantized arms "
-             "are round-to-nearest: the check is the file, and GPTQ's codes land on the same grid. "
-             f"Machine: {mach['machine']}, {mach['platform']}, torch {mach['torch']}, {res['threads']} llama.cpp "
-             f"threads, extra buffer types {res['extra_bufts']} (below). Targets: KL ≤ {t['kl']:g} per file; "
-             f"GGUF within {100 * t['bytes']:g} % of the plan's bytes.", ""]
+    lines = [
+        SECTION,
+        "",
+        "Regenerate: `python -m benchmarks gguf-llamacpp` (results: `benchmarks/results/gguf_llamacpp.json`; "
+        'needs llama.cpp built as in docs/export.md, "Checked inside llama.cpp").',
+        "",
+        f"Every kind of GGUF `--format gguf` writes from the two bf16 fixtures, loaded by llama.cpp "
+        f"(llama-cpp-python {lc['llama_cpp_python']}'s bindings over the llama.cpp it vendors, built here; "
+        f"`{lc['system_info']}`) in a process and virtualenv of its own. KL(ours ‖ llama.cpp), mean over "
+        f"{res['windows']} windows × {res['window']} tokens of `{res['heldout']}` (token ids fed directly, each "
+        "window from an empty context), where ours is `moecompress.load` of the same plan exported `compact`, in "
+        "float32. The control is the same GGUF with every tensor F32, holding exactly the weights our runtime "
+        "multiplies by (quantized experts as bf16(code·scale), the compressed-tensors convention; other "
+        "quantized weights as code·scale): it checks llama.cpp's graph, names, layouts and router semantics "
+        "apart from llama.cpp's arithmetic on bf16/Q8_0/Q4_0 weights (its CPU kernels round activations to "
+        "bf16 for BF16 weights and quantize them to 8 bits per block of 32 for Q8_0/Q4_0). Quantized arms "
+        "are round-to-nearest: the check is the file, and GPTQ's codes land on the same grid. "
+        f"Machine: {mach['machine']}, {mach['platform']}, torch {mach['torch']}, {res['threads']} llama.cpp "
+        f"threads, extra buffer types {res['extra_bufts']} (below). Targets: KL ≤ {t['kl']:g} per file; "
+        f"GGUF within {100 * t['bytes']:g} % of the plan's bytes.",
+        "",
+    ]
     for fx in res["fixtures"]:
         s = fx["shape"]
-        lines += [f"### {fx['fixture']} ({s['model_type']}, {s['num_hidden_layers']} layers, {s['num_experts']} "
-                  f"experts, top-{s['num_experts_per_tok']}, hidden {s['hidden_size']}; run "
-                  f"{fx['seconds'] / 60:.1f} min)", "",
-                  "| arm | weights | GGUF types | llama.cpp loads | KL | median token KL | max token KL | top-1 agree "
-                  "| control KL (median) | exact-weights KL | plan bytes | GGUF tensors | GGUF file |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"### {fx['fixture']} ({s['model_type']}, {s['num_hidden_layers']} layers, {s['num_experts']} "
+            f"experts, top-{s['num_experts_per_tok']}, hidden {s['hidden_size']}; run "
+            f"{fx['seconds'] / 60:.1f} min)",
+            "",
+            "| arm | weights | GGUF types | llama.cpp loads | KL | median token KL | max token KL | top-1 agree "
+            "| control KL (median) | exact-weights KL | plan bytes | GGUF tensors | GGUF file |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for a in fx["arms"]:
             tb, fb = bytes_row(a)
             types = ", ".join(sorted(a["bytes_by_type"]))
             g, c = a["gguf_kl"], a["control_kl"]
             exact = _g(a["exact_kl"]["kl"]) if "exact_kl" in a else "—"
-            lines.append(f"| {a['arm']} | {_quant_words(a)} | {types} | {a['llama_gguf']['desc']} | {_g(g['kl'])} | "
-                         f"{_g(g['kl_median'])} | {_g(g['kl_max'])} | {100 * g['top1']:.2f} % | {_g(c['kl'])} "
-                         f"({_g(c['kl_median'])}) | {exact} | {a['plan_bytes']:,} | {a['tensor_bytes']:,} ({_pct(tb)}) "
-                         f"| {a['file_bytes']:,} ({_pct(fb)}) |")
+            lines.append(
+                f"| {a['arm']} | {_quant_words(a)} | {types} | {a['llama_gguf']['desc']} | {_g(g['kl'])} | "
+                f"{_g(g['kl_median'])} | {_g(g['kl_max'])} | {100 * g['top1']:.2f} % | {_g(c['kl'])} "
+                f"({_g(c['kl_median'])}) | {exact} | {a['plan_bytes']:,} | {a['tensor_bytes']:,} ({_pct(tb)}) "
+                f"| {a['file_bytes']:,} ({_pct(fb)}) |"
+            )
         lines += ["", *kl_lines(fx, t), *bytes_lines(fx, t), ""]
         lines += speed_lines(fx, t)
         probe = fx["extra_bufts_probe"]
-        lines += ["", "- llama.cpp's extra CPU buffer types (its default; weight repacking and, on this AMX-capable "
-                  "CPU, the AMX kernels for Q4_0/Q8_0) on, exit code of the logits run: "
-                  + "; ".join(f"{k} {v}" for k, v in probe.items())
-                  + (" (negative: killed by that signal; llama.cpp's own Q4_0 file fails the same way, so it is not "
-                     "the file). Every measurement above ran with them off (`use_extra_bufts = false`)."
-                     if all(v != 0 for v in probe.values()) else
-                     " (0: ran). Every measurement above ran with them off (`use_extra_bufts = false`)."), ""]
+        lines += [
+            "",
+            "- llama.cpp's extra CPU buffer types (its default; weight repacking and, on this AMX-capable "
+            "CPU, the AMX kernels for Q4_0/Q8_0) on, exit code of the logits run: "
+            + "; ".join(f"{k} {v}" for k, v in probe.items())
+            + (
+                " (negative: killed by that signal; llama.cpp's own Q4_0 file fails the same way, so it is not "
+                "the file). Every measurement above ran with them off (`use_extra_bufts = false`)."
+                if all(v != 0 for v in probe.values())
+                else " (0: ran). Every measurement above ran with them off (`use_extra_bufts = false`)."
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -362,24 +472,35 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
     worst = max(ctrl["control_kl"]["window_kl"])
     share = worst / (ctrl["control_kl"]["kl"] * len(ctrl["control_kl"]["window_kl"]))
     quant = [a for a in arms if "exact_kl" in a]
-    out = [f"- llama.cpp loaded all {len(arms)} files and ran them. KL ≤ {t['kl']:g}: "
-           + ("every file." if not over else
-              f"{len(arms) - len(over)} of {len(arms)} files; not "
-              + ", ".join(f"{a['arm']} ({_g(a['gguf_kl']['kl'])})" for a in over) + "."),
-           f"- Control (llama.cpp on the weights our runtime computes with, as F32): median token KL at most "
-           f"{_g(max(a['control_kl']['kl_median'] for a in arms))} over the arms; the largest mean is {ctrl['arm']}'s "
-           f"{_g(ctrl['control_kl']['kl'])}, of which its worst window carries {100 * share:.0f} % (max token KL "
-           f"{_g(ctrl['control_kl']['kl_max'])}): the differences are concentrated in few windows, as a near-tie in "
-           "top-k routing decided differently by the two computations would be. What the KL column adds to the "
-           "control is llama.cpp's arithmetic on the file's types."]
+    out = [
+        f"- llama.cpp loaded all {len(arms)} files and ran them. KL ≤ {t['kl']:g}: "
+        + (
+            "every file."
+            if not over
+            else f"{len(arms) - len(over)} of {len(arms)} files; not "
+            + ", ".join(f"{a['arm']} ({_g(a['gguf_kl']['kl'])})" for a in over)
+            + "."
+        ),
+        f"- Control (llama.cpp on the weights our runtime computes with, as F32): median token KL at most "
+        f"{_g(max(a['control_kl']['kl_median'] for a in arms))} over the arms; the largest mean is {ctrl['arm']}'s "
+        f"{_g(ctrl['control_kl']['kl'])}, of which its worst window carries {100 * share:.0f} % (max token KL "
+        f"{_g(ctrl['control_kl']['kl_max'])}): the differences are concentrated in few windows, as a near-tie in "
+        "top-k routing decided differently by the two computations would be. What the KL column adds to the "
+        "control is llama.cpp's arithmetic on the file's types.",
+    ]
     if quant:
-        out.append("- Exact-weights KL (llama.cpp on the file's own weights as F32, no bf16 rounding of the experts' "
-                   "code·scale as our runtime does): per quantized arm "
-                   + ", ".join(f"{a['arm']} {_g(a['exact_kl']['kl'])} (control {_g(a['control_kl']['kl'])}, "
-                               f"file {_g(a['gguf_kl']['kl'])})" for a in quant)
-                   + ". Between the control and exact-weights columns lies our runtime's bf16 rounding of the "
-                   "dequantized experts; between exact-weights and the file, llama.cpp's arithmetic on Q8_0/Q4_0 (8-bit "
-                   "activations) and BF16 (bf16 activations) weights.")
+        out.append(
+            "- Exact-weights KL (llama.cpp on the file's own weights as F32, no bf16 rounding of the experts' "
+            "code·scale as our runtime does): per quantized arm "
+            + ", ".join(
+                f"{a['arm']} {_g(a['exact_kl']['kl'])} (control {_g(a['control_kl']['kl'])}, "
+                f"file {_g(a['gguf_kl']['kl'])})"
+                for a in quant
+            )
+            + ". Between the control and exact-weights columns lies our runtime's bf16 rounding of the "
+            "dequantized experts; between exact-weights and the file, llama.cpp's arithmetic on Q8_0/Q4_0 (8-bit "
+            "activations) and BF16 (bf16 activations) weights."
+        )
     return out
 
 
@@ -389,50 +510,70 @@ def bytes_lines(fx: dict, t: dict) -> list[str]:
     fb_bad = [a["arm"] for a in arms if abs(bytes_row(a)[1]) > t["bytes"]]
     extra = [a["arm"] for a in arms if a["required_extra_bytes"]]
     header = [a["file_bytes"] - a["tensor_bytes"] for a in arms]
-    return ["- Bytes: " + ("the output.weight copy of the tied embedding that llama.cpp requires is counted in the "
-                           "plan's side for " + ", ".join(extra) if extra else
-                           "this fixture's lm_head is not tied, so llama.cpp requires no extra copy")
-            + f". GGUF tensor data within {100 * t['bytes']:g} % of the plan's bytes: "
-            + ("every file" if not tb_bad else "not " + ", ".join(tb_bad))
-            + f"; the whole file within {100 * t['bytes']:g} %: "
-            + ("every file" if not fb_bad else "no file" if len(fb_bad) == len(arms) else "not " + ", ".join(fb_bad))
-            + f". The file adds the header and alignment ({min(header) / 1e3:.0f}–{max(header) / 1e3:.0f} kB: "
-            "metadata and the 4096-token tokenizer with its merges) to the tensor data; llama.cpp reads the tokenizer "
-            "from it, and its size does not grow with the model."]
+    return [
+        "- Bytes: "
+        + (
+            "the output.weight copy of the tied embedding that llama.cpp requires is counted in the "
+            "plan's side for " + ", ".join(extra)
+            if extra
+            else "this fixture's lm_head is not tied, so llama.cpp requires no extra copy"
+        )
+        + f". GGUF tensor data within {100 * t['bytes']:g} % of the plan's bytes: "
+        + ("every file" if not tb_bad else "not " + ", ".join(tb_bad))
+        + f"; the whole file within {100 * t['bytes']:g} %: "
+        + (
+            "every file"
+            if not fb_bad
+            else "no file"
+            if len(fb_bad) == len(arms)
+            else "not " + ", ".join(fb_bad)
+        )
+        + f". The file adds the header and alignment ({min(header) / 1e3:.0f}–{max(header) / 1e3:.0f} kB: "
+        "metadata and the 4096-token tokenizer with its merges) to the tensor data; llama.cpp reads the tokenizer "
+        "from it, and its size does not grow with the model."
+    ]
 
 
 def speed_lines(fx: dict, t: dict) -> list[str]:
     sp = fx["speed"]
     m = sp["medians"]
     base = m[BASE]
-    lines = [f"Speed and memory in llama.cpp ({sp['threads']} threads; prompt of {sp['prompt_tokens']} tokens in one "
-             f"batch, then {sp['decode_tokens']} greedy tokens; every run a fresh process, arms alternating, medians "
-             f"of {sp['repeats']}; tokens/s from llama.cpp's own timers, wall clock of the Python loop beside; peak RSS is "
-             f"the process's VmHWM; the shared machine's 1-minute load average as runs started: median "
-             f"{sp['loadavg']['median']:.1f}, {sp['loadavg']['min']:.1f}–{sp['loadavg']['max']:.1f}):", "",
-             "| arm | prompt tok/s | decode tok/s | decode tok/s (wall) | peak RSS | RSS before load | ratio decode "
-             "| ratio peak RSS | ratio RSS growth from load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Speed and memory in llama.cpp ({sp['threads']} threads; prompt of {sp['prompt_tokens']} tokens in one "
+        f"batch, then {sp['decode_tokens']} greedy tokens; every run a fresh process, arms alternating, medians "
+        f"of {sp['repeats']}; tokens/s from llama.cpp's own timers, wall clock of the Python loop beside; peak RSS is "
+        f"the process's VmHWM; the shared machine's 1-minute load average as runs started: median "
+        f"{sp['loadavg']['median']:.1f}, {sp['loadavg']['min']:.1f}–{sp['loadavg']['max']:.1f}):",
+        "",
+        "| arm | prompt tok/s | decode tok/s | decode tok/s (wall) | peak RSS | RSS before load | ratio decode "
+        "| ratio peak RSS | ratio RSS growth from load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for arm, r in m.items():
         growth = (r["peak_rss"] - r["rss_start"]) / (base["peak_rss"] - base["rss_start"])
-        lines.append(f"| {arm} | {r['prompt_tok_s']:.0f} | {r['decode_tok_s']:.0f} | {r['decode_tok_s_wall']:.0f} | "
-                     f"{r['peak_rss'] / 2**20:.1f} MiB | {r['rss_start'] / 2**20:.1f} MiB | "
-                     f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}× | {r['peak_rss'] / base['peak_rss']:.2f}× | "
-                     f"{growth:.2f}× |")
+        lines.append(
+            f"| {arm} | {r['prompt_tok_s']:.0f} | {r['decode_tok_s']:.0f} | {r['decode_tok_s_wall']:.0f} | "
+            f"{r['peak_rss'] / 2**20:.1f} MiB | {r['rss_start'] / 2**20:.1f} MiB | "
+            f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}× | {r['peak_rss'] / base['peak_rss']:.2f}× | "
+            f"{growth:.2f}× |"
+        )
     small = m[SMALL]
     dec = small["decode_tok_s"] / base["decode_tok_s"]
     rss = small["peak_rss"] / base["peak_rss"]
     growth = (small["peak_rss"] - small["rss_start"]) / (base["peak_rss"] - base["rss_start"])
-    lines += ["", f"- {SMALL} against {BASE}: decode {dec:.2f}× (target ≥ {t['decode']:g}×: "
-              f"{'met' if dec >= t['decode'] else 'missed'}), peak RSS {rss:.2f}× (target ≤ {t['rss']:g}×: "
-              f"{'met' if rss <= t['rss'] else 'missed'}); the RSS the model adds to the process (peak minus the "
-              f"interpreter's before loading) {growth:.2f}× ({'met' if growth <= t['rss'] else 'missed'} against the "
-              f"same target). Of the original's {base['peak_rss'] / 2**20:.0f} MiB peak, {base['rss_start'] / 2**20:.0f} MiB "
-              "are there before the model is loaded (the Python interpreter, numpy, llama.cpp's code); a decode step "
-              f"reads at most the original's {fx['arms'][0]['tensor_bytes'] / 2**20:.1f} MiB of weights in "
-              f"{1000 / base['decode_tok_s']:.2f} ms per token measured, so per-token fixed costs (graph, threads, "
-              "activation quantization) weigh far more here than on a real model, whose decode time is dominated by "
-              "reading GBs of weights: these ratios are this tiny model's, not a forecast for a real one."]
+    lines += [
+        "",
+        f"- {SMALL} against {BASE}: decode {dec:.2f}× (target ≥ {t['decode']:g}×: "
+        f"{'met' if dec >= t['decode'] else 'missed'}), peak RSS {rss:.2f}× (target ≤ {t['rss']:g}×: "
+        f"{'met' if rss <= t['rss'] else 'missed'}); the RSS the model adds to the process (peak minus the "
+        f"interpreter's before loading) {growth:.2f}× ({'met' if growth <= t['rss'] else 'missed'} against the "
+        f"same target). Of the original's {base['peak_rss'] / 2**20:.0f} MiB peak, {base['rss_start'] / 2**20:.0f} MiB "
+        "are there before the model is loaded (the Python interpreter, numpy, llama.cpp's code); a decode step "
+        f"reads at most the original's {fx['arms'][0]['tensor_bytes'] / 2**20:.1f} MiB of weights in "
+        f"{1000 / base['decode_tok_s']:.2f} ms per token measured, so per-token fixed costs (graph, threads, "
+        "activation quantization) weigh far more here than on a real model, whose decode time is dominated by "
+        "reading GBs of weights: these ratios are this tiny model's, not a forecast for a real one.",
+    ]
     return lines
 
 

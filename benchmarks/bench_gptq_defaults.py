@@ -23,7 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._bench_md import (  # noqa: E402
-    fixture_main, kept_fixtures, load_results, save_results, write_section)
+    fixture_main,
+    kept_fixtures,
+    load_results,
+    save_results,
+    write_section,
+)
 
 RESULTS = ROOT / "benchmarks" / "results" / "gptq_defaults.json"
 SECTION = "## GPTQ defaults (issue 32)"
@@ -46,8 +51,14 @@ def arms() -> list[dict]:
     out = []
     for bits in BITS:
         for variant, change in {DEFAULT: {}, **VARIANTS}.items():
-            out.append(dict(name=f"w{bits}-{variant}", bits=bits, variant=variant,
-                            params={"quant": f"w{bits}g128", "algo": "gptq", **change}))
+            out.append(
+                dict(
+                    name=f"w{bits}-{variant}",
+                    bits=bits,
+                    variant=variant,
+                    params={"quant": f"w{bits}g128", "algo": "gptq", **change},
+                )
+            )
     return out
 
 
@@ -57,31 +68,70 @@ def run_fixture(fixture: str, out: Path) -> dict:
     from moecompress.recipe import parse_recipe
 
     spec = arms()
-    recipe = parse_recipe(dict(
-        model=f"fixture:{fixture}", calibration=CALIBRATION,
-        eval=dict(ppl="fixture-heldout", window=WINDOW, max_tokens=MAX_TOKENS, tasks=[], latency=False,
-                  quant_baselines=[]),
-        arms=[dict(name=a["name"], method="quant", params=a["params"]) for a in spec]), where="bench_gptq_defaults")
+    recipe = parse_recipe(
+        dict(
+            model=f"fixture:{fixture}",
+            calibration=CALIBRATION,
+            eval=dict(
+                ppl="fixture-heldout",
+                window=WINDOW,
+                max_tokens=MAX_TOKENS,
+                tasks=[],
+                latency=False,
+                quant_baselines=[],
+            ),
+            arms=[dict(name=a["name"], method="quant", params=a["params"]) for a in spec],
+        ),
+        where="bench_gptq_defaults",
+    )
     t0 = time.perf_counter()
-    res = run_compare(recipe, out / fixture, overwrite=True, progress=False, keep_checkpoints=False,
-                      pairs=[(a["name"], "original") for a in spec])
+    res = run_compare(
+        recipe,
+        out / fixture,
+        overwrite=True,
+        progress=False,
+        keep_checkpoints=False,
+        pairs=[(a["name"], "original") for a in spec],
+    )
     seconds = time.perf_counter() - t0
     stream = next(k for k in res["arms"][0]["metrics"] if k.startswith("ppl:"))
     rows = {}
     for a in res["arms"]:
         m = a["metrics"][stream]
-        rows[a["name"]] = dict(name=a["name"], bytes=a["bytes"].get("model"), kl=m["aggregate"].get("kl"),
-                               ppl=m["aggregate"].get("ppl"), window_ids=m["items"]["ids"], window_kl=m["items"]["kl"])
+        rows[a["name"]] = dict(
+            name=a["name"],
+            bytes=a["bytes"].get("model"),
+            kl=m["aggregate"].get("kl"),
+            ppl=m["aggregate"].get("ppl"),
+            window_ids=m["items"]["ids"],
+            window_kl=m["items"]["kl"],
+        )
     comps = []
     for a in spec:
         if a["variant"] == DEFAULT:
             continue
         base, var = rows[f"w{a['bits']}-{DEFAULT}"], rows[a["name"]]
-        c = paired_bootstrap(var["window_ids"], var["window_kl"], base["window_ids"], base["window_kl"],
-                             metric="kl", higher_is_better=False, B=4000, seed=0).to_dict()
+        c = paired_bootstrap(
+            var["window_ids"],
+            var["window_kl"],
+            base["window_ids"],
+            base["window_kl"],
+            metric="kl",
+            higher_is_better=False,
+            B=4000,
+            seed=0,
+        ).to_dict()
         c.pop("per_task", None)
-        comps.append(dict(c, a=a["name"], b=base["name"], bits=a["bits"], variant=a["variant"],
-                          ratio=var["kl"] / base["kl"]))
+        comps.append(
+            dict(
+                c,
+                a=a["name"],
+                b=base["name"],
+                bits=a["bits"],
+                variant=a["variant"],
+                ratio=var["kl"] / base["kl"],
+            )
+        )
     apply_holm(comps, 0.05)
     for r in rows.values():
         r.pop("window_ids"), r.pop("window_kl")
@@ -91,10 +141,14 @@ def run_fixture(fixture: str, out: Path) -> dict:
 def run(fixtures, out: Path) -> None:
     import torch
 
-    results = dict(machine=dict(platform=platform.platform(), torch=torch.__version__,
-                                threads=torch.get_num_threads()), calibration=CALIBRATION, window=WINDOW,
-                   max_tokens=MAX_TOKENS, variants=VARIANTS,
-                   fixtures=kept_fixtures(RESULTS.name, {f: run_fixture(f, out) for f in fixtures}, FIXTURES))
+    results = dict(
+        machine=dict(platform=platform.platform(), torch=torch.__version__, threads=torch.get_num_threads()),
+        calibration=CALIBRATION,
+        window=WINDOW,
+        max_tokens=MAX_TOKENS,
+        variants=VARIANTS,
+        fixtures=kept_fixtures(RESULTS.name, {f: run_fixture(f, out) for f in fixtures}, FIXTURES),
+    )
     save_results(RESULTS.name, results)
 
 
@@ -110,37 +164,54 @@ def verdict_lines(fx: dict) -> list[str]:
         better = [f"{c['bits']} bits" for c in cs if c["verdict"] == "A better"]
         worse = [f"{c['bits']} bits" for c in cs if c["verdict"] == "B better"]
         tied = [f"{c['bits']} bits" for c in cs if c["verdict"] not in ("A better", "B better")]
-        parts = [f"detectably lower KL than the default at {', '.join(better)}" if better else None,
-                 f"detectably higher at {', '.join(worse)}" if worse else None,
-                 f"not detectably different at {', '.join(tied)}" if tied else None]
+        parts = [
+            f"detectably lower KL than the default at {', '.join(better)}" if better else None,
+            f"detectably higher at {', '.join(worse)}" if worse else None,
+            f"not detectably different at {', '.join(tied)}" if tied else None,
+        ]
         out.append(f"- `{variant}`: " + "; ".join(p for p in parts if p) + ".")
     return out
 
 
 def markdown(results: dict) -> str:
     cal = results["calibration"]
-    lines = [SECTION, "",
-             "Regenerate: `python -m benchmarks gptq-defaults` (results: `benchmarks/results/gptq_defaults.json`).", "",
-             f"Pure GPTQ of the routed experts, group 128, symmetric, from one calibration per fixture ({cal['data']}, "
-             f"sequences of {cal['seq_len']} tokens, seed {cal['seed']}); KL to the original on the first "
-             f"{results['max_tokens']} tokens of `fixture-heldout` in windows of {results['window']}. The default "
-             "(act order on, damp 0.01, uniform Hessian over each expert's routed tokens, block 128) is paired "
-             "against one changed knob at a time (paired bootstrap over windows, Δ = KL(variant) − KL(default), "
-             "Holm over one fixture's comparisons). The choices and llm-compressor's defaults beside them: "
-             "docs/quantization.md, \"Defaults\". "
-             f"Machine: {results['machine']['platform']}, torch {results['machine']['torch']}.", ""]
+    lines = [
+        SECTION,
+        "",
+        "Regenerate: `python -m benchmarks gptq-defaults` (results: `benchmarks/results/gptq_defaults.json`).",
+        "",
+        f"Pure GPTQ of the routed experts, group 128, symmetric, from one calibration per fixture ({cal['data']}, "
+        f"sequences of {cal['seq_len']} tokens, seed {cal['seed']}); KL to the original on the first "
+        f"{results['max_tokens']} tokens of `fixture-heldout` in windows of {results['window']}. The default "
+        "(act order on, damp 0.01, uniform Hessian over each expert's routed tokens, block 128) is paired "
+        "against one changed knob at a time (paired bootstrap over windows, Δ = KL(variant) − KL(default), "
+        "Holm over one fixture's comparisons). The choices and llm-compressor's defaults beside them: "
+        'docs/quantization.md, "Defaults". '
+        f"Machine: {results['machine']['platform']}, torch {results['machine']['torch']}.",
+        "",
+    ]
     for fx in results["fixtures"]:
         kl = {r["name"]: r["kl"] for r in fx["arms"]}
-        lines += [f"### {fx['fixture']} (run {fx['seconds'] / 60:.1f} min)", "",
-                  "| bits | " + " | ".join(["default", *VARIANTS]) + " |",
-                  "| --- | " + " | ".join("---" for _ in range(len(VARIANTS) + 1)) + " |"]
+        lines += [
+            f"### {fx['fixture']} (run {fx['seconds'] / 60:.1f} min)",
+            "",
+            "| bits | " + " | ".join(["default", *VARIANTS]) + " |",
+            "| --- | " + " | ".join("---" for _ in range(len(VARIANTS) + 1)) + " |",
+        ]
         for b in BITS:
-            lines.append(f"| {b} | " + " | ".join(_g(kl.get(f"w{b}-{v}")) for v in [DEFAULT, *VARIANTS]) + " |")
-        lines += ["", "| variant | vs | KL ratio | Δ KL | interval | Holm p | verdict |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {b} | " + " | ".join(_g(kl.get(f"w{b}-{v}")) for v in [DEFAULT, *VARIANTS]) + " |"
+            )
+        lines += [
+            "",
+            "| variant | vs | KL ratio | Δ KL | interval | Holm p | verdict |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for c in fx["comparisons"]:
-            lines.append(f"| {c['a']} | {c['b']} | {c['ratio']:.3f} | {_g(c['delta'])} | "
-                         f"[{_g(c['ci_low'])}, {_g(c['ci_high'])}] | {_g(c.get('p_adjusted'))} | {c['verdict']} |")
+            lines.append(
+                f"| {c['a']} | {c['b']} | {c['ratio']:.3f} | {_g(c['delta'])} | "
+                f"[{_g(c['ci_low'])}, {_g(c['ci_high'])}] | {_g(c.get('p_adjusted'))} | {c['verdict']} |"
+            )
         lines += [""] + verdict_lines(fx) + [""]
     return "\n".join(lines)
 

@@ -36,8 +36,10 @@ B = 4000
 
 def _items(res: dict) -> dict[str, tuple[list, list]]:
     stream = next(k for k in res["arms"][0]["metrics"] if k.startswith("ppl:"))
-    return {a["name"]: (a["metrics"][stream]["items"]["ids"], a["metrics"][stream]["items"]["kl"])
-            for a in res["arms"]}
+    return {
+        a["name"]: (a["metrics"][stream]["items"]["ids"], a["metrics"][stream]["items"]["kl"])
+        for a in res["arms"]
+    }
 
 
 def summarize(res: dict) -> dict:
@@ -45,8 +47,13 @@ def summarize(res: dict) -> dict:
     from moecompress.eval.stats import align, apply_holm, paired_bootstrap
 
     items = _items(res)
-    arms = {a["name"]: {"bytes": a["bytes"].get("model"), "kl": next(
-        m["aggregate"]["kl"] for k, m in a["metrics"].items() if k.startswith("ppl:"))} for a in res["arms"]}
+    arms = {
+        a["name"]: {
+            "bytes": a["bytes"].get("model"),
+            "kl": next(m["aggregate"]["kl"] for k, m in a["metrics"].items() if k.startswith("ppl:")),
+        }
+        for a in res["arms"]
+    }
 
     def per_window_gain(op: str, r: int, b: int) -> tuple[list, list[float]]:
         ids, const, oper = align(*items[f"const-{r}-b{b}"], *items[f"{op}-{r}-b{b}"])
@@ -58,19 +65,25 @@ def summarize(res: dict) -> dict:
             base_ids, base = per_window_gain(op, r, 16)
             for b in BITS:
                 ids, g = per_window_gain(op, r, b)
-                c = paired_bootstrap(ids, g, ids, [0.0] * len(g), metric="kl gain", higher_is_better=True, B=B,
-                                     seed=0).to_dict()
+                c = paired_bootstrap(
+                    ids, g, ids, [0.0] * len(g), metric="kl gain", higher_is_better=True, B=B, seed=0
+                ).to_dict()
                 gains.append(dict(c, operator=op, ratio=r, bits=b))
                 if b != 16:
-                    d = paired_bootstrap(ids, g, base_ids, base, metric="kl gain change", higher_is_better=True,
-                                         B=B, seed=0).to_dict()
+                    d = paired_bootstrap(
+                        ids, g, base_ids, base, metric="kl gain change", higher_is_better=True, B=B, seed=0
+                    ).to_dict()
                     changes.append(dict(d, operator=op, ratio=r, bits=b))
     for family in (gains, changes):
         for row in family:
             row.pop("per_task", None)
         apply_holm(family, 0.05)
-    return {"arms": arms, "gains": gains, "changes": changes,
-            "calibration_seconds": (res.get("calibration") or {}).get("seconds")}
+    return {
+        "arms": arms,
+        "gains": gains,
+        "changes": changes,
+        "calibration_seconds": (res.get("calibration") or {}).get("seconds"),
+    }
 
 
 def run(args) -> None:
@@ -83,8 +96,9 @@ def run(args) -> None:
     for fx in args.fixtures:
         recipe = load_recipe(RECIPE, model=f"fixture:{fx}")
         t0 = time.perf_counter()
-        res = run_compare(recipe, Path(args.out) / fx, overwrite=True, progress=False, keep_checkpoints=False,
-                          pairs=[])
+        res = run_compare(
+            recipe, Path(args.out) / fx, overwrite=True, progress=False, keep_checkpoints=False, pairs=[]
+        )
         out["fixtures"][fx] = dict(summarize(res), wall_s=round(time.perf_counter() - t0, 1))
         print(f"{fx}: {out['fixtures'][fx]['wall_s']} s")
     print(f"wrote {save_results(RESULTS, out)}")
@@ -101,45 +115,75 @@ def _cell(row: dict) -> str:
 
 def report() -> None:
     res = load_results(RESULTS)
-    lines = [SECTION, "",
-             f"Measured by `python -m benchmarks operators-bits` (`benchmarks/bench_operators_bits.py`, recipe "
-             f"`{res['recipe']}`); results `{rel(results_path(RESULTS))}` (per-window values of every comparison). "
-             f"Machine: {res['machine']}, no GPU.", "",
-             "One fixed MoNE mask per ratio; on it the constant (rank 0), the rank-32 tilt, and rerouting at the "
-             "trained (keep) and renormalised gate scale, with the kept experts at 16 bits or GPTQ w4/w3 (group 128). "
-             "A cell is the operator's gain over the constant at that width, mean KL(constant) − KL(operator) per "
-             f"held-out window, with its 95 % paired-bootstrap interval ({res['bootstrap']} draws); ↑ / ↓ mark a gain "
-             "detectably above / below zero after Holm over the fixture's gains. The change column pairs the "
-             "per-window gain at b bits against the gain at 16 bits (Holm over the fixture's changes).", ""]
+    lines = [
+        SECTION,
+        "",
+        f"Measured by `python -m benchmarks operators-bits` (`benchmarks/bench_operators_bits.py`, recipe "
+        f"`{res['recipe']}`); results `{rel(results_path(RESULTS))}` (per-window values of every comparison). "
+        f"Machine: {res['machine']}, no GPU.",
+        "",
+        "One fixed MoNE mask per ratio; on it the constant (rank 0), the rank-32 tilt, and rerouting at the "
+        "trained (keep) and renormalised gate scale, with the kept experts at 16 bits or GPTQ w4/w3 (group 128). "
+        "A cell is the operator's gain over the constant at that width, mean KL(constant) − KL(operator) per "
+        f"held-out window, with its 95 % paired-bootstrap interval ({res['bootstrap']} draws); ↑ / ↓ mark a gain "
+        "detectably above / below zero after Holm over the fixture's gains. The change column pairs the "
+        "per-window gain at b bits against the gain at 16 bits (Holm over the fixture's changes).",
+        "",
+    ]
     survive, fall, rise, settings = {}, {}, {}, {}
     for fx, r in res["fixtures"].items():
-        lines += [f"### {fx} (run {_g(r['wall_s'] / 60, 2)} min)", "",
-                  "| operator | pruned | gain @16 | gain @4 | gain @3 | change 16→4 | change 16→3 |",
-                  "| --- | ---: | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"### {fx} (run {_g(r['wall_s'] / 60, 2)} min)",
+            "",
+            "| operator | pruned | gain @16 | gain @4 | gain @3 | change 16→4 | change 16→3 |",
+            "| --- | ---: | --- | --- | --- | --- | --- |",
+        ]
         g = {(x["operator"], x["ratio"], x["bits"]): x for x in r["gains"]}
         c = {(x["operator"], x["ratio"], x["bits"]): x for x in r["changes"]}
         for ratio in RATIOS:
             for op in OPERATORS:
-                lines.append(f"| {op} | {ratio}% | " + " | ".join(_cell(g[op, ratio, b]) for b in BITS) + " | "
-                             + " | ".join(_cell(c[op, ratio, b]) for b in BITS[1:]) + " |")
+                lines.append(
+                    f"| {op} | {ratio}% | "
+                    + " | ".join(_cell(g[op, ratio, b]) for b in BITS)
+                    + " | "
+                    + " | ".join(_cell(c[op, ratio, b]) for b in BITS[1:])
+                    + " |"
+                )
                 for b in BITS[1:]:
                     settings[op] = settings.get(op, 0) + 1
                     same_sign = (g[op, ratio, b]["delta"] > 0) == (g[op, ratio, 16]["delta"] > 0)
-                    survive[op] = survive.get(op, 0) + (same_sign and g[op, ratio, b]["verdict"] != "not detectably different")
+                    survive[op] = survive.get(op, 0) + (
+                        same_sign and g[op, ratio, b]["verdict"] != "not detectably different"
+                    )
                     fall[op] = fall.get(op, 0) + (c[op, ratio, b]["verdict"] == "B better")
                     rise[op] = rise.get(op, 0) + (c[op, ratio, b]["verdict"] == "A better")
         a = r["arms"]
-        extra = [f"{op} {ratio}% @{b}: {100 * (a[f'{op}-{ratio}-b{b}']['bytes'] / a[f'const-{ratio}-b{b}']['bytes'] - 1):+.1f} %"
-                 for ratio in RATIOS for op in OPERATORS[:1] for b in BITS]
-        lines += ["", "Bytes on disk against the constant arm at the same width (the tilt's factors stay 16-bit): "
-                  + "; ".join(extra) + ".", ""]
-    lines += ["### Do the paper's directions hold?", "",
-              "The paper: the tilt's gain over the constant survives 4- and 3-bit quantization, while rerouting's "
-              "gain falls. Counted over fixtures × ratios × {4, 3} bits:", ""]
+        extra = [
+            f"{op} {ratio}% @{b}: {100 * (a[f'{op}-{ratio}-b{b}']['bytes'] / a[f'const-{ratio}-b{b}']['bytes'] - 1):+.1f} %"
+            for ratio in RATIOS
+            for op in OPERATORS[:1]
+            for b in BITS
+        ]
+        lines += [
+            "",
+            "Bytes on disk against the constant arm at the same width (the tilt's factors stay 16-bit): "
+            + "; ".join(extra)
+            + ".",
+            "",
+        ]
+    lines += [
+        "### Do the paper's directions hold?",
+        "",
+        "The paper: the tilt's gain over the constant survives 4- and 3-bit quantization, while rerouting's "
+        "gain falls. Counted over fixtures × ratios × {4, 3} bits:",
+        "",
+    ]
     for op in OPERATORS:
-        lines.append(f"- **{op}**: its gain keeps the sign it has at 16 bits and stays detectably non-zero in "
-                     f"{survive[op]} of {settings[op]} settings; it is detectably smaller than at 16 bits in "
-                     f"{fall[op]} and detectably larger in {rise[op]} (Holm).")
+        lines.append(
+            f"- **{op}**: its gain keeps the sign it has at 16 bits and stays detectably non-zero in "
+            f"{survive[op]} of {settings[op]} settings; it is detectably smaller than at 16 bits in "
+            f"{fall[op]} and detectably larger in {rise[op]} (Holm)."
+        )
     write_section(SECTION, "\n".join(lines) + "\n")
     print(f"wrote {SECTION} into BENCHMARKS.md")
 

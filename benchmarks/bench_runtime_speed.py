@@ -70,8 +70,12 @@ def run(repeats: int, threads: int) -> dict:
     build, what = _model()
     original = build()
     info = ModelInfo.from_model(original)
-    plan = CompressionPlan.prune(info, {li.layer: list(range(0, li.num_experts, 2)) for li in info.layers},
-                                 gate="renorm", method="every-second-expert")
+    plan = CompressionPlan.prune(
+        info,
+        {li.layer: list(range(0, li.num_experts, 2)) for li in info.layers},
+        gate="renorm",
+        method="every-second-expert",
+    )
     runtime = apply_plan(build(), plan)
     tmp = Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     export(build(), plan, tmp / "hf", format="hf", quiet=True)
@@ -88,15 +92,24 @@ def run(repeats: int, threads: int) -> dict:
     times = {name: {"prefill": [], "decode": []} for name in arms}
     names = list(arms)
     for rep in range(repeats):  # rotate the order every repeat: no arm always runs first (or last)
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             m = arms[name]
             times[name]["prefill"].append(_prefill(m, prefill_ids))
             times[name]["decode"].append(_decode(m, prompt, new_tokens))
-    res = {"model": what, "dtype": str(next(original.parameters()).dtype).removeprefix("torch."),
-           "checkpoint_dtype": model_shape(fixture_dir("qwen3-moe-tiny"))["dtype"], "threads": threads, "repeats": repeats, "prefill_tokens": prefill_ids.numel(),
-           "decode_tokens": new_tokens, "plan": "renorm, every second expert kept (50% of routed experts)",
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), torch {torch.__version__}",
-           "date": time.strftime("%Y-%m-%d"), "times_s": times, "tokens_per_s": {}}
+    res = {
+        "model": what,
+        "dtype": str(next(original.parameters()).dtype).removeprefix("torch."),
+        "checkpoint_dtype": model_shape(fixture_dir("qwen3-moe-tiny"))["dtype"],
+        "threads": threads,
+        "repeats": repeats,
+        "prefill_tokens": prefill_ids.numel(),
+        "decode_tokens": new_tokens,
+        "plan": "renorm, every second expert kept (50% of routed experts)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "times_s": times,
+        "tokens_per_s": {},
+    }
     for name in arms:
         res["tokens_per_s"][name] = {
             "prefill": prefill_ids.numel() / statistics.median(times[name]["prefill"]),
@@ -106,9 +119,22 @@ def run(repeats: int, threads: int) -> dict:
     for name in ("runtime-50%", "hf-export-50%"):
         res[f"ratio_{name}"] = {k: res["tokens_per_s"][name][k] / o[k] for k in ("prefill", "decode")}
     save_results("runtime_speed.json", res)
-    with open(results_path("runtime_speed_runs.jsonl"), "a") as f:  # every run, so the report can show the spread
-        f.write(json.dumps({"date": res["date"], "model": what, "dtype": res["dtype"], "repeats": repeats,
-                            "ratio_runtime": res["ratio_runtime-50%"], "ratio_hf": res["ratio_hf-export-50%"]}) + "\n")
+    with open(
+        results_path("runtime_speed_runs.jsonl"), "a"
+    ) as f:  # every run, so the report can show the spread
+        f.write(
+            json.dumps(
+                {
+                    "date": res["date"],
+                    "model": what,
+                    "dtype": res["dtype"],
+                    "repeats": repeats,
+                    "ratio_runtime": res["ratio_runtime-50%"],
+                    "ratio_hf": res["ratio_hf-export-50%"],
+                }
+            )
+            + "\n"
+        )
     print(json.dumps({k: v for k, v in res.items() if k != "times_s"}, indent=2))
     return res
 

@@ -97,7 +97,9 @@ def _pruned_block(adapter, i: int, kept: list[int]):
             out = torch.zeros_like(x)
             for e in r.index.unique().tolist():
                 tok, slot = torch.where(r.index == e)
-                out.index_add_(0, tok, (adapter.expert_forward(i, e, x[tok]) * r.weight[tok, slot, None]).to(out.dtype))
+                out.index_add_(
+                    0, tok, (adapter.expert_forward(i, e, x[tok]) * r.weight[tok, slot, None]).to(out.dtype)
+                )
             shared = adapter.shared_forward(i, x)
             if shared is not None:
                 out = out + shared
@@ -109,9 +111,6 @@ def _pruned_block(adapter, i: int, kept: list[int]):
 
 def warm_imports(model: str) -> None:
     """The same pre-clock imports as benchmarks/peer/llmc_reap.py (transformers' lazy modules)."""
-    import transformers.conversion_mapping
-    import transformers.core_model_loading
-    import transformers.masking_utils
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -144,9 +143,19 @@ def ours(model: str, tokens: str, ratio: float, out: str, batch_size: int, propa
 
     warm_imports(model)
     t0 = time.perf_counter()
-    store = calibrate(model, data, seq_len=data.seq_len, out=store_dir, stats=needs_stats(config),
-                      batch_size=batch_size, dtype="float32", device="cpu", overwrite=True, progress=False,
-                      transform=transform if propagate else None)
+    store = calibrate(
+        model,
+        data,
+        seq_len=data.seq_len,
+        out=store_dir,
+        stats=needs_stats(config),
+        batch_size=batch_size,
+        dtype="float32",
+        device="cpu",
+        overwrite=True,
+        progress=False,
+        transform=transform if propagate else None,
+    )
     adapter = MoEAdapter(skeleton(load_config(model)))
     keep = select_experts(config, adapter, store)
     t1 = time.perf_counter()
@@ -156,33 +165,79 @@ def ours(model: str, tokens: str, ratio: float, out: str, batch_size: int, propa
     res = {
         "tool": "moecompress prune.select_experts(criterion=reap)",
         "versions": versions(("moecompress", "torch", "transformers")),
-        "model": model, "ratio": ratio, "sequences": data.num_sequences, "seq_len": data.seq_len,
-        "tokens": data.num_tokens, "batch_size": batch_size, "threads": 1, "propagate": propagate,
+        "model": model,
+        "ratio": ratio,
+        "sequences": data.num_sequences,
+        "seq_len": data.seq_len,
+        "tokens": data.num_tokens,
+        "batch_size": batch_size,
+        "threads": 1,
+        "propagate": propagate,
         "keep": {str(i): v for i, v in keep.items()},
         "keep_without_super_expert_protection": {str(i): v for i, v in unprotected.items()},
-        "saliency": {str(i): {"reap": store.get(i, "reap").tolist(), "count": store.get(i, "counts").tolist()}
-                     for i in adapter.moe_layers},
-        "run_s": t1 - t0, "process_s": time.perf_counter() - T_PROCESS,
+        "saliency": {
+            str(i): {"reap": store.get(i, "reap").tolist(), "count": store.get(i, "counts").tolist()}
+            for i in adapter.moe_layers
+        },
+        "run_s": t1 - t0,
+        "process_s": time.perf_counter() - T_PROCESS,
     }
     Path(out).write_text(json.dumps(res, indent=1))
     return res
 
 
 def run_ours(fx: Path, tokens: Path, out: Path, ratio: float, batch_size: int, propagate: bool) -> dict:
-    cmd = [sys.executable, __file__, "ours", "--model", str(fx), "--tokens", str(tokens), "--ratio", str(ratio),
-           "--batch-size", str(batch_size), "--out", str(out)] + (["--propagate"] if propagate else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "ours",
+        "--model",
+        str(fx),
+        "--tokens",
+        str(tokens),
+        "--ratio",
+        str(ratio),
+        "--batch-size",
+        str(batch_size),
+        "--out",
+        str(out),
+    ] + (["--propagate"] if propagate else [])
     child(cmd, out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 
-def run_theirs(fx: Path, tokens: Path, out: Path, ratio: float, batch_size: int, propagate: bool,
-               all_experts: bool, mask: str) -> dict:
+def run_theirs(
+    fx: Path,
+    tokens: Path,
+    out: Path,
+    ratio: float,
+    batch_size: int,
+    propagate: bool,
+    all_experts: bool,
+    mask: str,
+) -> dict:
     if not PEER_PY.is_file():
         sys.exit(f"No peer virtualenv at {PEER_PY}; create it as docs/peer_check.md describes.")
-    cmd = [str(PEER_PY), str(PEER_SCRIPT), "--model", str(fx), "--tokens", str(tokens), "--sparsity", str(ratio),
-           "--batch-size", str(batch_size), "--threads", "1", "--out", str(out),
-           "--propagate" if propagate else "--no-propagate", "--all-experts" if all_experts else "--routed-only",
-           "--mask", mask]
+    cmd = [
+        str(PEER_PY),
+        str(PEER_SCRIPT),
+        "--model",
+        str(fx),
+        "--tokens",
+        str(tokens),
+        "--sparsity",
+        str(ratio),
+        "--batch-size",
+        str(batch_size),
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--propagate" if propagate else "--no-propagate",
+        "--all-experts" if all_experts else "--routed-only",
+        "--mask",
+        mask,
+    ]
     child(cmd, out.with_suffix(".log"))
     return json.loads(out.read_text())
 
@@ -195,8 +250,13 @@ def compare(a: dict, b: dict) -> dict:
     per = {}
     for i in layers:
         ka, kb = set(a["keep"].get(i, [])), set(b["keep"].get(i, []))
-        row = {"equal": ka == kb, "overlap": len(ka & kb), "kept": len(ka), "only_ours": sorted(ka - kb),
-               "only_theirs": sorted(kb - ka)}
+        row = {
+            "equal": ka == kb,
+            "overlap": len(ka & kb),
+            "kept": len(ka),
+            "only_ours": sorted(ka - kb),
+            "only_theirs": sorted(kb - ka),
+        }
         sa, sb = a["saliency"].get(i), b["saliency"].get(i)
         if sa and sb:
             ra = torch.tensor(sa["reap"], dtype=torch.float64)
@@ -213,20 +273,43 @@ def compare(a: dict, b: dict) -> dict:
 
 # (variant key) -> (label, side, propagate, all_experts, mask)
 VARIANTS = {
-    "ours": ("moecompress calibrate + select_experts (unpruned inputs, its default)", "ours", False, None, None),
+    "ours": (
+        "moecompress calibrate + select_experts (unpruned inputs, its default)",
+        "ours",
+        False,
+        None,
+        None,
+    ),
     "ours_propagated": ("moecompress, pruned inputs (calibrate(transform=...))", "ours", True, None, None),
-    "llmc_default": ("llm-compressor oneshot, defaults (2-D mask, propagate_error, all experts)", "llmc", True,
-                     True, "2d"),
+    "llmc_default": (
+        "llm-compressor oneshot, defaults (2-D mask, propagate_error, all experts)",
+        "llmc",
+        True,
+        True,
+        "2d",
+    ),
     "llmc_routed": ("llm-compressor oneshot, moe_calibrate_all_experts=False", "llmc", True, False, "2d"),
     "llmc_causal": ("llm-compressor oneshot, 4-D causal mask (else defaults)", "llmc", True, True, "4d"),
-    "llmc_causal_no_propagate": ("llm-compressor, 4-D causal mask, propagate_error=False, routed only", "llmc",
-                                 False, False, "4d"),
+    "llmc_causal_no_propagate": (
+        "llm-compressor, 4-D causal mask, propagate_error=False, routed only",
+        "llmc",
+        False,
+        False,
+        "4d",
+    ),
 }
 # (title, ours variant, their variant): the like-for-like pairs first
 PAIRS = (
-    ("same inputs: ours vs llm-compressor (causal mask, propagate_error=False)", "ours", "llmc_causal_no_propagate"),
-    ("pruned inputs: ours (transform) vs llm-compressor (causal mask, defaults otherwise)", "ours_propagated",
-     "llmc_causal"),
+    (
+        "same inputs: ours vs llm-compressor (causal mask, propagate_error=False)",
+        "ours",
+        "llmc_causal_no_propagate",
+    ),
+    (
+        "pruned inputs: ours (transform) vs llm-compressor (causal mask, defaults otherwise)",
+        "ours_propagated",
+        "llmc_causal",
+    ),
     ("each tool's defaults: ours vs llm-compressor oneshot as shipped", "ours", "llmc_default"),
 )
 TIMED = ("ours", "llmc_default", "llmc_causal_no_propagate")
@@ -252,7 +335,9 @@ def run(args) -> None:
     for name in args.fixtures:
         summary["fixtures"].pop(name, None)
         out = OUT / name.replace(":", "-")
-        if name.startswith("random:"):  # a random tiny model of another family: a structure check, no tokenizer
+        if name.startswith(
+            "random:"
+        ):  # a random tiny model of another family: a structure check, no tokenizer
             from moecompress.data.tokenizers import char_tokenizer
             from moecompress.testing import save_tiny
 
@@ -266,26 +351,41 @@ def run(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         data = load_calibration(f"fixture-calib:{args.sequences}", tok, args.seq_len, seed=0)
         tokens = out / "tokens.safetensors"
-        save_file({"input_ids": data.input_ids.contiguous(), "attention_mask": data.attention_mask.contiguous()},
-                  str(tokens))
+        save_file(
+            {"input_ids": data.input_ids.contiguous(), "attention_mask": data.attention_mask.contiguous()},
+            str(tokens),
+        )
         cfg = json.loads((fx / "config.json").read_text())
-        res: dict = {"data": data.to_dict(), "describe": data.describe(), "ratio": args.ratio,
-                     "checkpoint_dtype": cfg.get("dtype") or cfg.get("torch_dtype"), "machine": machine(),
-                     "batch_size": args.batch_size, "runs": {}, "comparisons": {}, "times": {}}
+        res: dict = {
+            "data": data.to_dict(),
+            "describe": data.describe(),
+            "ratio": args.ratio,
+            "checkpoint_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
+            "machine": machine(),
+            "batch_size": args.batch_size,
+            "runs": {},
+            "comparisons": {},
+            "times": {},
+        }
         print(f"[{name}] {data.describe()}", flush=True)
         try:
             for key in VARIANTS:
                 r = run_variant(key, fx, tokens, out / f"{key}.json", args.ratio, args.batch_size)
                 res["runs"][key] = r
                 res["times"][key] = {"run_s": [r["run_s"]], "process_s": [r["process_s"]]}
-                print(f"  {key}: keep {r['keep']} run {r['run_s']:.2f}s process {r['process_s']:.2f}s", flush=True)
+                print(
+                    f"  {key}: keep {r['keep']} run {r['run_s']:.2f}s process {r['process_s']:.2f}s",
+                    flush=True,
+                )
             for rep in range(args.repeats - 1):  # timing repeats, alternating
                 for key in TIMED:
                     r = run_variant(key, fx, tokens, out / f"{key}_t{rep}.json", args.ratio, args.batch_size)
                     res["times"][key]["run_s"].append(r["run_s"])
                     res["times"][key]["process_s"].append(r["process_s"])
-                    print(f"  repeat {rep + 1} {key}: run {r['run_s']:.2f}s process {r['process_s']:.2f}s",
-                          flush=True)
+                    print(
+                        f"  repeat {rep + 1} {key}: run {r['run_s']:.2f}s process {r['process_s']:.2f}s",
+                        flush=True,
+                    )
         except SystemExit as exc:
             res["blocked"] = str(exc)[-3000:]
             summary["fixtures"][name] = res
@@ -294,7 +394,8 @@ def run(args) -> None:
         R = res["runs"]
         res["comparisons"] = {title: compare(R[a], R[b]) for title, a, b in PAIRS}
         res["comparisons"]["llm-compressor all-experts flag (llmc_routed vs llmc_default)"] = {
-            "all_equal": R["llmc_routed"]["keep"] == R["llmc_default"]["keep"]}
+            "all_equal": R["llmc_routed"]["keep"] == R["llmc_default"]["keep"]
+        }
         res["median"] = {k: {m: statistics.median(v[m]) for m in v} for k, v in res["times"].items()}
         summary["fixtures"][name] = res
         for title, c in res["comparisons"].items():
@@ -330,77 +431,118 @@ def _default_gap(R: dict, dflt: dict) -> str:
 def report() -> None:
     s = load_results("peer_reap.json")
     first = next(iter(s["fixtures"].values()), {})
-    lines = [SECTION, "",
-             ("Measured by `python -m benchmarks peer` (`benchmarks/peer_llmcompressor_reap.py`; reproduction, "
-              "versions and conventions: `docs/peer_check.md`); results `benchmarks/results/peer_reap.json`. "
-              f"Machine: {first.get('machine', 'not recorded')}, shared, one thread per side, no GPU. Both tools "
-              "read the same token ids (one safetensors file) and the same checkpoint; llm-compressor runs in its "
-              "own virtualenv."), ""]
+    lines = [
+        SECTION,
+        "",
+        (
+            "Measured by `python -m benchmarks peer` (`benchmarks/peer_llmcompressor_reap.py`; reproduction, "
+            "versions and conventions: `docs/peer_check.md`); results `benchmarks/results/peer_reap.json`. "
+            f"Machine: {first.get('machine', 'not recorded')}, shared, one thread per side, no GPU. Both tools "
+            "read the same token ids (one safetensors file) and the same checkpoint; llm-compressor runs in its "
+            "own virtualenv."
+        ),
+        "",
+    ]
     for name, res in s["fixtures"].items():
         if "blocked" in res:
-            lines += [f"**{name}: blocked.** llm-compressor could not run it:", "", "```",
-                      res["blocked"].strip()[-1500:], "```", ""]
+            lines += [
+                f"**{name}: blocked.** llm-compressor could not run it:",
+                "",
+                "```",
+                res["blocked"].strip()[-1500:],
+                "```",
+                "",
+            ]
             continue
         R, med, C = res["runs"], res["median"], res["comparisons"]
         v_ours, v_llmc = R["ours"]["versions"], R["llmc_default"]["versions"]
         e = len(R["ours"]["saliency"][next(iter(R["ours"]["saliency"]))]["reap"])
         kept = len(next(iter(R["ours"]["keep"].values())))
-        what = (f"A random tiny `{name.split(':', 1)[1]}` model (`moecompress.testing.save_tiny`, seed 0; not a "
-                "shipped fixture: a check of another family's router convention), text through the character "
-                "tokenizer `moecompress.data.tokenizers.char_tokenizer`. " if name.startswith("random:") else "")
+        what = (
+            f"A random tiny `{name.split(':', 1)[1]}` model (`moecompress.testing.save_tiny`, seed 0; not a "
+            "shipped fixture: a check of another family's router convention), text through the character "
+            "tokenizer `moecompress.data.tokenizers.char_tokenizer`. "
+            if name.startswith("random:")
+            else ""
+        )
         what += f"Checkpoint dtype {res['checkpoint_dtype']}. " if res.get("checkpoint_dtype") else ""
-        lines += [f"### {name}", "",
-                  (f"{what}{res['describe']}; ratio {res['ratio']} (keep {kept} of {e} experts per MoE layer); batch "
-                  f"{res['batch_size']}. moecompress {v_ours.get('moecompress')} (torch {v_ours['torch']}, "
-                  f"transformers {v_ours['transformers']}) vs llm-compressor {v_llmc['llmcompressor']} "
-                  f"(`REAPPruningModifier`; compressed-tensors {v_llmc['compressed-tensors']}, torch "
-                  f"{v_llmc['torch']}, transformers {v_llmc['transformers']})."), ""]
+        lines += [
+            f"### {name}",
+            "",
+            (
+                f"{what}{res['describe']}; ratio {res['ratio']} (keep {kept} of {e} experts per MoE layer); batch "
+                f"{res['batch_size']}. moecompress {v_ours.get('moecompress')} (torch {v_ours['torch']}, "
+                f"transformers {v_ours['transformers']}) vs llm-compressor {v_llmc['llmcompressor']} "
+                f"(`REAPPruningModifier`; compressed-tensors {v_llmc['compressed-tensors']}, torch "
+                f"{v_llmc['torch']}, transformers {v_llmc['transformers']})."
+            ),
+            "",
+        ]
         same = C[PAIRS[0][0]]["layers"]
         prop = C[PAIRS[1][0]]["layers"]
         dflt = C[PAIRS[2][0]]["layers"]
-        lines += [("| MoE layer | ours | llm-compressor, causal mask, propagate_error=False | equal | saliency max "
-                  "rel. diff | routed counts equal | ours, pruned inputs | llm-compressor, causal mask, "
-                  "propagate_error=True | equal | llm-compressor as shipped (2-D mask) | equal to ours |"),
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            (
+                "| MoE layer | ours | llm-compressor, causal mask, propagate_error=False | equal | saliency max "
+                "rel. diff | routed counts equal | ours, pruned inputs | llm-compressor, causal mask, "
+                "propagate_error=True | equal | llm-compressor as shipped (2-D mask) | equal to ours |"
+            ),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for i in sorted(same, key=int):
             a, b, d = same[i], prop[i], dflt[i]
             lines.append(
                 f"| {i} | {_fmt_keep(R['ours']['keep'][i])} | {_fmt_keep(R['llmc_causal_no_propagate']['keep'][i])} "
                 f"| {_eq(a)} | {a['saliency_max_rel_diff']:.1e} | {'yes' if a['counts_equal'] else 'no'} | "
                 f"{_fmt_keep(R['ours_propagated']['keep'][i])} | {_fmt_keep(R['llmc_causal']['keep'][i])} | "
-                f"{_eq(b)} | {_fmt_keep(R['llmc_default']['keep'][i])} | {_eq(d)} |")
+                f"{_eq(b)} | {_fmt_keep(R['llmc_default']['keep'][i])} | {_eq(d)} |"
+            )
         flag = C["llm-compressor all-experts flag (llmc_routed vs llmc_default)"]["all_equal"]
         prot = R["ours"]["keep"] == R["ours"]["keep_without_super_expert_protection"]
         cut = min(r["cut_margin_rel"] for r in same.values())
-        lines += ["",
-                  "Same inputs, same keep set: " + ("**every layer identical**" if C[PAIRS[0][0]]["all_equal"]
-                                                    else "**NOT identical**")
-                  + f" (saliencies agree to float32 rounding; smallest relative gap between the last kept and first "
-                  f"dropped expert {cut:.1e}). With pruned inputs on both sides: "
-                  + ("identical." if C[PAIRS[1][0]]["all_equal"] else "NOT identical.")
-                  + " llm-compressor as shipped calibrates with **no attention mask** (bidirectional attention: "
-                  "its traced graph rebuilds the config without the `eager` attention it forces, so "
-                  "`create_causal_mask` returns None; docs/peer_check.md). "
-                  + _default_gap(R, dflt),
-                  (f"llm-compressor's `moe_calibrate_all_experts` on/off: keep sets {'identical' if flag else 'DIFFER'}. "
-                  f"Our super-expert protection (on by default) {'changes nothing here' if prot else 'CHANGES the keep set here'}."),
-                  "",
-                  (f"| wall time, median of {len(res['times']['ours']['run_s'])} | checkpoint + token ids -> keep "
-                  "sets | whole process (imports included) |"),
-                  "| --- | --- | --- |"]
+        lines += [
+            "",
+            "Same inputs, same keep set: "
+            + ("**every layer identical**" if C[PAIRS[0][0]]["all_equal"] else "**NOT identical**")
+            + f" (saliencies agree to float32 rounding; smallest relative gap between the last kept and first "
+            f"dropped expert {cut:.1e}). With pruned inputs on both sides: "
+            + ("identical." if C[PAIRS[1][0]]["all_equal"] else "NOT identical.")
+            + " llm-compressor as shipped calibrates with **no attention mask** (bidirectional attention: "
+            "its traced graph rebuilds the config without the `eager` attention it forces, so "
+            "`create_causal_mask` returns None; docs/peer_check.md). " + _default_gap(R, dflt),
+            (
+                f"llm-compressor's `moe_calibrate_all_experts` on/off: keep sets {'identical' if flag else 'DIFFER'}. "
+                f"Our super-expert protection (on by default) {'changes nothing here' if prot else 'CHANGES the keep set here'}."
+            ),
+            "",
+            (
+                f"| wall time, median of {len(res['times']['ours']['run_s'])} | checkpoint + token ids -> keep "
+                "sets | whole process (imports included) |"
+            ),
+            "| --- | --- | --- |",
+        ]
         for key in TIMED + tuple(k for k in VARIANTS if k not in TIMED):
             m = med[key]
             n = len(res["times"][key]["run_s"])
-            lines.append(f"| {VARIANTS[key][0]}{'' if n > 1 else ' (1 run)'} | {m['run_s']:.2f} s | "
-                         f"{m['process_s']:.2f} s |")
+            lines.append(
+                f"| {VARIANTS[key][0]}{'' if n > 1 else ' (1 run)'} | {m['run_s']:.2f} s | "
+                f"{m['process_s']:.2f} s |"
+            )
         sp_d = med["llmc_default"]["run_s"] / med["ours"]["run_s"]
         sp_f = med["llmc_causal_no_propagate"]["run_s"] / med["ours"]["run_s"]
-        lines += ["", f"llm-compressor / ours (checkpoint -> keep sets): {sp_d:.2f}x against its defaults, {sp_f:.2f}x "
-                  "against its cheapest like-for-like setting (one pass per layer, routed experts only). Ours = "
-                  "`calibrate` streaming the checkpoint layer by layer and writing a stats store + `select_experts`; "
-                  "theirs = `from_pretrained` + `linearize_moe` + `oneshot`. "
-                  + ("Target (ours faster) met." if min(sp_d, sp_f) > 1 else
-                     "Target (ours faster) NOT met in every setting."), ""]
+        lines += [
+            "",
+            f"llm-compressor / ours (checkpoint -> keep sets): {sp_d:.2f}x against its defaults, {sp_f:.2f}x "
+            "against its cheapest like-for-like setting (one pass per layer, routed experts only). Ours = "
+            "`calibrate` streaming the checkpoint layer by layer and writing a stats store + `select_experts`; "
+            "theirs = `from_pretrained` + `linearize_moe` + `oneshot`. "
+            + (
+                "Target (ours faster) met."
+                if min(sp_d, sp_f) > 1
+                else "Target (ours faster) NOT met in every setting."
+            ),
+            "",
+        ]
     write_section(SECTION, "\n".join(lines).rstrip("\n") + "\n")
     print("\n".join(lines))
 

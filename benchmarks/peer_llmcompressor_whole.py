@@ -72,8 +72,15 @@ BITS = (8, 4, 3, 2)
 SCOPES = ("linear", "all")
 GROUP = 32
 CALIB, SEQ_LEN, SEED = "fixture-calib:64", 256, 0
-EVAL = {"data": "fixture-heldout", "max_tokens": 65536, "window": 512, "stride": None, "batch_size": 8,
-        "dtype": "auto", "reference": "the original fixture checkpoint"}
+EVAL = {
+    "data": "fixture-heldout",
+    "max_tokens": 65536,
+    "window": 512,
+    "stride": None,
+    "batch_size": 8,
+    "dtype": "auto",
+    "reference": "the original fixture checkpoint",
+}
 PROBE_BITS = 4
 
 
@@ -88,13 +95,39 @@ def bytes_by_kind(directory: Path) -> dict[str, int]:
     return out
 
 
-def peer_run(fx: Path, tokens: Path, bits: int, scope: str, save: Path, out: Path, embed: str = "rtn-pass") -> dict:
+def peer_run(
+    fx: Path, tokens: Path, bits: int, scope: str, save: Path, out: Path, embed: str = "rtn-pass"
+) -> dict:
     if not PEER_PY.is_file():
         sys.exit(f"No peer virtualenv at {PEER_PY}; create it as docs/peer_check.md describes.")
     shutil.rmtree(save, ignore_errors=True)
-    child([str(PEER_PY), str(PEER_SCRIPT), "--model", str(fx), "--tokens", str(tokens), "--bits", str(bits),
-           "--group", str(GROUP), "--scope", scope, "--embed", embed, "--save", str(save), "--out", str(out),
-           "--batch-size", "8", "--threads", "1"], out.with_suffix(".log"))
+    child(
+        [
+            str(PEER_PY),
+            str(PEER_SCRIPT),
+            "--model",
+            str(fx),
+            "--tokens",
+            str(tokens),
+            "--bits",
+            str(bits),
+            "--group",
+            str(GROUP),
+            "--scope",
+            scope,
+            "--embed",
+            embed,
+            "--save",
+            str(save),
+            "--out",
+            str(out),
+            "--batch-size",
+            "8",
+            "--threads",
+            "1",
+        ],
+        out.with_suffix(".log"),
+    )
     for f in fx.iterdir():  # the tokenizer beside the weights (llm-compressor saves the model only)
         if f.name.startswith(("tokenizer", "generation_config")) and not (save / f.name).exists():
             shutil.copyfile(f, save / f.name)
@@ -119,14 +152,19 @@ def evaluate(fx: Path, ckpts: dict[str, Path]) -> tuple[dict, dict]:
     out = {}
     for key, path in ckpts.items():
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=EVAL["dtype"], use_safetensors=True,
-            quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+            str(path),
+            dtype=EVAL["dtype"],
+            use_safetensors=True,
+            quantization_config=CompressedTensorsConfig(run_compressed=False),
+        ).eval()
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             sys.exit(f"{path}: non-finite dequantized weights in {bad[:3]}")
         out[key] = evaluate_stream(model, EVAL["data"], tok, reference=ref, **kw)
-        print(f"    eval {key}: kl {out[key]['aggregate']['kl']:.4g} ppl {out[key]['aggregate']['ppl']:.4g}",
-              flush=True)
+        print(
+            f"    eval {key}: kl {out[key]['aggregate']['kl']:.4g} ppl {out[key]['aggregate']['ppl']:.4g}",
+            flush=True,
+        )
     return out, base
 
 
@@ -146,8 +184,10 @@ def run(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         data = load_calibration(CALIB, load_tokenizer(str(fx)), SEQ_LEN, seed=SEED)
         tokens = out / "tokens.safetensors"
-        save_file({"input_ids": data.input_ids.contiguous(), "attention_mask": data.attention_mask.contiguous()},
-                  str(tokens))
+        save_file(
+            {"input_ids": data.input_ids.contiguous(), "attention_mask": data.attention_mask.contiguous()},
+            str(tokens),
+        )
         print(f"[{name}] {data.describe()}", flush=True)
         original = sum(n for _, n in stored_tensors(fx).values())
         runs, ckpts = {}, {}
@@ -157,8 +197,15 @@ def run(args) -> None:
                 runs[key] = peer_run(fx, tokens, b, scope, out / key, out / f"{key}.json")
                 ckpts[key] = out / key
                 print(f"  {key}: run {runs[key]['run_s']:.1f}s", flush=True)
-        probe = peer_run(fx, tokens, PROBE_BITS, "all", out / "probe-embed-in-gptq", out / "probe-embed-in-gptq.json",
-                         embed="in-gptq")
+        probe = peer_run(
+            fx,
+            tokens,
+            PROBE_BITS,
+            "all",
+            out / "probe-embed-in-gptq",
+            out / "probe-embed-in-gptq.json",
+            embed="in-gptq",
+        )
         print(f"  probe embedding in GPTQModifier targets: {probe['embedding_scales']}", flush=True)
         quality, base = evaluate(fx, ckpts)
         ids = base["items"]["ids"]
@@ -168,27 +215,66 @@ def run(args) -> None:
             if q["items"]["ids"] != ids:
                 sys.exit(f"{name}: {key} was evaluated on other windows")
             whole = sum(n for _, n in stored_tensors(ckpts[key]).values())
-            arms.append({
-                "name": key, "bits": r["bits"], "group": r["group"], "scope": r["scope"],
-                "whole_bytes": whole, "original_bytes": original, "file_ratio": whole / original,
-                "bytes_by_kind": bytes_by_kind(ckpts[key]),
-                "kl": q["aggregate"]["kl"], "ppl": q["aggregate"]["ppl"], "kl_windows": list(q["items"]["kl"]),
-                "quantized": r["quantized"], "not_quantized": r["not_quantized"],
-                "recipe": r["recipe"], "run_s": r["run_s"], "versions": r["versions"],
-                "calibration": {k: r[k] for k in ("sequences", "seq_len", "tokens", "mask",
-                                                  "moe_calibrate_all_experts", "propagate_error", "pipeline")}})
+            arms.append(
+                {
+                    "name": key,
+                    "bits": r["bits"],
+                    "group": r["group"],
+                    "scope": r["scope"],
+                    "whole_bytes": whole,
+                    "original_bytes": original,
+                    "file_ratio": whole / original,
+                    "bytes_by_kind": bytes_by_kind(ckpts[key]),
+                    "kl": q["aggregate"]["kl"],
+                    "ppl": q["aggregate"]["ppl"],
+                    "kl_windows": list(q["items"]["kl"]),
+                    "quantized": r["quantized"],
+                    "not_quantized": r["not_quantized"],
+                    "recipe": r["recipe"],
+                    "run_s": r["run_s"],
+                    "versions": r["versions"],
+                    "calibration": {
+                        k: r[k]
+                        for k in (
+                            "sequences",
+                            "seq_len",
+                            "tokens",
+                            "mask",
+                            "moe_calibrate_all_experts",
+                            "propagate_error",
+                            "pipeline",
+                        )
+                    },
+                }
+            )
         fixtures[name] = {
-            "fixture": name, "describe": data.describe(), "dtype": runs[next(iter(runs))]["dtype"],
+            "fixture": name,
+            "describe": data.describe(),
+            "dtype": runs[next(iter(runs))]["dtype"],
             "original_bytes": original,
-            "eval": {"fingerprint": base["fingerprint"], "stride": base["stride"], "window_ids": ids,
-                     "window_tokens": list(base["items"]["n_tokens"]), "original_ppl": base["aggregate"]["ppl"]},
+            "eval": {
+                "fingerprint": base["fingerprint"],
+                "stride": base["stride"],
+                "window_ids": ids,
+                "window_tokens": list(base["items"]["n_tokens"]),
+                "original_ppl": base["aggregate"]["ppl"],
+            },
             "arms": arms,
-            "probes": {"embedding_in_gptq": {"bits": PROBE_BITS, "group": GROUP,
-                                             "embedding_scales": probe["embedding_scales"]}}}
-    summary = {"schema": "peer_gptq_whole/1", "eval": EVAL,
-               "calibration": {"spec": CALIB, "seq_len": SEQ_LEN, "seed": SEED},
-               "project_versions": versions(("moecompress", "torch", "transformers", "compressed-tensors")),
-               "fixtures": [fixtures[n] for n in FIXTURES if n in fixtures]}
+            "probes": {
+                "embedding_in_gptq": {
+                    "bits": PROBE_BITS,
+                    "group": GROUP,
+                    "embedding_scales": probe["embedding_scales"],
+                }
+            },
+        }
+    summary = {
+        "schema": "peer_gptq_whole/1",
+        "eval": EVAL,
+        "calibration": {"spec": CALIB, "seq_len": SEQ_LEN, "seed": SEED},
+        "project_versions": versions(("moecompress", "torch", "transformers", "compressed-tensors")),
+        "fixtures": [fixtures[n] for n in FIXTURES if n in fixtures],
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {RESULTS}")
@@ -203,8 +289,10 @@ def show() -> None:
         print(f"{name}\n| arm | bits | whole bytes | original bytes | file ratio | mean KL | windows |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for a in arms:
-            print(f"| {a['name']} | {a['bits']} | {a['whole_bytes']:,} | {a['original_bytes']:,} | "
-                  f"{a['whole_bytes'] / a['original_bytes']:.3f} | {a['kl']:.3e} | {len(a['kl_windows'])} |")
+            print(
+                f"| {a['name']} | {a['bits']} | {a['whole_bytes']:,} | {a['original_bytes']:,} | "
+                f"{a['whole_bytes'] / a['original_bytes']:.3f} | {a['kl']:.3e} | {len(a['kl_windows'])} |"
+            )
 
 
 def main() -> None:

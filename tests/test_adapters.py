@@ -27,7 +27,9 @@ def test_moe_forward_equals_hf_block(family):
     for i in adapter.moe_layers:
         h = torch.randn(2, 9, adapter.hidden_size, generator=gen)
         with torch.no_grad():
-            torch.testing.assert_close(adapter.moe_forward(i, h), _hf_block(adapter, i, h), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                adapter.moe_forward(i, h), _hf_block(adapter, i, h), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_route_equals_hf_router(family):
@@ -40,8 +42,9 @@ def test_route_equals_hf_router(family):
         hf_sorted, hf_order = hf_i.sort(dim=-1)
         our_sorted, our_order = ours.index.sort(dim=-1)
         assert torch.equal(hf_sorted, our_sorted)
-        torch.testing.assert_close(ours.weight.float().gather(1, our_order), hf_w.float().gather(1, hf_order),
-                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            ours.weight.float().gather(1, our_order), hf_w.float().gather(1, hf_order), atol=1e-6, rtol=1e-5
+        )
 
 
 def test_expert_write_read_round_trip_and_changes_model_as_predicted(family):
@@ -99,13 +102,21 @@ def test_keep_and_renorm_masks_follow_their_definitions():
     torch.testing.assert_close(renorm.weight, sub.gather(1, renorm.index))  # as if never present
     assert torch.equal(keep.index.sort(-1)[0], renorm.index.sort(-1)[0])
     normed = RouterSpec(num_experts=6, top_k=2, norm_topk_prob=True)
-    torch.testing.assert_close(route(normed, h, w, allowed=mask).weight, route(normed, h, w, present=mask).weight)
+    torch.testing.assert_close(
+        route(normed, h, w, allowed=mask).weight, route(normed, h, w, present=mask).weight
+    )
 
 
 def test_modulelist_storage_round_trip():
     experts = nn.ModuleList(
-        nn.ModuleDict(dict(gate_proj=nn.Linear(4, 3, bias=False), up_proj=nn.Linear(4, 3, bias=False),
-                           down_proj=nn.Linear(3, 4, bias=False))) for _ in range(5)
+        nn.ModuleDict(
+            dict(
+                gate_proj=nn.Linear(4, 3, bias=False),
+                up_proj=nn.Linear(4, 3, bias=False),
+                down_proj=nn.Linear(3, 4, bias=False),
+            )
+        )
+        for _ in range(5)
     )
     storage = ExpertStorage.detect(experts)
     assert storage.layout == "modulelist" and storage.num_experts == 5 and storage.intermediate_size == 3
@@ -117,8 +128,14 @@ def test_modulelist_storage_round_trip():
 def test_dense_model_is_refused():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     with pytest.raises(MoECompressError, match="dense model or an unsupported MoE"):
         MoEAdapter(LlamaForCausalLM(cfg))
 

@@ -37,7 +37,7 @@ def test_neighbours_match_brute_force_within_scopes(model):
     torch.testing.assert_close(heat.sum(1), torch.ones(4, dtype=heat.dtype))
     for k, layer in enumerate(res.moe_layers):
         assert res.cross_fraction[layer] == pytest.approx(1 - float(heat[k, k]), abs=1e-6)
-        assert heat[k, 2 * (k // 2):2 * (k // 2) + 2].sum() == pytest.approx(1.0)  # block-diagonal
+        assert heat[k, 2 * (k // 2) : 2 * (k // 2) + 2].sum() == pytest.approx(1.0)  # block-diagonal
     cross = sum(r.nn_layer != r.layer for r in res.neighbours) / 32
     assert res.overall_cross_fraction == pytest.approx(cross, abs=1e-6)
     local = analyze_model("tiny", scope_size=1, model=model)

@@ -59,8 +59,23 @@ def test_calibrate_for_method_gathers_what_the_method_reads(readme_run):
 def test_compress_writes_the_checkpoint_the_cli_writes(readme_run, capsys, monkeypatch):
     root, _ = readme_run
     monkeypatch.chdir(root)
-    code, _, err = run_cli(["compress", FIXTURE, "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
-                            "--calib", "stats", "--out", "cli-pruned"], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            FIXTURE,
+            "--method",
+            "prune",
+            "--criterion",
+            "reap",
+            "--ratio",
+            "0.5",
+            "--calib",
+            "stats",
+            "--out",
+            "cli-pruned",
+        ],
+        capsys,
+    )
     assert code == 0, err
     names = sorted(p.name for p in (root / "pruned").iterdir())
     assert names == sorted(p.name for p in (root / "cli-pruned").iterdir())
@@ -70,19 +85,32 @@ def test_compress_writes_the_checkpoint_the_cli_writes(readme_run, capsys, monke
 
 def test_evaluate_writes_the_results_file_and_the_report(readme_run, tmp_path):
     root, _ = readme_run
-    results = moecompress.evaluate(str(root / "pruned"), ppl="fixture-heldout", window=64, max_tokens=256,
-                                   out=tmp_path / "results.json", report=tmp_path / "report", progress=False)
-    assert json.loads((tmp_path / "results.json").read_text())["arms"][0]["metrics"].keys() == {"ppl:fixture-heldout"}
+    results = moecompress.evaluate(
+        str(root / "pruned"),
+        ppl="fixture-heldout",
+        window=64,
+        max_tokens=256,
+        out=tmp_path / "results.json",
+        report=tmp_path / "report",
+        progress=False,
+    )
+    assert json.loads((tmp_path / "results.json").read_text())["arms"][0]["metrics"].keys() == {
+        "ppl:fixture-heldout"
+    }
     assert results["schema"] == "moecompress.results/1" and (tmp_path / "report" / "report.md").is_file()
     with pytest.raises(moecompress.MoECompressError, match="Nothing to evaluate"):
         moecompress.evaluate(str(root / "pruned"))
 
 
 def test_compare_runs_a_recipe_and_writes_the_report(tmp_path):
-    recipe = Recipe(model=FIXTURE, calibration=CalibrationSpec(data="fixture-calib:4", seq_len=64),
-                    eval=EvalSpec(ppl="fixture-heldout", window=64, max_tokens=256, tasks=[], latency=False,
-                                  quant_baselines=[]),
-                    arms=[ArmSpec(method="prune", params={"criterion": "frequency", "ratio": 0.5})])
+    recipe = Recipe(
+        model=FIXTURE,
+        calibration=CalibrationSpec(data="fixture-calib:4", seq_len=64),
+        eval=EvalSpec(
+            ppl="fixture-heldout", window=64, max_tokens=256, tasks=[], latency=False, quant_baselines=[]
+        ),
+        arms=[ArmSpec(method="prune", params={"criterion": "frequency", "ratio": 0.5})],
+    )
     results = moecompress.compare(recipe, tmp_path / "report", keep_checkpoints=False, progress=False)
     assert [a["name"] for a in results["arms"]] == ["original", "prune-frequency-50"]
     assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "ranking.md").is_file()
@@ -105,8 +133,10 @@ def test_eval_passes_its_options_to_evaluate(monkeypatch, capsys):
 
     def fake(model, **options):
         seen.update(options, model=model)
-        return {"model": {"name": "m", "model_type": "olmoe"},
-                "arms": [{"metrics": {"ppl:x": {"aggregate": {"ppl": 2.0}, "n": 3}}}]}
+        return {
+            "model": {"name": "m", "model_type": "olmoe"},
+            "arms": [{"metrics": {"ppl:x": {"aggregate": {"ppl": 2.0}, "n": 3}}}],
+        }
 
     monkeypatch.setattr(eval_verb, "evaluate", fake)
     code, out, err = run_cli(["eval", FIXTURE, "--ppl", "x", "--window", "64", "--limit", "5"], capsys)
@@ -123,12 +153,27 @@ def test_the_public_names_shadow_the_subpackages_they_share_a_name_with():
 
     assert moecompress.calibrate is api.calibrate and moecompress.compare is api.compare
     assert callable(moecompress.export) and StatsStore and ranking_table
-    assert set(moecompress.__all__) >= {"calibrate", "compress", "evaluate", "compare", "load", "apply_plan",
-                                        "export", "load_model", "MoEAdapter", "CompressionPlan"}
+    assert set(moecompress.__all__) >= {
+        "calibrate",
+        "compress",
+        "evaluate",
+        "compare",
+        "load",
+        "apply_plan",
+        "export",
+        "load_model",
+        "MoEAdapter",
+        "CompressionPlan",
+    }
 
 
 def test_python_dash_m_moecompress_is_the_cli(tmp_path):
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.run([sys.executable, "-m", "moecompress", "inspect", str(tmp_path / "missing")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moecompress", "inspect", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -12,10 +12,9 @@ from safetensors import safe_open
 
 from moecompress.api import apply_plan, export, load
 from moecompress.calibrate import calibrate
-from moecompress.methods import stats_for_method
 from moecompress.data import CalibrationData
 from moecompress.errors import MoECompressError
-from moecompress.methods import MethodContext, get_method, parse_config
+from moecompress.methods import MethodContext, get_method, parse_config, stats_for_method
 from moecompress.methods import auto as A
 from moecompress.methods import auto_estimate as est
 from moecompress.methods import prune as P
@@ -24,11 +23,33 @@ from moecompress.pipeline import choose_format
 from moecompress.plan import CompressionPlan, ModelInfo
 from moecompress.testing import calibrated_tiny, save_tiny
 
-EXTRA = ["out_mean", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
-         "cross_moment", "mid_channel_norm", "mid_mean"]
-FAST = dict(sensitivity="uniform", measure=False, budget_scope="routed")  # no forward passes: the experts' solver
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1}
+EXTRA = [
+    "out_mean",
+    "moment_experts",
+    "moment_count",
+    "moment_in_mean",
+    "moment_out_mean",
+    "input_moment",
+    "cross_moment",
+    "mid_channel_norm",
+    "mid_mean",
+]
+FAST = dict(
+    sensitivity="uniform", measure=False, budget_scope="routed"
+)  # no forward passes: the experts' solver
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def _setup(root, family, seed):
@@ -56,12 +77,15 @@ def test_gate_weighted_statistics_equal_full_forward_reference(olmoe):
         r = adapter.route(i, h)
         e_all = adapter.num_experts(i)
         f_all = torch.stack([adapter.expert_forward(i, e, h) for e in range(e_all)]).double()  # [E, N, H]
-        y_routed = sum(r.weight[:, j, None].double() * f_all[r.index[:, j], torch.arange(n)] for j in range(2))
+        y_routed = sum(
+            r.weight[:, j, None].double() * f_all[r.index[:, j], torch.arange(n)] for j in range(2)
+        )
         for e in range(e_all):
             tok, slot = torch.where(r.index == e)
             g2 = r.weight[tok, slot].double().square()
             x, y = h[tok].double(), f_all[e, tok]
             a = expert_intermediate(adapter.get_expert(i, e), h[tok], adapter.layer(i).act).double()
+
             def get(name, i=i, e=e):
                 return store.get(i, name)[e]
 
@@ -79,8 +103,9 @@ def test_gate_weighted_statistics_equal_full_forward_reference(olmoe):
             for gate, kw in (("keep", "allowed"), ("renorm", "present")):
                 r2 = adapter.route(i, h[toks], **{kw: mask})
                 y2 = sum(r2.weight[:, j, None].double() * f_all[r2.index[:, j], toks] for j in range(2))
-                torch.testing.assert_close(float(get(f"auto_reroute_{gate}")),
-                                           float((y2 - y_routed[toks]).square().sum() / n))
+                torch.testing.assert_close(
+                    float(get(f"auto_reroute_{gate}")), float((y2 - y_routed[toks]).square().sum() / n)
+                )
         assert store.get(i, "auto_sample").shape == (min(512, n), adapter.hidden_size)
 
 
@@ -93,7 +118,9 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
     r = adapter.route(i, h)
     m = est.LayerMoments.load(store, i)
     info = ModelInfo.from_model(adapter)
-    prob, _ = A.layer_problem(A.AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16]), adapter, store, info, i, True)
+    prob, _ = A.layer_problem(
+        A.AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16]), adapter, store, info, i, True
+    )
     checked = set()
     for e in (0, 3, 5):
         tok, slot = torch.where(r.index == e)
@@ -110,8 +137,12 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
                 yhat = t["bias"] + (x @ t["V"]) @ t["U"].T
             elif c.kind == "partial":
                 t = {k.rsplit(".", 1)[1]: v.double() for k, v in c.tensors.items()}
-                yhat = expert_intermediate(
-                    type(adapter.get_expert(i, e))(t["gate"], t["up"], t["down"]), x, adapter.layer(i).act) @ t["down"].T
+                yhat = (
+                    expert_intermediate(
+                        type(adapter.get_expert(i, e))(t["gate"], t["up"], t["down"]), x, adapter.layer(i).act
+                    )
+                    @ t["down"].T
+                )
                 yhat = yhat + t["bias"]
             else:
                 continue
@@ -143,10 +174,16 @@ def test_cross_fitted_losses_score_each_fold_with_the_other_folds_fit(olmoe):
         f1 = fold1[tok]
         torch.testing.assert_close(m.fold1.s_y[e], g2[f1] @ y[f1] / n)
         means = [(g2[f] @ y[f]) / g2[f].sum() for f in (~f1, f1)]
-        direct = sum(float(g2[f] @ (y[f] - means[1 - k]).square().sum(-1)) / n for k, f in enumerate((~f1, f1)))
-        c = est.constant_candidate(m, store, e, "weighted", 4, adapter.hidden_size, torch.float32, cross_fit=True)
+        direct = sum(
+            float(g2[f] @ (y[f] - means[1 - k]).square().sum(-1)) / n for k, f in enumerate((~f1, f1))
+        )
+        c = est.constant_candidate(
+            m, store, e, "weighted", 4, adapter.hidden_size, torch.float32, cross_fit=True
+        )
         assert c.loss == pytest.approx(direct, rel=1e-9)
-        assert c.loss >= est.constant_loss(m, e, c.tensors[f"layer{i}.expert{e}.value"]) - 1e-12  # out of sample
+        assert (
+            c.loss >= est.constant_loss(m, e, c.tensors[f"layer{i}.expert{e}.value"]) - 1e-12
+        )  # out of sample
 
 
 # ----------------------------------------------------------------------------- budget and identity
@@ -206,8 +243,11 @@ def test_reroute_only_is_the_prune_plan_of_the_least_estimated_losses(olmoe):
     info = plan.model
     per = info.layers[0].bytes_per_expert
     n_remove = -(-(info.expert_bytes - int(budget * info.expert_bytes)) // per)
-    losses = sorted((float(store.get(i, "auto_reroute_keep")[e]), i, e)
-                    for i in adapter.moe_layers for e in range(adapter.num_experts(i)))
+    losses = sorted(
+        (float(store.get(i, "auto_reroute_keep")[e]), i, e)
+        for i in adapter.moe_layers
+        for e in range(adapter.num_experts(i))
+    )
     removed = {i: [] for i in adapter.moe_layers}
     for _, i, e in losses:
         if sum(map(len, removed.values())) == n_remove:
@@ -226,11 +266,15 @@ def test_operator_only_reproduces_the_prune_operator(olmoe, operator, monkeypatc
     """'Reproduces': with candidates=[operator] and fit=unweighted, every slot the solver removes carries exactly the
     operator `prune --operator X` builds for the same keep set (same slot map, gates, tensors bit for bit)."""
     _, store, adapter, _ = olmoe
-    plan, tensors = _build(olmoe, budget=0.5, candidates=[operator], ranks=[4], fit="unweighted", bits=[16], **FAST)
+    plan, tensors = _build(
+        olmoe, budget=0.5, candidates=[operator], ranks=[4], fit="unweighted", bits=[16], **FAST
+    )
     keep = {lp.layer: [e for e, s in enumerate(lp.slots) if isinstance(s, int)] for lp in plan.layers}
     assert any(len(v) < adapter.num_experts(i) for i, v in keep.items())
     monkeypatch.setattr(P, "select_experts", lambda *a, **k: keep)
-    ref, ref_tensors = P.build_prune(P.PruneConfig(ratio=0.5, operator=operator, rank=4), MethodContext(adapter, store))
+    ref, ref_tensors = P.build_prune(
+        P.PruneConfig(ratio=0.5, operator=operator, rank=4), MethodContext(adapter, store)
+    )
     for lp, rp in zip(plan.layers, ref.layers):
         assert lp.slots == rp.slots
         if len(keep[lp.layer]) < len(lp.slots):
@@ -250,8 +294,9 @@ def test_plan_is_deterministic_and_mixed(olmoe):
 def test_measured_table_and_registration(olmoe):
     # in-sample losses here (cross_fit off), so that the additive estimate and the sample error measure one thing
     _, store, adapter, _ = olmoe
-    plan, tensors = _build(olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16,
-                           cross_fit=False)
+    plan, tensors = _build(
+        olmoe, budget=0.4, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16, cross_fit=False
+    )
     table = plan.params["auto"]
     assert table["measured_kl"] > 0 and table["est_kl"] > 0
     for row in table["layers"]:
@@ -260,7 +305,9 @@ def test_measured_table_and_registration(olmoe):
         # the sum of slot errors is close to the layer's real error on the token sample (cross terms small)
         assert row["sample_error"] == pytest.approx(row["est_error"], rel=0.5)
         # measured inside the restore pass on the layer's part of the plan: the same as on the whole plan
-        again = est.sample_layer_error(adapter, plan, tensors, row["layer"], store.get(row["layer"], "auto_sample"))
+        again = est.sample_layer_error(
+            adapter, plan, tensors, row["layer"], store.get(row["layer"], "auto_sample")
+        )
         assert A._sig(again) == row["sample_error"]
     assert get_method("auto").family == "auto"
     assert {"auto_g2", "auto_remap", "auto_sample"} <= set(stats_for_method("auto"))
@@ -270,7 +317,7 @@ def test_measured_table_and_registration(olmoe):
 def test_allocation_matches_brute_force_on_small_instances():
     rng = random.Random(0)
     worse = 0
-    for trial in range(60):
+    for _trial in range(60):
         fronts, scale = {}, {}
         for layer in range(3):
             pts, b, loss = [], rng.randint(0, 3), 10.0 * rng.random()
@@ -286,9 +333,11 @@ def test_allocation_matches_brute_force_on_small_instances():
         pick = A.allocate(fronts, scale, budget)
         assert sum(fronts[l][k].bytes for l, k in pick.items()) <= budget
         got = sum(fronts[l][k].loss * scale[l] for l, k in pick.items())
-        best = min(sum(fronts[l][k].loss * scale[l] for l, k in enumerate(c))
-                   for c in itertools.product(*(range(len(fronts[l])) for l in range(3)))
-                   if sum(fronts[l][k].bytes for l, k in enumerate(c)) <= budget)
+        best = min(
+            sum(fronts[l][k].loss * scale[l] for l, k in enumerate(c))
+            for c in itertools.product(*(range(len(fronts[l])) for l in range(3)))
+            if sum(fronts[l][k].bytes for l, k in enumerate(c)) <= budget
+        )
         assert got >= best - 1e-12
         worse += got > best + 1e-12
     assert worse <= 3  # a knapsack heuristic: optimal on (almost) every small instance
@@ -331,9 +380,16 @@ def test_pair_decisions_are_joint_and_disjoint(olmoe, tmp_path):
 def test_group_limited_router_stays_feasible(tmp_path):
     path = save_tiny("deepseek_v3", tmp_path / "model", seed=1)
     ids = torch.randint(3, 96, (4, 24), generator=torch.Generator().manual_seed(0))
-    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=tmp_path / "stats",
-                      stats=A.needs_stats(A.AutoConfig(candidates=["reroute", "remap"])), batch_size=4,
-                      dtype="float32", progress=False)
+    store = calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=24,
+        out=tmp_path / "stats",
+        stats=A.needs_stats(A.AutoConfig(candidates=["reroute", "remap"])),
+        batch_size=4,
+        dtype="float32",
+        progress=False,
+    )
     adapter = MoEAdapter(load_model(str(path), dtype="float32"))
     config = parse_config("auto", dict(budget=0.3, candidates=["reroute", "remap"], **FAST))
     plan, _ = get_method("auto").build(config, MethodContext(adapter, store))  # validated on construction
@@ -348,8 +404,15 @@ def test_low_rank_affine_loss_equals_the_dense_form():
     e_all, h, r = 3, 12, 4
     x = torch.randn(e_all, 50, h, generator=g, dtype=torch.float64)
     y = torch.randn(e_all, 50, h, generator=g, dtype=torch.float64)
-    m = est.LayerMoments(0, torch.full((e_all,), 50.0), y.sum(1), y.square().sum((1, 2)), s_x=x.sum(1),
-                         s_xx=x.transpose(1, 2) @ x, s_xy=x.transpose(1, 2) @ y)
+    m = est.LayerMoments(
+        0,
+        torch.full((e_all,), 50.0),
+        y.sum(1),
+        y.square().sum((1, 2)),
+        s_x=x.sum(1),
+        s_xx=x.transpose(1, 2) @ x,
+        s_xy=x.transpose(1, 2) @ y,
+    )
     u, v, b = (torch.randn(h, r, generator=g), torch.randn(h, r, generator=g), torch.randn(h, generator=g))
     for e in range(e_all):
         dense = est.affine_loss(m, e, b, u.double() @ v.double().T)

@@ -37,13 +37,18 @@ def test_quantized_keep_loss_down_part_is_exact_and_bits_are_ordered(olmoe):
     n = len(h)
     r = adapter.route(i, h)
     info = ModelInfo.from_model(adapter)
-    prob, m = A.layer_problem(A.AutoConfig(bits=[16, 8, 4, 3, 2], candidates=["drop"]), adapter, store, info, i,
-                              True)
+    prob, m = A.layer_problem(
+        A.AutoConfig(bits=[16, 8, 4, 3, 2], candidates=["drop"]), adapter, store, info, i, True
+    )
     act = adapter.layer(i).act
     reached = 0
     for e in range(adapter.num_experts(i)):
         quant = {c.param: c for c in prob.options[e] if c.kind == "quant"}
-        assert sorted(quant) == [2, 3, 4, 8] and prob.options[e][0].kind == "keep" and prob.options[e][0].loss == 0
+        assert (
+            sorted(quant) == [2, 3, 4, 8]
+            and prob.options[e][0].kind == "keep"
+            and prob.options[e][0].loss == 0
+        )
         tok, slot = torch.where(r.index == e)
         if not len(tok):
             continue
@@ -52,7 +57,7 @@ def test_quantized_keep_loss_down_part_is_exact_and_bits_are_ordered(olmoe):
         g2 = r.weight[tok, slot].double().square()
         a = expert_intermediate(w, h[tok], act)
         y = (a @ w.down.T).double()
-        for b, c in quant.items():
+        for _b, c in quant.items():
             q = c.op.parts
             # the down part: tr(ΔW_d H_mid_g2 ΔW_dᵀ)/N equals (1/N) Σ g² ‖(W_d − Q_d) a‖² over the calibration tokens
             d = w.down.double() - q["down"].dequantize(torch.float64)
@@ -95,7 +100,9 @@ def test_bits_16_is_the_structure_only_solver(olmoe):
     plan, tensors = A.plan_from_points(info, {i: fronts[i][k] for i, k in pick.items()})
     assert [lp.model_dump() for lp in plan.layers] == [lp.model_dump() for lp in plan16.layers]
     assert plan.scopes == plan16.scopes
-    assert sorted(tensors) == sorted(tensors16) and all(torch.equal(tensors[k], tensors16[k]) for k in tensors)
+    assert sorted(tensors) == sorted(tensors16) and all(
+        torch.equal(tensors[k], tensors16[k]) for k in tensors
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +125,13 @@ def test_uniform_quantization_is_on_the_frontier_and_never_beaten_by_the_allocat
         for i, front in fronts.items():
             assert any(p.bytes <= nbytes[i] and p.loss <= sum(c.loss for c in uni[i]) + 1e-18 for p in front)
         budget = sum(nbytes.values())
-        pick = A.uniform_bits_check(fronts, {i: 1.0 for i in fronts}, budget,
-                                    A.allocate(fronts, {i: 1.0 for i in fronts}, budget), {b: nbytes})
+        pick = A.uniform_bits_check(
+            fronts,
+            {i: 1.0 for i in fronts},
+            budget,
+            A.allocate(fronts, {i: 1.0 for i in fronts}, budget),
+            {b: nbytes},
+        )
         assert sum(fronts[i][k].bytes for i, k in pick.items()) <= budget
         assert sum(fronts[i][k].loss for i, k in pick.items()) <= loss * (1 + 1e-9)
 
@@ -160,10 +172,16 @@ def test_mixed_precision_plan_exports_compact_and_reloads_equal(olmoe, tmp_path)
     specs = {s.quant.bits for sc in plan.scopes for s in sc.stored if s.quant is not None}
     assert len(specs) >= 2 or (specs and any(s.quant is None for sc in plan.scopes for s in sc.stored)), specs
     rows = plan.params["auto"]["layers"]
-    assert all(sum(row["bits"].values()) == sum(1 for s in plan.scope(f"layer{row['layer']}").stored
-                                                if s.packing is None) for row in rows)
-    assert plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"] \
+    assert all(
+        sum(row["bits"].values())
+        == sum(1 for s in plan.scope(f"layer{row['layer']}").stored if s.packing is None)
+        for row in rows
+    )
+    assert (
+        plan.logical_bytes(tensors, accounting="stored").routed
+        == plan.params["auto"]["routed_bytes"]
         <= plan.params["auto"]["budget_bytes"]
+    )
     assert choose_format(plan) == "compact"
     export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -177,10 +195,16 @@ def test_bits_must_include_16():
         parse_config("auto", dict(bits=[4, 2]))
 
 
-@pytest.mark.parametrize("budget, bits, candidates, rebuilt", [
-    (0.3, [16, 8, 4, 3, 2], list(A.ALL_CANDIDATES), {"quant"}),
-    (0.5, [16], ["drop", "constant", "tilt", "partial"], {"tilt", "constant", "partial"})])
-def test_candidates_shed_their_tensors_and_the_plan_rebuilds_them_exactly(olmoe, budget, bits, candidates, rebuilt):
+@pytest.mark.parametrize(
+    "budget, bits, candidates, rebuilt",
+    [
+        (0.3, [16, 8, 4, 3, 2], list(A.ALL_CANDIDATES), {"quant"}),
+        (0.5, [16], ["drop", "constant", "tilt", "partial"], {"tilt", "constant", "partial"}),
+    ],
+)
+def test_candidates_shed_their_tensors_and_the_plan_rebuilds_them_exactly(
+    olmoe, budget, bits, candidates, rebuilt
+):
     """`prepare` keeps (bytes, loss) per candidate, no tensors or codes; the layer-by-layer plan restores the chosen
     states' tensors and equals the plan of the states that kept theirs (all at once, as before)."""
     _, store, adapter, _ = olmoe
@@ -193,16 +217,18 @@ def test_candidates_shed_their_tensors_and_the_plan_rebuilds_them_exactly(olmoe,
     assert all(m.s_xx is None and m.fold1 is None and m.sample is not None for m in lean.moments.values())
 
     full = A.prepare(config, adapter, store, keep_tensors=True)
-    assert [[(c.kind, c.param, c.error) for c in p.choice] for f in full.fronts.values() for p in f] == \
-        [[(c.kind, c.param, c.error) for c in p.choice] for f in lean.fronts.values() for p in f]
+    assert [[(c.kind, c.param, c.error) for c in p.choice] for f in full.fronts.values() for p in f] == [
+        [(c.kind, c.param, c.error) for c in p.choice] for f in lean.fronts.values() for p in f
+    ]
     idx = A.allocate(full.fronts, full.sens, full.budget)
     chosen = {i: full.fronts[i][k] for i, k in idx.items()}
     kinds = {c.kind for pt in chosen.values() for c in pt.choice}
     assert kinds & rebuilt  # the rebuild has something to do
     source = lambda l, e: adapter.layer(l).storage.read(e)
     ref_plan, ref_tensors = A.plan_from_points(full.info, chosen, source=source)
-    plan, tensors = A.plan_layer_by_layer(config, adapter, store, lean.info,
-                                          {i: lean.fronts[i][k] for i, k in idx.items()})
+    plan, tensors = A.plan_layer_by_layer(
+        config, adapter, store, lean.info, {i: lean.fronts[i][k] for i, k in idx.items()}
+    )
     assert plan.to_json() == ref_plan.to_json() and sorted(tensors) == sorted(ref_tensors)
     for k, t in ref_tensors.items():
         assert tensors[k].dtype == t.dtype and torch.equal(tensors[k], t), k
@@ -230,7 +256,11 @@ def test_quantized_keeps_do_not_depend_on_how_many_experts_are_quantized_togethe
     args = (adapter, store, m, [8, 4, 2], 128, "gptq", "gate2", 2)
     whole, chunked = aq.quant_candidates(*args, chunk=n), aq.quant_candidates(*args, chunk=3)
     some = aq.quant_candidates(*args, experts=[1, n - 1], chunk=1)
-    assert [e for e, c in enumerate(aq.quant_candidates(*args, experts=[4], chunk=3)) if c] == [3, 4, 5]  # its chunk
+    assert [e for e, c in enumerate(aq.quant_candidates(*args, experts=[4], chunk=3)) if c] == [
+        3,
+        4,
+        5,
+    ]  # its chunk
     for e in range(n):
         assert [c.loss for c in whole[e]] == [c.loss for c in chunked[e]] and len(whole[e]) == 3
         assert [c.loss for c in some[e]] == ([c.loss for c in whole[e]] if e in (1, n - 1) else [])

@@ -25,22 +25,37 @@ def calibrated(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("auto_target")
     path = root / "model"
-    tiny_model("qwen3_moe", seed=2, hidden_size=64, head_dim=32, moe_intermediate_size=32, num_experts=8,
-               vocab_size=4096).to(torch.bfloat16).save_pretrained(path)
+    tiny_model(
+        "qwen3_moe",
+        seed=2,
+        hidden_size=64,
+        head_dim=32,
+        moe_intermediate_size=32,
+        num_experts=8,
+        vocab_size=4096,
+    ).to(torch.bfloat16).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # GGUF carries the tokenizer: the fixture's
         shutil.copyfile(fixture_dir("qwen3-moe-tiny") / name, path / name)
     ids = torch.randint(3, 4096, (16, 24), generator=torch.Generator().manual_seed(0))
-    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats",
-                      stats=A.needs_stats(parse_config("auto", dict(target="llama.cpp"))), batch_size=4,
-                      dtype="float32", progress=False)
+    store = calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=24,
+        out=root / "stats",
+        stats=A.needs_stats(parse_config("auto", dict(target="llama.cpp"))),
+        batch_size=4,
+        dtype="float32",
+        progress=False,
+    )
     return path, store, MoEAdapter(load_model(str(path), dtype="float32"))
 
 
 @pytest.mark.parametrize("budget", [0.6, 0.3])
 def test_plan_is_one_llama_cpp_runs_within_the_whole_file_budget(calibrated, budget):
     _, store, adapter = calibrated
-    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, target="llama.cpp", **FAST)),
-                                             MethodContext(adapter, store))
+    plan, tensors = get_method("auto").build(
+        parse_config("auto", dict(budget=budget, target="llama.cpp", **FAST)), MethodContext(adapter, store)
+    )
     assert gguf_reason(plan) is None
     kept = {len(lp.stored_ids()) for lp in plan.layers}
     assert len(kept) == 1  # one expert count in every layer
@@ -55,8 +70,12 @@ def test_plan_is_one_llama_cpp_runs_within_the_whole_file_budget(calibrated, bud
 
 def test_target_fills_the_search_space_and_refuses_what_llama_cpp_cannot_run():
     config = parse_config("auto", dict(target="llama.cpp"))
-    assert (config.candidates, config.gates, config.bits, config.quant_group) == (["reroute"], ["renorm"],
-                                                                                 [16, 8, 4], 32)
+    assert (config.candidates, config.gates, config.bits, config.quant_group) == (
+        ["reroute"],
+        ["renorm"],
+        [16, 8, 4],
+        32,
+    )
     with pytest.raises(MoECompressError, match="llama.cpp cannot use bits="):
         parse_config("auto", dict(target="llama.cpp", bits=[16, 2]))
     with pytest.raises(MoECompressError, match="cannot use candidates="):
@@ -67,17 +86,46 @@ def test_cli_target_writes_gguf_and_refuses_a_plan_llama_cpp_cannot_run(calibrat
     import gguf
 
     path, store, _ = calibrated
-    args = ["compress", str(path), "--method", "auto", "--budget", "0.4", "--target", "llama.cpp", "--calib",
-            str(store.path), "--param", "sensitivity=uniform", "--param", "measure=false", "--out",
-            str(tmp_path / "g")]
+    args = [
+        "compress",
+        str(path),
+        "--method",
+        "auto",
+        "--budget",
+        "0.4",
+        "--target",
+        "llama.cpp",
+        "--calib",
+        str(store.path),
+        "--param",
+        "sensitivity=uniform",
+        "--param",
+        "measure=false",
+        "--out",
+        str(tmp_path / "g"),
+    ]
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     reader = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))
     assert any(t.name == "blk.0.ffn_gate_exps.weight" for t in reader.tensors)
-    bad = ["compress", str(path), "--method", "quant", "--quant", "w3g32", "--quant-algo", "rtn", "--target",
-           "llama.cpp", "--out", str(tmp_path / "p")]
+    bad = [
+        "compress",
+        str(path),
+        "--method",
+        "quant",
+        "--quant",
+        "w3g32",
+        "--quant-algo",
+        "rtn",
+        "--target",
+        "llama.cpp",
+        "--out",
+        str(tmp_path / "p"),
+    ]
     code, _, err = run_cli(bad, capsys)
-    assert code == 2 and "This plan cannot run in llama.cpp: its w3g32 experts" in err and "Traceback" not in err
+    assert (
+        code == 2 and "This plan cannot run in llama.cpp: its w3g32 experts" in err and "Traceback" not in err
+    )
     assert not (tmp_path / "p").exists()
     code, _, err = run_cli([*args[:-1], str(tmp_path / "x"), "--target", "tensorrt"], capsys)
     assert code == 2 and "Target 'tensorrt' is not known" in err
@@ -93,17 +141,44 @@ def test_imatrix_gguf_is_llama_cpps_format_from_our_statistics(tmp_path, capsys)
     from moecompress.export.imatrix import EXPERT_STATS
 
     model = fixture_dir("olmoe-tiny")
-    store = gather(str(model), "fixture-calib:4", seq_len=64, out=tmp_path / "stats", stats=[*EXPERT_STATS, "out_norm_sq_mean"],
-                   batch_size=4, progress=False)
-    args = ["compress", str(model), "--method", "prune", "--criterion", "frequency", "--ratio", "0.5", "--gate",
-            "renorm", "--format", "gguf", "--imatrix", "--calib", str(tmp_path / "stats"), "--out", str(tmp_path / "g")]
+    store = gather(
+        str(model),
+        "fixture-calib:4",
+        seq_len=64,
+        out=tmp_path / "stats",
+        stats=[*EXPERT_STATS, "out_norm_sq_mean"],
+        batch_size=4,
+        progress=False,
+    )
+    args = [
+        "compress",
+        str(model),
+        "--method",
+        "prune",
+        "--criterion",
+        "frequency",
+        "--ratio",
+        "0.5",
+        "--gate",
+        "renorm",
+        "--format",
+        "gguf",
+        "--imatrix",
+        "--calib",
+        str(tmp_path / "stats"),
+        "--out",
+        str(tmp_path / "g"),
+    ]
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     im = gguf.GGUFReader(str(tmp_path / "g" / "imatrix.gguf"))
     weights = {t.name for t in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors}
     entries = {t.name: t for t in im.tensors}
     bases = {n.rsplit(".", 1)[0] for n in entries}
-    assert bases <= weights and {"blk.0.ffn_down_exps.weight", "blk.0.attn_q.weight", "blk.1.attn_output.weight"} <= bases
+    assert (
+        bases <= weights
+        and {"blk.0.ffn_down_exps.weight", "blk.0.attn_q.weight", "blk.1.attn_output.weight"} <= bases
+    )
     assert str(bytes(im.fields["general.type"].parts[-1]), "utf-8") == "imatrix"
     plan = __import__("json").loads((tmp_path / "g" / "plan.json").read_text())
     kept = [e for e, t in enumerate(plan["layers"][0]["slots"]) if isinstance(t, int)]
@@ -112,7 +187,12 @@ def test_imatrix_gguf_is_llama_cpps_format_from_our_statistics(tmp_path, capsys)
     assert down.shape == want.shape and abs(down - want).max() <= 1e-5 * abs(want).max()
     counts = entries["blk.0.ffn_gate_exps.weight.counts"].data.reshape(-1)
     assert list(counts) == [float(c) for c in store.get(0, "counts")[kept]]
-    (_, hs), = [x for x in linear_hessian_pass(str(model), store.meta["data"], ["model.layers.0.self_attn.q_proj.weight"])]
+    ((_, hs),) = [
+        x
+        for x in linear_hessian_pass(
+            str(model), store.meta["data"], ["model.layers.0.self_attn.q_proj.weight"]
+        )
+    ]
     q = entries["blk.0.attn_q.weight.in_sum2"].data.reshape(-1)
     ref = hs["model.layers.0.self_attn.q_proj.weight"].diagonal().numpy()
     assert abs(q - ref).max() <= 1e-5 * abs(ref).max()

@@ -39,7 +39,8 @@ def test_objective_is_gptq_loss_on_the_real_inputs(olmoe):
     items = T.tensor_items(adapter, store, ["attention", "embeddings"], [4, 2], 32, "gptq", ids, None)
     seen = []
     handle = adapter.model.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
-        lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]).double()))
+        lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]).double())
+    )
     adapter.model(ids)
     handle.remove()
     x = torch.cat(seen)
@@ -111,11 +112,14 @@ def test_uniform_whole_model_quantization_is_compared(olmoe, monkeypatch):
     assert tensor_keys and all(set(per) == set(seen["fronts"]) for per in seen["uniform"].values())
 
 
-@pytest.mark.parametrize("params, message", [
-    (dict(tensor_classes=["router"]), "auto does not quantize the router"),
-    (dict(tensor_classes=["mlp"]), "'mlp' is not a tensor class auto can give a precision"),
-    (dict(tensor_classes=["dense_mlp"]), "has no dense_mlp weights"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(tensor_classes=["router"]), "auto does not quantize the router"),
+        (dict(tensor_classes=["mlp"]), "'mlp' is not a tensor class auto can give a precision"),
+        (dict(tensor_classes=["dense_mlp"]), "has no dense_mlp weights"),
+    ],
+)
 def test_bad_tensor_classes_are_one_sentence(olmoe, params, message):
     with pytest.raises(MoECompressError, match=message):
         _build(olmoe, budget=0.3, **FAST, **params)
@@ -128,6 +132,21 @@ def test_routed_scope_with_tensor_classes_is_refused():
 
 def test_cli_bad_budget_scope_is_one_sentence(olmoe, tmp_path, capsys):
     path, store, _, _ = olmoe
-    code, _, err = run_cli(["compress", str(path), "--method", "auto", "--budget", "0.5", "--budget-scope", "file",
-                            "--calib", str(store.path), "--out", str(tmp_path / "o")], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            str(path),
+            "--method",
+            "auto",
+            "--budget",
+            "0.5",
+            "--budget-scope",
+            "file",
+            "--calib",
+            str(store.path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert code == 2 and "budget_scope" in err and "Traceback" not in err and not (tmp_path / "o").exists()

@@ -15,17 +15,24 @@ from benchmarks.__main__ import SECTIONS, commands
 # an approximate or comparative figure typed into prose: "~0.25 s", "≈ 0.9", "under 0.5 s", "up to 1.8×",
 # "1.06×", "12 ×", "51 of 51" — and verdicts typed as sentences ("the 2× target holds", "is the better shape",
 # "because ...", "the cause is ..."): the kinds of claims that went stale when the generators held them
-CLAIM = re.compile(r"~\s?\d|≈\s?\d|\b(?:under|below|up to|within)\s~?\d|\d(?:\.\d+)?\s?×|\b\d+ of \d+\b"
-                   r"|\b(?:target|direction|claim|goal) (?:holds|is met)\b|\bis the (?:better|worse)\b"
-                   r"|\bbecause\b|\bthe cause\b")
+CLAIM = re.compile(
+    r"~\s?\d|≈\s?\d|\b(?:under|below|up to|within)\s~?\d|\d(?:\.\d+)?\s?×|\b\d+ of \d+\b"
+    r"|\b(?:target|direction|claim|goal) (?:holds|is met)\b|\bis the (?:better|worse)\b"
+    r"|\bbecause\b|\bthe cause\b"
+)
 
 
 def _prose_strings(path: Path):
     """String literals of a generator, docstrings excluded (they document the script, not the results)."""
     tree = ast.parse(path.read_text())
-    docs = {id(n.body[0].value) for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
-            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
             yield n.lineno, n.value
@@ -51,17 +58,35 @@ def test_each_command_names_an_existing_generator_that_owns_its_section():
 
 
 def test_dry_run_lists_run_then_report():
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "demo", "--dry-run"], cwd=ROOT, text=True,
-                         capture_output=True, check=True).stdout
-    assert out.splitlines() == ["[demo] python benchmarks/bench_demo.py run", "[demo] python benchmarks/bench_demo.py report"]
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "slow-tests", "--dry-run"], cwd=ROOT, text=True,
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "demo", "--dry-run"],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        check=True,
+    ).stdout
+    assert out.splitlines() == [
+        "[demo] python benchmarks/bench_demo.py run",
+        "[demo] python benchmarks/bench_demo.py report",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "slow-tests", "--dry-run"],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        check=True,
+    ).stdout
     assert out.strip() == "[slow-tests] python -m pytest -m slow"
 
 
 def test_a_missing_results_file_is_one_sentence():
-    proc = subprocess.run([sys.executable, "benchmarks/bench_demo.py", "report"], cwd=ROOT, text=True,
-                          capture_output=True, env={"PATH": "", "PYTHONPATH": str(ROOT / "src")})
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_demo.py", "report"],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        env={"PATH": "", "PYTHONPATH": str(ROOT / "src")},
+    )
     if (ROOT / "benchmarks" / "results" / "demo.json").is_file():
         assert proc.returncode == 0
     else:
@@ -70,8 +95,13 @@ def test_a_missing_results_file_is_one_sentence():
 
 
 def test_generators_type_no_figures_into_their_prose():
-    found = [f"{p.name}:{line}: {m.group(0)!r}" for p in sorted((ROOT / "benchmarks").glob("*.py"))
-             for line, s in _prose_strings(p) for m in [CLAIM.search(s)] if m]
+    found = [
+        f"{p.name}:{line}: {m.group(0)!r}"
+        for p in sorted((ROOT / "benchmarks").glob("*.py"))
+        for line, s in _prose_strings(p)
+        for m in [CLAIM.search(s)]
+        if m
+    ]
     assert not found, found
 
 

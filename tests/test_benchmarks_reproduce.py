@@ -15,8 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def test_every_section_regenerates_byte_identically_from_committed_results(tmp_path):
@@ -25,8 +28,13 @@ def test_every_section_regenerates_byte_identically_from_committed_results(tmp_p
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=ignore)
     shutil.copy2(ROOT / "BENCHMARKS.md", tmp_path / "BENCHMARKS.md")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "all", "report"], cwd=tmp_path, env=env, text=True,
-                          capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "all", "report"],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert not (tmp_path / "build").exists(), "a report wrote into build/"
     assert (tmp_path / "BENCHMARKS.md").read_text() == (ROOT / "BENCHMARKS.md").read_text()

@@ -20,7 +20,9 @@ from moecompress.pipeline import choose_format
 from moecompress.testing import run_cli, tiny_model
 
 SIZES = {"BF16": 2, "F32": 4, "F16": 2, "I16": 2, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
-FAST = dict(sensitivity="uniform", measure=False, ranks=[1, 2, 4], bits=[16, 4, 2])  # quantized keeps included
+FAST = dict(
+    sensitivity="uniform", measure=False, ranks=[1, 2, 4], bits=[16, 4, 2]
+)  # quantized keeps included
 ROUTED = dict(FAST, budget_scope="routed")
 
 
@@ -47,10 +49,20 @@ def calibrated(request, tmp_path_factory):
     dtype = request.param
     root = tmp_path_factory.mktemp(f"budget_{dtype}")
     path = root / "model"
-    tiny_model("olmoe", seed=5, num_experts=64, num_experts_per_tok=2).to(getattr(torch, dtype)).save_pretrained(path)
+    tiny_model("olmoe", seed=5, num_experts=64, num_experts_per_tok=2).to(
+        getattr(torch, dtype)
+    ).save_pretrained(path)
     ids = torch.randint(3, 96, (32, 24), generator=torch.Generator().manual_seed(0))
-    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats",
-                      stats=A.needs_stats(A.AutoConfig()), batch_size=4, dtype="float32", progress=False)
+    store = calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=24,
+        out=root / "stats",
+        stats=A.needs_stats(A.AutoConfig()),
+        batch_size=4,
+        dtype="float32",
+        progress=False,
+    )
     return dtype, path, store, MoEAdapter(load_model(str(path), dtype="float32"))
 
 
@@ -62,15 +74,20 @@ def _original_routed(path) -> int:
 def test_fraction_budget_is_written_within_one_percent(calibrated, tmp_path, budget):
     dtype, path, store, adapter = calibrated
     original = _original_routed(path)
-    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, **ROUTED)),
-                                             MethodContext(adapter, store))
+    plan, tensors = get_method("auto").build(
+        parse_config("auto", dict(budget=budget, **ROUTED)), MethodContext(adapter, store)
+    )
     assert plan.model.dtype == dtype and plan.model.expert_bytes == original
     out = tmp_path / "out"
     result = export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
     written = routed_written(out)
     assert result.routed_bytes == written and result.original_routed_bytes == original
     target = math.floor(budget * original)
-    assert written == plan.logical_bytes(tensors, accounting="stored").routed == plan.params["auto"]["routed_bytes"]
+    assert (
+        written
+        == plan.logical_bytes(tensors, accounting="stored").routed
+        == plan.params["auto"]["routed_bytes"]
+    )
     assert target - 0.01 * original <= written <= target
     assert plan.params["auto"]["budget_bytes"] == target and not plan.tensor_quant
     # the count holds with quantized experts (packed int32 codes + bf16 scales) among the stored ones
@@ -81,8 +98,9 @@ def test_absolute_budget_is_routed_expert_bytes(calibrated, tmp_path):
     dtype, path, store, adapter = calibrated
     original = _original_routed(path)
     size = f"{original * 0.6 / 1000:.3f}KB"  # decimal kilobytes
-    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=size, **ROUTED)),
-                                             MethodContext(adapter, store))
+    plan, tensors = get_method("auto").build(
+        parse_config("auto", dict(budget=size, **ROUTED)), MethodContext(adapter, store)
+    )
     target = math.floor(float(size[:-2]) * 1000)
     assert plan.params["auto"]["budget_bytes"] == target
     out = tmp_path / "out"
@@ -90,28 +108,49 @@ def test_absolute_budget_is_routed_expert_bytes(calibrated, tmp_path):
     assert target - 0.01 * original <= routed_written(out) <= target
 
 
+@pytest.mark.slow  # the CLI path is the whole-file test below; routed bytes are the API tests above
 def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, capsys):
     """The reported bug: on a bf16 model --budget 0.5 wrote every routed byte (counted at 4 bytes/param)."""
     dtype, path, store, _ = calibrated
     original = _original_routed(path)
     out = tmp_path / "cli"
-    args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
-            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param",
-            "bits=[16,4,2]", "--budget-scope", "routed", "--out", str(out)]
+    args = [
+        "compress",
+        str(path),
+        "--method",
+        "auto",
+        "--budget",
+        "0.5",
+        "--calib",
+        str(store.path),
+        "--param",
+        "sensitivity=uniform",
+        "--param",
+        "measure=false",
+        "--param",
+        "ranks=[1,2,4]",
+        "--param",
+        "bits=[16,4,2]",
+        "--budget-scope",
+        "routed",
+        "--out",
+        str(out),
+    ]
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
     assert "auto: per-layer choices" in text and "-bit" in text  # representation × bits, per layer
 
 
-@pytest.mark.parametrize("budget", [0.5, 0.3])
+@pytest.mark.parametrize("budget", [0.3])  # 0.5: the CLI test below
 def test_whole_file_budget_is_written_within_one_percent(calibrated, tmp_path, budget):
     """The default scope: every weight of the export (experts, attention, embeddings, lm_head, norms, routers)
     within the budget and within 1 % of it, non-expert weights quantized where that saves most (issue 30)."""
     dtype, path, store, adapter = calibrated
     original = whole_written(path)
-    plan, tensors = get_method("auto").build(parse_config("auto", dict(budget=budget, **FAST)),
-                                             MethodContext(adapter, store))
+    plan, tensors = get_method("auto").build(
+        parse_config("auto", dict(budget=budget, **FAST)), MethodContext(adapter, store)
+    )
     assert plan.model.expert_bytes + plan.model.other_bytes == original
     out = tmp_path / "out"
     export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
@@ -126,26 +165,56 @@ def test_cli_budget_is_the_whole_file_by_default(calibrated, tmp_path, capsys):
     dtype, path, store, _ = calibrated
     original = whole_written(path)
     out = tmp_path / "cli"
-    args = ["compress", str(path), "--method", "auto", "--budget", "0.5", "--calib", str(store.path),
-            "--param", "sensitivity=uniform", "--param", "measure=false", "--param", "ranks=[1,2,4]", "--param",
-            "bits=[16,4,2]", "--out", str(out)]
+    args = [
+        "compress",
+        str(path),
+        "--method",
+        "auto",
+        "--budget",
+        "0.5",
+        "--calib",
+        str(store.path),
+        "--param",
+        "sensitivity=uniform",
+        "--param",
+        "measure=false",
+        "--param",
+        "ranks=[1,2,4]",
+        "--param",
+        "bits=[16,4,2]",
+        "--out",
+        str(out),
+    ]
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.02 * original <= whole_written(out) <= original // 2 + 0.01 * original
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("0.5", (0.5, None)), (0.25, (0.25, None)), ("50%", (0.5, None)), ("1", (1.0, None)),
-    ("4GB", (None, 4 * 10**9)), ("500MB", (None, 500 * 10**6)), ("500mb", (None, 500 * 10**6)),
-    ("1.5GiB", (None, 3 * 2**29)), ("64KiB", (None, 65536)), ("1200B", (None, 1200)), ("2 MiB", (None, 2 * 2**20)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0.5", (0.5, None)),
+        (0.25, (0.25, None)),
+        ("50%", (0.5, None)),
+        ("1", (1.0, None)),
+        ("4GB", (None, 4 * 10**9)),
+        ("500MB", (None, 500 * 10**6)),
+        ("500mb", (None, 500 * 10**6)),
+        ("1.5GiB", (None, 3 * 2**29)),
+        ("64KiB", (None, 65536)),
+        ("1200B", (None, 1200)),
+        ("2 MiB", (None, 2 * 2**20)),
+    ],
+)
 def test_parse_budget(text, expected):
     assert A.parse_budget(text) == expected
 
 
 @pytest.mark.parametrize("text", ["1.5", "0", "-0.5", "4XB", "half", "GB", "0GB", "", "nan", True, 2])
 def test_bad_budget_is_one_sentence(text):
-    with pytest.raises(A.MoECompressError, match=r"^Budget '.*' is not a fraction in \(0, 1\] or a size such as"):
+    with pytest.raises(
+        A.MoECompressError, match=r"^Budget '.*' is not a fraction in \(0, 1\] or a size such as"
+    ):
         A.parse_budget(text)
     with pytest.raises(A.MoECompressError, match="is not a fraction"):
         parse_config("auto", {"budget": text})

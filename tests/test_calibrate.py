@@ -31,7 +31,9 @@ from moecompress.models import MoEAdapter, load_model
 from moecompress.testing import FAMILY_NAMES, save_tiny
 
 # the engine's own collectors (method modules contribute more, tested where they live)
-ALL_STATS = sorted(s for s, c in STAT_PROVIDERS.items() if COLLECTORS[c].__module__.endswith("calibrate.collectors"))
+ALL_STATS = sorted(
+    s for s, c in STAT_PROVIDERS.items() if COLLECTORS[c].__module__.endswith("calibrate.collectors")
+)
 # shared experts (qwen2_moe, deepseek_*), dense first layer + group-limited routing (deepseek_*), sigmoid router
 # (deepseek_v3), biases + clamped SwiGLU + tuple block (gpt_oss), renormalised top-k (mixtral)
 STAT_FAMILIES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral")
@@ -67,9 +69,14 @@ def _reference(path, data, moment_experts=(0, 3), block_override=None):
         for i, mod in block_override.items():
             adapter.set_block(i, mod)
     caught = {}
-    hooks = [adapter.layer(i).block.register_forward_hook(
-        lambda m, inp, out, i=i: caught.__setitem__(i, (inp[0], out[0] if isinstance(out, tuple) else out)))
-        for i in adapter.moe_layers]
+    hooks = [
+        adapter.layer(i).block.register_forward_hook(
+            lambda m, inp, out, i=i: caught.__setitem__(
+                i, (inp[0], out[0] if isinstance(out, tuple) else out)
+            )
+        )
+        for i in adapter.moe_layers
+    ]
     with torch.no_grad():
         model(input_ids=data.input_ids, attention_mask=data.attention_mask)
     for h in hooks:
@@ -92,10 +99,16 @@ def _reference(path, data, moment_experts=(0, 3), block_override=None):
             logits = F.linear(x, w_r.double(), None if b_r is None else b_r.double())
             probs = torch.sigmoid(logits) if spec.scoring == "sigmoid" else torch.softmax(logits, -1)
             experts = [adapter.get_expert(i, e).map(torch.Tensor.double) for e in range(E)]
-            mids = [layer.act(F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias)) for w in experts]
-            f_all = torch.stack([F.linear(a, w.down, w.down_bias) for a, w in zip(mids, experts)])  # [E, N, H]
+            mids = [
+                layer.act(F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias)) for w in experts
+            ]
+            f_all = torch.stack(
+                [F.linear(a, w.down, w.down_bias) for a, w in zip(mids, experts)]
+            )  # [E, N, H]
             # the reference rebuilds the HF block output: it is faithful to HF, not to our adapter
-            rebuilt = sum(hf_w[:, s, None].double() * f_all[hf_i[:, s], torch.arange(len(x))] for s in range(k))
+            rebuilt = sum(
+                hf_w[:, s, None].double() * f_all[hf_i[:, s], torch.arange(len(x))] for s in range(k)
+            )
             shared = adapter.shared_forward(i, x32)
             if shared is not None:
                 rebuilt = rebuilt + shared.double()
@@ -117,7 +130,7 @@ def _reference(path, data, moment_experts=(0, 3), block_override=None):
         r["reap"] = cmean((gate * norms * sel).sum(0))
         r["ean"] = (norms * sel).sum(0)
         r["out_norm_mean"] = cmean((norms * sel).sum(0))
-        r["out_norm_sq_mean"] = cmean((norms ** 2 * sel).sum(0))
+        r["out_norm_sq_mean"] = cmean((norms**2 * sel).sum(0))
         mean, var, inn, midn = [], [], [], []
         for e in range(E):
             ye = f_all[e][sel[:, e]]
@@ -151,7 +164,9 @@ def _assert_stats_equal(store, ref, layers=None):
                 assert torch.equal(got.long(), want.long()), (i, name)
             else:
                 # the [S, H, H] moments are float32 sums (docs/calibration.md); everything else float64
-                assert got.dtype == (torch.float32 if name in ("input_moment", "cross_moment") else torch.float64), name
+                assert got.dtype == (
+                    torch.float32 if name in ("input_moment", "cross_moment") else torch.float64
+                ), name
                 got = got.double()
                 torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-4, msg=f"layer {i} {name}")
 
@@ -159,8 +174,15 @@ def _assert_stats_equal(store, ref, layers=None):
 @pytest.mark.parametrize("family", STAT_FAMILIES)
 def test_every_statistic_equals_a_naive_reference(models, family, tmp_path):
     data = _padded_data()
-    store = calibrate(str(models[family]), data, out=tmp_path / "s", stats=ALL_STATS, batch_size=4,
-                      moment_experts=[0, 3], progress=False)
+    store = calibrate(
+        str(models[family]),
+        data,
+        out=tmp_path / "s",
+        stats=ALL_STATS,
+        batch_size=4,
+        moment_experts=[0, 3],
+        progress=False,
+    )
     ref = _reference(models[family], data)
     assert store.layers == sorted(ref)
     assert set(store.names) == set(ALL_STATS)
@@ -180,11 +202,20 @@ def test_trained_fixture_from_text(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreachedExpertsWarning)  # 256 tokens leave some of 16 experts idle
         # the fixture is stored in bf16: calibrate upcast, to compare with the float32 HF forward of _reference
-        store = calibrate(str(path), "fixture-heldout:4", seq_len=64, out=tmp_path / "s",
-                          stats=["reap", "out_var"], dtype="float32", progress=False)
+        store = calibrate(
+            str(path),
+            "fixture-heldout:4",
+            seq_len=64,
+            out=tmp_path / "s",
+            stats=["reap", "out_var"],
+            dtype="float32",
+            progress=False,
+        )
     assert store.token_count == 256 and "fixture corpus" in store.describe()
     ref = _reference(path, data)
-    _assert_stats_equal(store, {i: {k: ref[i][k] for k in ("counts", "pp", "cp", "reap", "out_var")} for i in ref})
+    _assert_stats_equal(
+        store, {i: {k: ref[i][k] for k in ("counts", "pp", "cp", "reap", "out_var")} for i in ref}
+    )
 
 
 def test_routing_only_path_hooks_the_hf_block(models, tmp_path):
@@ -204,7 +235,9 @@ def test_runner_hidden_states_equal_full_forward(models, family):
         hs = model(input_ids=data.input_ids, attention_mask=data.attention_mask, output_hidden_states=True)
     caught = {}
     layers = MoEAdapter(model).decoder_layers
-    hooks = [l.register_forward_hook(lambda m, i, o, j=j: caught.__setitem__(j, o)) for j, l in enumerate(layers)]
+    hooks = [
+        l.register_forward_hook(lambda m, i, o, j=j: caught.__setitem__(j, o)) for j, l in enumerate(layers)
+    ]
     with torch.no_grad():
         model(input_ids=data.input_ids, attention_mask=data.attention_mask)
     for h in hooks:
@@ -224,8 +257,9 @@ def test_runner_hidden_states_equal_full_forward(models, family):
 
             obs = LayerObserver(runner.adapter, i, [ReapCollector(runner.adapter, i)])
             obs.attach()
-        runner.run_layer(i, layer, observer=obs,
-                         on_output=lambda j, b, o: outs.setdefault(j, {}).__setitem__(b, o.clone()))
+        runner.run_layer(
+            i, layer, observer=obs, on_output=lambda j, b, o: outs.setdefault(j, {}).__setitem__(b, o.clone())
+        )
         if obs:
             obs.detach()
         runner.commit(i)
@@ -256,8 +290,15 @@ def test_kill_and_resume_is_byte_identical(models, tmp_path, family, offload):
         calibrate(str(models[family]), data, out=tmp_path / "resumed", on_layer_end=kill, **off, **kw)
     assert not (tmp_path / "resumed").exists() and (tmp_path / ".resumed.partial").is_dir()
     seen = []
-    resumed = calibrate(str(models[family]), data, out=tmp_path / "resumed", resume=True,
-                        on_layer_end=lambda i, s: seen.append(i), **off, **kw)
+    resumed = calibrate(
+        str(models[family]),
+        data,
+        out=tmp_path / "resumed",
+        resume=True,
+        on_layer_end=lambda i, s: seen.append(i),
+        **off,
+        **kw,
+    )
     assert first not in seen and seen  # finished layers were not recomputed
     assert _files(resumed.path) == _files(full.path)
     assert not (tmp_path / ".resumed.partial").exists()
@@ -274,8 +315,14 @@ def test_resume_after_the_last_layer_only_writes_the_store(models, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         calibrate(str(models["olmoe"]), data, out=tmp_path / "r", on_layer_end=kill, progress=False)
     seen = []
-    resumed = calibrate(str(models["olmoe"]), data, out=tmp_path / "r", resume=True,
-                        on_layer_end=lambda i, s: seen.append(i), progress=False)
+    resumed = calibrate(
+        str(models["olmoe"]),
+        data,
+        out=tmp_path / "r",
+        resume=True,
+        on_layer_end=lambda i, s: seen.append(i),
+        progress=False,
+    )
     assert seen == [] and _files(resumed.path) == _files(full.path)
 
 
@@ -296,7 +343,9 @@ def test_store_reuse_and_refusal(models, tmp_path):
     data = _padded_data()
     out = tmp_path / "s"
     a = calibrate(str(models["olmoe"]), data, out=out, stats="reap", progress=False)
-    again = calibrate(str(models["olmoe"]), data, out=out, stats="reap", progress=False)  # reused, not recomputed
+    again = calibrate(
+        str(models["olmoe"]), data, out=out, stats="reap", progress=False
+    )  # reused, not recomputed
     assert again.meta == a.meta
     with pytest.raises(MoECompressError, match="another model"):
         calibrate(str(models["mixtral"]), data, out=out, progress=False)
@@ -338,11 +387,15 @@ def test_transform_feeds_later_layers_compressed_outputs(models, tmp_path):
             return layer
         return None
 
-    store = calibrate(str(path), data, out=tmp_path / "s", stats=["reap"], transform=transform, progress=False)
+    store = calibrate(
+        str(path), data, out=tmp_path / "s", stats=["reap"], transform=transform, progress=False
+    )
     assert calls == [(0, True), (1, True)]
     plain = _reference(path, data)
     compressed = _reference(path, data, block_override={0: _Zero()})
-    _assert_stats_equal(store, {0: {k: plain[0][k] for k in ("counts", "reap")}}, layers=[0])  # original experts
+    _assert_stats_equal(
+        store, {0: {k: plain[0][k] for k in ("counts", "reap")}}, layers=[0]
+    )  # original experts
     _assert_stats_equal(store, {1: {k: compressed[1][k] for k in ("counts", "reap", "pp")}}, layers=[1])
 
 
@@ -360,7 +413,9 @@ def test_unreached_experts_warn_once_and_stay_finite(models, tmp_path):
         for name in store.names:
             t = store.get(i, name)
             assert not t.is_floating_point() or bool(torch.isfinite(t).all()), name
-        assert bool((store.get(i, "cp")[unreached] == 0).all()) and bool((store.get(i, "reap")[unreached] == 0).all())
+        assert bool((store.get(i, "cp")[unreached] == 0).all()) and bool(
+            (store.get(i, "reap")[unreached] == 0).all()
+        )
 
 
 def test_method_registry():
@@ -376,8 +431,9 @@ def test_method_registry():
 
 def test_dry_run_estimates_and_refuses(models, tmp_path, monkeypatch):
     data = _padded_data()
-    est = calibrate(str(models["qwen3_moe"]), data, out=tmp_path / "s", stats="gram", dry_run=True,
-                    progress=False)
+    est = calibrate(
+        str(models["qwen3_moe"]), data, out=tmp_path / "s", stats="gram", dry_run=True, progress=False
+    )
     assert est.fits and est.time_s > 0 and est.probe["batch_s_observed"] > 0
     assert est.activation_cache_bytes == 6 * 16 * 32 * 4 and est.layer_bytes > 0 and est.stats_bytes > 0
     assert not (tmp_path / "s").exists()
@@ -385,6 +441,7 @@ def test_dry_run_estimates_and_refuses(models, tmp_path, monkeypatch):
 
     class Tiny:
         available = 1
+
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: type("M", (), {"rss": 1})())
     with pytest.raises(MoECompressError, match="needs about .* of memory but only"):
@@ -397,8 +454,12 @@ def test_bad_data_inputs_give_sentences(models, tmp_path, monkeypatch):
     empty.write_text("")
     short = tmp_path / "short.txt"
     short.write_text("only a few words here")
-    cases = [(str(empty), "is empty"), ("+", "names no dataset"), (f"{short}:2", "fewer than the 2 sequences"),
-             ("c4:8", "unreachable")]
+    cases = [
+        (str(empty), "is empty"),
+        ("+", "names no dataset"),
+        (f"{short}:2", "fewer than the 2 sequences"),
+        ("c4:8", "unreachable"),
+    ]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for spec, msg in cases:
         with pytest.raises(MoECompressError, match=msg):
@@ -414,13 +475,39 @@ def test_cli_calibrate_and_dry_run(models, tmp_path, capsys):
     out = tmp_path / "s"
     text = tmp_path / "t.txt"
     text.write_text("Calibration text for the command line test. " * 20)
-    main(["calibrate", str(models["mixtral"]), "--data", f"{text}:4", "--seq-len", "32", "--out", str(out),
-          "--for-method", "mone", "--batch-size", "2"])
+    main(
+        [
+            "calibrate",
+            str(models["mixtral"]),
+            "--data",
+            f"{text}:4",
+            "--seq-len",
+            "32",
+            "--out",
+            str(out),
+            "--for-method",
+            "mone",
+            "--batch-size",
+            "2",
+        ]
+    )
     store = StatsStore.load(out)
     assert {"out_mean", "out_var", "counts"} <= set(store.names) and store.token_count == 128
     capsys.readouterr()
-    main(["calibrate", str(models["mixtral"]), "--data", f"{text}:4", "--seq-len", "32", "--out",
-          str(tmp_path / "d"), "--dry-run", "--json"])
+    main(
+        [
+            "calibrate",
+            str(models["mixtral"]),
+            "--data",
+            f"{text}:4",
+            "--seq-len",
+            "32",
+            "--out",
+            str(tmp_path / "d"),
+            "--dry-run",
+            "--json",
+        ]
+    )
     est = json.loads(capsys.readouterr().out)
     assert est["fits"] and est["time_s"] > 0 and est["peak_memory_bytes"] > 0
     assert not (tmp_path / "d").exists()
@@ -450,15 +537,37 @@ def test_torchrun_two_processes_equal_one(models, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float32 kernels as each worker: only the float64 sum order differs
     try:
-        single = calibrate(path, data, out=tmp_path / "one", stats=["reap", "out_var", "gram", "router_logit_corr"],
-                           batch_size=2, progress=False)
+        single = calibrate(
+            path,
+            data,
+            out=tmp_path / "one",
+            stats=["reap", "out_var", "gram", "router_logit_corr"],
+            batch_size=2,
+            progress=False,
+        )
     finally:
         torch.set_num_threads(threads)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                           str(tmp_path / "run.py"), path, str(tmp_path / "two"), str(tmp_path / "data.pt")],
-                          env=env, capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--standalone",
+            str(tmp_path / "run.py"),
+            path,
+            str(tmp_path / "two"),
+            str(tmp_path / "data.pt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = StatsStore.load(tmp_path / "two")
     assert two.layers == single.layers and two.names == single.names
@@ -503,8 +612,15 @@ def test_finished_layers_statistics_are_not_kept_in_memory(models, tmp_path):
         alive[i] = [j for j, r in refs.items() if r() is not None]  # earlier layers' moments still reachable
         refs[i] = weakref.ref(stats["input_moment"])
 
-    store = calibrate(str(models["qwen3_moe"]), data, out=tmp_path / "s", stats=["input_moment", "cross_moment"],
-                      batch_size=4, progress=False, on_layer_end=on_end)
+    store = calibrate(
+        str(models["qwen3_moe"]),
+        data,
+        out=tmp_path / "s",
+        stats=["input_moment", "cross_moment"],
+        batch_size=4,
+        progress=False,
+        on_layer_end=on_end,
+    )
     layers = store.layers
     assert len(layers) >= 2 and sorted(alive) == layers
     assert all(not earlier for earlier in alive.values()), alive  # none, from the second layer on

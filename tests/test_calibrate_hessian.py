@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from moecompress.calibrate import StatsStore, calibrate, union_hessian
-from moecompress.methods import stats_for_method
 from moecompress.data import CalibrationData
 from moecompress.errors import MoECompressError
+from moecompress.methods import stats_for_method
 from moecompress.models import load_model
 from moecompress.testing import fixture_dir, run_cli, save_tiny
 
@@ -65,9 +65,17 @@ def calibrated(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     path = save_tiny(request.param, root / "model", seed=3)
     in_memory = {}
-    store = calibrate(str(path), CalibrationData.from_tokens(_ids()), seq_len=20, out=root / "stats", stats=HESS,
-                      batch_size=4, dtype="float32", progress=False,
-                      on_layer_end=lambda i, s: in_memory.__setitem__(i, s))
+    store = calibrate(
+        str(path),
+        CalibrationData.from_tokens(_ids()),
+        seq_len=20,
+        out=root / "stats",
+        stats=HESS,
+        batch_size=4,
+        dtype="float32",
+        progress=False,
+        on_layer_end=lambda i, s: in_memory.__setitem__(i, s),
+    )
     return path, store, in_memory, _hf_reference(path, _ids())
 
 
@@ -101,7 +109,9 @@ def test_union_hessian_counts_co_routed_tokens_once_per_source(calibrated):
     index, x = ref[i]["index"], ref[i]["x"]
     # the pair of experts most often selected together, so the multiplicity choice is visible
     E = store.get(i, "counts").numel()
-    both = torch.tensor([[int(((index == a).any(1) & (index == b).any(1)).sum()) for b in range(E)] for a in range(E)])
+    both = torch.tensor(
+        [[int(((index == a).any(1) & (index == b).any(1)).sum()) for b in range(E)] for a in range(E)]
+    )
     both.fill_diagonal_(-1)
     a, b = divmod(int(both.argmax()), E)
     assert both[a, b] > 0
@@ -116,8 +126,9 @@ def test_union_hessian_counts_co_routed_tokens_once_per_source(calibrated):
     h2, _ = union_hessian(store, 99, [(i, a), (i, b)])
     assert torch.equal(h2, h)
     mid, _ = union_hessian(store, i, [a, b], kind="mid", g2=True)
-    torch.testing.assert_close(mid, ref[i]["hessian_mid_g2"][a] + ref[i]["hessian_mid_g2"][b], rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        mid, ref[i]["hessian_mid_g2"][a] + ref[i]["hessian_mid_g2"][b], rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(MoECompressError, match="out of range"):
         union_hessian(store, i, [E])
     with pytest.raises(MoECompressError, match="kind must be"):
@@ -141,19 +152,27 @@ def test_hessian_layers_subset_and_dry_run_bytes(tmp_path):
     one = calibrate(str(path), data, out=tmp_path / "d2", stats=both, hessian_layers=[1], dry_run=True, **kw)
     mid = calibrate(str(path), data, out=tmp_path / "d3", stats=["hessian_mid"], dry_run=True, **kw)
     tri = lambda d: d * (d + 1) // 2  # a store keeps each symmetric matrix's upper triangle
-    assert mid.stats_bytes - base.stats_bytes == L * E * tri(I) * 4  # the down projection's alone: no [E, H, H] sums
+    assert (
+        mid.stats_bytes - base.stats_bytes == L * E * tri(I) * 4
+    )  # the down projection's alone: no [E, H, H] sums
     assert mid.accumulator_bytes - base.accumulator_bytes == E * I * I * 8
     per_layer = E * (H * H + I * I)
     assert full.stats_bytes - base.stats_bytes == L * E * (tri(H) + tri(I)) * 4  # stored in float32, packed
     assert one.stats_bytes - base.stats_bytes == E * (tri(H) + tri(I)) * 4
-    assert full.accumulator_bytes - base.accumulator_bytes == per_layer * 8  # float64 sums of one layer, whole
+    assert (
+        full.accumulator_bytes - base.accumulator_bytes == per_layer * 8
+    )  # float64 sums of one layer, whole
     assert "collector sums (one layer)" in dict(full.rows())
 
     store = calibrate(str(path), data, out=tmp_path / "s", stats=both, hessian_layers="1", **kw)
     assert store.get(0, "hessian_in").shape == (0, H, H) and store.get(0, "hessian_mid").shape == (0, I, I)
     assert store.get(1, "hessian_in").shape == (E, H, H)
-    torch.testing.assert_close(store.get(1, "hessian_in").double(), _hf_reference(path, _ids())[1]["hessian_in"],
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        store.get(1, "hessian_in").double(),
+        _hf_reference(path, _ids())[1]["hessian_in"],
+        rtol=1e-5,
+        atol=1e-4,
+    )
     with pytest.raises(MoECompressError, match="no 'hessian_in' for layer 0"):
         union_hessian(store, 0, [1])
     with pytest.raises(MoECompressError, match="not a MoE layer"):
@@ -166,8 +185,23 @@ def test_hessian_layers_subset_and_dry_run_bytes(tmp_path):
 def test_cli_for_method_quant_on_fixture(tmp_path, capsys):
     model = str(fixture_dir("olmoe-tiny"))
     out = tmp_path / "S"
-    code, _, err = run_cli(["calibrate", model, "--data", "fixture-calib:8", "--seq-len", "64", "--out", str(out),
-                            "--for-method", "quant", "--stats", "in_channel_norm,mid_channel_norm"], capsys)
+    code, _, err = run_cli(
+        [
+            "calibrate",
+            model,
+            "--data",
+            "fixture-calib:8",
+            "--seq-len",
+            "64",
+            "--out",
+            str(out),
+            "--for-method",
+            "quant",
+            "--stats",
+            "in_channel_norm,mid_channel_norm",
+        ],
+        capsys,
+    )
     assert code == 0, err
     store = StatsStore.load(out)
     cfg = json.loads((fixture_dir("olmoe-tiny") / "config.json").read_text())
@@ -177,16 +211,51 @@ def test_cli_for_method_quant_on_fixture(tmp_path, capsys):
         assert hin.shape == (E, H, H) and hmid.shape == (E, I, I)
         torch.testing.assert_close(hin, hin.transpose(1, 2))
         # the diagonal is another collector's channel norm squared: Σ_{t∈T_e} h_{t,j}²
-        torch.testing.assert_close(hin.diagonal(dim1=1, dim2=2), store.get(i, "in_channel_norm").double() ** 2,
-                                   rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(hmid.diagonal(dim1=1, dim2=2), store.get(i, "mid_channel_norm").double() ** 2,
-                                   rtol=1e-4, atol=1e-6)
-    code, stdout, _ = run_cli(["calibrate", model, "--data", "fixture-calib:8", "--seq-len", "64", "--out",
-                               str(tmp_path / "D"), "--for-method", "quant", "--dry-run", "--json"], capsys)
+        torch.testing.assert_close(
+            hin.diagonal(dim1=1, dim2=2), store.get(i, "in_channel_norm").double() ** 2, rtol=1e-4, atol=1e-4
+        )
+        torch.testing.assert_close(
+            hmid.diagonal(dim1=1, dim2=2),
+            store.get(i, "mid_channel_norm").double() ** 2,
+            rtol=1e-4,
+            atol=1e-6,
+        )
+    code, stdout, _ = run_cli(
+        [
+            "calibrate",
+            model,
+            "--data",
+            "fixture-calib:8",
+            "--seq-len",
+            "64",
+            "--out",
+            str(tmp_path / "D"),
+            "--for-method",
+            "quant",
+            "--dry-run",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     est = json.loads(stdout)
-    assert est["stats_bytes"] >= len(store.layers) * E * (H * (H + 1) + I * (I + 1)) // 2 * 4  # upper triangles
+    assert (
+        est["stats_bytes"] >= len(store.layers) * E * (H * (H + 1) + I * (I + 1)) // 2 * 4
+    )  # upper triangles
     assert est["accumulator_bytes"] >= E * (H * H + I * I) * 8
-    code, _, err = run_cli(["calibrate", model, "--data", "fixture-calib:8", "--out", str(tmp_path / "X"),
-                            "--for-method", "quant", "--hessian-layers", "0,x"], capsys)
+    code, _, err = run_cli(
+        [
+            "calibrate",
+            model,
+            "--data",
+            "fixture-calib:8",
+            "--out",
+            str(tmp_path / "X"),
+            "--for-method",
+            "quant",
+            "--hessian-layers",
+            "0,x",
+        ],
+        capsys,
+    )
     assert code == 2 and "not a list of layer ids" in err

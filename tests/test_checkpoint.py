@@ -49,8 +49,14 @@ def test_native_keys_file_loads_the_same(tmp_path, saved, family):
     d = tmp_path / family
     d.mkdir()
     (d / "config.json").write_text((saved[family] / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"
-               or not ref.config.tie_word_embeddings}, str(d / "model.safetensors"))
+    save_file(
+        {
+            k: v.contiguous()
+            for k, v in ref.state_dict().items()
+            if k != "lm_head.weight" or not ref.config.tie_word_embeddings
+        },
+        str(d / "model.safetensors"),
+    )
     reader, model = _materialise(d)
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
@@ -111,7 +117,9 @@ def test_bf16_keeps_strict_fp32_params_and_router_bias(saved):
     reader = CheckpointReader(str(saved["deepseek_v3"]))
     model = skeleton(reader.config)
     layer = reader.load_layer(model, 1, "cpu", torch.bfloat16)
-    assert layer.mlp.gate.weight.dtype == torch.float32  # _keep_in_fp32_modules_strict, as from_pretrained does
+    assert (
+        layer.mlp.gate.weight.dtype == torch.float32
+    )  # _keep_in_fp32_modules_strict, as from_pretrained does
     assert layer.mlp.gate.e_score_correction_bias.dtype == torch.float32
     assert layer.mlp.experts.gate_up_proj.dtype == torch.bfloat16
     ref = load_model(str(saved["deepseek_v3"]), dtype="bfloat16")
@@ -149,8 +157,10 @@ def test_bad_checkpoints_give_sentences(tmp_path, saved):
     # a layer lacking a tensor is refused, not silently left on meta
     (d / "model.safetensors.index.json").unlink()
     sd = tiny_model("olmoe").state_dict()
-    save_file({k: v.contiguous() for k, v in sd.items() if "layers.1.post_attention" not in k},
-              str(d / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in sd.items() if "layers.1.post_attention" not in k},
+        str(d / "model.safetensors"),
+    )
     reader = CheckpointReader(str(d))
     with pytest.raises(MoECompressError, match="no tensor for model.layers.1.post_attention_layernorm"):
         reader.load_layer(skeleton(reader.config), 1)

@@ -44,8 +44,14 @@ def test_missing_path(tmp_path, capsys):
 def test_dense_model(tmp_path, capsys):
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path)
     code, _, err = run_cli(["inspect", str(tmp_path)], capsys)
     assert code == 2 and "dense model" in err
 
@@ -63,8 +69,11 @@ def test_hub_id_offline(capsys, monkeypatch):
 
 
 def test_console_script_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moecompress.cli", "inspect", str(tmp_path / "x")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moecompress.cli", "inspect", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") <= 3
 
 

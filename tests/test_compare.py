@@ -20,30 +20,51 @@ def tiny_with_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    path = save_tiny("olmoe", tmp_path_factory.mktemp("cmp") / "model", seed=2, vocab_size=len(tok),
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    path = save_tiny(
+        "olmoe",
+        tmp_path_factory.mktemp("cmp") / "model",
+        seed=2,
+        vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     tok.save_pretrained(path)
     return path
 
 
 def _recipe(tmp_path, model, arms, **eval_over):
-    ev = dict(ppl="fixture-heldout", window=64, max_tokens=512, tasks=["fixture_mc", "fixture_gen"], limit=4,
-              latency=False, quant_baselines=[4])
+    ev = dict(
+        ppl="fixture-heldout",
+        window=64,
+        max_tokens=512,
+        tasks=["fixture_mc", "fixture_gen"],
+        limit=4,
+        latency=False,
+        quant_baselines=[4],
+    )
     ev.update(eval_over)
     files = []
     for i, arm in enumerate(arms):
         p = tmp_path / f"r{i}.yaml"
-        p.write_text(yaml.safe_dump(dict(model=str(model), calibration={"data": "fixture-calib:4", "seq_len": 64},
-                                         eval=ev, **arm)))
+        p.write_text(
+            yaml.safe_dump(
+                dict(model=str(model), calibration={"data": "fixture-calib:4", "seq_len": 64}, eval=ev, **arm)
+            )
+        )
         files.append(str(p))
     return files
 
 
 def test_compare_two_recipes_writes_report_pngs_and_results(tiny_with_tokenizer, tmp_path, capsys):
-    files = _recipe(tmp_path, tiny_with_tokenizer, [
-        dict(method="prune", params=dict(criterion="reap", ratio=0.5, gate="keep")),
-        dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant"), quant="w4c"),
-    ])
+    files = _recipe(
+        tmp_path,
+        tiny_with_tokenizer,
+        [
+            dict(method="prune", params=dict(criterion="reap", ratio=0.5, gate="keep")),
+            dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant"), quant="w4c"),
+        ],
+    )
     out = tmp_path / "report"
     code, stdout, err = run_cli(["compare", *files, "--out", str(out)], capsys)
     assert code == 0, err
@@ -82,12 +103,15 @@ def test_recipes_must_share_model_and_calibration(tmp_path):
         merge_recipes([a, b])
 
 
-@pytest.mark.parametrize("data, message", [
-    (dict(model="m", method="prune", params={"ratio": 2}), "field 'ratio'"),
-    (dict(model="m", params={"ratio": 0.5}), "field 'method' is missing"),
-    (dict(model="m", method="prune", eval={"window": "x"}), "field 'eval.window'"),
-    (dict(model="m", method="nosuch"), "Unknown method 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (dict(model="m", method="prune", params={"ratio": 2}), "field 'ratio'"),
+        (dict(model="m", params={"ratio": 0.5}), "field 'method' is missing"),
+        (dict(model="m", method="prune", eval={"window": "x"}), "field 'eval.window'"),
+        (dict(model="m", method="nosuch"), "Unknown method 'nosuch'"),
+    ],
+)
 def test_invalid_recipe_points_at_the_field(data, message):
     with pytest.raises(MoECompressError, match=message):
         parse_recipe(data)
@@ -106,9 +130,20 @@ def test_shipped_demo_recipe_is_valid():
     from moecompress.methods import get_method
 
     families = {get_method(a.method).family for a in recipe.arms}
-    assert families == {"prune", "consolidate", "merge", "elementwise", "dense", "auto"}  # one of each at least
-    assert any(a.distill for a in recipe.arms) and any(a.params.get("operator") == "tilt" for a in recipe.arms)
-    assert any(a.quant is not None for a in recipe.arms) and recipe.eval.quant_baselines  # structure + bits, bits
+    assert families == {
+        "prune",
+        "consolidate",
+        "merge",
+        "elementwise",
+        "dense",
+        "auto",
+    }  # one of each at least
+    assert any(a.distill for a in recipe.arms) and any(
+        a.params.get("operator") == "tilt" for a in recipe.arms
+    )
+    assert (
+        any(a.quant is not None for a in recipe.arms) and recipe.eval.quant_baselines
+    )  # structure + bits, bits
     full = load_recipe(resources.files("moecompress") / "recipes" / "demo-full.yaml")
     assert {a.display_name() for a in recipe.arms} < {a.display_name() for a in full.arms}
     assert shutil.which("moecompress") is not None
@@ -127,11 +162,28 @@ def test_grid_holds_each_mask_fixed_and_pairs_against_constant():
 
 def test_dense_arm_before_and_after_distillation(tiny_with_tokenizer, tmp_path, capsys):
     dense = dict(method="dense", params=dict(criterion="frequency", grouping="rr", scaling="uniform"))
-    files = _recipe(tmp_path, tiny_with_tokenizer, [
-        dict(name="dense", **dense),
-        dict(name="dense-kd", distill=dict(tokens=512, seq_len=64, batch_size=2, eval_every=2, save_every=2,
-                                           lr=1e-3, data="fixture-calib"), **dense),
-    ], tasks=[], quant_baselines=[])
+    files = _recipe(
+        tmp_path,
+        tiny_with_tokenizer,
+        [
+            dict(name="dense", **dense),
+            dict(
+                name="dense-kd",
+                distill=dict(
+                    tokens=512,
+                    seq_len=64,
+                    batch_size=2,
+                    eval_every=2,
+                    save_every=2,
+                    lr=1e-3,
+                    data="fixture-calib",
+                ),
+                **dense,
+            ),
+        ],
+        tasks=[],
+        quant_baselines=[],
+    )
     out = tmp_path / "report"
     code, stdout, err = run_cli(["compare", *files, "--out", str(out)], capsys)
     assert code == 0, err
@@ -147,14 +199,33 @@ def test_an_arm_calibrated_on_a_task_is_scored_on_it_like_any_other(tiny_with_to
     """In-domain arms (issue 18): an arm's own calibration spec, recorded per arm; same items for every arm."""
     p = tmp_path / "indomain.yaml"
     arm = dict(method="prune", params=dict(criterion="frequency", ratio=0.5, gate="renorm"))
-    p.write_text(yaml.safe_dump(dict(
-        model=str(tiny_with_tokenizer), calibration={"data": "fixture-calib:4", "seq_len": 64},
-        eval=dict(ppl="fixture-heldout", window=64, max_tokens=256, tasks=["fixture_cloze"], limit=6, latency=False,
-                  quant_baselines=[]),
-        arms=[dict(arm, name="general"),
-              dict(arm, name="in-domain", calibration={"data": "task:fixture_cloze:8", "seq_len": 512}),
-              dict(arm, name="in-domain-tilt", params=dict(arm["params"], operator="tilt", rank=4),
-                   calibration={"data": "task:fixture_cloze:8", "seq_len": 512})])))
+    p.write_text(
+        yaml.safe_dump(
+            dict(
+                model=str(tiny_with_tokenizer),
+                calibration={"data": "fixture-calib:4", "seq_len": 64},
+                eval=dict(
+                    ppl="fixture-heldout",
+                    window=64,
+                    max_tokens=256,
+                    tasks=["fixture_cloze"],
+                    limit=6,
+                    latency=False,
+                    quant_baselines=[],
+                ),
+                arms=[
+                    dict(arm, name="general"),
+                    dict(arm, name="in-domain", calibration={"data": "task:fixture_cloze:8", "seq_len": 512}),
+                    dict(
+                        arm,
+                        name="in-domain-tilt",
+                        params=dict(arm["params"], operator="tilt", rank=4),
+                        calibration={"data": "task:fixture_cloze:8", "seq_len": 512},
+                    ),
+                ],
+            )
+        )
+    )
     out = tmp_path / "report"
     code, _, err = run_cli(["compare", str(p), "--out", str(out)], capsys)
     assert code == 0, err
@@ -173,17 +244,24 @@ def test_an_arm_calibrated_on_a_task_is_scored_on_it_like_any_other(tiny_with_to
     assert "Arms with their own calibration" in report
 
 
-def test_an_interrupted_compare_resumes_without_recomputing_finished_arms(tiny_with_tokenizer, tmp_path,
-                                                                         monkeypatch):
+def test_an_interrupted_compare_resumes_without_recomputing_finished_arms(
+    tiny_with_tokenizer, tmp_path, monkeypatch
+):
     """Ctrl-C after the first arm keeps it (and the calibration) in .OUT.partial; --resume computes only the
     arm left and writes the same report; a resume with another recipe is refused in one sentence."""
     import moecompress.pipeline as pipeline
     from moecompress.api import compare
 
-    files = _recipe(tmp_path, tiny_with_tokenizer, [
-        dict(method="prune", params=dict(criterion="frequency", ratio=0.5, gate="renorm")),
-        dict(method="prune", params=dict(criterion="reap", ratio=0.5, gate="keep")),
-    ], tasks=[], quant_baselines=[])
+    files = _recipe(
+        tmp_path,
+        tiny_with_tokenizer,
+        [
+            dict(method="prune", params=dict(criterion="frequency", ratio=0.5, gate="renorm")),
+            dict(method="prune", params=dict(criterion="reap", ratio=0.5, gate="keep")),
+        ],
+        tasks=[],
+        quant_baselines=[],
+    )
     out, partial = tmp_path / "rep", tmp_path / ".rep.partial"
     built, real, interrupt = [], pipeline.make_plan, {"reap": True}
 
@@ -196,14 +274,20 @@ def test_an_interrupted_compare_resumes_without_recomputing_finished_arms(tiny_w
     monkeypatch.setattr(pipeline, "make_plan", make_plan)
     with pytest.raises(KeyboardInterrupt):
         compare(files, out, progress=False)
-    assert not out.exists() and sorted(p.stem for p in (partial / "arms").iterdir()) == ["original",
-                                                                                       "prune-frequency-renorm-50"]
+    assert not out.exists() and sorted(p.stem for p in (partial / "arms").iterdir()) == [
+        "original",
+        "prune-frequency-renorm-50",
+    ]
     assert (partial / "stats").is_dir()
     first = json.loads((partial / "arms" / "prune-frequency-renorm-50.json").read_text())
     (tmp_path / "other").mkdir()
-    other = _recipe(tmp_path / "other", tiny_with_tokenizer, [
-        dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant"))], tasks=[],
-        quant_baselines=[])
+    other = _recipe(
+        tmp_path / "other",
+        tiny_with_tokenizer,
+        [dict(method="prune", params=dict(criterion="mone", ratio=0.5, operator="constant"))],
+        tasks=[],
+        quant_baselines=[],
+    )
     with pytest.raises(MoECompressError, match="drop --resume"):
         compare(other, out, progress=False, resume=True)
     assert built == ["frequency"]

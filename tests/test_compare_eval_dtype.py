@@ -12,10 +12,21 @@ def _run(tmp_path, name, capsys, **ev):
     path = fixture_dir("olmoe-tiny")
     if not (path / "config.json").is_file():
         pytest.fail("a shipped fixture is missing: restore src/moecompress/fixtures (it is committed)")
-    recipe = dict(model="fixture:olmoe-tiny", calibration={"data": "fixture-calib:4", "seq_len": 64},
-                  eval=dict(ppl="fixture-heldout", window=64, max_tokens=256, tasks=[], latency=False,
-                            quant_baselines=[], **ev),
-                  method="prune", params=dict(criterion="reap", ratio=0.5, gate="renorm"))
+    recipe = dict(
+        model="fixture:olmoe-tiny",
+        calibration={"data": "fixture-calib:4", "seq_len": 64},
+        eval=dict(
+            ppl="fixture-heldout",
+            window=64,
+            max_tokens=256,
+            tasks=[],
+            latency=False,
+            quant_baselines=[],
+            **ev,
+        ),
+        method="prune",
+        params=dict(criterion="reap", ratio=0.5, gate="renorm"),
+    )
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
     out = tmp_path / name
     code, _, err = run_cli(["compare", str(tmp_path / f"{name}.yaml"), "--out", str(out)], capsys)
@@ -36,7 +47,9 @@ def test_bf16_evaluation_and_offloading_give_the_same_numbers(tmp_path, capsys):
     # a budget below any model's bytes: both the reference and the arm are evaluated offloaded to disk
     off, report = _run(tmp_path, "offloaded", capsys, max_memory="1KB")
     assert [a["eval"]["offloaded"] for a in off["arms"]] == [True, True]
-    assert "Evaluated offloaded" in report and "prune-reap-renorm-50" in report.split("Evaluated offloaded")[1]
+    assert (
+        "Evaluated offloaded" in report and "prune-reap-renorm-50" in report.split("Evaluated offloaded")[1]
+    )
     for a, b in zip(res["arms"], off["arms"]):
         assert _ppl(a) == pytest.approx(_ppl(b), rel=1e-5, abs=1e-7), a["name"]
 

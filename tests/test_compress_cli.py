@@ -16,17 +16,40 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("compress")
     path = save_tiny("qwen3_moe", root / "model", seed=1)
     ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
-    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=root / "stats",
-              stats=["counts", "tokens", "reap", "out_mean", "out_var", "out_norm_sq_mean", "routing_mass"],
-              dtype="float32", progress=False)
+    calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=16,
+        out=root / "stats",
+        stats=["counts", "tokens", "reap", "out_mean", "out_var", "out_norm_sq_mean", "routing_mass"],
+        dtype="float32",
+        progress=False,
+    )
     return root, path
 
 
 def test_renorm_pruning_writes_a_vanilla_smaller_checkpoint(tiny, capsys):
     root, path = tiny
     out = root / "pruned"
-    code, stdout, err = run_cli(["compress", str(path), "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
-                                 "--gate", "renorm", "--calib", str(root / "stats"), "--out", str(out)], capsys)
+    code, stdout, err = run_cli(
+        [
+            "compress",
+            str(path),
+            "--method",
+            "prune",
+            "--criterion",
+            "reap",
+            "--ratio",
+            "0.5",
+            "--gate",
+            "renorm",
+            "--calib",
+            str(root / "stats"),
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "hf checkpoint" in stdout
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -39,27 +62,47 @@ def test_renorm_pruning_writes_a_vanilla_smaller_checkpoint(tiny, capsys):
 def test_constant_operator_goes_compact(tiny, capsys):
     root, path = tiny
     out = root / "const"
-    code, stdout, err = run_cli(["compress", str(path), "--operator", "constant", "--criterion", "mone",
-                                 "--ratio", "0.25", "--calib", str(root / "stats"), "--out", str(out)], capsys)
+    code, stdout, err = run_cli(
+        [
+            "compress",
+            str(path),
+            "--operator",
+            "constant",
+            "--criterion",
+            "mone",
+            "--ratio",
+            "0.25",
+            "--calib",
+            str(root / "stats"),
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "compact checkpoint" in stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--ratio", "1.5"], "--ratio must be >= 0.0 and < 1.0"),
-    (["--param", "rank"], "is not key=value"),
-    (["--method", "prunee"], "Unknown method 'prunee'"),
-    (["--format", "hf", "--operator", "constant"], "use --format compact"),
-    (["--format", "bogus"], "Unknown export format 'bogus'"),
-    (["--method", "auto", "--budget", "1.5"], "Budget '1.5' is not a fraction in (0, 1] or a size"),
-    (["--method", "auto", "--budget", "4XB"], "Budget '4XB' is not a fraction in (0, 1] or a size"),
-    (["--method", "auto", "--budget", "half"], "Budget 'half' is not a fraction in (0, 1] or a size"),
-    (["--method", "auto", "--budget", "0GB"], "Budget '0GB' is not a fraction in (0, 1] or a size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ratio", "1.5"], "--ratio must be >= 0.0 and < 1.0"),
+        (["--param", "rank"], "is not key=value"),
+        (["--method", "prunee"], "Unknown method 'prunee'"),
+        (["--format", "hf", "--operator", "constant"], "use --format compact"),
+        (["--format", "bogus"], "Unknown export format 'bogus'"),
+        (["--method", "auto", "--budget", "1.5"], "Budget '1.5' is not a fraction in (0, 1] or a size"),
+        (["--method", "auto", "--budget", "4XB"], "Budget '4XB' is not a fraction in (0, 1] or a size"),
+        (["--method", "auto", "--budget", "half"], "Budget 'half' is not a fraction in (0, 1] or a size"),
+        (["--method", "auto", "--budget", "0GB"], "Budget '0GB' is not a fraction in (0, 1] or a size"),
+    ],
+)
 def test_bad_input_is_one_sentence(tiny, capsys, args, message):
     root, path = tiny
     out = root / "bad"
-    code, _, err = run_cli(["compress", str(path), "--calib", str(root / "stats"), "--out", str(out), *args], capsys)
+    code, _, err = run_cli(
+        ["compress", str(path), "--calib", str(root / "stats"), "--out", str(out), *args], capsys
+    )
     assert code == 2 and message in err and "Traceback" not in err
     assert not out.exists()
 
@@ -76,8 +119,23 @@ def test_a_full_disk_is_one_sentence_and_leaves_nothing(tiny, capsys, monkeypatc
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ShardWriter, "add", full)
-    code, _, err = run_cli(["compress", str(path), "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
-                            "--calib", str(root / "stats"), "--out", str(out)], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            str(path),
+            "--method",
+            "prune",
+            "--criterion",
+            "reap",
+            "--ratio",
+            "0.5",
+            "--calib",
+            str(root / "stats"),
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 2 and "The disk is full; free space there" in err and "Traceback" not in err
     assert not out.exists() and not list(root.glob(".full*"))  # neither the output nor its temporary sibling
 
@@ -93,26 +151,50 @@ def test_format_help_lists_every_registered_format(capsys, monkeypatch):
 
 def test_router_merge_through_compress_routes_with_merged_rows(tmp_path, capsys):
     """M-SMoE with merged router rows: the exported vanilla checkpoint routes with the merged rows."""
+    from moecompress.api import apply_plan
     from moecompress.methods import MethodContext, get_method, parse_config
     from moecompress.methods.merging import install_merged_router
     from moecompress.models import MoEAdapter, load_model
-    from moecompress.api import apply_plan
 
     path = save_tiny("qwen3_moe", tmp_path / "m", seed=4)
     ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
-    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=tmp_path / "s",
-              stats=["counts", "tokens", "router_logit_corr"], dtype="float32", progress=False)
+    calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=16,
+        out=tmp_path / "s",
+        stats=["counts", "tokens", "router_logit_corr"],
+        dtype="float32",
+        progress=False,
+    )
     out = tmp_path / "merged"
-    code, _, err = run_cli(["compress", str(path), "--method", "m-smoe", "--ratio", "0.5", "--param", "router=merge",
-                            "--calib", str(tmp_path / "s"), "--out", str(out)], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            str(path),
+            "--method",
+            "m-smoe",
+            "--ratio",
+            "0.5",
+            "--param",
+            "router=merge",
+            "--calib",
+            str(tmp_path / "s"),
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     exported = AutoModelForCausalLM.from_pretrained(out)
     # reference: the same plan applied in memory after installing the merged router rows
     from moecompress.calibrate import StatsStore
 
     adapter = MoEAdapter(load_model(str(path), dtype="float32"))
-    plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
-                                               MethodContext(adapter, StatsStore.load(tmp_path / "s")))
+    plan, tensors = get_method("m-smoe").build(
+        parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
+        MethodContext(adapter, StatsStore.load(tmp_path / "s")),
+    )
     install_merged_router(adapter, plan, tensors)
     ref = apply_plan(adapter.model, plan, tensors)
     x = torch.randint(3, 96, (1, 9))
@@ -132,7 +214,22 @@ def test_rank_zero_reaches_the_method_the_config_alone_checks_ranges(monkeypatch
         raise SystemExit(0)
 
     monkeypatch.setattr(cli_compress, "compress", compress)
-    code, _, err = run_cli(["compress", "fixture:olmoe-tiny", "--criterion", "frequency", "--ratio", "0.5",
-                            "--operator", "tilt", "--rank", "0", "--out", "unused"], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            "fixture:olmoe-tiny",
+            "--criterion",
+            "frequency",
+            "--ratio",
+            "0.5",
+            "--operator",
+            "tilt",
+            "--rank",
+            "0",
+            "--out",
+            "unused",
+        ],
+        capsys,
+    )
     assert code == 0 and seen["rank"] == 0, err
     assert parse_config("prune", dict(seen)).rank == 0

@@ -50,8 +50,14 @@ def synthetic_stats(model, n=N_TOKENS, seed=0):
                 a[e] = (g * f[tok].norm(dim=-1)).sum() / len(tok) if len(tok) else 0.0
             logits = r.logits.double()
             corr = torch.corrcoef(logits.T)
-            out[i] = {"counts": counts, "tokens": torch.tensor(n), "routing_mass": mass, "reap": a,
-                          "out_mean_all": torch.stack(means), "router_logit_corr": corr}
+            out[i] = {
+                "counts": counts,
+                "tokens": torch.tensor(n),
+                "routing_mass": mass,
+                "reap": a,
+                "out_mean_all": torch.stack(means),
+                "router_logit_corr": corr,
+            }
     return out
 
 
@@ -92,8 +98,10 @@ def test_scores_prototypes_and_map_equal_a_direct_recomputation(qwen):
             d = _direct_distance(ad, members)
             torch.testing.assert_close(res.distance, d, atol=1e-10, rtol=1e-10)
             a = torch.tensor([float(stats[layer]["reap"][e]) for layer, e in members], dtype=torch.float64)
-            b = torch.tensor([min(float(d[i, j]) for j in range(len(members)) if j != i) for i in range(len(members))],
-                             dtype=torch.float64)
+            b = torch.tensor(
+                [min(float(d[i, j]) for j in range(len(members)) if j != i) for i in range(len(members))],
+                dtype=torch.float64,
+            )
             a_bar = (a - a.min()) / (a.max() - a.min() + eps)
             b_bar = (b - b.min()) / (b.max() - b.min() + eps)
             s = a_bar * b_bar
@@ -112,7 +120,14 @@ def test_every_prototype_maps_to_itself_in_every_variant(qwen):
     model, stats = qwen
     ad = MoEAdapter(model)
     info = ModelInfo.from_model(ad)
-    for name in ("conmoe", "conmoe-local", "conmoe-fixed-k", "conmoe-usage", "conmoe-reap", "conmoe-distance"):
+    for name in (
+        "conmoe",
+        "conmoe-local",
+        "conmoe-fixed-k",
+        "conmoe-usage",
+        "conmoe-reap",
+        "conmoe-distance",
+    ):
         cfg = parse_config(name, {"ratio": 0.5})
         results = consolidate(ad, stats, cfg)
         plan, tensors = conmoe_plan(info, results, cfg)
@@ -120,8 +135,9 @@ def test_every_prototype_maps_to_itself_in_every_variant(qwen):
         for res in results:
             for p in res.prototypes:
                 assert res.assignment[p] == p
-            sc = plan.scope(f"layer{res.layers[0]}" if len(res.layers) == 1 else
-                            f"layers{res.layers[0]}-{res.layers[-1]}")
+            sc = plan.scope(
+                f"layer{res.layers[0]}" if len(res.layers) == 1 else f"layers{res.layers[0]}-{res.layers[-1]}"
+            )
             assert [tuple(s.sources[0]) for s in sc.stored] == [res.members[p] for p in res.prototypes]
             for j, s in enumerate(sc.stored):
                 layer, e = s.sources[0]
@@ -137,13 +153,20 @@ def test_scope_one_equals_per_layer_consolidation(qwen):
         results = consolidate(ad, stats, ConMoEConfig(ratio=0.5, scope_size=1, selection=selection))
         assert [r.layers for r in results] == [[i] for i in ad.moe_layers]
         for res, layer in zip(results, ad.moe_layers):
-            alone = consolidate_scope([layer], [ad.num_experts(layer)], scope_distance([ad.experts(layer)]),
-                                      stats[layer]["reap"], 0.5)
+            alone = consolidate_scope(
+                [layer],
+                [ad.num_experts(layer)],
+                scope_distance([ad.experts(layer)]),
+                stats[layer]["reap"],
+                0.5,
+            )
             assert res.prototypes == alone.prototypes and res.assignment == alone.assignment
             assert len(res.prototypes) == round(0.5 * ad.num_experts(layer))
     local = get_method("conmoe-local")
     plan_a, _ = local.build(parse_config("conmoe-local", {"ratio": 0.5}), MethodContext(ad, stats))
-    plan_b, _ = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 1}), MethodContext(ad, stats))
+    plan_b, _ = get_method("conmoe").build(
+        parse_config("conmoe", {"ratio": 0.5, "scope_size": 1}), MethodContext(ad, stats)
+    )
     assert plan_a.scopes == plan_b.scopes and plan_a.layers == plan_b.layers
 
 
@@ -168,8 +191,11 @@ def test_budgets_of_adaptive_and_fixed_k(qwen):
 def test_selection_ablations_pick_by_their_signal(qwen):
     model, stats = qwen
     ad = MoEAdapter(model)
-    for score, signal in (("usage", lambda r: torch.cat([stats[i]["counts"].double() for i in r.layers])),
-                          ("reap", lambda r: r.scores.a_bar), ("distance", lambda r: r.scores.b_bar)):
+    for score, signal in (
+        ("usage", lambda r: torch.cat([stats[i]["counts"].double() for i in r.layers])),
+        ("reap", lambda r: r.scores.a_bar),
+        ("distance", lambda r: r.scores.b_bar),
+    ):
         for res in consolidate(ad, stats, ConMoEConfig(ratio=0.5, scope_size=4, score=score)):
             sig = signal(res)
             k = res.budget
@@ -180,8 +206,10 @@ def test_selection_ablations_pick_by_their_signal(qwen):
 
 def test_deterministic_ties_and_degenerate_inputs():
     # four identical experts in pairs: b = 0 for everyone, so s = 0 everywhere; ties resolve by ā, then position
-    d = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]],
-                     dtype=torch.float64)
+    d = torch.tensor(
+        [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]],
+        dtype=torch.float64,
+    )
     a = torch.tensor([1.0, 2.0, 2.0, 0.5], dtype=torch.float64)
     res = consolidate_scope([0], [4], d, a, ratio=0.5)
     assert res.prototypes == [1, 2]  # highest ā first among equal s = 0
@@ -213,12 +241,18 @@ def test_cross_layer_plan_in_the_runtime_equals_the_materialized_checkpoint(qwen
 
     model, stats = qwen
     ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(5))
-    plan, tensors = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 4}),
-                                               MethodContext(MoEAdapter(model), stats))
+    plan, tensors = get_method("conmoe").build(
+        parse_config("conmoe", {"ratio": 0.5, "scope_size": 4}), MethodContext(MoEAdapter(model), stats)
+    )
     sc = plan.scopes[0]
     assert sc.layers == [0, 1, 2, 3] and len(sc.stored) == 16
     assert len({s.sources[0][0] for s in sc.stored}) > 1
-    cross = [(lp.layer, e) for lp in plan.layers for e, j in enumerate(lp.slots) if sc.stored[j].sources[0][0] != lp.layer]
+    cross = [
+        (lp.layer, e)
+        for lp in plan.layers
+        for e, j in enumerate(lp.slots)
+        if sc.stored[j].sources[0][0] != lp.layer
+    ]
     assert cross, "a cross-layer scope on this model maps some slot to another layer's prototype"
     runtime = apply_plan(tiny_model("qwen3_moe", seed=3, num_hidden_layers=4), plan, tensors)
     materialized = _materialize(tiny_model("qwen3_moe", seed=3, num_hidden_layers=4), plan)
@@ -231,8 +265,12 @@ def test_fusion_diagnostics_rebuild_each_cluster(qwen):
 
     model, stats = qwen
     ad = MoEAdapter(model)
-    avg_plan, avg_t = get_method("conmoe-average").build(parse_config("conmoe-average", {"ratio": 0.5}), MethodContext(ad, stats))
-    base_plan, _ = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5}), MethodContext(ad, stats))
+    avg_plan, avg_t = get_method("conmoe-average").build(
+        parse_config("conmoe-average", {"ratio": 0.5}), MethodContext(ad, stats)
+    )
+    base_plan, _ = get_method("conmoe").build(
+        parse_config("conmoe", {"ratio": 0.5}), MethodContext(ad, stats)
+    )
     assert avg_t == {}
     assert [lp.slots for lp in avg_plan.layers] == [lp.slots for lp in base_plan.layers]  # map fixed first
     source = lambda layer, e: ad.layer(layer).storage.read(e)
@@ -240,12 +278,16 @@ def test_fusion_diagnostics_rebuild_each_cluster(qwen):
         for s in sc.stored:
             if s.construction == "copy":
                 continue
-            mass = torch.tensor([float(stats[layer]["routing_mass"][e]) for layer, e in s.sources], dtype=torch.float64)
+            mass = torch.tensor(
+                [float(stats[layer]["routing_mass"][e]) for layer, e in s.sources], dtype=torch.float64
+            )
             assert s.weights == pytest.approx((mass / mass.sum()).tolist(), rel=1e-12)
             w = stored_weights(avg_plan, sc, s, source, avg_t)
             expected = sum(wi * ad.get_expert(*src).down.double() for wi, src in zip(s.weights, s.sources))
             torch.testing.assert_close(w.down.double(), expected, atol=1e-6, rtol=1e-5)
-    arcee_plan, arcee_t = get_method("conmoe-arcee").build(parse_config("conmoe-arcee", {"ratio": 0.5}), MethodContext(ad, stats))
+    arcee_plan, arcee_t = get_method("conmoe-arcee").build(
+        parse_config("conmoe-arcee", {"ratio": 0.5}), MethodContext(ad, stats)
+    )
     fused_any = False
     for sc in arcee_plan.scopes:
         for s in sc.stored:
@@ -331,7 +373,9 @@ def _safetensors_bytes(directory):
 
 
 def test_compact_export_stores_a_shared_prototype_once_and_matches_the_materialized_checkpoint(tmp_path):
-    export_mod = pytest.importorskip("moecompress.export", reason="the plan developer's exporters are not installed")
+    export_mod = pytest.importorskip(
+        "moecompress.export", reason="the plan developer's exporters are not installed"
+    )
     from moecompress.api import export, load
 
     model = tiny_model("qwen3_moe", seed=6, num_hidden_layers=2)
@@ -340,16 +384,21 @@ def test_compact_export_stores_a_shared_prototype_once_and_matches_the_materiali
     ad.set_expert(1, 3, ad.get_expert(0, 5).map(lambda t: t * 1.0001))
     model.save_pretrained(tmp_path / "src")
     stats = synthetic_stats(model)
-    plan, tensors = get_method("conmoe").build(parse_config("conmoe", {"ratio": 0.5, "scope_size": 2}), MethodContext(ad, stats))
+    plan, tensors = get_method("conmoe").build(
+        parse_config("conmoe", {"ratio": 0.5, "scope_size": 2}), MethodContext(ad, stats)
+    )
     sc = plan.scopes[0]
     assert sc.layers == [0, 1] and len(sc.stored) == 8
     used_by = {j: {lp.layer for lp in plan.layers if j in lp.slots} for j in range(len(sc.stored))}
     shared = [j for j, layers in used_by.items() if layers == {0, 1}]
     assert shared, "some prototype serves slots of both layers"
     assert plan.layer(1).slots[3] == plan.layer(0).slots[5]  # the planted pair shares one stored expert
-    compact = export(tmp_path / "src", plan, tmp_path / "compact", format="compact", tensors=tensors, quiet=True)
-    materialized = export(tmp_path / "src", plan, tmp_path / "mat", format="materialized", tensors=tensors,
-                          quiet=True)
+    compact = export(
+        tmp_path / "src", plan, tmp_path / "compact", format="compact", tensors=tensors, quiet=True
+    )
+    materialized = export(
+        tmp_path / "src", plan, tmp_path / "mat", format="materialized", tensors=tensors, quiet=True
+    )
     info = plan.model
     per_expert = info.layer(0).bytes_per_expert
     stored_bytes, keys = _safetensors_bytes(tmp_path / "compact")
@@ -404,7 +453,9 @@ def test_blockwise_scope_distance_equals_pairwise_distance(qwen, monkeypatch):
     model, _ = qwen
     ad = MoEAdapter(model)
     stacks = [ad.experts(i) for i in (0, 1, 2)]
-    direct = pairwise_distance(ExpertWeights.stack([ad.get_expert(i, e) for i in (0, 1, 2) for e in range(8)]))
+    direct = pairwise_distance(
+        ExpertWeights.stack([ad.get_expert(i, e) for i in (0, 1, 2) for e in range(8)])
+    )
     monkeypatch.setattr(conmoe, "_DIRECT_LIMIT", 0)  # force the block-wise path (used for big experts)
     blocked = scope_distance(stacks, chunk=5)
     torch.testing.assert_close(blocked, direct, atol=1e-12, rtol=1e-12)

@@ -27,7 +27,9 @@ def files(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("first document " * 20 + "\n\n\n" + "second document " * 30 + "\n\n\n\n" + "third " * 5)
     jsonl = tmp_path / "b.jsonl"
-    jsonl.write_text("\n".join(json.dumps({"body": f"record number {i} " * (i + 1), "id": i}) for i in range(12)))
+    jsonl.write_text(
+        "\n".join(json.dumps({"body": f"record number {i} " * (i + 1), "id": i}) for i in range(12))
+    )
     return txt, jsonl
 
 
@@ -35,17 +37,30 @@ def test_spec_grammar(files):
     txt, jsonl = files
     s = parse_spec(f"c4:128+wikitext2@test:4+{jsonl}#body:3+fixture-calib+{txt}")
     assert [(t.kind, t.name, t.split, t.count) for t in s] == [
-        ("hub", "c4", None, 128), ("hub", "wikitext2", "test", 4), ("file", str(jsonl), None, 3),
-        ("fixture", "fixture-calib", None, None), ("file", str(txt), None, None)]
+        ("hub", "c4", None, 128),
+        ("hub", "wikitext2", "test", 4),
+        ("file", str(jsonl), None, 3),
+        ("fixture", "fixture-calib", None, None),
+        ("file", str(txt), None, None),
+    ]
     assert s[2].field == "body" and s[4].field is None
     assert parse_spec(str(jsonl))[0].field == "text"  # JSON records default to the 'text' field
 
 
-@pytest.mark.parametrize("spec, msg", [
-    ("", "empty"), ("  ", "empty"), ("+", "names no dataset"), (":64", "names no dataset"),
-    ("c4:64+", "names no dataset"), ("c5:10", "Unknown dataset 'c5'"), ("no/such/file.txt", "does not exist"),
-    ("c4:0", "at least one"), ("wikitext2@:3", "empty split"),
-])
+@pytest.mark.parametrize(
+    "spec, msg",
+    [
+        ("", "empty"),
+        ("  ", "empty"),
+        ("+", "names no dataset"),
+        (":64", "names no dataset"),
+        ("c4:64+", "names no dataset"),
+        ("c5:10", "Unknown dataset 'c5'"),
+        ("no/such/file.txt", "does not exist"),
+        ("c4:0", "at least one"),
+        ("wikitext2@:3", "empty split"),
+    ],
+)
 def test_bad_specs_give_one_sentence(spec, msg):
     with pytest.raises(MoECompressError, match=msg):
         parse_spec(spec)
@@ -54,10 +69,14 @@ def test_bad_specs_give_one_sentence(spec, msg):
 def test_hub_table_names_real_datasets():
     assert HUB_DATASETS["c4"].dataset_id == "allenai/c4"
     assert HUB_DATASETS["c4"].data_files["train"] == "en/c4-train.00000-of-01024.json.gz"
-    assert (HUB_DATASETS["wikitext2"].dataset_id, HUB_DATASETS["wikitext2"].config) == \
-        ("Salesforce/wikitext", "wikitext-2-raw-v1")
-    assert (HUB_DATASETS["fineweb-edu"].dataset_id, HUB_DATASETS["fineweb-edu"].config) == \
-        ("HuggingFaceFW/fineweb-edu", "sample-10BT")
+    assert (HUB_DATASETS["wikitext2"].dataset_id, HUB_DATASETS["wikitext2"].config) == (
+        "Salesforce/wikitext",
+        "wikitext-2-raw-v1",
+    )
+    assert (HUB_DATASETS["fineweb-edu"].dataset_id, HUB_DATASETS["fineweb-edu"].config) == (
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+    )
     assert (HUB_DATASETS["gsm8k"].dataset_id, HUB_DATASETS["gsm8k"].config) == ("openai/gsm8k", "main")
 
 
@@ -157,8 +176,11 @@ def test_hub_datasets_are_called_with_their_ids_configs_and_splits(tok, monkeypa
     d = load_calibration("c4:3+gsm8k:2+wikitext2:1", tok, 64, seed=7)
     assert d.num_sequences == 6
     c4 = next(c for c in calls if c[0] == "allenai/c4")[1]
-    assert c4 == {"split": "train", "streaming": True,
-                  "data_files": {"train": "en/c4-train.00000-of-01024.json.gz"}}
+    assert c4 == {
+        "split": "train",
+        "streaming": True,
+        "data_files": {"train": "en/c4-train.00000-of-01024.json.gz"},
+    }
     gsm = next(c for c in calls if c[0] == "openai/gsm8k")[1]
     assert gsm == {"split": "train", "streaming": False, "name": "main"}
     wiki = next(c for c in calls if c[0] == "Salesforce/wikitext")[1]

@@ -25,10 +25,16 @@ from moecompress.methods.dense import (
 from moecompress.models import MoEAdapter, expert_apply
 from moecompress.testing import FAMILY_NAMES, fixture_dir, tiny_model
 
-EXPECTED = {"qwen3_moe": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2ForCausalLM", "olmoe": "OlmoeForCausalLM",
-            "mixtral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-            "granitemoe": "GraniteForCausalLM"}
+EXPECTED = {
+    "qwen3_moe": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MistralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "granitemoe": "GraniteForCausalLM",
+}
 
 _CACHE: dict = {}
 
@@ -61,7 +67,9 @@ def test_concat_equals_weighted_sum_of_group_experts(family, scaling):
     model, stats, _ = _setup(family)
     adapter = MoEAdapter(model)
     i = adapter.moe_layers[-1]
-    layer = convert_layer(adapter, i, stats[i], DenseConfig(criterion="acp", scaling=scaling), fold_shared=False)
+    layer = convert_layer(
+        adapter, i, stats[i], DenseConfig(criterion="acp", scaling=scaling), fold_shared=False
+    )
     x = torch.randn(20, adapter.hidden_size, generator=torch.Generator().manual_seed(2))
     want = sum(g["alpha"] * adapter.expert_forward(i, g["experts"][0], x) for g in layer.plan["groups"])
     got = expert_apply(layer.routed.map(lambda t: t.float()), x, layer.act)
@@ -78,8 +86,13 @@ def test_concat_with_merged_groups_and_shared_expert():
     assert sorted(e for g in layer.plan["groups"] for e in g["experts"]) == sorted(layer.plan["selected"])
     x = torch.randn(20, adapter.hidden_size, generator=torch.Generator().manual_seed(3))
     experts = adapter.experts(i)
-    want = sum(g["alpha"] * expert_apply(merge_group(experts, g["experts"], g["merge_weights"]).map(lambda t: t.float()),
-                                         x, layer.act) for g in layer.plan["groups"])
+    want = sum(
+        g["alpha"]
+        * expert_apply(
+            merge_group(experts, g["experts"], g["merge_weights"]).map(lambda t: t.float()), x, layer.act
+        )
+        for g in layer.plan["groups"]
+    )
     want = want + adapter.shared_forward(i, x)
     got = expert_apply(layer.ffn(True).map(lambda t: t.float()), x, layer.act)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -118,8 +131,12 @@ def test_student_attention_path_reproduces_the_teacher(family):
             for name, mod in m.named_modules():
                 if name.endswith((".mlp", ".block_sparse_moe")):
                     zero[id(mod)] = mod.register_forward_hook(
-                        lambda mod, a, out: (torch.zeros_like(out[0]), *out[1:]) if isinstance(out, tuple)
-                        else torch.zeros_like(out))
+                        lambda mod, a, out: (
+                            (torch.zeros_like(out[0]), *out[1:])
+                            if isinstance(out, tuple)
+                            else torch.zeros_like(out)
+                        )
+                    )
         t = model(ids, output_hidden_states=True)
         s = student(ids, output_hidden_states=True)
         for h in zero.values():
@@ -182,8 +199,14 @@ def test_doptimal_selection_avoids_duplicates():
     E = 4
     f = torch.eye(E)
     f[1] = f[0]  # expert 1 duplicates expert 0
-    stats = {"counts": torch.tensor([10, 10, 9, 1]), "tokens": torch.tensor(20), "cp": torch.tensor([.5, .5, .4, .1]),
-             "pp": torch.zeros(E), "routing_mass": torch.zeros(E), "gram": f @ f.T}
+    stats = {
+        "counts": torch.tensor([10, 10, 9, 1]),
+        "tokens": torch.tensor(20),
+        "cp": torch.tensor([0.5, 0.5, 0.4, 0.1]),
+        "pp": torch.zeros(E),
+        "routing_mass": torch.zeros(E),
+        "gram": f @ f.T,
+    }
     assert select_experts(stats, "cp", 2) == [0, 1]
     assert select_experts(stats, "do-cp", 2) == [0, 2]
 
@@ -194,8 +217,18 @@ def test_every_grouping_and_scaling_runs(criterion):
     adapter = MoEAdapter(model)
     for grouping in GROUPINGS:
         for scaling in SCALINGS:
-            conv = convert(adapter, stats, DenseConfig(criterion=criterion, K=5, grouping=grouping, scaling=scaling,
-                                                       mass_scale=scaling == "uniform"), progress=False)
+            conv = convert(
+                adapter,
+                stats,
+                DenseConfig(
+                    criterion=criterion,
+                    K=5,
+                    grouping=grouping,
+                    scaling=scaling,
+                    mass_scale=scaling == "uniform",
+                ),
+                progress=False,
+            )
             for lp in conv.plan["layers"]:
                 members = [e for g in lp["groups"] for e in g["experts"]]
                 assert sorted(members) == sorted(lp["selected"]) and len(lp["groups"]) == 2
@@ -239,15 +272,22 @@ def test_exported_student_loads_with_plain_from_pretrained(family, tmp_path):
     from moecompress.distill.dense_export import PLAN_NAME, export_dense
 
     model, stats, ids = _setup(family)
-    summary = export_dense(model, tmp_path / "student", DenseConfig(criterion="acp", K=4, grouping="oc"), calib=stats,
-                           progress=False)
+    summary = export_dense(
+        model,
+        tmp_path / "student",
+        DenseConfig(criterion="acp", K=4, grouping="oc"),
+        calib=stats,
+        progress=False,
+    )
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
     assert type(loaded).__name__ == EXPECTED[family] == summary["student_class"]
     student, _, _ = _student(family, criterion="acp", K=4, grouping="oc")
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, student(ids).logits)
     plan = json.loads((tmp_path / "student" / PLAN_NAME).read_text())
-    assert plan["student"]["class"] == EXPECTED[family] and len(plan["layers"]) == len(MoEAdapter(model).moe_layers)
+    assert plan["student"]["class"] == EXPECTED[family] and len(plan["layers"]) == len(
+        MoEAdapter(model).moe_layers
+    )
     assert not list(tmp_path.glob(".student.tmp-*"))  # written atomically
 
 
@@ -263,15 +303,56 @@ def test_cli_dense_and_sweep(tmp_path):
     char_tokenizer().save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"the quick brown fox {i} jumps over the lazy dog." for i in range(200)))
-    r = CliRunner().invoke(app, ["dense", str(src), "--out", str(tmp_path / "dense"), "--criterion", "DO-ACP", "--K",
-                                 "4", "--grouping", "wc", "--scaling", "proportional", "--calib", f"{text}:4",
-                                 "--seq-len", "64"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "dense",
+            str(src),
+            "--out",
+            str(tmp_path / "dense"),
+            "--criterion",
+            "DO-ACP",
+            "--K",
+            "4",
+            "--grouping",
+            "wc",
+            "--scaling",
+            "proportional",
+            "--calib",
+            f"{text}:4",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert (tmp_path / "dense" / "tokenizer.json").is_file() and "Qwen3ForCausalLM" in r.output
-    r = CliRunner().invoke(app, ["dense-sweep", str(src), "--out", str(tmp_path / "sweep.md"), "--calib", f"{text}:4",
-                                 "--heldout", str(text), "--criteria", "cp,do-acp", "--groupings", "rr,oc", "--K",
-                                 "2,4", "--scalings", "uniform,uniform+mass", "--heldout-tokens", "512", "--window", "64",
-                                 "--seq-len", "64"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "dense-sweep",
+            str(src),
+            "--out",
+            str(tmp_path / "sweep.md"),
+            "--calib",
+            f"{text}:4",
+            "--heldout",
+            str(text),
+            "--criteria",
+            "cp,do-acp",
+            "--groupings",
+            "rr,oc",
+            "--K",
+            "2,4",
+            "--scalings",
+            "uniform,uniform+mass",
+            "--heldout-tokens",
+            "512",
+            "--window",
+            "64",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert r.exit_code == 0, r.output
     table = (tmp_path / "sweep.md").read_text()
     assert "| do-acp | oc | uniform |" in table and "K=4" in table
@@ -325,18 +406,26 @@ def test_collector_matches_the_calibration_engine(tmp_path):
     """`collect_dense_stats` and `moecompress calibrate --for-method dense` define the statistics alike,
     so `--calib` can be a text spec or a stats store interchangeably."""
     from moecompress.calibrate import calibrate
-    from moecompress.methods import stats_for_method
     from moecompress.calibrate.store import load_stats
     from moecompress.data import CalibrationData
     from moecompress.distill.dense_export import _read_store
+    from moecompress.methods import stats_for_method
 
     model = tiny_model("deepseek_v2", seed=3)
     model.save_pretrained(tmp_path / "m")
     ids = torch.randint(3, 90, (4, 16), generator=torch.Generator().manual_seed(4))
-    calibrate(str(tmp_path / "m"), CalibrationData.from_tokens(ids), stats=stats_for_method("dense"), out=tmp_path / "s",
-              dtype="float32", progress=False)
+    calibrate(
+        str(tmp_path / "m"),
+        CalibrationData.from_tokens(ids),
+        stats=stats_for_method("dense"),
+        out=tmp_path / "s",
+        dtype="float32",
+        progress=False,
+    )
     store, ours = load_stats(tmp_path / "s"), collect_dense_stats(model, ids, progress=False)
     for i in store.layers:
         for name in ("counts", "tokens", "routing_mass", "pp", "cp", "out_norm_sq_mean", "gram"):
-            torch.testing.assert_close(store.get(i, name).double(), ours[i][name].double(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(
+                store.get(i, name).double(), ours[i][name].double(), atol=1e-6, rtol=1e-5
+            )
     assert sorted(_read_store(tmp_path / "s")[0]) == store.layers

@@ -29,7 +29,9 @@ def test_kd_losses_known_answers():
     torch.testing.assert_close(kd_loss(s, t, "reverse_kl"), rev)
     assert float(kd_loss(t, t)) == pytest.approx(0.0, abs=1e-7)
     pT, qT = torch.softmax(t / 2, -1), torch.softmax(s / 2, -1)
-    torch.testing.assert_close(kd_loss(s, t, "forward_kl", 2.0), 4 * (pT * (pT.log() - qT.log())).sum(-1).mean())
+    torch.testing.assert_close(
+        kd_loss(s, t, "forward_kl", 2.0), 4 * (pT * (pT.log() - qT.log())).sum(-1).mean()
+    )
     hs = [torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3)]
     ht = [torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2, 3)]
     assert float(hidden_mse(hs, ht)) == pytest.approx(0.5)  # layer outputs only: (1 + 0) / 2
@@ -67,7 +69,9 @@ def _pair():
     stats = collect_dense_stats(teacher, ids, progress=False)
     from moecompress.distill.dense_export import build_student
 
-    return teacher, lambda: build_student(teacher, convert(teacher, stats, DenseConfig(criterion="cp"), progress=False))
+    return teacher, lambda: build_student(
+        teacher, convert(teacher, stats, DenseConfig(criterion="cp"), progress=False)
+    )
 
 
 def test_killed_run_resumes_to_the_same_student(tmp_path):
@@ -78,7 +82,9 @@ def test_killed_run_resumes_to_the_same_student(tmp_path):
 
     teacher, fresh = _pair()
     data = torch.randint(3, 90, (3000,), generator=torch.Generator().manual_seed(1))
-    kw = dict(tokens=8 * 32 * 8, seq_len=32, batch_size=8, eval_every=4, save_every=4, lr=1e-3, progress=False)
+    kw = dict(
+        tokens=8 * 32 * 8, seq_len=32, batch_size=8, eval_every=4, save_every=4, lr=1e-3, progress=False
+    )
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -99,7 +105,9 @@ def test_killed_run_resumes_to_the_same_student(tmp_path):
     b = load_file(tmp_path / "cut" / "student" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     m = full.metrics
-    assert m["after"]["eval_kl"] < m["before"]["eval_kl"] and m["after"]["eval_loss"] < m["before"]["eval_loss"]
+    assert (
+        m["after"]["eval_kl"] < m["before"]["eval_kl"] and m["after"]["eval_loss"] < m["before"]["eval_loss"]
+    )
     assert full.curve.stat().st_size > 10_000
     report = json.loads(full.report.read_text())
     assert report["metrics"]["steps"] == 8 and any("eval_ppl" in h for h in report["log_history"])
@@ -114,9 +122,23 @@ def test_options_bf16_checkpointing_hidden_expanded(tmp_path):
 
     teacher, fresh = _pair()
     data = torch.randint(3, 90, (1200,), generator=torch.Generator().manual_seed(2))
-    r = distill(teacher, fresh(), data, tokens=2 * 4 * 32, out=tmp_path / "o", seq_len=32, batch_size=4,
-                loss="kl_hidden", temperature=2.0, expanded_top_k=4, bf16=True, gradient_checkpointing=True,
-                eval_every=1, save_every=1, progress=False)
+    r = distill(
+        teacher,
+        fresh(),
+        data,
+        tokens=2 * 4 * 32,
+        out=tmp_path / "o",
+        seq_len=32,
+        batch_size=4,
+        loss="kl_hidden",
+        temperature=2.0,
+        expanded_top_k=4,
+        bf16=True,
+        gradient_checkpointing=True,
+        eval_every=1,
+        save_every=1,
+        progress=False,
+    )
     assert r.metrics["steps"] == 2
     student = AutoModelForCausalLM.from_pretrained(r.student_dir)
     assert type(student).__name__ == "Qwen3ForCausalLM"
@@ -139,7 +161,7 @@ def test_accelerate_configs_parse(path, monkeypatch):
     args = parser.parse_args(["--config_file", path, "-m", "moecompress.cli", "distill"])
     args, _, _ = _validate_launch_command(args)
     known = vars(parser.parse_args(["x"]))
-    for key in (cfg.fsdp_config or {}):
+    for key in cfg.fsdp_config or {}:
         assert key in known, f"unknown FSDP option {key}"
     if cfg.distributed_type == "FSDP":
         assert args.use_fsdp and int(args.fsdp_version) == 2
@@ -152,8 +174,23 @@ def test_cli_distill_bad_option(capsys):
     from moecompress.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["distill", "--teacher", "t", "--student", "s", "--data", "d", "--tokens", "10", "--out", "o",
-              "--loss", "kl_sideways"])
+        main(
+            [
+                "distill",
+                "--teacher",
+                "t",
+                "--student",
+                "s",
+                "--data",
+                "d",
+                "--tokens",
+                "10",
+                "--out",
+                "o",
+                "--loss",
+                "kl_sideways",
+            ]
+        )
     assert exc.value.code == 2
     assert "--loss is invalid" in capsys.readouterr().err
 
@@ -174,14 +211,37 @@ def test_sigkilled_cli_run_resumes(tmp_path):
         model.save_pretrained(tmp_path / name)
         char_tokenizer().save_pretrained(tmp_path / name)
     (tmp_path / "d.txt").write_text(" ".join(f"sentence {i} about foxes and dogs." for i in range(3000)))
-    cmd = [sys.executable, "-m", "moecompress.cli", "distill", "--teacher", str(tmp_path / "t"), "--student",
-           str(tmp_path / "s"), "--data", str(tmp_path / "d.txt"), "--tokens", str(40 * 8 * 32), "--seq-len", "32",
-           "--out", str(tmp_path / "run"), "--save-every", "5", "--eval-every", "20", "--lr", "1e-3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moecompress.cli",
+        "distill",
+        "--teacher",
+        str(tmp_path / "t"),
+        "--student",
+        str(tmp_path / "s"),
+        "--data",
+        str(tmp_path / "d.txt"),
+        "--tokens",
+        str(40 * 8 * 32),
+        "--seq-len",
+        "32",
+        "--out",
+        str(tmp_path / "run"),
+        "--save-every",
+        "5",
+        "--eval-every",
+        "20",
+        "--lr",
+        "1e-3",
+    ]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ck = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
-    while time.time() < deadline and not any((p / "trainer_state.json").exists() for p in ck.glob("checkpoint-*")):
+    while time.time() < deadline and not any(
+        (p / "trainer_state.json").exists() for p in ck.glob("checkpoint-*")
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

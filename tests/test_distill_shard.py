@@ -29,8 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # the two runs follow the same trajectory whatever the samplers pick
 SEQ, BATCH, STEPS = 16, 4, 2
 DATA = torch.arange(3, 3 + SEQ).repeat(64)
-KW = {"seq_len": SEQ, "batch_size": BATCH, "eval_every": 1, "save_every": 100, "lr": 1e-3, "warmup": 0,
-      "val_tokens": 2 * SEQ, "progress": False, "expanded_top_k": 4}
+KW = {
+    "seq_len": SEQ,
+    "batch_size": BATCH,
+    "eval_every": 1,
+    "save_every": 100,
+    "lr": 1e-3,
+    "warmup": 0,
+    "val_tokens": 2 * SEQ,
+    "progress": False,
+    "expanded_top_k": 4,
+}
 
 
 def _teacher():
@@ -43,8 +52,17 @@ def _student():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(1)
-    cfg = AutoConfig.for_model("qwen3", vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=8, intermediate_size=64, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -69,7 +87,9 @@ def _worker(out: Path) -> None:
             diff_expanded = float((t(ids).logits.float() - w(ids).logits.float()).abs().max())
     from moecompress.testing import tiny_model
 
-    tied = tiny_model("qwen3_moe", dtype=torch.bfloat16, tie_word_embeddings=True)  # embeddings stay in the root
+    tied = tiny_model(
+        "qwen3_moe", dtype=torch.bfloat16, tie_word_embeddings=True
+    )  # embeddings stay in the root
     tied_whole = copy.deepcopy(tied)
     shard.shard_fsdp2(tied)
     with torch.no_grad():
@@ -77,8 +97,11 @@ def _worker(out: Path) -> None:
     result = {
         "all_dtensor": all(isinstance(p, DTensor) for p in params),
         "bf16": all(p.dtype == torch.bfloat16 for p in params),
-        "local": sum(p.to_local().numel() for p in params), "full": sum(p.numel() for p in params),
-        "whole": sum(p.numel() for p in whole.parameters()), "diff": diff, "diff_expanded": diff_expanded,
+        "local": sum(p.to_local().numel() for p in params),
+        "full": sum(p.numel() for p in params),
+        "whole": sum(p.numel() for p in whole.parameters()),
+        "diff": diff,
+        "diff_expanded": diff_expanded,
         "diff_tied": diff_tied,
     }
     # (c) the Trainer with a sharded teacher (a fresh one: `teacher` above is sharded already)
@@ -107,17 +130,33 @@ def test_fsdp2_teacher_is_sharded_and_computes_the_same(tmp_path):
     from moecompress.distill import distill
 
     src = ROOT / "src"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
-               PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           str(tmp_path)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
-        assert r["all_dtensor"] and r["bf16"] and r["full"] == r["whole"]  # (a): DTensors of the whole teacher
+        assert (
+            r["all_dtensor"] and r["bf16"] and r["full"] == r["whole"]
+        )  # (a): DTensors of the whole teacher
         assert abs(r["local"] - r["full"] / 2) <= 0.02 * r["full"]  # each rank holds about half
-        assert max(r["diff"], r["diff_expanded"], r["diff_tied"]) < 1e-6  # (b): the same bf16 ops, the same logits
+        assert (
+            max(r["diff"], r["diff_expanded"], r["diff_tied"]) < 1e-6
+        )  # (b): the same bf16 ops, the same logits
         assert r["steps"] == STEPS and r["trainer_sharded"]
     assert ranks[0]["local"] + ranks[1]["local"] == ranks[0]["full"]
     # (c): the single-process run with the teacher whole on its device
@@ -135,15 +174,23 @@ def test_placement_follows_the_accelerator():
     from moecompress.distill.shard import place_teacher, teacher_placement
 
     def acc(fsdp2=False, stage=None):
-        plugin = None if stage is None else NS(zero_stage=stage, deepspeed_config={"zero_optimization": {"stage": stage}})
+        plugin = (
+            None
+            if stage is None
+            else NS(zero_stage=stage, deepspeed_config={"zero_optimization": {"stage": stage}})
+        )
         return NS(is_fsdp2=fsdp2, state=NS(deepspeed_plugin=plugin))
 
     assert teacher_placement(acc(fsdp2=True)) == "fsdp2"
     assert teacher_placement(acc(stage=3)) == "zero3"
-    assert teacher_placement(acc(stage=2)) == teacher_placement(acc()) == "replicated"  # ZeRO-2, DDP, one device
+    assert (
+        teacher_placement(acc(stage=2)) == teacher_placement(acc()) == "replicated"
+    )  # ZeRO-2, DDP, one device
     teacher = _teacher().train()
     placed = place_teacher(teacher, acc(), torch.device("cpu"))
-    assert placed is teacher and not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    assert (
+        placed is teacher and not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    )
     with pytest.raises(MoECompressError, match="expanded teacher"):
         place_teacher(teacher, acc(stage=3), torch.device("cpu"), expanded_top_k=4)
     try:
@@ -161,9 +208,14 @@ def test_zero3_teacher_config_from_the_shipped_one():
     cfg = zero3_inference_config(ds, hidden_size=192)
     zero = cfg["zero_optimization"]
     assert "optimizer" not in cfg and "scheduler" not in cfg and zero["stage"] == 3
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
-            zero["stage3_param_persistence_threshold"]) == (192 * 192, int(0.9 * 192 * 192), 1920)
-    assert ds["zero_optimization"]["reduce_bucket_size"] == "auto" and "optimizer" in ds  # the input is untouched
+    assert (
+        zero["reduce_bucket_size"],
+        zero["stage3_prefetch_bucket_size"],
+        zero["stage3_param_persistence_threshold"],
+    ) == (192 * 192, int(0.9 * 192 * 192), 1920)
+    assert (
+        ds["zero_optimization"]["reduce_bucket_size"] == "auto" and "optimizer" in ds
+    )  # the input is untouched
 
 
 def test_a_bf16_checkpoint_gives_a_bf16_teacher():

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from moecompress.data import disjoint_resamples, load_tokenizer
-from moecompress.data.sources import FIXTURE_DOMAINS, fixture_documents, text_documents, fixture_path
+from moecompress.data.sources import FIXTURE_DOMAINS, fixture_documents, fixture_path, text_documents
 from moecompress.drift import drift_summary, jaccard_distance, mask_drift
 from moecompress.errors import MoECompressError
 from moecompress.models.loading import resolve_fixture
@@ -24,8 +24,11 @@ def tok():
 def test_fixture_corpora_are_the_runs_the_build_script_writes():
     for fixture, runs in FIXTURE_DOMAINS.items():
         docs = text_documents(fixture_path(fixture).read_text(encoding="utf-8"))
-        assert [r[:2] for r in runs.values()] == [(0, runs["technical"][1]), (runs["technical"][1], runs["scripture"][1]),
-                                                    (runs["scripture"][1], len(docs))]
+        assert [r[:2] for r in runs.values()] == [
+            (0, runs["technical"][1]),
+            (runs["technical"][1], runs["scripture"][1]),
+            (runs["scripture"][1], len(docs)),
+        ]
         headword = re.compile(r"^[A-Z][A-Z'-]+, [a-z]+\.", re.M)  # "BAAL, n." opens a dictionary entry
         a, b, _ = runs["technical"]
         assert not any("Yahweh" in d or headword.search(d) for d in docs[a:b])
@@ -53,22 +56,31 @@ def test_draws_use_disjoint_documents_at_the_same_token_count(tok):
 
 def _direct(masks, layers):
     """The definitions, computed plainly: set sizes, no shared helpers."""
+
     def j(x, y):
         u = len(x | y)
         return 0.0 if u == 0 else (u - len(x & y)) / u
 
     flat = {s: [{(l, e) for l in layers for e in m[l]} for m in draws] for s, draws in masks.items()}
     R = len(next(iter(masks.values())))
-    w = {s: sum(j(f[r], f[q]) for r in range(R) for q in range(r + 1, R)) / (R * (R - 1) / 2) for s, f in flat.items()}
-    d = {(a, b): sum(j(flat[a][r], flat[b][r]) for r in range(R)) / R for a, b in itertools.combinations(masks, 2)}
+    w = {
+        s: sum(j(f[r], f[q]) for r in range(R) for q in range(r + 1, R)) / (R * (R - 1) / 2)
+        for s, f in flat.items()
+    }
+    d = {
+        (a, b): sum(j(flat[a][r], flat[b][r]) for r in range(R)) / R
+        for a, b in itertools.combinations(masks, 2)
+    }
     return w, d
 
 
 def test_distances_equal_a_direct_computation():
     rng = random.Random(0)
     layers = [0, 1, 2]
-    masks = {s: [{l: sorted(rng.sample(range(16), rng.randint(0, 8))) for l in layers} for _ in range(5)]
-             for s in "ABC"}
+    masks = {
+        s: [{l: sorted(rng.sample(range(16), rng.randint(0, 8))) for l in layers} for _ in range(5)]
+        for s in "ABC"
+    }
     s = drift_summary(masks, layers, bootstrap=50, seed=1)
     w, d = _direct(masks, layers)
     for spec in "ABC":
@@ -85,8 +97,16 @@ def test_distances_equal_a_direct_computation():
 def test_identical_specs_drift_zero_and_masks_are_compress_masks():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = mask_drift("fixture:olmoe-tiny", ["fixture-calib/scripture", "fixture-calib/scripture"], ["frequency"],
-                         [0.5], draws=2, sequences=2, seq_len=128, bootstrap=20)
+        res = mask_drift(
+            "fixture:olmoe-tiny",
+            ["fixture-calib/scripture", "fixture-calib/scripture"],
+            ["frequency"],
+            [0.5],
+            draws=2,
+            sequences=2,
+            seq_len=128,
+            bootstrap=20,
+        )
     s = res.summary["frequency@0.5"]
     (pair,) = s["domain"]
     assert s["domain"][pair]["overall"] == 0.0 and s["overall"]["domain"] == 0.0
@@ -109,15 +129,20 @@ def test_one_pass_over_groups_equals_one_calibration_per_group(tmp_path, tok):
 
     model = resolve_fixture("fixture:qwen3-moe-tiny")
     draws = disjoint_resamples("fixture-calib/aphorisms", tok, seq_len=64, sequences=4, resamples=2, seed=1)
-    joined = CalibrationData(torch.cat([d.data.input_ids for d in draws]),
-                             torch.cat([d.data.attention_mask for d in draws]), "joined", 64)
+    joined = CalibrationData(
+        torch.cat([d.data.input_ids for d in draws]),
+        torch.cat([d.data.attention_mask for d in draws]),
+        "joined",
+        64,
+    )
     stats = ["reap", "out_norm_sq_mean"]
     groups = calibrate_groups(model, joined, [4, 4], stats, batch_size=2)
     for r, d in enumerate(draws):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            store = calibrate(model, d.data, seq_len=64, out=tmp_path / f"s{r}", stats=stats, batch_size=2,
-                              progress=False)
+            store = calibrate(
+                model, d.data, seq_len=64, out=tmp_path / f"s{r}", stats=stats, batch_size=2, progress=False
+            )
         for layer in store.layers:
             for name in ("counts", "reap", "out_norm_sq_mean"):
                 assert torch.equal(groups[r][layer][name], store.get(layer, name)), (r, layer, name)
@@ -130,11 +155,32 @@ def test_analyze_mask_drift_cli_writes_the_study(tmp_path, capsys):
 
     from moecompress.testing import run_cli
 
-    code, out, err = run_cli(["analyze", "fixture:qwen3-moe-tiny", "--mask-drift", "--criterion", "frequency",
-                              "--ratio", "0.25", "--draws", "2", "--sequences", "2", "--seq-len", "128",
-                              "--bootstrap", "20", "--out", str(tmp_path / "d")], capsys)
+    code, out, err = run_cli(
+        [
+            "analyze",
+            "fixture:qwen3-moe-tiny",
+            "--mask-drift",
+            "--criterion",
+            "frequency",
+            "--ratio",
+            "0.25",
+            "--draws",
+            "2",
+            "--sequences",
+            "2",
+            "--seq-len",
+            "128",
+            "--bootstrap",
+            "20",
+            "--out",
+            str(tmp_path / "d"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     res = json.loads((tmp_path / "d" / "drift.json").read_text())
     assert res["specs"] == [f"fixture-calib/{d}" for d in FIXTURE_DOMAINS["fixture-calib"]]
-    assert set(res["summary"]) == {"frequency@0.25"} and (tmp_path / "d" / "drift_frequency_0.25.png").is_file()
+    assert (
+        set(res["summary"]) == {"frequency@0.25"} and (tmp_path / "d" / "drift_frequency_0.25.png").is_file()
+    )
     assert "drift ratio" in out and (tmp_path / "d" / ".moecompress").is_file()

@@ -20,8 +20,9 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Replace(Regex(r"\s"), " ")
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     return fast
 
 
@@ -69,24 +70,30 @@ def test_user_task_via_include_path(tmp_path):
     d = tmp_path / "mytasks"
     d.mkdir()
     shutil.copy(FIXTURE_TASKS / "loader.py", d / "loader.py")
-    (d / "tiny.jsonl").write_text('{"q": "A b c", "choices": ["d", "e"], "gold": 0}\n'
-                                  '{"q": "X y", "choices": ["z", "w"], "gold": 1}\n')
+    (d / "tiny.jsonl").write_text(
+        '{"q": "A b c", "choices": ["d", "e"], "gold": 0}\n{"q": "X y", "choices": ["z", "w"], "gold": 1}\n'
+    )
     (d / "tiny.yaml").write_text(
         "task: my_tiny\ncustom_dataset: !function loader.load\ndataset_kwargs:\n  data_file: tiny.jsonl\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\n"
-        "doc_to_target: gold\nmetric_list:\n  - metric: acc\n")
+        "doc_to_target: gold\nmetric_list:\n  - metric: acc\n"
+    )
     model = tiny_model("olmoe", seed=0, max_position_embeddings=256)
     res = run_lm_eval(model, char_tokenizer(), ["my_tiny"], include_path=str(d))
     assert res["my_tiny"]["items"]["ids"] == [0, 1] and res["my_tiny"]["n"] == 2
 
 
 def test_unknown_task_lists_close_matches():
-    with pytest.raises(MoECompressError, match=r"Unknown lm-eval task 'fixture_mcq': did you mean fixture_mc"):
+    with pytest.raises(
+        MoECompressError, match=r"Unknown lm-eval task 'fixture_mcq': did you mean fixture_mc"
+    ):
         resolve_tasks("fixture_mc,fixture_mcq")
 
 
 def test_hub_task_offline_is_refused():
-    with pytest.raises(MoECompressError, match=r"'arc_easy' downloads its data from the HuggingFace hub.*reachable"):
+    with pytest.raises(
+        MoECompressError, match=r"'arc_easy' downloads its data from the HuggingFace hub.*reachable"
+    ):
         resolve_tasks("arc_easy")
 
 
@@ -108,8 +115,26 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("In the beginning the Python documentation was written in plain English. " * 6)
     out = tmp_path / "res" / "results.json"
-    main(["eval", str(ckpt), "--tasks", "fixture_mc", "--limit", "2", "--ppl", str(text), "--window", "64",
-          "--reference", str(ckpt), "--out", str(out), "--dtype", "float32"])
+    main(
+        [
+            "eval",
+            str(ckpt),
+            "--tasks",
+            "fixture_mc",
+            "--limit",
+            "2",
+            "--ppl",
+            str(text),
+            "--window",
+            "64",
+            "--reference",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--dtype",
+            "float32",
+        ]
+    )
     data = json.loads(out.read_text())
     arm = data["arms"][0]
     assert set(arm["metrics"]) == {"ppl:text.txt", "fixture_mc"}
@@ -134,7 +159,11 @@ def test_runtime_model_with_a_plan_runs_local_tasks():
     assert res["fixture_gen"]["items"]["ids"] == [0, 1] and res["fixture_mc"]["n"] == 2
     fields = plan_arm_fields(plan)
     assert fields["gate_semantics"] == "keep" and fields["operator"] == "reroute (keep)"
-    assert [(r["retained"], r["dropped"], r["experts"]) for r in fields["per_layer"]] == [(4, 4, 8), (4, 4, 8)]
-    other = plan_arm_fields(CompressionPlan.prune(tiny_model("olmoe", seed=1), {i: [0, 2, 4, 6] for i in range(2)},
-                                                  gate="renorm"))
+    assert [(r["retained"], r["dropped"], r["experts"]) for r in fields["per_layer"]] == [
+        (4, 4, 8),
+        (4, 4, 8),
+    ]
+    other = plan_arm_fields(
+        CompressionPlan.prune(tiny_model("olmoe", seed=1), {i: [0, 2, 4, 6] for i in range(2)}, gate="renorm")
+    )
     assert other["mask_id"] == fields["mask_id"]  # same retained experts -> same mask

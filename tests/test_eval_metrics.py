@@ -84,11 +84,14 @@ def char_tokenizer():
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>"] + [chr(c) for c in range(32, 124)] + ["<unk>"])}
+    vocab = {
+        t: i for i, t in enumerate(["<pad>", "<s>", "</s>"] + [chr(c) for c in range(32, 124)] + ["<unk>"])
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_text_file_with_a_tokenizer(model, tmp_path):

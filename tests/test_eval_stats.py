@@ -5,7 +5,14 @@ import pytest
 
 from moecompress.errors import MoECompressError
 from moecompress.eval.stats import (
-    A_BETTER, B_BETTER, NOT_DIFFERENT, apply_holm, holm, paired_bootstrap, paired_bootstrap_tasks, verdict,
+    A_BETTER,
+    B_BETTER,
+    NOT_DIFFERENT,
+    apply_holm,
+    holm,
+    paired_bootstrap,
+    paired_bootstrap_tasks,
+    verdict,
 )
 
 
@@ -77,8 +84,12 @@ def test_task_average_bootstraps_tasks_jointly():
     rng = np.random.default_rng(5)
     t1a, t1b = rng.random(12), rng.random(12)
     t2a, t2b = rng.random(7), rng.random(7)
-    r = paired_bootstrap_tasks({"t1": (range(12), t1a), "t2": (range(7), t2a)},
-                               {"t1": (range(12), t1b), "t2": (range(7), t2b)}, B=64, seed=9)
+    r = paired_bootstrap_tasks(
+        {"t1": (range(12), t1a), "t2": (range(7), t2a)},
+        {"t1": (range(12), t1b), "t2": (range(7), t2b)},
+        B=64,
+        seed=9,
+    )
     g = np.random.default_rng(9)
     b1 = (t1a - t1b)[g.integers(0, 12, size=(64, 12))].mean(1)
     b2 = (t2a - t2b)[g.integers(0, 7, size=(64, 7))].mean(1)
@@ -100,8 +111,10 @@ def test_holm_worked_example():
 
 
 def test_apply_holm_rewords_verdicts():
-    rows = [dict(delta=0.2, ci_low=0.05, ci_high=0.3, p=0.01, higher_is_better=True, alpha=0.05),
-            dict(delta=0.1, ci_low=0.01, ci_high=0.2, p=0.04, higher_is_better=True, alpha=0.05)]
+    rows = [
+        dict(delta=0.2, ci_low=0.05, ci_high=0.3, p=0.01, higher_is_better=True, alpha=0.05),
+        dict(delta=0.1, ci_low=0.01, ci_high=0.2, p=0.04, higher_is_better=True, alpha=0.05),
+    ]
     assert verdict(0.1, 0.01, 0.2, 0.04, 0.05, True) == A_BETTER  # alone it would be significant
     apply_holm(rows, 0.05)
     assert rows[0]["p_adjusted"] == pytest.approx(0.02) and rows[0]["verdict"] == A_BETTER

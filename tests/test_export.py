@@ -35,7 +35,7 @@ def remap_plan(model, gate="aggregate"):
 def header(path):
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n])
+    return json.loads(raw[8 : 8 + n])
 
 
 # ----------------------------------------------------------------------------- hf
@@ -46,17 +46,24 @@ def test_hf_export_loads_with_plain_transformers_and_matches_runtime(family, tmp
     plan = half_plan(model, keep=(0, 1, 4, 5))
     result = export(model, plan, tmp_path / "hf", format="hf", quiet=True)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    torch.testing.assert_close(logits(plain), logits(apply_plan(tiny_model(family, **kw), plan)),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        logits(plain), logits(apply_plan(tiny_model(family, **kw), plan)), atol=1e-6, rtol=1e-6
+    )
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert 4 in [cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
     keys = set(header(tmp_path / "hf" / "model.safetensors"))
-    if family in ("qwen3_moe", "olmoe", "deepseek_v3"):  # the family's own per-expert on-disk names (vLLM reads them)
+    if family in (
+        "qwen3_moe",
+        "olmoe",
+        "deepseek_v3",
+    ):  # the family's own per-expert on-disk names (vLLM reads them)
         layer = plan.layers[0].layer
         assert f"model.layers.{layer}.mlp.experts.3.gate_proj.weight" in keys
         assert not any(f"layers.{layer}.mlp.experts.4." in k for k in keys)
     assert result.weight_bytes < result.original_bytes  # (the 1% figure is asserted on a bigger model below)
-    assert abs(result.weight_bytes - result.logical_bytes) < 0.05 * result.logical_bytes  # tiny: headers weigh
+    assert (
+        abs(result.weight_bytes - result.logical_bytes) < 0.05 * result.logical_bytes
+    )  # tiny: headers weigh
     assert not result.evaluation_only
     assert json.loads((tmp_path / "hf" / "moecompress.json").read_text())["format"] == "hf"
     assert CompressionPlan.from_json((tmp_path / "hf" / "plan.json").read_text()) == plan
@@ -83,7 +90,9 @@ def test_compact_remap_equals_materialized_and_every_format_round_trips(family, 
     from_compact = logits(load(tmp_path / "compact"))
     from_mat = logits(load(tmp_path / "mat"))
     torch.testing.assert_close(from_compact, from_mat, atol=1e-5, rtol=1e-5)
-    assert torch.equal(from_compact, logits(apply_plan(tiny_model(family), plan)))  # load == in-memory runtime
+    assert torch.equal(
+        from_compact, logits(apply_plan(tiny_model(family), plan))
+    )  # load == in-memory runtime
     plain_mat = AutoModelForCausalLM.from_pretrained(tmp_path / "mat", dtype=torch.float32)
     assert torch.equal(logits(plain_mat), from_mat)
     assert compact.weight_bytes < 0.8 * mat.weight_bytes
@@ -92,32 +101,73 @@ def test_compact_remap_equals_materialized_and_every_format_round_trips(family, 
     export(model, pruned, tmp_path / "hf", format="hf", quiet=True)
     loaded = load(tmp_path / "hf")
     assert loaded._moecompress_plan == pruned
-    torch.testing.assert_close(logits(loaded), logits(apply_plan(tiny_model(family), pruned)), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        logits(loaded), logits(apply_plan(tiny_model(family), pruned)), atol=1e-6, rtol=1e-6
+    )
 
 
 def test_compact_round_trips_operators_cross_layer_scopes_and_shared_experts(tmp_path):
     model = tiny_model("qwen2_moe", num_hidden_layers=3)  # shared expert + sigmoid shared gate
     info = ModelInfo.from_model(model)
     gen = torch.Generator().manual_seed(1)
-    tensors = {"c.value": torch.randn(32, generator=gen), "t.U": torch.randn(32, 2, generator=gen),
-               "t.V": torch.randn(32, 2, generator=gen), "t.bias": torch.randn(32, generator=gen)}
-    pool = Scope(id="pool01", layers=[0, 1], stored=[
-        StoredExpert(id=0, sources=[(0, 1)]), StoredExpert(id=1, sources=[(1, 2)]),
-        StoredExpert(id=2, sources=[(0, 3), (1, 3)], construction="weighted_merge", weights=[0.5, 0.5])])
-    layers = [LayerPlan(layer=0, scope="pool01", gate="replace",
-                        slots=[0, 0, 1, 2, ConstantOp(tensor="c"), TiltOp(rank=2, tensor="t"), "drop", 2]),
-              LayerPlan(layer=1, scope="pool01", gate="aggregate", slots=[1, 0, 1, 2, 2, 0, 1, 2]),
-              LayerPlan(layer=2, scope="layer2", gate="keep", slots=[0, 1, "drop", 2, 3, "drop", 4, 5])]
-    plan = CompressionPlan(model=info, scopes=[pool, Scope(id="layer2", layers=[2], stored=[
-        StoredExpert(id=j, sources=[(2, e)]) for j, e in enumerate([0, 1, 3, 4, 6, 7])])], layers=layers)
-    export(model, plan, tmp_path / "c", tensors=tensors, quiet=True, recipe={"method": "hand", "params": {"a": 1}})
+    tensors = {
+        "c.value": torch.randn(32, generator=gen),
+        "t.U": torch.randn(32, 2, generator=gen),
+        "t.V": torch.randn(32, 2, generator=gen),
+        "t.bias": torch.randn(32, generator=gen),
+    }
+    pool = Scope(
+        id="pool01",
+        layers=[0, 1],
+        stored=[
+            StoredExpert(id=0, sources=[(0, 1)]),
+            StoredExpert(id=1, sources=[(1, 2)]),
+            StoredExpert(id=2, sources=[(0, 3), (1, 3)], construction="weighted_merge", weights=[0.5, 0.5]),
+        ],
+    )
+    layers = [
+        LayerPlan(
+            layer=0,
+            scope="pool01",
+            gate="replace",
+            slots=[0, 0, 1, 2, ConstantOp(tensor="c"), TiltOp(rank=2, tensor="t"), "drop", 2],
+        ),
+        LayerPlan(layer=1, scope="pool01", gate="aggregate", slots=[1, 0, 1, 2, 2, 0, 1, 2]),
+        LayerPlan(layer=2, scope="layer2", gate="keep", slots=[0, 1, "drop", 2, 3, "drop", 4, 5]),
+    ]
+    plan = CompressionPlan(
+        model=info,
+        scopes=[
+            pool,
+            Scope(
+                id="layer2",
+                layers=[2],
+                stored=[StoredExpert(id=j, sources=[(2, e)]) for j, e in enumerate([0, 1, 3, 4, 6, 7])],
+            ),
+        ],
+        layers=layers,
+    )
+    export(
+        model,
+        plan,
+        tmp_path / "c",
+        tensors=tensors,
+        quiet=True,
+        recipe={"method": "hand", "params": {"a": 1}},
+    )
     keys = header(tmp_path / "c" / "model.safetensors")
     assert [k for k in keys if k.startswith("moecompress.scopes.pool01.")] == [
-        "moecompress.scopes.pool01.down_proj", "moecompress.scopes.pool01.gate_up_proj"]
-    assert "model.layers.0.mlp.ops.constants" in keys and "model.layers.0.mlp.shared_expert_gate.weight" in keys
+        "moecompress.scopes.pool01.down_proj",
+        "moecompress.scopes.pool01.gate_up_proj",
+    ]
+    assert (
+        "model.layers.0.mlp.ops.constants" in keys and "model.layers.0.mlp.shared_expert_gate.weight" in keys
+    )
     assert not any(".experts." in k for k in keys)
     assert "method: hand" in (tmp_path / "c" / "recipe.yaml").read_text()
-    assert not (tmp_path / "c" / "config.json").exists()  # plain from_pretrained must not misread a compact dir
+    assert not (
+        tmp_path / "c" / "config.json"
+    ).exists()  # plain from_pretrained must not misread a compact dir
     expected = logits(apply_plan(tiny_model("qwen2_moe", num_hidden_layers=3), plan, tensors))
     loaded = load(tmp_path / "c", device_map="cpu")
     assert torch.equal(logits(loaded), expected)
@@ -127,8 +177,11 @@ def test_compact_round_trips_operators_cross_layer_scopes_and_shared_experts(tmp
 def test_bytes_on_disk_are_within_one_percent_of_the_plan(tmp_path):
     kw = dict(hidden_size=256, head_dim=32, moe_intermediate_size=128)
     model = tiny_model("qwen3_moe", **kw)
-    for name, plan, fmt in [("hf", half_plan(model), "hf"), ("compact", half_plan(model), "compact"),
-                            ("remap", remap_plan(model), "compact")]:
+    for name, plan, fmt in [
+        ("hf", half_plan(model), "hf"),
+        ("compact", half_plan(model), "compact"),
+        ("remap", remap_plan(model), "compact"),
+    ]:
         result = export(model, plan, tmp_path / name, format=fmt, quiet=True)
         logical = plan.logical_bytes().total
         assert abs(result.bytes_on_disk - logical) / logical < 0.01, (name, result.bytes_on_disk, logical)
@@ -145,13 +198,15 @@ def test_export_streams_from_a_checkpoint_directory(tmp_path, monkeypatch):
 
     loaded_layers = []
     real = source_mod.CheckpointSource.load_layer
-    monkeypatch.setattr(source_mod.CheckpointSource, "load_layer",
-                        lambda self, i: (loaded_layers.append(i), real(self, i))[1])
+    monkeypatch.setattr(
+        source_mod.CheckpointSource, "load_layer", lambda self, i: (loaded_layers.append(i), real(self, i))[1]
+    )
     for fmt in ("hf", "compact"):
         streamed = export(str(src), plan, tmp_path / f"s-{fmt}", format=fmt, quiet=True)
         in_memory = export(model, plan, tmp_path / f"m-{fmt}", format=fmt, quiet=True)
-        assert (tmp_path / f"s-{fmt}" / "model.safetensors").read_bytes() == \
-            (tmp_path / f"m-{fmt}" / "model.safetensors").read_bytes()
+        assert (tmp_path / f"s-{fmt}" / "model.safetensors").read_bytes() == (
+            tmp_path / f"m-{fmt}" / "model.safetensors"
+        ).read_bytes()
         assert (tmp_path / f"s-{fmt}" / "tokenizer_config.json").is_file()
         assert streamed.original_bytes == sum(p.stat().st_size for p in src.glob("*.safetensors"))
         assert in_memory.weight_bytes == streamed.weight_bytes
@@ -167,8 +222,12 @@ def test_sharded_output_has_an_index_and_loads(tmp_path):
         index = json.loads((tmp_path / fmt / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"].values()) == set(result.shards)
     expected = logits(apply_plan(tiny_model("qwen3_moe"), plan))
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)),
-                               expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)),
+        expected,
+        atol=1e-6,
+        rtol=1e-6,
+    )
     assert torch.equal(logits(load(tmp_path / "compact")), expected)
 
 
@@ -209,11 +268,27 @@ def test_existing_output_and_unknown_format_are_refused(tmp_path):
     with pytest.raises(MoECompressError, match="Unknown export format 'onnx'"):
         export(model, plan, tmp_path / "x", format="onnx", quiet=True)
     with pytest.raises(MoECompressError, match="cannot express the replacement operators"):
-        plan_ops = CompressionPlan(model=plan.model, scopes=plan.scopes, layers=[
-            lp.model_copy(update={"gate": "replace", "slots": [ConstantOp(tensor="c") if s == "drop" else s
-                                                              for s in lp.slots]}) for lp in plan.layers])
-        export(model, plan_ops, tmp_path / "x", format="materialized", tensors={"c.value": torch.zeros(32)},
-               quiet=True)
+        plan_ops = CompressionPlan(
+            model=plan.model,
+            scopes=plan.scopes,
+            layers=[
+                lp.model_copy(
+                    update={
+                        "gate": "replace",
+                        "slots": [ConstantOp(tensor="c") if s == "drop" else s for s in lp.slots],
+                    }
+                )
+                for lp in plan.layers
+            ],
+        )
+        export(
+            model,
+            plan_ops,
+            tmp_path / "x",
+            format="materialized",
+            tensors={"c.value": torch.zeros(32)},
+            quiet=True,
+        )
     with pytest.raises(MoECompressError, match="cannot delete or mask the dropped slots"):
         export(model, plan, tmp_path / "x", format="materialized", quiet=True)
     runtime = apply_plan(tiny_model("olmoe"), plan)

@@ -15,7 +15,11 @@ from moecompress.testing import FAMILY_NAMES, TINY_CONFIGS, save_tiny, tiny_conf
 
 
 def test_every_family_has_a_tiny_config_and_the_tests_build_them_all():
-    assert set(FAMILY_NAMES) == set(TINY_CONFIGS) == {f.model_type for f in FAMILIES.values() if f.tiny is not None}
+    assert (
+        set(FAMILY_NAMES)
+        == set(TINY_CONFIGS)
+        == {f.model_type for f in FAMILIES.values() if f.tiny is not None}
+    )
     missing = [name for name, f in FAMILIES.items() if f.tiny is None]
     assert missing == ["beam"]  # its tiny model is built (and checked) by the survey: tests/test_survey.py
 
@@ -58,8 +62,14 @@ def test_hf_quantized_exactly_when_the_checkpoint_has_what_compressed_tensors_qu
 
 
 def test_dense_targets_are_the_family_dense_families():
-    assert DENSE_TARGETS == {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral",
-                             "granitemoe": "granite", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+    assert DENSE_TARGETS == {
+        "qwen3_moe": "qwen3",
+        "qwen2_moe": "qwen2",
+        "mixtral": "mistral",
+        "granitemoe": "granite",
+        "deepseek_v2": "deepseek_v2",
+        "deepseek_v3": "deepseek_v3",
+    }
     assert all(FAMILIES[t].dense_family == d for t, d in DENSE_TARGETS.items())
 
 
@@ -70,4 +80,6 @@ def test_a_declared_layout_is_used_without_sniffing():
     assert ExpertStorage.detect(experts).layout == "fused"
     assert ExpertStorage.detect(experts, "gpt_oss").layout == "gpt_oss"
     gpt = tiny_model("gpt_oss").model.layers[0].mlp.experts
-    assert ExpertStorage.detect(gpt).layout == "gpt_oss" and ExpertStorage.detect(torch.nn.Linear(2, 2)) is None
+    assert (
+        ExpertStorage.detect(gpt).layout == "gpt_oss" and ExpertStorage.detect(torch.nn.Linear(2, 2)) is None
+    )

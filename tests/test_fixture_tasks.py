@@ -44,7 +44,9 @@ def test_shipped_files_are_what_the_seeded_builder_writes(builder, tmp_path):
     builder.write(tmp_path, mc, gen, 1234, cloze, nextword)
     for name in ("fixture_cloze", "fixture_nextword", "fixture_mc", "fixture_gen"):
         for ext in ("jsonl", "yaml"):
-            assert (tmp_path / f"{name}.{ext}").read_bytes() == (FIXTURE_TASKS / f"{name}.{ext}").read_bytes(), name
+            assert (tmp_path / f"{name}.{ext}").read_bytes() == (
+                FIXTURE_TASKS / f"{name}.{ext}"
+            ).read_bytes(), name
 
 
 def test_cloze_items_are_a_blank_with_same_document_distractors(builder, docs):
@@ -56,7 +58,7 @@ def test_cloze_items_are_a_blank_with_same_document_distractors(builder, docs):
         # the true choice is the text that really follows the context in that document
         assert r["context"] + " " + r["choices"][r["gold"]] in doc
         words = [re.match(r"[A-Za-z]+", c).group(0) for c in r["choices"]]
-        tails = {c[len(w):] for c, w in zip(r["choices"], words)}
+        tails = {c[len(w) :] for c, w in zip(r["choices"], words)}
         # the same continuation after the blank: what touches the word (punctuation or nothing), then <= 3 words
         assert len(tails) == 1 and len(tails.pop().split(" ")) <= builder.RIGHT_WORDS + 1
         assert len({w.lower() for w in words}) == 4
@@ -99,11 +101,11 @@ def test_new_tasks_run_offline_and_score_the_choices_by_loglikelihood():
         lls = []
         for c in r["choices"]:
             full = tok(r["context"] + " " + c).input_ids
-            assert full[:len(ctx)] == ctx  # the context's tokens do not merge with the choice's
+            assert full[: len(ctx)] == ctx  # the context's tokens do not merge with the choice's
             with torch.no_grad():
                 logp = model(torch.tensor([full])).logits[0].log_softmax(-1)
-            tgt = torch.tensor(full[len(ctx):])
-            lls.append(logp[len(ctx) - 1:-1].gather(-1, tgt[:, None]).sum().item())
+            tgt = torch.tensor(full[len(ctx) :])
+            lls.append(logp[len(ctx) - 1 : -1].gather(-1, tgt[:, None]).sum().item())
         expected.append(float(max(range(4), key=lls.__getitem__) == r["gold"]))
     assert cl["items"]["acc"] == expected
 

@@ -19,7 +19,9 @@ def test_fixture_is_stored_in_bf16(name):
     d = fixture_dir(name)
     header = read_header(d / "model.safetensors")
     assert len(header) == 231
-    assert {h["dtype"] for h in header.values()} == {"BF16"}, f"{name} must ship bf16 weights (scripts/convert_fixtures_bf16.py)"
+    assert {h["dtype"] for h in header.values()} == {"BF16"}, (
+        f"{name} must ship bf16 weights (scripts/convert_fixtures_bf16.py)"
+    )
     assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
 
 

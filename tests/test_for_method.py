@@ -24,8 +24,21 @@ CRITERIA = criteria()
 @pytest.fixture(scope="module")
 def prune_store(tmp_path_factory):
     out = tmp_path_factory.mktemp("for-method") / "S"
-    res = CliRunner().invoke(app, ["calibrate", str(fixture_dir("olmoe-tiny")), "--data", "fixture-calib:8",
-                                   "--seq-len", "64", "--out", str(out), "--for-method", "prune"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            str(fixture_dir("olmoe-tiny")),
+            "--data",
+            "fixture-calib:8",
+            "--seq-len",
+            "64",
+            "--out",
+            str(out),
+            "--for-method",
+            "prune",
+        ],
+    )
     assert res.exit_code == 0, res.output
     return out
 
@@ -33,9 +46,25 @@ def prune_store(tmp_path_factory):
 @pytest.mark.parametrize("criterion", CRITERIA)
 def test_prune_store_serves_every_criterion(prune_store, tmp_path, criterion):
     before = (prune_store / "meta.json").read_bytes() if (prune_store / "meta.json").exists() else None
-    res = CliRunner().invoke(app, ["compress", str(fixture_dir("olmoe-tiny")), "--method", "prune", "--criterion",
-                                   criterion, "--ratio", "0.25", "--calib", str(prune_store),
-                                   "--out", str(tmp_path / "out"), "--format", "compact"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "compress",
+            str(fixture_dir("olmoe-tiny")),
+            "--method",
+            "prune",
+            "--criterion",
+            criterion,
+            "--ratio",
+            "0.25",
+            "--calib",
+            str(prune_store),
+            "--out",
+            str(tmp_path / "out"),
+            "--format",
+            "compact",
+        ],
+    )
     assert res.exit_code == 0, res.output
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["method"] == "prune" and plan["params"]["criterion"] == criterion

@@ -29,11 +29,18 @@ class _ChannelNorms:
 
     def __init__(self, adapter):
         g = torch.Generator().manual_seed(0)
-        self.data = {i: {"in_channel_norm": torch.rand(adapter.num_experts(i), adapter.hidden_size, generator=g) + 0.1,
-                         "mid_channel_norm": torch.rand(adapter.num_experts(i), adapter.intermediate_size(i),
-                                                        generator=g) + 0.1,
-                         "counts": torch.ones(adapter.num_experts(i)), "tokens": torch.tensor(10.0)}
-                     for i in adapter.moe_layers}
+        self.data = {
+            i: {
+                "in_channel_norm": torch.rand(adapter.num_experts(i), adapter.hidden_size, generator=g) + 0.1,
+                "mid_channel_norm": torch.rand(
+                    adapter.num_experts(i), adapter.intermediate_size(i), generator=g
+                )
+                + 0.1,
+                "counts": torch.ones(adapter.num_experts(i)),
+                "tokens": torch.tensor(10.0),
+            }
+            for i in adapter.moe_layers
+        }
 
     def require(self, *names, method=None):
         pass
@@ -65,8 +72,13 @@ def test_hf_expressibility(info):
     why = HFFormat.reason(CompressionPlan.remap(info, {0: [0, 0, 2, 2, 4, 4, 6, 6]}))
     assert "several slots" in why
     olmoe = ModelInfo.from_model(tiny_model("olmoe"))
-    assert HFFormat.reason(CompressionPlan.prune(olmoe, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, gate="keep")) is not None
-    assert HFFormat.reason(CompressionPlan.prune(info, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, gate="keep")) is None
+    assert (
+        HFFormat.reason(CompressionPlan.prune(olmoe, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, gate="keep"))
+        is not None
+    )
+    assert (
+        HFFormat.reason(CompressionPlan.prune(info, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, gate="keep")) is None
+    )
 
 
 def test_registry_names_every_format_once_and_auto_ends_with_one_that_holds_everything(info):
@@ -88,12 +100,17 @@ def test_auto_choice_is_todays(info, packed):
 
 def test_a_named_format_that_cannot_hold_the_plan_is_refused_in_one_sentence(info, packed):
     """choose_format (compress/compare) names the flag; export's own sentence names the argument."""
-    with pytest.raises(MoECompressError, match=r"'hf' format cannot express this plan \(layer 0 maps several slots.*"
-                                               r"use --format compact\.$"):
+    with pytest.raises(
+        MoECompressError,
+        match=r"'hf' format cannot express this plan \(layer 0 maps several slots.*"
+        r"use --format compact\.$",
+    ):
         choose_format(_remap(info), "hf")
     with pytest.raises(MoECompressError, match=r"packed element-wise merges.*use --format packed"):
         choose_format(packed, "hf")
-    with pytest.raises(MoECompressError, match=r"'compact' format cannot express this plan.*use --format packed"):
+    with pytest.raises(
+        MoECompressError, match=r"'compact' format cannot express this plan.*use --format packed"
+    ):
         choose_format(packed, "compact")
     with pytest.raises(MoECompressError, match="cannot delete or mask the dropped slots.*use --format hf"):
         choose_format(_half(info), "materialized")
@@ -114,10 +131,13 @@ def test_quantized_hf_follows_the_family():
         adapter = MoEAdapter(tiny_model(family))
         plan = CompressionPlan.identity(adapter)
         assert choose_format(plan) == "hf"
-        plan, _ = quantize_plan(plan, {}, lambda l, e, a=adapter: a.layer(l).storage.read(e),
-                                QuantConfig(quant="w4c", algo="rtn"))
+        plan, _ = quantize_plan(
+            plan, {}, lambda l, e, a=adapter: a.layer(l).storage.read(e), QuantConfig(quant="w4c", algo="rtn")
+        )
         assert choose_format(plan) == expected
-    with pytest.raises(MoECompressError, match="the gpt_oss family's experts quantized.*use --format compact"):
+    with pytest.raises(
+        MoECompressError, match="the gpt_oss family's experts quantized.*use --format compact"
+    ):
         choose_format(plan, "hf")
 
 

@@ -41,8 +41,10 @@ def _model(name):
 
 def _half_keep(info):
     """A 50 % prune that keeps a different set in every layer (so the stacks' order is checked)."""
-    return {li.layer: sorted({(3 * j + li.layer) % li.num_experts for j in range(li.num_experts // 2)})
-            for li in info.layers}
+    return {
+        li.layer: sorted({(3 * j + li.layer) % li.num_experts for j in range(li.num_experts // 2)})
+        for li in info.layers
+    }
 
 
 def _read(path):
@@ -62,8 +64,10 @@ def written(tmp_path_factory):
     out = {}
     for name in FIXTURES:
         info = ModelInfo.from_model(_model(name), checkpoint=fixture_dir(name))
-        for kind, plan in (("identity", CompressionPlan.identity(_model(name))),
-                           ("half", CompressionPlan.prune(info, _half_keep(info), gate="renorm"))):
+        for kind, plan in (
+            ("identity", CompressionPlan.identity(_model(name))),
+            ("half", CompressionPlan.prune(info, _half_keep(info), gate="renorm")),
+        ):
             d = tmp_path_factory.mktemp(f"{name}-{kind}")
             result = export(str(fixture_dir(name)), plan, d / "out", format="gguf", quiet=True)
             out[name, kind] = (plan, d / "out", result)
@@ -85,20 +89,34 @@ def test_the_gguf_holds_the_checkpoint_in_llamacpp_names_layouts_and_types(writt
     assert fields["general.architecture"] == arch
     assert fields[f"{arch}.block_count"] == 4 and fields[f"{arch}.context_length"] == 1024
     assert fields[f"{arch}.embedding_length"] == 192
-    assert fields[f"{arch}.expert_count"] == k and fields[f"{arch}.expert_used_count"] == config.num_experts_per_tok
+    assert (
+        fields[f"{arch}.expert_count"] == k
+        and fields[f"{arch}.expert_used_count"] == config.num_experts_per_tok
+    )
     assert fields[f"{arch}.attention.head_count"] == 6
     assert fields[f"{arch}.attention.head_count_kv"] == config.num_key_value_heads
     assert fields[f"{arch}.rope.freq_base"] == 10000.0
     width = 96 if arch == "olmoe" else 128
-    assert fields[f"{arch}.expert_feed_forward_length" if arch == "qwen3moe" else f"{arch}.feed_forward_length"] == width
+    assert (
+        fields[f"{arch}.expert_feed_forward_length" if arch == "qwen3moe" else f"{arch}.feed_forward_length"]
+        == width
+    )
     assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
-    assert len(fields["tokenizer.ggml.tokens"]) == 4096 and fields["tokenizer.ggml.tokens"][:2] == ["<|endoftext|>",
-                                                                                                   "<|pad|>"]
-    assert list(fields["tokenizer.ggml.token_type"][:3]) == [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
-                                                            gguf.TokenType.NORMAL]
+    assert len(fields["tokenizer.ggml.tokens"]) == 4096 and fields["tokenizer.ggml.tokens"][:2] == [
+        "<|endoftext|>",
+        "<|pad|>",
+    ]
+    assert list(fields["tokenizer.ggml.token_type"][:3]) == [
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.NORMAL,
+    ]
     assert fields["tokenizer.ggml.merges"][0] == "Ġ t" and len(fields["tokenizer.ggml.merges"]) == 3838
-    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
-            fields["tokenizer.ggml.padding_token_id"]) == (0, 0, 1)
+    assert (
+        fields["tokenizer.ggml.bos_token_id"],
+        fields["tokenizer.ggml.eos_token_id"],
+        fields["tokenizer.ggml.padding_token_id"],
+    ) == (0, 0, 1)
     assert fields["tokenizer.ggml.add_bos_token"] is False
 
     # every tensor: its name from gguf's own map, its shape, its type, and its values (experts in slot order)
@@ -121,8 +139,12 @@ def test_the_gguf_holds_the_checkpoint_in_llamacpp_names_layouts_and_types(writt
     for gname, t in expected.items():
         found = tensors[gname]
         f32 = t.ndim == 1 or "ffn_gate_inp" in gname
-        assert found.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.BF16), gname
-        assert [int(x) for x in found.shape] == list(reversed(t.shape)), gname  # GGML's ne: PyTorch's reversed
+        assert found.tensor_type == (
+            gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.BF16
+        ), gname
+        assert [int(x) for x in found.shape] == list(reversed(t.shape)), (
+            gname
+        )  # GGML's ne: PyTorch's reversed
         values = gguf.quants.dequantize(found.data, found.tensor_type)
         assert np.array_equal(values, t.float().numpy()), gname
 
@@ -135,8 +157,10 @@ def test_file_bytes_against_the_plans(written, name, capsys):
         data = G.tensor_bytes(d / "model.gguf")
         logical = plan.logical_bytes().total
         with capsys.disabled():
-            print(f"\n{name} {kind}: GGUF tensor bytes {data} / file {(d / 'model.gguf').stat().st_size} vs plan "
-                  f"{logical} ({100 * (data / logical - 1):+.2f} %)")
+            print(
+                f"\n{name} {kind}: GGUF tensor bytes {data} / file {(d / 'model.gguf').stat().st_size} vs plan "
+                f"{logical} ({100 * (data / logical - 1):+.2f} %)"
+            )
         assert abs(data / logical - 1) < 0.01
 
 
@@ -147,19 +171,23 @@ def test_q8_0_and_q4_0_are_our_codes_exactly(spec):
     spec = QuantSpec.parse(spec, algo="rtn")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 16, 128, generator=g)
-    w = w * torch.logspace(-2, 1.5, 16).reshape(1, 16, 1)  # rows from 0.01 to ~30: scales down to ~2e-5 (8-bit)
+    w = w * torch.logspace(-2, 1.5, 16).reshape(
+        1, 16, 1
+    )  # rows from 0.01 to ~30: scales down to ~2e-5 (8-bit)
     q = rtn(w.to(torch.bfloat16), spec)
     data, kind, inexact = G.encode_quantized(q)
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     assert kind == f"Q{spec.bits}_0" and data.shape == (3, 16, 4 * (34 if spec.bits == 8 else 18))
     ours = q.dequantize(torch.float32).numpy()
-    assert inexact == 0 and (q.scale.float() >= 2.0 ** -17).all()
+    assert inexact == 0 and (q.scale.float() >= 2.0**-17).all()
     assert np.array_equal(gguf.quants.dequantize(data, qtype), ours)
     assert np.array_equal(gguf.quants.dequantize(data, qtype), q.dequantize(torch.float32).numpy())
     # gguf's quantizer, by contrast, picks its own codes (Q4_0: d = max/-8), so its weights are not ours
     if spec.bits == 4:
-        assert not np.array_equal(gguf.quants.dequantize(gguf.quants.quantize(ours.reshape(-1, 128), qtype), qtype),
-                                  ours.reshape(-1, 128))
+        assert not np.array_equal(
+            gguf.quants.dequantize(gguf.quants.quantize(ours.reshape(-1, 128), qtype), qtype),
+            ours.reshape(-1, 128),
+        )
     tiny = rtn((w[:1, :1] * 1e-4).to(torch.bfloat16), spec)  # |w| ~ 3e-8: scales below fp16's exact range
     assert G.encode_quantized(tiny)[2] > 0
 
@@ -171,14 +199,16 @@ def test_a_quantized_plan_writes_q_blocks_that_dequantize_to_the_runtimes_weight
     adapter = MoEAdapter(model)
     info = ModelInfo.from_model(model, checkpoint=fixture_dir(name))
     plan = CompressionPlan.prune(info, _half_keep(info), gate="renorm")
-    plan, tensors = quantize_plan(plan, {}, lambda l, e: adapter.layer(l).storage.read(e),
-                                  QuantConfig(quant=spec, algo="rtn"))
+    plan, tensors = quantize_plan(
+        plan, {}, lambda l, e: adapter.layer(l).storage.read(e), QuantConfig(quant=spec, algo="rtn")
+    )
     assert GGUFFormat.reason(plan) is None
     result = export(str(fixture_dir(name)), plan, tmp_path / "q", format="gguf", quiet=True, tensors=tensors)
     _, fields, found = _read(tmp_path / "q" / "model.gguf")
     qtype = getattr(gguf.GGMLQuantizationType, f"Q{spec[1]}_0")
-    assert fields["general.file_type"] == (gguf.LlamaFileType.MOSTLY_Q8_0 if spec == "w8g32" else
-                                           gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert fields["general.file_type"] == (
+        gguf.LlamaFileType.MOSTLY_Q8_0 if spec == "w8g32" else gguf.LlamaFileType.MOSTLY_Q4_0
+    )
     assert "moecompress.inexact_fp16_scales" not in fields  # every scale of the fixture is an fp16 value
     from moecompress.quant.tensor import QuantizedTensor
 
@@ -188,14 +218,26 @@ def test_a_quantized_plan_writes_q_blocks_that_dequantize_to_the_runtimes_weight
         for part in ("gate", "up", "down"):
             t = found[f"blk.{lp.layer}.ffn_{part}_exps.weight"]
             assert t.tensor_type == qtype
-            ours = [QuantizedTensor.from_packed(
-                {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{s.tensor}.{part}.")},
-                plan.scope(lp.scope).stored[s.id].quant) for s in stored]
+            ours = [
+                QuantizedTensor.from_packed(
+                    {
+                        k.rsplit(".", 1)[1]: v
+                        for k, v in tensors.items()
+                        if k.startswith(f"{s.tensor}.{part}.")
+                    },
+                    plan.scope(lp.scope).stored[s.id].quant,
+                )
+                for s in stored
+            ]
             theirs = gguf.quants.dequantize(t.data, qtype)
-            assert np.array_equal(theirs, torch.stack([q.dequantize(torch.float32) for q in ours]).detach().numpy())
+            assert np.array_equal(
+                theirs, torch.stack([q.dequantize(torch.float32) for q in ours]).detach().numpy()
+            )
             # what the runtime computes with (bf16, rounded once from the float32 product) is theirs rounded to bf16
-            assert torch.equal(torch.from_numpy(theirs).to(torch.bfloat16),
-                               torch.stack([q.dequantize(torch.bfloat16) for q in ours]))
+            assert torch.equal(
+                torch.from_numpy(theirs).to(torch.bfloat16),
+                torch.stack([q.dequantize(torch.bfloat16) for q in ours]),
+            )
     data, logical = G.tensor_bytes(tmp_path / "q" / "model.gguf"), plan.logical_bytes(tensors).total
     print(f"{spec}: GGUF tensor bytes {data} vs plan {logical} ({100 * (data / logical - 1):+.2f} %)")
     assert abs(data / logical - 1) < 0.01 and result.format == "gguf"
@@ -212,32 +254,50 @@ def _with_constant(plan):
 def test_refusals_are_one_sentence_naming_a_format_that_can(tmp_path):
     info = ModelInfo.from_model(_model("olmoe-tiny"), checkpoint=fixture_dir("olmoe-tiny"))
     qinfo = ModelInfo.from_model(_model("qwen3-moe-tiny"), checkpoint=fixture_dir("qwen3-moe-tiny"))
-    uneven = CompressionPlan.prune(info, {0: list(range(8)), 1: list(range(8)), 2: list(range(8)), 3: list(range(6))})
+    uneven = CompressionPlan.prune(
+        info, {0: list(range(8)), 1: list(range(8)), 2: list(range(8)), 3: list(range(6))}
+    )
     cases = {
         "different numbers of experts": uneven,
-        "several slots to one stored expert": CompressionPlan.remap(info, {li.layer: [e // 2 * 2 for e in range(16)]
-                                                                          for li in info.layers}),
-        "uses gate 'keep'": CompressionPlan.prune(info, _half_keep(info), gate="keep"),  # OLMoE: not renormalised
+        "several slots to one stored expert": CompressionPlan.remap(
+            info, {li.layer: [e // 2 * 2 for e in range(16)] for li in info.layers}
+        ),
+        "uses gate 'keep'": CompressionPlan.prune(
+            info, _half_keep(info), gate="keep"
+        ),  # OLMoE: not renormalised
         "uses gate 'replace'": CompressionPlan.prune(info, _half_keep(info), gate="replace"),
-        "replacement operators": _with_constant(CompressionPlan.prune(info, _half_keep(info), gate="replace")),
-        "covers the olmoe, qwen3_moe, qwen2_moe, mixtral and granitemoe families, not deepseek_v2":
-            CompressionPlan.identity(tiny_model("deepseek_v2")),
+        "replacement operators": _with_constant(
+            CompressionPlan.prune(info, _half_keep(info), gate="replace")
+        ),
+        "covers the olmoe, qwen3_moe, qwen2_moe, mixtral and granitemoe families, not deepseek_v2": CompressionPlan.identity(
+            tiny_model("deepseek_v2")
+        ),
     }
     for why, plan in cases.items():
         refusal = GGUFFormat.refusal(plan)
-        assert why in refusal and "\n" not in refusal and re.search(r"export it with format='\w+' instead\.$", refusal)
+        assert (
+            why in refusal
+            and "\n" not in refusal
+            and re.search(r"export it with format='\w+' instead\.$", refusal)
+        )
     # keep == renorm where the router renormalises (Qwen3-MoE): llama.cpp holds it
     assert GGUFFormat.reason(CompressionPlan.prune(qinfo, _half_keep(qinfo), gate="keep")) is None
     adapter = MoEAdapter(_model("olmoe-tiny"))
     for spec, why in (("w4g128", "w4g128 experts match no GGUF type exactly"), ("w8g32a", "only symmetric")):
-        plan, _ = quantize_plan(CompressionPlan.identity(adapter), {},
-                                lambda l, e: adapter.layer(l).storage.read(e), QuantConfig(quant=spec, algo="rtn"))
+        plan, _ = quantize_plan(
+            CompressionPlan.identity(adapter),
+            {},
+            lambda l, e: adapter.layer(l).storage.read(e),
+            QuantConfig(quant=spec, algo="rtn"),
+        )
         assert why in GGUFFormat.refusal(plan)
     with pytest.raises(MoECompressError, match=r"^The 'gguf' format cannot express this plan \(.*compact"):
         export(str(fixture_dir("olmoe-tiny")), cases["uses gate 'replace'"], tmp_path / "x", format="gguf")
     assert not (tmp_path / "x").exists()
     with pytest.raises(MoECompressError, match="needs the model's tokenizer.json"):
-        export(tiny_model("olmoe"), CompressionPlan.identity(tiny_model("olmoe")), tmp_path / "y", format="gguf")
+        export(
+            tiny_model("olmoe"), CompressionPlan.identity(tiny_model("olmoe")), tmp_path / "y", format="gguf"
+        )
     clipped = tmp_path / "clipped"
     shutil.copytree(fixture_dir("olmoe-tiny"), clipped)
     cfg = json.loads((clipped / "config.json").read_text())
@@ -252,7 +312,13 @@ def test_refusals_are_one_sentence_naming_a_format_that_can(tmp_path):
 
 def _export_identity(tmp_path):
     d = tmp_path / "id"
-    export(str(fixture_dir("olmoe-tiny")), CompressionPlan.identity(_model("olmoe-tiny")), d, format="gguf", quiet=True)
+    export(
+        str(fixture_dir("olmoe-tiny")),
+        CompressionPlan.identity(_model("olmoe-tiny")),
+        d,
+        format="gguf",
+        quiet=True,
+    )
     return d
 
 
@@ -267,10 +333,14 @@ def test_the_cli_writes_gguf_and_refuses_in_one_sentence(tmp_path, capsys):
     code, out, err = run_cli([*base, "--quant", "w4g128", "--out", str(tmp_path / "no")], capsys)
     assert code == 2 and not (tmp_path / "no").exists()
     line = err.strip()
-    assert "\n" not in line and "The 'gguf' format cannot express this plan" in line and "use --format" in line
+    assert (
+        "\n" not in line and "The 'gguf' format cannot express this plan" in line and "use --format" in line
+    )
 
 
-@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("mixtral", "llama"), ("granitemoe", "granitemoe")])
+@pytest.mark.parametrize(
+    "family,arch", [("qwen2_moe", "qwen2moe"), ("mixtral", "llama"), ("granitemoe", "granitemoe")]
+)
 def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
     """Shared experts (Qwen2-MoE) and llama's q/k rope permutation (Mixtral, Granite-MoE, whose multipliers are
     metadata): every tensor gets a llama.cpp name."""
@@ -284,17 +354,27 @@ def test_qwen2_moe_and_mixtral_map_every_tensor(tmp_path, family, arch):
     _, fields, found = _read(tmp_path / "g" / "model.gguf")
     assert fields["general.architecture"] == arch and fields[f"{arch}.expert_count"] == 4
     assert found["blk.1.ffn_gate_exps.weight"].shape.tolist() == [32, 16, 4]
-    assert ("output.weight" in found) == (family == "qwen2_moe")  # tied: written only where llama.cpp needs it
+    assert ("output.weight" in found) == (
+        family == "qwen2_moe"
+    )  # tied: written only where llama.cpp needs it
     if family == "qwen2_moe":
-        assert {"blk.0.ffn_gate_shexp.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.attn_q.bias"} <= set(found)
-        assert found["blk.0.ffn_gate_inp_shexp.weight"].shape.tolist() == [32]  # {n_embd}, as llama.cpp reads it
+        assert {"blk.0.ffn_gate_shexp.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.attn_q.bias"} <= set(
+            found
+        )
+        assert found["blk.0.ffn_gate_inp_shexp.weight"].shape.tolist() == [
+            32
+        ]  # {n_embd}, as llama.cpp reads it
         # transformers' GGUF loader reads it back to the hf export's logits, shared expert and tied head included
         from transformers import AutoConfig, AutoModelForCausalLM
 
         export(str(tmp_path / "m"), plan, tmp_path / "h", format="hf", quiet=True)
         ref = AutoModelForCausalLM.from_pretrained(tmp_path / "h", dtype=torch.float32)
-        back = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file=G.GGUF_FILE, dtype=torch.float32,
-                                                    config=AutoConfig.from_pretrained(tmp_path / "h"))
+        back = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "g",
+            gguf_file=G.GGUF_FILE,
+            dtype=torch.float32,
+            config=AutoConfig.from_pretrained(tmp_path / "h"),
+        )
         ids = torch.randint(2, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             assert torch.equal(ref(ids).logits, back(ids).logits)
@@ -320,9 +400,20 @@ def test_the_pre_tokenizer_is_named_after_the_tokenizers_splitting_rule():
     assert G.pre_tokenizer({**fixture, "normalizer": {"type": "NFC"}}) is None
 
     def split(regex):
-        return {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}}
+        return {
+            "pre_tokenizer": {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": False,
+                        "trim_offsets": False,
+                        "use_regex": False,
+                    },
+                ],
+            }
+        }
 
     assert G.pre_tokenizer(split(G._QWEN2_SPLIT)) == "qwen2"
     assert G.pre_tokenizer(split(G._QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"))) is None
@@ -344,14 +435,17 @@ def test_transformers_gguf_loader_reads_back_the_same_qwen3_moe(written, tmp_pat
             ref_dir = tmp_path / "hf"
             export(str(fixture_dir(name)), plan, ref_dir, format="hf", quiet=True)
         ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
-        back = AutoModelForCausalLM.from_pretrained(d, gguf_file=G.GGUF_FILE, config=AutoConfig.from_pretrained(ref_dir),
-                                                    dtype=torch.float32)
+        back = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=G.GGUF_FILE, config=AutoConfig.from_pretrained(ref_dir), dtype=torch.float32
+        )
         with torch.no_grad():
             assert torch.equal(ref(ids).logits, back(ids).logits), kind
     text = "The cat sat on the mat, 12345 times!! Don't   stop.\n\nNew line"
     plan, d, _ = written[name, "identity"]
-    assert (AutoTokenizer.from_pretrained(d, gguf_file=G.GGUF_FILE)(text).input_ids
-            == AutoTokenizer.from_pretrained(fixture_dir(name))(text).input_ids)
+    assert (
+        AutoTokenizer.from_pretrained(d, gguf_file=G.GGUF_FILE)(text).input_ids
+        == AutoTokenizer.from_pretrained(fixture_dir(name))(text).input_ids
+    )
 
 
 def test_quantized_non_expert_weights_are_q_blocks_too(tmp_path):
@@ -366,9 +460,12 @@ def test_quantized_non_expert_weights_are_q_blocks_too(tmp_path):
     info = ModelInfo.from_model(model, checkpoint=fixture_dir(name))
     plan = CompressionPlan.prune(info, _half_keep(info), gate="renorm")
     specs = {"attention": "w4g32", "embeddings": "w8g32", "lm_head": "w8g32", "router": "w8g32"}
-    plan, tensors = quantize_tensors(plan, {}, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()})
-    plan, tensors = quantize_plan(plan, tensors, lambda l, e: adapter.layer(l).storage.read(e),
-                                  QuantConfig(quant="w4g32", algo="rtn"))
+    plan, tensors = quantize_tensors(
+        plan, {}, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()}
+    )
+    plan, tensors = quantize_plan(
+        plan, tensors, lambda l, e: adapter.layer(l).storage.read(e), QuantConfig(quant="w4g32", algo="rtn")
+    )
     export(str(fixture_dir(name)), plan, tmp_path / "g", format="gguf", quiet=True, tensors=tensors)
     _, _, found = _read(tmp_path / "g" / "model.gguf")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 4)
@@ -376,13 +473,18 @@ def test_quantized_non_expert_weights_are_q_blocks_too(tmp_path):
     for hf_name, tq in plan.tensor_quant.items():
         t = found[names.get_name(hf_name, try_suffixes=(".weight",))]
         assert t.tensor_type == getattr(gguf.GGMLQuantizationType, f"Q{tq.quant.bits}_0"), hf_name
-        ours = QuantizedTensor.from_packed(packed_of(tensors, hf_name), tq.quant).dequantize(torch.float32).detach()
+        ours = (
+            QuantizedTensor.from_packed(packed_of(tensors, hf_name), tq.quant)
+            .dequantize(torch.float32)
+            .detach()
+        )
         if tq.kind == "router":
             ours = ours[kept[int(hf_name.split(".")[2])]]
         assert np.array_equal(gguf.quants.dequantize(t.data, t.tensor_type), ours.numpy()), hf_name
     assert {tq.kind for tq in plan.tensor_quant.values()} == set(specs)
     data, logical = G.tensor_bytes(tmp_path / "g" / "model.gguf"), plan.logical_bytes(tensors).total
     assert abs(data / logical - 1) < 0.01, (data, logical)
-    coarse, _ = quantize_tensors(CompressionPlan.identity(model), {}, adapter,
-                                 {"attention": QuantSpec.parse("w4g128", algo="rtn")})
+    coarse, _ = quantize_tensors(
+        CompressionPlan.identity(model), {}, adapter, {"attention": QuantSpec.parse("w4g128", algo="rtn")}
+    )
     assert "attention weight 'model.layers.0.self_attn.k_proj.weight' is w4g128" in GGUFFormat.refusal(coarse)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,14 @@ def _lint(config: Path) -> subprocess.CompletedProcess:
     if exe is None:
         pytest.fail("lint-imports is missing; install the dev extra (pip install -e '.[dev]').")
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.run([exe, "--config", str(config), "--no-cache"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [exe, "--config", str(config), "--no-cache"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_import_contracts_are_kept():
@@ -34,8 +39,10 @@ def test_import_contracts_are_kept():
 def test_a_back_edge_breaks_the_layers(tmp_path):
     """The same harness reports a contract the code breaks: models may not import errors under this one."""
     cfg = tmp_path / "contracts.toml"
-    cfg.write_text('[tool.importlinter]\nroot_package = "moecompress"\n\n[[tool.importlinter.contracts]]\n'
-                   'name = "inverted"\ntype = "layers"\nlayers = ["moecompress.errors", "moecompress.models"]\n')
+    cfg.write_text(
+        '[tool.importlinter]\nroot_package = "moecompress"\n\n[[tool.importlinter.contracts]]\n'
+        'name = "inverted"\ntype = "layers"\nlayers = ["moecompress.errors", "moecompress.models"]\n'
+    )
     run = _lint(cfg)
     assert run.returncode == 1 and "BROKEN" in run.stdout and "moecompress.models" in run.stdout, run.stdout
 

@@ -23,9 +23,14 @@ def _stats(model, counts, corr=None, feats=None):
     out = {}
     for i in ad.moe_layers:
         e = ad.num_experts(i)
-        out[i] = {"counts": torch.as_tensor(counts, dtype=torch.int64), "tokens": torch.tensor(100),
-                      "router_logit_corr": corr if corr is not None else torch.eye(e, dtype=torch.float64),
-                      "out_mean_all": feats if feats is not None else torch.zeros(e, ad.hidden_size, dtype=torch.float64)}
+        out[i] = {
+            "counts": torch.as_tensor(counts, dtype=torch.int64),
+            "tokens": torch.tensor(100),
+            "router_logit_corr": corr if corr is not None else torch.eye(e, dtype=torch.float64),
+            "out_mean_all": feats
+            if feats is not None
+            else torch.zeros(e, ad.hidden_size, dtype=torch.float64),
+        }
     return out
 
 
@@ -46,8 +51,11 @@ def _hand_merge(ad, layer, group, weights):
 
 
 def test_weighted_average_small_example():
-    stack = ExpertWeights(gate=torch.tensor([[[1.0]], [[3.0]], [[7.0]]]), up=torch.tensor([[[2.0]], [[0.0]], [[4.0]]]),
-                          down=torch.tensor([[[0.0]], [[4.0]], [[8.0]]]))
+    stack = ExpertWeights(
+        gate=torch.tensor([[[1.0]], [[3.0]], [[7.0]]]),
+        up=torch.tensor([[[2.0]], [[0.0]], [[4.0]]]),
+        down=torch.tensor([[[0.0]], [[4.0]], [[8.0]]]),
+    )
     avg = weighted_average(stack, torch.tensor([3.0, 1.0, 0.0]))
     assert avg.gate.item() == pytest.approx((3 * 1 + 1 * 3) / 4)
     assert avg.up.item() == pytest.approx((3 * 2 + 0) / 4)
@@ -68,8 +76,9 @@ def test_msmoe_groups_and_merges_equal_hand_computed_averages():
     assert msmoe_groups(torch.tensor(counts), sim, 4) == [[0, 3], [2, 1, 6], [5], [7, 4]]  # core first
     model = tiny_model("qwen3_moe", seed=1)
     ad = MoEAdapter(model)
-    plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5}),
-                                               MethodContext(ad, _stats(model, counts, corr=sim)))
+    plan, tensors = get_method("m-smoe").build(
+        parse_config("m-smoe", {"ratio": 0.5}), MethodContext(ad, _stats(model, counts, corr=sim))
+    )
     source = lambda layer, e: ad.layer(layer).storage.read(e)
     for layer in ad.moe_layers:
         sc = plan.scope(f"layer{layer}")
@@ -104,8 +113,9 @@ def test_hcsmoe_clusters_and_frequency_weighted_merge():
     # average linkage: {0,1} at 0.1, {2,3} at 0.2, then {2,3}+{4} at (5 + 4.8)/2 = 4.9 < 5.05 = d({0,1},{2,3})
     assert hierarchical_clusters(feats, 3) == [[0, 1], [2, 3, 4], [5]]
     counts = [3, 1, 2, 2, 4, 0]
-    plan, tensors = get_method("hc-smoe").build(parse_config("hc-smoe", {"ratio": 0.5}),
-                                                MethodContext(ad, _stats(model, counts, feats=feats)))
+    plan, tensors = get_method("hc-smoe").build(
+        parse_config("hc-smoe", {"ratio": 0.5}), MethodContext(ad, _stats(model, counts, feats=feats))
+    )
     source = lambda layer, e: ad.layer(layer).storage.read(e)
     for layer in ad.moe_layers:
         sc = plan.scope(f"layer{layer}")
@@ -127,8 +137,9 @@ def test_linkages_match_scipy_and_differ_where_they_should():
         f = torch.randn(e, 4, generator=g, dtype=torch.float64)
         for linkage in ("average", "single", "complete"):
             for metric in ("euclidean", "cosine"):
-                assert hierarchical_clusters(f, k, linkage, metric, "torch") == \
-                    hierarchical_clusters(f, k, linkage, metric, "scipy")
+                assert hierarchical_clusters(f, k, linkage, metric, "torch") == hierarchical_clusters(
+                    f, k, linkage, metric, "scipy"
+                )
     # a chain 0-1-2-3 (gaps 1.0, 1.1, 1.2) and a pair far away: single linkage chains, complete does not
     x = torch.tensor([[0.0], [1.0], [2.1], [3.3], [9.0], [9.5]], dtype=torch.float64)
     d = feature_distance(x)
@@ -171,8 +182,10 @@ def test_router_merge_equals_a_standard_checkpoint_with_fewer_experts(model_type
     ad = MoEAdapter(model)
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(8, ad.hidden_size, generator=g, dtype=torch.float64)
-    plan, tensors = get_method("hc-smoe").build(parse_config("hc-smoe", {"ratio": 0.5, "router": "merge"}),
-                                                MethodContext(ad, _stats(model, counts, feats=feats)))
+    plan, tensors = get_method("hc-smoe").build(
+        parse_config("hc-smoe", {"ratio": 0.5, "router": "merge"}),
+        MethodContext(ad, _stats(model, counts, feats=feats)),
+    )
     for lp in plan.layers:
         assert lp.gate == "renorm" and sum(s != "drop" for s in lp.slots) == 4
     assert HFFormat.reason(plan) is None
@@ -194,8 +207,10 @@ def test_router_merge_exports_a_vanilla_checkpoint(tmp_path):
     model = tiny_model("olmoe", seed=4)
     ad = MoEAdapter(model)
     sim = torch.corrcoef(torch.randn(8, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
-    plan, tensors = get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
-                                               MethodContext(ad, _stats(model, counts, corr=sim)))
+    plan, tensors = get_method("m-smoe").build(
+        parse_config("m-smoe", {"ratio": 0.5, "router": "merge"}),
+        MethodContext(ad, _stats(model, counts, corr=sim)),
+    )
     install_merged_router(model, plan, tensors)
     result = export(model, plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -211,11 +226,15 @@ def test_router_merge_refuses_group_limited_routing_and_small_k():
     stats = _stats(model, [1] * 8)
     with pytest.raises(MoECompressError, match="group-limited"):
         get_method("m-smoe").build(parse_config("m-smoe", {"router": "merge"}), MethodContext(ad, stats))
-    plan, _ = get_method("m-smoe").build(parse_config("m-smoe", {}), MethodContext(ad, stats))  # aggregate is fine
+    plan, _ = get_method("m-smoe").build(
+        parse_config("m-smoe", {}), MethodContext(ad, stats)
+    )  # aggregate is fine
     assert all(lp.gate == "aggregate" for lp in plan.layers)
     q = tiny_model("qwen3_moe", seed=0)
     with pytest.raises(MoECompressError, match="top-2"):
-        get_method("m-smoe").build(parse_config("m-smoe", {"ratio": 0.9, "router": "merge"}),
-                                   MethodContext(MoEAdapter(q), _stats(q, [1] * 8)))
+        get_method("m-smoe").build(
+            parse_config("m-smoe", {"ratio": 0.9, "router": "merge"}),
+            MethodContext(MoEAdapter(q), _stats(q, [1] * 8)),
+        )
     with pytest.raises(MoECompressError, match="router"):
         parse_config("hc-smoe", {"router": "sum"})

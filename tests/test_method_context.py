@@ -17,7 +17,9 @@ def test_a_mapping_becomes_a_stats_view():
     counts = torch.tensor([3, 1])
     ctx = MethodContext(MoEAdapter(tiny_model("olmoe")), {1: {"counts": counts, "tokens": torch.tensor(4)}})
     assert isinstance(ctx.stats, MappingStats)
-    assert ctx.stats.get(1, "counts") is counts and ctx.stats.layers == [1] and ctx.stats.has("counts", "tokens")
+    assert (
+        ctx.stats.get(1, "counts") is counts and ctx.stats.layers == [1] and ctx.stats.has("counts", "tokens")
+    )
     assert ctx.stats.names == ["counts", "tokens"] and not ctx.stats.has("reap")
     with pytest.raises(MoECompressError, match="lack 'reap' for layer 1"):
         ctx.stats.get(1, "reap")
@@ -37,7 +39,11 @@ def test_chained_stats_reads_each_statistic_from_the_first_view_holding_it():
     a = MappingStats({1: {"counts": torch.tensor([3, 4])}, 2: {"counts": torch.tensor([5, 6])}})
     b = MappingStats({1: {"input_moment": torch.arange(8.0).reshape(2, 2, 2)}})
     chain = ChainedStats(a, b)
-    assert chain.layers == [1] and chain.names == ["counts", "input_moment"] and chain.has("counts", "input_moment")
+    assert (
+        chain.layers == [1]
+        and chain.names == ["counts", "input_moment"]
+        and chain.has("counts", "input_moment")
+    )
     assert chain.get(1, "counts") is a.get(1, "counts")
     assert torch.equal(chain.get_row(1, "input_moment", 1), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
     with pytest.raises(MoECompressError, match="lack 'reap' for layer 1"):

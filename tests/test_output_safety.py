@@ -44,9 +44,17 @@ def ws(tmp_path_factory):
     (root / "w").mkdir()
     with warnings.catch_warnings():  # 2 short sequences leave some experts unreached; expected here
         warnings.simplefilter("ignore")
-        calibrate(str(F), "fixture-calib:2", seq_len=16, out=root / "s", stats=["out_norm_sq_mean"], progress=False)
-        compress(str(F), "prune", {"criterion": "frequency", "ratio": 0.5}, calib=str(root / "s"), out=root / "ck",
-                 progress=False)
+        calibrate(
+            str(F), "fixture-calib:2", seq_len=16, out=root / "s", stats=["out_norm_sq_mean"], progress=False
+        )
+        compress(
+            str(F),
+            "prune",
+            {"criterion": "frequency", "ratio": 0.5},
+            calib=str(root / "s"),
+            out=root / "ck",
+            progress=False,
+        )
     shutil.copytree(root / "ck", root / "rep" / "checkpoints" / "freq50")
     (root / "rep" / "report.md").write_text("# an earlier compare report\n")
     (root / "rep" / MARKER).write_text('{"kind": "report"}\n')
@@ -58,53 +66,117 @@ def ws(tmp_path_factory):
     return root
 
 
-
-
-
-
 # (case id, argv with {R}=workspace, {F}=fixture; output whose lock another run holds, or None; fragment)
 CASES = [
     # item 1: an output is never, never contains and never sits inside what the run reads, --overwrite or not
-    ("eval-report-is-model", ["eval", "{R}/ck", *EVAL, "--report", "{R}/ck", "--overwrite"], None,
-     "which this run reads"),
-    ("eval-report-is-reference", ["eval", "{F}", *EVAL, "--reference", "{R}/ck", "--report", "{R}/ck",
-                                  "--overwrite"], None, "which this run reads"),
-    ("eval-report-contains-arm", ["eval", "{R}/rep/checkpoints/freq50", *EVAL, "--report", "{R}/rep", "--overwrite"],
-     None, "which this run reads"),
+    (
+        "eval-report-is-model",
+        ["eval", "{R}/ck", *EVAL, "--report", "{R}/ck", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
+    (
+        "eval-report-is-reference",
+        ["eval", "{F}", *EVAL, "--reference", "{R}/ck", "--report", "{R}/ck", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
+    (
+        "eval-report-contains-arm",
+        ["eval", "{R}/rep/checkpoints/freq50", *EVAL, "--report", "{R}/rep", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
     ("eval-report-inside-model", ["eval", "{R}/ck", *EVAL, "--report", "{R}/ck/sub"], None, "is inside"),
     ("eval-out-inside-model", ["eval", "{R}/ck", *EVAL, "--out", "{R}/ck/results.json"], None, "is inside"),
     ("calibrate-out-inside-model", ["calibrate", "{F}", *DATA, "--out", "{F}/stats"], None, "is inside"),
-    ("compress-out-inside-store", ["compress", "{F}", *PRUNE, "--calib", "{R}/s", "--out", "{R}/s/ck"], None,
-     "is inside"),
+    (
+        "compress-out-inside-store",
+        ["compress", "{F}", *PRUNE, "--calib", "{R}/s", "--out", "{R}/s/ck"],
+        None,
+        "is inside",
+    ),
     # item 1: --overwrite replaces only a marked output of the same kind
-    ("calibrate-out-is-checkpoint", ["calibrate", "{F}", *DATA, "--out", "{R}/ck", "--overwrite"], None,
-     "of kind 'checkpoint', not 'stats'"),
-    ("compress-out-is-store", ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/s", "--overwrite"], None,
-     "of kind 'stats', not 'checkpoint'"),
-    ("compress-out-is-report", ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/rep", "--overwrite"], None,
-     "of kind 'report', not 'checkpoint'"),
-    ("grid-out-is-checkpoint", ["grid", "fixture:olmoe-tiny", "--out", "{R}/ck", "--overwrite"], None,
-     "of kind 'checkpoint', not 'report'"),
-    ("analyze-out-is-store", ["analyze", "{F}", "--out", "{R}/s", "--overwrite"], None,
-     "of kind 'stats', not 'analysis'"),
+    (
+        "calibrate-out-is-checkpoint",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/ck", "--overwrite"],
+        None,
+        "of kind 'checkpoint', not 'stats'",
+    ),
+    (
+        "compress-out-is-store",
+        ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/s", "--overwrite"],
+        None,
+        "of kind 'stats', not 'checkpoint'",
+    ),
+    (
+        "compress-out-is-report",
+        ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/rep", "--overwrite"],
+        None,
+        "of kind 'report', not 'checkpoint'",
+    ),
+    (
+        "grid-out-is-checkpoint",
+        ["grid", "fixture:olmoe-tiny", "--out", "{R}/ck", "--overwrite"],
+        None,
+        "of kind 'checkpoint', not 'report'",
+    ),
+    (
+        "analyze-out-is-store",
+        ["analyze", "{F}", "--out", "{R}/s", "--overwrite"],
+        None,
+        "of kind 'stats', not 'analysis'",
+    ),
     # item 1: compress's implicit <out>-calib/stats obeys the same rules
-    ("compress-implicit-store-of-another-model", ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/x"], None,
-     "another model"),
-    ("compress-implicit-store-is-checkpoint", ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/y", "--overwrite"],
-     None, "of kind 'checkpoint', not 'stats'"),
+    (
+        "compress-implicit-store-of-another-model",
+        ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/x"],
+        None,
+        "another model",
+    ),
+    (
+        "compress-implicit-store-is-checkpoint",
+        ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/y", "--overwrite"],
+        None,
+        "of kind 'checkpoint', not 'stats'",
+    ),
     # item 2: a second writer of one output refuses, its partial run untouched
-    ("calibrate-while-another-writes", ["calibrate", "{F}", *DATA, "--out", "{R}/cs"], "cs",
-     "Another moecompress run is writing"),
-    ("calibrate-resume-while-another-writes", ["calibrate", "{F}", *DATA, "--out", "{R}/cs", "--resume"], "cs",
-     "(pid 4242)"),
-    ("compress-while-another-writes", ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/c2"], "c2",
-     "Another moecompress run is writing"),
-    ("compress-implicit-store-while-another-writes", ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/c3"],
-     "c3-calib/stats", "c3-calib/stats (pid 4242); wait for it or choose another --out"),
-    ("eval-report-while-another-writes", ["eval", "{F}", *EVAL, "--report", "{R}/er"], "er",
-     "choose another --report"),
-    ("eval-out-while-another-writes", ["eval", "{F}", *EVAL, "--out", "{R}/er.json"], "er.json",
-     "Another moecompress run is writing"),
+    (
+        "calibrate-while-another-writes",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/cs"],
+        "cs",
+        "Another moecompress run is writing",
+    ),
+    (
+        "calibrate-resume-while-another-writes",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/cs", "--resume"],
+        "cs",
+        "(pid 4242)",
+    ),
+    (
+        "compress-while-another-writes",
+        ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/c2"],
+        "c2",
+        "Another moecompress run is writing",
+    ),
+    (
+        "compress-implicit-store-while-another-writes",
+        ["compress", "{F}", *PRUNE, *CAL, "--out", "{R}/c3"],
+        "c3-calib/stats",
+        "c3-calib/stats (pid 4242); wait for it or choose another --out",
+    ),
+    (
+        "eval-report-while-another-writes",
+        ["eval", "{F}", *EVAL, "--report", "{R}/er"],
+        "er",
+        "choose another --report",
+    ),
+    (
+        "eval-out-while-another-writes",
+        ["eval", "{F}", *EVAL, "--out", "{R}/er.json"],
+        "er.json",
+        "Another moecompress run is writing",
+    ),
 ]
 
 
@@ -157,8 +229,10 @@ def test_a_second_partial_run_refuses_and_leaves_the_first_alone(tmp_path):
         with pytest.raises(MoECompressError, match=r"Another moecompress run is writing .*cs \(pid 4242\)"):
             second.start({"data_spec": "fixture-calib:16"}, resume=False)
         assert not second.holding
-    assert json.loads((first.dir / "run.json").read_text()) == {"identity": {"data_spec": "fixture-calib:8"},
-                                                                 "finished": [1]}
+    assert json.loads((first.dir / "run.json").read_text()) == {
+        "identity": {"data_spec": "fixture-calib:8"},
+        "finished": [1],
+    }
     assert (first.dir / "layer_0001.safetensors").is_file()
 
 
@@ -181,8 +255,14 @@ def test_simultaneous_calibrations_of_one_store_never_mix(tmp_path):
     def run(spec):
         go.wait()
         try:
-            results[spec] = calibrate(str(F), spec, seq_len=16, out=tmp_path / "cs", progress=False,
-                                      on_layer_end=lambda i, st: st is not None and seen[spec].update({i: st}))
+            results[spec] = calibrate(
+                str(F),
+                spec,
+                seq_len=16,
+                out=tmp_path / "cs",
+                progress=False,
+                on_layer_end=lambda i, st: st is not None and seen[spec].update({i: st}),
+            )
         except Exception as exc:  # noqa: BLE001 - a crash too: the race used to end in tracebacks
             results[spec] = exc
 
@@ -196,8 +276,10 @@ def test_simultaneous_calibrations_of_one_store_never_mix(tmp_path):
     for s in specs:
         if s not in won:
             assert isinstance(results[s], MoECompressError), repr(results[s])
-            assert any(m in str(results[s]) for m in ("Another moecompress run is writing", "already exists",
-                                                       "computed on")), results[s]
+            assert any(
+                m in str(results[s])
+                for m in ("Another moecompress run is writing", "already exists", "computed on")
+            ), results[s]
     store = results[won[0]]
     assert store.data_spec == won[0]
     for layer, stats in seen[won[0]].items():  # every layer file is the winner's own
@@ -228,8 +310,9 @@ def test_compress_refuses_a_model_replaced_mid_run(ws, tmp_path, capsys, monkeyp
         return result
 
     monkeypatch.setattr(api, "make_plan", plan_then_replace)
-    code, _, err = run_cli(["compress", str(model), *PRUNE, "--calib", str(ws / "s"), "--out",
-                            str(tmp_path / "c")], capsys)
+    code, _, err = run_cli(
+        ["compress", str(model), *PRUNE, "--calib", str(ws / "s"), "--out", str(tmp_path / "c")], capsys
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     assert "changed while this run read it" in lines[0]
@@ -243,8 +326,14 @@ def test_calibrate_refuses_a_model_replaced_mid_run(tmp_path):
     shutil.copytree(F, model)
     with pytest.raises(MoECompressError, match="changed while this run read it"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(str(model), "fixture-calib:2", seq_len=16, out=tmp_path / "s", progress=False,
-                  on_layer_end=lambda i, stats: _rewrite_weights(model) if i == 0 else None)
+        calibrate(
+            str(model),
+            "fixture-calib:2",
+            seq_len=16,
+            out=tmp_path / "s",
+            progress=False,
+            on_layer_end=lambda i, stats: _rewrite_weights(model) if i == 0 else None,
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no store, partial run or lock
 
 

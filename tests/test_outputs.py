@@ -89,7 +89,10 @@ def test_an_output_replaced_by_the_users_directory_during_the_run_is_not_deleted
             out.mkdir()
             (out / "thesis.tex").write_text("the user's")
     assert (out / "thesis.tex").read_text() == "the user's"
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".out.lock")) == ["moved", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".out.lock")) == [
+        "moved",
+        "out",
+    ]
 
 
 def test_stale_temporaries_of_dead_runs_are_removed_and_reported(tmp_path, capsys):
@@ -116,10 +119,29 @@ params: {{criterion: frequency, ratio: 0.5}}
 
 VERBS = {
     # argv, the path whose appearance shows the run is computing, the output that must be absent or complete
-    "calibrate": (["calibrate", str(F), "--data", "fixture-calib:64", "--seq-len", "256", "--out", "s"],
-                  ".s.partial", "s"),
-    "compress": (["compress", str(F), "--criterion", "frequency", "--ratio", "0.5", "--calib", "fixture-calib:64",
-                  "--seq-len", "256", "--out", "c"], "c-calib/.stats.partial", "c"),
+    "calibrate": (
+        ["calibrate", str(F), "--data", "fixture-calib:64", "--seq-len", "256", "--out", "s"],
+        ".s.partial",
+        "s",
+    ),
+    "compress": (
+        [
+            "compress",
+            str(F),
+            "--criterion",
+            "frequency",
+            "--ratio",
+            "0.5",
+            "--calib",
+            "fixture-calib:64",
+            "--seq-len",
+            "256",
+            "--out",
+            "c",
+        ],
+        "c-calib/.stats.partial",
+        "c",
+    ),
     "compare": (["compare", "r.yaml", "--out", "rep"], ".rep.tmp-*", "rep"),
 }
 
@@ -127,17 +149,28 @@ VERBS = {
 # each subprocess pays the torch/transformers import: the default run covers every verb and every signal
 # once (the diagonal); the other six pairs are marked slow
 FAST = {("calibrate", signal.SIGINT), ("compress", signal.SIGTERM), ("compare", signal.SIGKILL)}
-PAIRS = [pytest.param(v, s, id=f"{v}-{s.name}", marks=() if (v, s) in FAST else pytest.mark.slow)
-         for v in VERBS for s in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)]
+PAIRS = [
+    pytest.param(v, s, id=f"{v}-{s.name}", marks=() if (v, s) in FAST else pytest.mark.slow)
+    for v in VERBS
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+]
 
 
 @pytest.mark.parametrize("verb,sig", PAIRS)
 def test_signal_leaves_no_partial_output(tmp_path, verb, sig):
     argv, busy, out = VERBS[verb]
     (tmp_path / "r.yaml").write_text(RECIPE)
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "moecompress.cli", *argv], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_WAIT_POLICY="PASSIVE"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moecompress.cli", *argv],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(busy)) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -155,7 +188,8 @@ def test_signal_leaves_no_partial_output(tmp_path, verb, sig):
         return
     assert proc.returncode == 128 + sig, err
     assert [line for line in err.splitlines() if "interrupted:" in line] == [
-        next(line for line in err.splitlines() if "interrupted:" in line)]
+        next(line for line in err.splitlines() if "interrupted:" in line)
+    ]
     assert ("SIGTERM" if sig == signal.SIGTERM else "Ctrl-C") in err
     assert not list(tmp_path.glob(f".{out}.tmp-*"))  # cleaned up on the way out
 
@@ -176,7 +210,9 @@ def test_a_signal_that_native_code_turns_into_another_error_still_ends_as_interr
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)
             except BaseException:
-                raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+                raise ValueError(
+                    "could not determine the shape of object type 'torch.storage.UntypedStorage'"
+                ) from None
 
     with pytest.raises(SystemExit) as exc:
         run(app, [])

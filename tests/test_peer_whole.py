@@ -21,8 +21,13 @@ def test_every_committed_arm_pairs_window_by_window_with_the_recorded_windows():
             assert set(a) >= {"name", "bits", "whole_bytes", "original_bytes", "kl_windows"}
             assert len(a["kl_windows"]) == len(a["window_ids"]) == len(fx["eval"]["window_ids"])
             assert 0 < a["whole_bytes"] < a["original_bytes"] == fx["original_bytes"]
-            tokens = fx["eval"]["window_tokens"]  # the recorded mean is the token-weighted mean of the windows
-            assert abs(sum(k * n for k, n in zip(a["kl_windows"], tokens)) / sum(tokens) - a["kl"]) <= 1e-9 * a["kl"]
+            tokens = fx["eval"][
+                "window_tokens"
+            ]  # the recorded mean is the token-weighted mean of the windows
+            assert (
+                abs(sum(k * n for k, n in zip(a["kl_windows"], tokens)) / sum(tokens) - a["kl"])
+                <= 1e-9 * a["kl"]
+            )
             assert a["eval"]["window"] == 512 and a["eval"]["data"] == "fixture-heldout"
 
 

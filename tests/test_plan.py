@@ -39,16 +39,34 @@ def _one_sentence(exc) -> str:
 
 def _mixed_plan(info):
     """A plan using every kind of slot target and two scopes (one cross-layer)."""
-    scope = Scope(id="pool", layers=[0, 1], stored=[
-        StoredExpert(id=0, sources=[(0, 1)]),
-        StoredExpert(id=1, sources=[(0, 2), (1, 3)], construction="weighted_merge", weights=[0.25, 0.75]),
-        StoredExpert(id=2, sources=[(1, 4), (1, 5)], construction="dense_group"),
-    ])
-    l0 = LayerPlan(layer=0, scope="pool", gate="replace", slots=[
-        0, 1, 2, "drop", ConstantOp(tensor="c0"), TiltOp(rank=3, tensor="t0"),
-        PartialOp(source=(0, 6), width=5, tensor="p0"), 0])
+    scope = Scope(
+        id="pool",
+        layers=[0, 1],
+        stored=[
+            StoredExpert(id=0, sources=[(0, 1)]),
+            StoredExpert(id=1, sources=[(0, 2), (1, 3)], construction="weighted_merge", weights=[0.25, 0.75]),
+            StoredExpert(id=2, sources=[(1, 4), (1, 5)], construction="dense_group"),
+        ],
+    )
+    l0 = LayerPlan(
+        layer=0,
+        scope="pool",
+        gate="replace",
+        slots=[
+            0,
+            1,
+            2,
+            "drop",
+            ConstantOp(tensor="c0"),
+            TiltOp(rank=3, tensor="t0"),
+            PartialOp(source=(0, 6), width=5, tensor="p0"),
+            0,
+        ],
+    )
     l1 = LayerPlan(layer=1, scope="pool", gate="aggregate", slots=[0, 0, 1, 1, 2, 2, 1, 0])
-    return CompressionPlan(model=info, scopes=[scope], layers=[l0, l1], method="hand", params={"b": 1, "a": [2]})
+    return CompressionPlan(
+        model=info, scopes=[scope], layers=[l0, l1], method="hand", params={"b": 1, "a": [2]}
+    )
 
 
 def test_json_round_trip_is_exact_and_deterministic(info, tmp_path):
@@ -75,8 +93,9 @@ def test_builders_describe_pruning_and_remapping(qwen, info):
     assert [s.sources for s in pruned.scope("layer0").stored] == [[(0, 1)], [(0, 3)], [(0, 5)], [(0, 7)]]
     remap = CompressionPlan.remap(info, {0: [0, 0, 2, 2, 4, 4, 6, 6]})
     assert remap.layer(0).slots == [0, 0, 1, 1, 2, 2, 3, 3] and remap.layer(0).gate == "aggregate"
-    assert remap.summary()[0] == dict(layer=0, scope="layer0", stored=4, gate="aggregate", slots=8, to_stored=8,
-                                      operators=0, dropped=0)
+    assert remap.summary()[0] == dict(
+        layer=0, scope="layer0", stored=4, gate="aggregate", slots=8, to_stored=8, operators=0, dropped=0
+    )
 
 
 def test_byte_accounting(qwen, info):
@@ -100,18 +119,27 @@ def test_keep_equals_renorm_flag_follows_the_router(info):
     assert info.layer(0).keep_equals_renorm and not olmoe.layer(0).keep_equals_renorm
 
 
-@pytest.mark.parametrize("mutate, expected", [
-    (lambda d: d["layers"].pop(), "no entry for MoE layer 1"),
-    (lambda d: d["layers"][0]["slots"].pop(), "maps 7 slots"),
-    (lambda d: d["layers"][0].__setitem__("slots", [9] * 8), "maps to stored expert 9"),
-    (lambda d: d["scopes"][0]["stored"].append({"id": 8, "sources": [[0, 1]]}), "never used"),
-    (lambda d: d["scopes"][0]["stored"][0].__setitem__("sources", [[0, 1], [0, 2]]), "exactly one source"),
-    (lambda d: d["scopes"][0]["stored"][0].__setitem__("sources", [[1, 0]]), "outside the scope"),
-    (lambda d: d["scopes"][0]["stored"][0].__setitem__("sources", [[0, 99]]), "not an expert of the model"),
-    (lambda d: d["layers"][0].__setitem__("scope", "nope"), "does not define"),
-    (lambda d: d.__setitem__("schema_version", 7), "schema version 7"),
-    (lambda d: d["layers"][0].__setitem__("gate", "sometimes"), "invalid at 'layers.0.gate'"),
-])
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda d: d["layers"].pop(), "no entry for MoE layer 1"),
+        (lambda d: d["layers"][0]["slots"].pop(), "maps 7 slots"),
+        (lambda d: d["layers"][0].__setitem__("slots", [9] * 8), "maps to stored expert 9"),
+        (lambda d: d["scopes"][0]["stored"].append({"id": 8, "sources": [[0, 1]]}), "never used"),
+        (
+            lambda d: d["scopes"][0]["stored"][0].__setitem__("sources", [[0, 1], [0, 2]]),
+            "exactly one source",
+        ),
+        (lambda d: d["scopes"][0]["stored"][0].__setitem__("sources", [[1, 0]]), "outside the scope"),
+        (
+            lambda d: d["scopes"][0]["stored"][0].__setitem__("sources", [[0, 99]]),
+            "not an expert of the model",
+        ),
+        (lambda d: d["layers"][0].__setitem__("scope", "nope"), "does not define"),
+        (lambda d: d.__setitem__("schema_version", 7), "schema version 7"),
+        (lambda d: d["layers"][0].__setitem__("gate", "sometimes"), "invalid at 'layers.0.gate'"),
+    ],
+)
 def test_invalid_plans_are_refused_with_one_sentence(qwen, mutate, expected):
     data = json.loads(CompressionPlan.identity(qwen).to_json())
     mutate(data)
@@ -161,8 +189,12 @@ def test_missing_or_misshapen_tensors_are_refused(info):
     with pytest.raises(MoECompressError) as exc:
         plan.check_tensors({})
     assert "lack 'c0.value'" in _one_sentence(exc)
-    tensors = {"c0.value": torch.zeros(32), "t0.U": torch.zeros(32, 3), "t0.V": torch.zeros(32, 4),
-               "t0.bias": torch.zeros(32)}
+    tensors = {
+        "c0.value": torch.zeros(32),
+        "t0.U": torch.zeros(32, 3),
+        "t0.V": torch.zeros(32, 4),
+        "t0.bias": torch.zeros(32),
+    }
     with pytest.raises(MoECompressError) as exc:
         plan.check_tensors(tensors)
     assert "'t0.V' has shape (32, 4), expected (32, 3)" in _one_sentence(exc)

@@ -46,9 +46,17 @@ def ws(tmp_path_factory):
     (root / "home").mkdir()
     with warnings.catch_warnings():  # 2 short sequences leave some experts unreached; expected here
         warnings.simplefilter("ignore")
-        calibrate(str(F), "fixture-calib:2", seq_len=16, out=root / "s", stats=["out_norm_sq_mean"], progress=False)
-        compress(str(F), "prune", {"criterion": "frequency", "ratio": 0.5}, calib=str(root / "s"), out=root / "ck",
-                 progress=False)
+        calibrate(
+            str(F), "fixture-calib:2", seq_len=16, out=root / "s", stats=["out_norm_sq_mean"], progress=False
+        )
+        compress(
+            str(F),
+            "prune",
+            {"criterion": "frequency", "ratio": 0.5},
+            calib=str(root / "s"),
+            out=root / "ck",
+            progress=False,
+        )
     (root / "wrap").mkdir()
     (root / "wrap" / MARKER).write_text('{"kind": "checkpoint:hf"}\n')
     shutil.copytree(F, root / "wrap" / "m")
@@ -65,92 +73,228 @@ def ws(tmp_path_factory):
         (root / name / MARKER).write_text(marker)
         (root / name / "data.bin").write_bytes(b"\0" * 64)
     (root / ".cr.partial").mkdir()
-    (root / ".cr.partial" / "run.json").write_text(json.dumps({"identity": {
-        "model_fingerprint": "0" * 64, "model_source": "another-model"}, "finished": [1]}))
+    (root / ".cr.partial" / "run.json").write_text(
+        json.dumps(
+            {"identity": {"model_fingerprint": "0" * 64, "model_source": "another-model"}, "finished": [1]}
+        )
+    )
     (root / ".cr.partial" / "layer_0001.safetensors").write_bytes(b"another model's layer")
     (root / ".cm.partial").mkdir()
     (root / ".cm.partial" / "run.json").write_text('{"identity": {"model_fingerp')
-    (root / "r.yaml").write_text(f"model: {root / 'wrap' / 'm'}\nmethod: prune\n"
-                                 "params: {criterion: frequency, ratio: 0.5}\n")
+    (root / "r.yaml").write_text(
+        f"model: {root / 'wrap' / 'm'}\nmethod: prune\nparams: {{criterion: frequency, ratio: 0.5}}\n"
+    )
     return root
-
-
-
-
 
 
 # (case id, argv with {R}=workspace and {F}=fixture, output whose lock another run holds or None, fragment)
 CASES = [
     # --out is a symlink: the checks follow it, the kind rule included
-    ("compress-out-symlink-to-model", ["compress", "{R}/wrap/m", *PRUNE, "--out", "{R}/lm", "--overwrite"], None,
-     "which this run reads"),
-    ("calibrate-out-symlink-to-checkpoint", ["calibrate", "{F}", *DATA, "--out", "{R}/lck", "--overwrite"], None,
-     "of kind 'checkpoint', not 'stats'"),
-    ("eval-out-symlink-to-ppl-file", ["eval", "{F}", "--ppl", "{R}/text.txt", *EVAL, "--out", "{R}/lt.json",
-                                      "--overwrite"], None, "which this run reads"),
+    (
+        "compress-out-symlink-to-model",
+        ["compress", "{R}/wrap/m", *PRUNE, "--out", "{R}/lm", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
+    (
+        "calibrate-out-symlink-to-checkpoint",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/lck", "--overwrite"],
+        None,
+        "of kind 'checkpoint', not 'stats'",
+    ),
+    (
+        "eval-out-symlink-to-ppl-file",
+        ["eval", "{F}", "--ppl", "{R}/text.txt", *EVAL, "--out", "{R}/lt.json", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
     # relative and odd spellings of --out
-    ("calibrate-out-parent-dir", ["calibrate", "{F}", *DATA, "--out", "..", "--overwrite"], None,
-     "current directory or one of its ancestors"),
-    ("compress-out-literal-tilde", ["compress", "{F}", *PRUNE, "--out", "~/ck", "--overwrite"], None,
-     "not written by moecompress"),
-    ("dense-out-store-dot", ["dense", "{F}", "--calib", "{R}/s", "--out", "{R}/s/.", "--overwrite"], None,
-     "which this run reads"),
+    (
+        "calibrate-out-parent-dir",
+        ["calibrate", "{F}", *DATA, "--out", "..", "--overwrite"],
+        None,
+        "current directory or one of its ancestors",
+    ),
+    (
+        "compress-out-literal-tilde",
+        ["compress", "{F}", *PRUNE, "--out", "~/ck", "--overwrite"],
+        None,
+        "not written by moecompress",
+    ),
+    (
+        "dense-out-store-dot",
+        ["dense", "{F}", "--calib", "{R}/s", "--out", "{R}/s/.", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
     ("demo-out-store-trailing-slash", ["demo", "--out", "{R}/s/"], None, "of kind 'stats', not 'report'"),
     ("compress-out-name-too-long", ["compress", "{F}", *PRUNE, "--out", "{R}/" + LONG], None, "too long"),
-    ("eval-out-name-too-long", ["eval", "{F}", "--ppl", "fixture-heldout", *EVAL, "--out", "{R}/" + LONG[:-5] + ".json"],
-     None, "too long"),
-    ("compress-out-parent-symlink-loop", ["compress", "{F}", *PRUNE, "--out", "{R}/loop/ck"], None,
-     "symbolic links"),
+    (
+        "eval-out-name-too-long",
+        ["eval", "{F}", "--ppl", "fixture-heldout", *EVAL, "--out", "{R}/" + LONG[:-5] + ".json"],
+        None,
+        "too long",
+    ),
+    (
+        "compress-out-parent-symlink-loop",
+        ["compress", "{F}", *PRUNE, "--out", "{R}/loop/ck"],
+        None,
+        "symbolic links",
+    ),
     # outputs inside what the run reads, for verbs the other matrices do not cover
-    ("dense-out-inside-store", ["dense", "{F}", "--calib", "{R}/s", "--out", "{R}/s/student"], None, "is inside"),
+    (
+        "dense-out-inside-store",
+        ["dense", "{F}", "--calib", "{R}/s", "--out", "{R}/s/student"],
+        None,
+        "is inside",
+    ),
     ("grid-out-inside-fixture", ["grid", "fixture:olmoe-tiny", "--out", "{F}/grid"], None, "is inside"),
     ("compare-out-inside-model", ["compare", "{R}/r.yaml", "--out", "{R}/wrap/m/report"], None, "is inside"),
-    ("compress-overwrite-marked-dir-holding-model", ["compress", "{R}/wrap/m", *PRUNE, "--out", "{R}/wrap",
-                                                     "--overwrite"], None, "which this run reads"),
-    ("eval-out-is-ppl-file", ["eval", "{F}", "--ppl", "{R}/text.txt", *EVAL, "--out", "{R}/text.txt", "--overwrite"],
-     None, "which this run reads"),
-    ("dense-sweep-json-would-be-model-config", ["dense-sweep", "{R}/wrap/m", "--out", "{R}/wrap/m/config.md"], None,
-     "is inside"),
-    ("distill-out-inside-teacher", ["distill", "--teacher", "{R}/wrap/m", "--student", "{R}/wrap/m", *DISTILL,
-                                    "--out", "{R}/wrap/m/run"], None, "is inside"),
+    (
+        "compress-overwrite-marked-dir-holding-model",
+        ["compress", "{R}/wrap/m", *PRUNE, "--out", "{R}/wrap", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
+    (
+        "eval-out-is-ppl-file",
+        ["eval", "{F}", "--ppl", "{R}/text.txt", *EVAL, "--out", "{R}/text.txt", "--overwrite"],
+        None,
+        "which this run reads",
+    ),
+    (
+        "dense-sweep-json-would-be-model-config",
+        ["dense-sweep", "{R}/wrap/m", "--out", "{R}/wrap/m/config.md"],
+        None,
+        "is inside",
+    ),
+    (
+        "distill-out-inside-teacher",
+        [
+            "distill",
+            "--teacher",
+            "{R}/wrap/m",
+            "--student",
+            "{R}/wrap/m",
+            *DISTILL,
+            "--out",
+            "{R}/wrap/m/run",
+        ],
+        None,
+        "is inside",
+    ),
     # parents that are files
-    ("eval-report-parent-is-file", ["eval", "{F}", "--ppl", "fixture-heldout", *EVAL, "--report",
-                                    "{R}/notes.md/rep"], None, "not a writable directory"),
-    ("dense-sweep-parent-is-file", ["dense-sweep", "{F}", "--out", "{R}/notes.md/sweep.md"], None,
-     "not a writable directory"),
+    (
+        "eval-report-parent-is-file",
+        ["eval", "{F}", "--ppl", "fixture-heldout", *EVAL, "--report", "{R}/notes.md/rep"],
+        None,
+        "not a writable directory",
+    ),
+    (
+        "dense-sweep-parent-is-file",
+        ["dense-sweep", "{F}", "--out", "{R}/notes.md/sweep.md"],
+        None,
+        "not a writable directory",
+    ),
     # markers: broken, or of a kind this version does not know
-    ("calibrate-overwrite-broken-marker", ["calibrate", "{F}", *DATA, "--out", "{R}/bm", "--overwrite"], None,
-     "cannot be read"),
-    ("compress-overwrite-unknown-kind", ["compress", "{F}", *PRUNE, "--out", "{R}/uk", "--overwrite"], None,
-     "of kind 'weights', not 'checkpoint'"),
+    (
+        "calibrate-overwrite-broken-marker",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/bm", "--overwrite"],
+        None,
+        "cannot be read",
+    ),
+    (
+        "compress-overwrite-unknown-kind",
+        ["compress", "{F}", *PRUNE, "--out", "{R}/uk", "--overwrite"],
+        None,
+        "of kind 'weights', not 'checkpoint'",
+    ),
     # existing outputs a verb without a marker rule used to write into or over
-    ("distill-out-unmarked-dir", ["distill", "--teacher", "{F}", "--student", "{F}", *DISTILL, "--out", "{R}/other"],
-     None, "did not write"),
-    ("distill-out-is-checkpoint", ["distill", "--teacher", "{F}", "--student", "{F}", *DISTILL, "--out", "{R}/ck"],
-     None, "of kind 'checkpoint', not a distill run"),
-    ("dense-sweep-out-existing-file", ["dense-sweep", "{F}", "--out", "{R}/notes.md"], None, "already exists"),
-    ("dense-sweep-overwrite-not-a-sweep", ["dense-sweep", "{F}", "--out", "{R}/notes.md", "--overwrite"], None,
-     "not an earlier dense-sweep's output"),
-    ("dense-sweep-out-json", ["dense-sweep", "{F}", "--out", "{R}/sweep.json"], None, "rows written beside it"),
+    (
+        "distill-out-unmarked-dir",
+        ["distill", "--teacher", "{F}", "--student", "{F}", *DISTILL, "--out", "{R}/other"],
+        None,
+        "did not write",
+    ),
+    (
+        "distill-out-is-checkpoint",
+        ["distill", "--teacher", "{F}", "--student", "{F}", *DISTILL, "--out", "{R}/ck"],
+        None,
+        "of kind 'checkpoint', not a distill run",
+    ),
+    (
+        "dense-sweep-out-existing-file",
+        ["dense-sweep", "{F}", "--out", "{R}/notes.md"],
+        None,
+        "already exists",
+    ),
+    (
+        "dense-sweep-overwrite-not-a-sweep",
+        ["dense-sweep", "{F}", "--out", "{R}/notes.md", "--overwrite"],
+        None,
+        "not an earlier dense-sweep's output",
+    ),
+    (
+        "dense-sweep-out-json",
+        ["dense-sweep", "{F}", "--out", "{R}/sweep.json"],
+        None,
+        "rows written beside it",
+    ),
     # interrupted calibrations that --resume must not trust
-    ("calibrate-resume-partial-of-another-model", ["calibrate", "{F}", *DATA, "--out", "{R}/cr", "--resume"], None,
-     "made with another model"),
-    ("calibrate-resume-partial-cut-short", ["calibrate", "{F}", *DATA, "--out", "{R}/cm", "--resume"], None,
-     "drop --resume"),
+    (
+        "calibrate-resume-partial-of-another-model",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/cr", "--resume"],
+        None,
+        "made with another model",
+    ),
+    (
+        "calibrate-resume-partial-cut-short",
+        ["calibrate", "{F}", *DATA, "--out", "{R}/cm", "--resume"],
+        None,
+        "drop --resume",
+    ),
     # a second writer, for the verbs that took no lock
-    ("analyze-while-another-writes", ["analyze", "{F}", "--out", "{R}/an"], "an", "Another moecompress run is writing"),
-    ("dense-while-another-writes", ["dense", "{F}", "--calib", "{R}/s", "--out", "{R}/ds"], "ds", "(pid 4242)"),
-    ("dense-sweep-while-another-writes", ["dense-sweep", "{F}", "--out", "{R}/sw.md"], "sw.md",
-     "Another moecompress run is writing"),
-    ("distill-while-another-writes", ["distill", "--teacher", "{F}", "--student", "{F}", *DISTILL, "--out",
-                                      "{R}/run"], "run", "Another moecompress run is writing"),
+    (
+        "analyze-while-another-writes",
+        ["analyze", "{F}", "--out", "{R}/an"],
+        "an",
+        "Another moecompress run is writing",
+    ),
+    (
+        "dense-while-another-writes",
+        ["dense", "{F}", "--calib", "{R}/s", "--out", "{R}/ds"],
+        "ds",
+        "(pid 4242)",
+    ),
+    (
+        "dense-sweep-while-another-writes",
+        ["dense-sweep", "{F}", "--out", "{R}/sw.md"],
+        "sw.md",
+        "Another moecompress run is writing",
+    ),
+    (
+        "distill-while-another-writes",
+        ["distill", "--teacher", "{F}", "--student", "{F}", *DISTILL, "--out", "{R}/run"],
+        "run",
+        "Another moecompress run is writing",
+    ),
 ]
 
 
 def test_probe_is_large():
     assert len(CASES) >= 22
-    assert {argv[0] for _, argv, _, _ in CASES} >= {"compress", "calibrate", "eval", "grid", "compare", "demo",
-                                                    "analyze", "dense", "dense-sweep", "distill"}
+    assert {argv[0] for _, argv, _, _ in CASES} >= {
+        "compress",
+        "calibrate",
+        "eval",
+        "grid",
+        "compare",
+        "demo",
+        "analyze",
+        "dense",
+        "dense-sweep",
+        "distill",
+    }
 
 
 @pytest.mark.parametrize("argv,held,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -191,7 +335,9 @@ def test_stale_lock_and_temporary_of_a_dead_run_in_a_unicode_path(tmp_path, caps
     (stale / "layer_0000.safetensors").write_bytes(b"\0" * 2048)
     mine = parent / f".{out.name}.tmp-notes"  # not a temporary of ours (no pid): left alone
     mine.write_text("mine\n")
-    code, _, err = run_cli(["calibrate", str(F), *DATA, "--for-method", "frequency", "--out", str(out)], capsys)
+    code, _, err = run_cli(
+        ["calibrate", str(F), *DATA, "--for-method", "frequency", "--out", str(out)], capsys
+    )
     assert code == 0, err
     assert "Traceback" not in err
     notes = [line for line in err.splitlines() if line.startswith("note: removed")]

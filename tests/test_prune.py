@@ -14,9 +14,28 @@ from moecompress.models import MoEAdapter, load_model
 from moecompress.scoring import criteria as C
 from moecompress.testing import block_inputs, calibrated_tiny, save_tiny
 
-STATS = ["counts", "tokens", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_sq_mean", "out_mean", "out_var",
-         "gram", "moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
-         "cross_moment", "mid_channel_norm", "mid_mean", "remap_error"]
+STATS = [
+    "counts",
+    "tokens",
+    "routing_mass",
+    "pp",
+    "cp",
+    "reap",
+    "ean",
+    "out_norm_sq_mean",
+    "out_mean",
+    "out_var",
+    "gram",
+    "moment_experts",
+    "moment_count",
+    "moment_in_mean",
+    "moment_out_mean",
+    "input_moment",
+    "cross_moment",
+    "mid_channel_norm",
+    "mid_mean",
+    "remap_error",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +47,9 @@ def setup(tmp_path_factory):
 def _reference_scores(adapter, layer, h):
     r = adapter.route(layer, h)
     e_all = adapter.num_experts(layer)
-    out = {k: torch.zeros(e_all, dtype=torch.float64) for k in ("count", "mass", "psel", "gnorm", "norm", "sq")}
+    out = {
+        k: torch.zeros(e_all, dtype=torch.float64) for k in ("count", "mass", "psel", "gnorm", "norm", "sq")
+    }
     outs = {}
     for e in range(e_all):
         tok, slot = torch.where(r.index == e)
@@ -41,12 +62,22 @@ def _reference_scores(adapter, layer, h):
         outs[e] = y
     n = len(h)
     cnt = out["count"]
-    std = torch.stack([outs[e].std(0, unbiased=False).norm() if len(outs[e]) else torch.tensor(0.0, dtype=torch.float64)
-                       for e in range(e_all)])
+    std = torch.stack(
+        [
+            outs[e].std(0, unbiased=False).norm() if len(outs[e]) else torch.tensor(0.0, dtype=torch.float64)
+            for e in range(e_all)
+        ]
+    )
     return {
-        "frequency": cnt, "mass": out["mass"], "pp": r.probs.double().mean(0), "ps": out["psel"] / n,
-        "cp": C._safe_div(out["psel"], cnt), "acp": C._safe_div(out["psel"], cnt) * C._safe_div(out["sq"], cnt).sqrt(),
-        "reap": C._safe_div(out["gnorm"], cnt), "ean": out["norm"], "mone": std * out["mass"] / n,
+        "frequency": cnt,
+        "mass": out["mass"],
+        "pp": r.probs.double().mean(0),
+        "ps": out["psel"] / n,
+        "cp": C._safe_div(out["psel"], cnt),
+        "acp": C._safe_div(out["psel"], cnt) * C._safe_div(out["sq"], cnt).sqrt(),
+        "reap": C._safe_div(out["gnorm"], cnt),
+        "ean": out["norm"],
+        "mone": std * out["mass"] / n,
     }
 
 
@@ -68,7 +99,9 @@ def test_selection_budget(setup, criterion):
     assert keep == again
 
 
-@pytest.mark.parametrize("operator", ["reroute", "drop", "constant", "tilt", "partial", "remap", "remap-functional"])
+@pytest.mark.parametrize(
+    "operator", ["reroute", "drop", "constant", "tilt", "partial", "remap", "remap-functional"]
+)
 def test_every_operator_builds_a_runnable_plan(setup, operator):
     path, store, adapter, inputs = setup
     extra = {"remap": "functional"} if operator == "remap-functional" else {}
@@ -141,8 +174,16 @@ def test_functional_remap_picks_best_output_match_when_folds_agree():
 def test_remap_error_statistic_equals_direct_computation(tmp_path):
     path = save_tiny("olmoe", tmp_path / "m", seed=5)
     ids = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(1))
-    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=12, out=tmp_path / "s",
-                      stats=["remap_error"], batch_size=4, dtype="float32", progress=False)
+    store = calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=12,
+        out=tmp_path / "s",
+        stats=["remap_error"],
+        batch_size=4,
+        dtype="float32",
+        progress=False,
+    )
     model = load_model(str(path), dtype="float32")
     adapter = MoEAdapter(model)
     layer = adapter.moe_layers[0]
@@ -168,8 +209,10 @@ def test_a_data_free_criterion_is_one_registry_call(tmp_path, monkeypatch):
 
     def weight_norm(g, layer, seed):
         ws = [g.weights(e) for e in range(g.num_experts)]
-        return torch.tensor([sum(float(getattr(w, p).double().square().sum()) for p in ("gate", "up", "down"))
-                             for w in ws], dtype=torch.float64)
+        return torch.tensor(
+            [sum(float(getattr(w, p).double().square().sum()) for p in ("gate", "up", "down")) for w in ws],
+            dtype=torch.float64,
+        )
 
     monkeypatch.setattr(registry, "CRITERIA", dict(registry.CRITERIA))  # the test's entry goes with the test
     registry.register_criterion("weight-norm", (), weight_norm, weights=True)
@@ -177,7 +220,9 @@ def test_a_data_free_criterion_is_one_registry_call(tmp_path, monkeypatch):
     params = {"criterion": "weight-norm", "ratio": 0.5, "gate": "renorm", "protect_super_experts": False}
     plan, _ = build_plan(adapter, "prune", params, None)
     for lp in plan.layers:
-        g = registry.LayerInputs(None, lambda e, i=lp.layer: adapter.get_expert(i, e), adapter.num_experts(lp.layer))
+        g = registry.LayerInputs(
+            None, lambda e, i=lp.layer: adapter.get_expert(i, e), adapter.num_experts(lp.layer)
+        )
         norms = weight_norm(g, lp.layer, 0)
         kept = sorted(e for e, t in enumerate(lp.slots) if isinstance(t, int))
         assert kept == sorted(torch.argsort(norms, descending=True)[: len(kept)].tolist()), lp.layer

@@ -85,7 +85,9 @@ def test_gaussian_rate_closed_form_values():
 def test_merge_pair_matches_the_paper_formulas():
     w_i, w_j = _pair(seed=1)
     w_i[0, :4] = torch.tensor([0.0, 0.0, 0.01, -0.01])
-    w_j[0, :4] = torch.tensor([0.0, 0.02, 0.011, 0.01])  # 0/0, one zero, similar, equal magnitude opposite sign
+    w_j[0, :4] = torch.tensor(
+        [0.0, 0.02, 0.011, 0.01]
+    )  # 0/0, one zero, similar, equal magnitude opposite sign
     n_i, n_j = torch.rand(80, generator=_gen(2)) + 0.5, torch.rand(80, generator=_gen(3)) + 0.5
     tau = 0.4
     m = merge_pair(w_i, w_j, n_i, n_j, tau)
@@ -156,8 +158,9 @@ def test_group_merge_of_three_and_four(size):
     assert torch.allclose(gm.w_merged, expect)
     for k, r in enumerate(gm.reconstruct()):
         assert torch.equal(r[gm.masks[k]].abs(), gm.w_merged[gm.masks[k]])
-        assert torch.equal(torch.sign(r[gm.masks[k] & (gm.w_merged > 0)]),
-                           torch.sign(ws[k][gm.masks[k] & (gm.w_merged > 0)]))
+        assert torch.equal(
+            torch.sign(r[gm.masks[k] & (gm.w_merged > 0)]), torch.sign(ws[k][gm.masks[k] & (gm.w_merged > 0)])
+        )
     a_anchor = mags.gather(0, anchor[None])
     d = (mags - a_anchor).abs() / (mags + a_anchor)
     assert torch.equal(gm.masks, (d <= 0.4) | (torch.arange(size)[:, None, None] == anchor[None]))
@@ -181,7 +184,9 @@ def test_pack_unpack_exhaustive_over_packable_values_and_masks():
     s_i, s_j = (combos & 2).bool().expand_as(w), (combos & 1).bool().expand_as(w)
     packed = pack_pair(w, m_i, m_j, s_i, s_j)
     assert packed.dtype == torch.int16 and packed.shape == w.shape
-    assert packed.unique().numel() == 4096 * 12 + 4, "distinct codes for all valid inputs; zero code per sign pair"
+    assert packed.unique().numel() == 4096 * 12 + 4, (
+        "distinct codes for all valid inputs; zero code per sign pair"
+    )
     u_w, u_mi, u_mj, u_si, u_sj = unpack_pair(packed)
     valid = m_i | m_j
     assert torch.equal(u_w.view(torch.int16)[valid], w.view(torch.int16)[valid])  # bit-exact
@@ -205,8 +210,11 @@ def test_zero_stays_zero_and_the_clamp_on_every_bf16_pattern():
         assert torch.equal(c[big], x[big]), "exponent ≥ 112 is untouched"
         assert c[x == 0].eq(0).all(), "zero stays zero"
         small = (x > 0) & ~big
-        expect = {"nearest": torch.where(x[small] >= MIN_NORMAL / 2, MIN_NORMAL, 0.0),
-                  "clamp": torch.full_like(x[small], MIN_NORMAL), "flush": torch.zeros_like(x[small])}[rule]
+        expect = {
+            "nearest": torch.where(x[small] >= MIN_NORMAL / 2, MIN_NORMAL, 0.0),
+            "clamp": torch.full_like(x[small], MIN_NORMAL),
+            "flush": torch.zeros_like(x[small]),
+        }[rule]
         assert torch.equal(c[small], expect)
         ones = torch.ones_like(w, dtype=torch.bool)
         d_i, _ = decode_pair(pack_pair(w, ones, ones, ~ones, ~ones, underflow=rule))
@@ -224,7 +232,7 @@ def test_pack_rejects_what_it_cannot_hold():
     with pytest.raises(MoECompressError, match="negative"):
         pack_pair(torch.tensor([0.5, -0.5]), one, one, one, one)
     with pytest.raises(MoECompressError, match="2\\^17"):
-        pack_pair(torch.tensor([0.5, 2.0 ** 17]), one, one, one, one)
+        pack_pair(torch.tensor([0.5, 2.0**17]), one, one, one, one)
     with pytest.raises(MoECompressError, match="inf or NaN"):
         pack_pair(torch.tensor([0.5, float("inf")]), one, one, one, one)
     with pytest.raises(MoECompressError, match="shape"):
@@ -262,7 +270,10 @@ def test_packed_pair_linear_equals_the_dense_reconstruction():
     m = merge_pair(w_i, w_j, torch.rand(72, generator=_gen(1)), torch.rand(72, generator=_gen(2)))
     packed = pack_pair(m.w_merged, m.m_i, m.m_j, m.s_i, m.s_j)
     r_i, r_j = m.rounded().reconstruct()  # W_merged as stored: bf16-rounded, exponent-clamped
-    x_i, x_j = torch.randn(3, 72, generator=_gen(3)), torch.randn(7, 2, 72, generator=_gen(4))  # different tokens
+    x_i, x_j = (
+        torch.randn(3, 72, generator=_gen(3)),
+        torch.randn(7, 2, 72, generator=_gen(4)),
+    )  # different tokens
     b_i, b_j = torch.randn(40), torch.randn(40)
     y_i, y_j = packed_pair_linear(x_i, x_j, packed, b_i, b_j, backend="torch")
     assert torch.equal(y_i, F.linear(x_i, r_i, b_i)) and torch.equal(y_j, F.linear(x_j, r_j, b_j))
@@ -276,9 +287,17 @@ def test_packed_pair_linear_equals_the_dense_reconstruction():
 def _experts(h=32, i=24, seed=0, bias=False):
     g = _gen(seed)
     mk = lambda *s: torch.randn(*s, generator=g) * 0.05
-    return [ExpertWeights(gate=mk(i, h), up=mk(i, h), down=mk(h, i),
-                          gate_bias=mk(i) if bias else None, up_bias=mk(i) if bias else None,
-                          down_bias=mk(h) if bias else None) for _ in range(2)]
+    return [
+        ExpertWeights(
+            gate=mk(i, h),
+            up=mk(i, h),
+            down=mk(h, i),
+            gate_bias=mk(i) if bias else None,
+            up_bias=mk(i) if bias else None,
+            down_bias=mk(h) if bias else None,
+        )
+        for _ in range(2)
+    ]
 
 
 @pytest.mark.parametrize("act,bias", [(ExpertActivation(), False), (ExpertActivation(kind="gpt_oss"), True)])
@@ -373,8 +392,15 @@ def test_evolutionary_search_is_valid_deterministic_and_improves():
     again = evolve_grouping(num_experts, loss, population=12, generations=25, seed=5)
     assert again.groups == res.groups and again.history == res.history
     # Partial groupings of three: still valid every time.
-    part = evolve_grouping(10, lambda g: float(sum(max(x) - min(x) for x in g)), group_size=3, num_groups=2,
-                           population=6, generations=5, seed=1)
+    part = evolve_grouping(
+        10,
+        lambda g: float(sum(max(x) - min(x) for x in g)),
+        group_size=3,
+        num_groups=2,
+        population=6,
+        generations=5,
+        seed=1,
+    )
     assert validate_grouping(part.groups, 10, 3, 2) == part.groups
 
 
@@ -386,16 +412,21 @@ def test_quantization_error_is_at_most_half_a_step(bits):
     w_i, w_j = _pair(16, 200, seed=bits)  # 200: a partial last group of 72
     m = merge_pair(w_i, w_j)
     q, scales = quantize_magnitudes(m.w_merged, bits, 128)
-    assert scales.shape == (16, 2) and scales.dtype == torch.bfloat16 and int(q.max()) <= 2 ** bits - 1
+    assert scales.shape == (16, 2) and scales.dtype == torch.bfloat16 and int(q.max()) <= 2**bits - 1
     s = scales.float().repeat_interleave(128, 1)[:, :200]
     err = (q.float() * s - m.w_merged).abs()
     assert bool((err <= s / 2 * (1 + 1e-6)).all())
-    assert int(q.max()) == 2 ** bits - 1  # the unsigned range is used in full
+    assert int(q.max()) == 2**bits - 1  # the unsigned range is used in full
     from moecompress.puzzle import quantize_pair
 
     data, sc = quantize_pair(m.w_merged, m.m_i, m.m_j, m.s_i, m.s_j, bits)
     w, mi, mj, si, sj = unpack_quantized_pair(data, sc, (16, 200), bits)
-    assert torch.equal(mi, m.m_i) and torch.equal(mj, m.m_j) and torch.equal(si, m.s_i) and torch.equal(sj, m.s_j)
+    assert (
+        torch.equal(mi, m.m_i)
+        and torch.equal(mj, m.m_j)
+        and torch.equal(si, m.s_i)
+        and torch.equal(sj, m.s_j)
+    )
     assert torch.equal(w, q.float() * s)
     assert data.numel() == math.ceil(16 * 200 / 8) * (bits + 4)
 
@@ -403,7 +434,7 @@ def test_quantization_error_is_at_most_half_a_step(bits):
 def test_code_packing_round_trip():
     g = _gen(0)
     for width in range(1, 9):
-        codes = torch.randint(0, 2 ** width, (1003,), generator=g)
+        codes = torch.randint(0, 2**width, (1003,), generator=g)
         data = pack_codes(codes, width)
         assert data.dtype == torch.uint8 and data.numel() == math.ceil(1003 / 8) * width
         assert torch.equal(unpack_codes(data, width, 1003), codes)
@@ -455,13 +486,22 @@ def test_triton_kernel_in_the_cpu_interpreter():
     """The kernel's decode + two dots, masks and split-K run in Triton's interpreter (fresh process:
     TRITON_INTERPRET must be set before triton is imported)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], capture_output=True, text=True, env=env,
-                       timeout=120, cwd=ROOT, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERP_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-                    reason="needs CUDA and triton")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs CUDA and triton",
+)
 @pytest.mark.parametrize("n,k,m", [(768, 2048, 1), (1536, 2048, 16), (2048, 768, 64), (4096, 1792, 7)])
 def test_triton_kernel_on_cuda_matches_reference(n, k, m):
     from moecompress.puzzle import packed_pair_linear_triton
@@ -483,7 +523,9 @@ def test_triton_kernel_on_cuda_matches_reference(n, k, m):
 def test_benchmark_exits_clearly_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the benchmark would run")
-    spec = importlib.util.spec_from_file_location("bench_puzzle_kernel", ROOT / "benchmarks" / "bench_puzzle_kernel.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_puzzle_kernel", ROOT / "benchmarks" / "bench_puzzle_kernel.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     with pytest.raises(SystemExit) as exc:

@@ -37,9 +37,12 @@ class FakeStats:
         self.data = {}
         for i in adapter.moe_layers:
             e, h, w = adapter.num_experts(i), adapter.hidden_size, adapter.intermediate_size(i)
-            self.data[i] = {"in_channel_norm": torch.rand(e, h, generator=g) + 0.1,
-                            "mid_channel_norm": torch.rand(e, w, generator=g) + 0.1,
-                            "counts": torch.ones(e), "tokens": torch.tensor(10.0)}
+            self.data[i] = {
+                "in_channel_norm": torch.rand(e, h, generator=g) + 0.1,
+                "mid_channel_norm": torch.rand(e, w, generator=g) + 0.1,
+                "counts": torch.ones(e),
+                "tokens": torch.tensor(10.0),
+            }
 
     def require(self, *names, method=None):
         pass
@@ -72,8 +75,10 @@ def dense_reference(model, plan, quant_bits=None, underflow="nearest"):
             members = [e for _, e in s.sources]
             layer = s.sources[0][0]
             ws = [adapter.get_expert(layer, e) for e in members]
-            norms = [InputNorms(stats.get(layer, "in_channel_norm")[e], stats.get(layer, "mid_channel_norm")[e])
-                     for e in members]
+            norms = [
+                InputNorms(stats.get(layer, "in_channel_norm")[e], stats.get(layer, "mid_channel_norm")[e])
+                for e in members
+            ]
             if len(members) == 2:
                 merge = merge_expert_pair(ws[0], ws[1], norms[0], norms[1], plan.params["tau"])
                 if quant_bits is None:
@@ -84,21 +89,30 @@ def dense_reference(model, plan, quant_bits=None, underflow="nearest"):
                     for name in ("gate_up", "down"):
                         pm = getattr(merge, name)
                         q, scales = quantize_magnitudes(pm.w_merged, quant_bits, 128)
-                        parts[name] = reconstruct_pair(dequantize_magnitudes(q, scales, 128), pm.m_i, pm.m_j,
-                                                       pm.s_i, pm.s_j)
+                        parts[name] = reconstruct_pair(
+                            dequantize_magnitudes(q, scales, 128), pm.m_i, pm.m_j, pm.s_i, pm.s_j
+                        )
                     i_size = ws[0].gate.shape[0]
                     for k in range(2):
                         gu = parts["gate_up"][k]
                         recs.append(type(ws[0])(gate=gu[:i_size], up=gu[i_size:], down=parts["down"][k]))
             else:
                 groups = merge_expert_group(ws, norms, plan.params["tau"])
-                gu, dn = (GroupMerge(g.w_merged.bfloat16().float(), g.masks, g.signs).reconstruct()
-                          for g in (groups["gate_up"], groups["down"]))
+                gu, dn = (
+                    GroupMerge(g.w_merged.bfloat16().float(), g.masks, g.signs).reconstruct()
+                    for g in (groups["gate_up"], groups["down"])
+                )
                 i_size = ws[0].gate.shape[0]
                 recs = [type(ws[0])(gate=g[:i_size], up=g[i_size:], down=d) for g, d in zip(gu, dn)]
             for e, w, orig in zip(members, recs, ws):
-                w = type(orig)(gate=w.gate, up=w.up, down=w.down, gate_bias=orig.gate_bias, up_bias=orig.up_bias,
-                               down_bias=orig.down_bias)
+                w = type(orig)(
+                    gate=w.gate,
+                    up=w.up,
+                    down=w.down,
+                    gate_bias=orig.gate_bias,
+                    up_bias=orig.up_bias,
+                    down_bias=orig.down_bias,
+                )
                 dt = orig.gate.dtype
                 adapter.set_expert(layer, e, w.map(lambda t, dt=dt: t.to(dt)))
     return ref
@@ -124,7 +138,11 @@ def test_plan_pairs_are_one_packed_stored_expert_per_pair_and_validate():
     # quarter: half the experts paired, the others copies
     plan25, _ = puzzle(model, ratio=0.25)
     assert [len(plan25.scope(lp.scope).stored) for lp in plan25.layers] == [6, 6]
-    assert group_layout(16, 0.667) == (3, 5) and group_layout(16, 0.75) == (4, 4) and group_layout(8, 0.25) == (2, 2)
+    assert (
+        group_layout(16, 0.667) == (3, 5)
+        and group_layout(16, 0.75) == (4, 4)
+        and group_layout(8, 0.25) == (2, 2)
+    )
 
 
 def test_plan_refuses_inconsistent_packed_experts():
@@ -157,14 +175,17 @@ def test_plan_refuses_inconsistent_packed_experts():
 
 
 # ----------------------------------------------------------------------------------------- runtime
-@pytest.mark.parametrize("family, dtype, params", [
-    ("qwen3_moe", torch.float32, dict(ratio=0.5)),
-    ("qwen3_moe", torch.bfloat16, dict(ratio=0.5)),
-    ("olmoe", torch.float32, dict(ratio=0.25, underflow="clamp")),
-    ("gpt_oss", torch.float32, dict(ratio=0.5)),
-    ("qwen3_moe", torch.float32, dict(ratio=0.5, quant_bits=3)),
-    ("mixtral", torch.float32, dict(ratio=0.75)),
-])
+@pytest.mark.parametrize(
+    "family, dtype, params",
+    [
+        ("qwen3_moe", torch.float32, dict(ratio=0.5)),
+        ("qwen3_moe", torch.bfloat16, dict(ratio=0.5)),
+        ("olmoe", torch.float32, dict(ratio=0.25, underflow="clamp")),
+        ("gpt_oss", torch.float32, dict(ratio=0.5)),
+        ("qwen3_moe", torch.float32, dict(ratio=0.5, quant_bits=3)),
+        ("mixtral", torch.float32, dict(ratio=0.75)),
+    ],
+)
 def test_packed_runtime_equals_dense_reconstruction(family, dtype, params):
     model = tiny_model(family, dtype=dtype)
     plan, tensors = puzzle(model, **params)
@@ -197,13 +218,16 @@ def test_packed_runtime_equals_dense_reconstruction(family, dtype, params):
 def _header(path):
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n])
+    return json.loads(raw[8 : 8 + n])
 
 
 def _scope_bytes(directory):
     head = _header(directory / "model.safetensors")
-    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items()
-               if k.startswith("moecompress.scopes."))
+    return sum(
+        v["data_offsets"][1] - v["data_offsets"][0]
+        for k, v in head.items()
+        if k.startswith("moecompress.scopes.")
+    )
 
 
 def test_packed_export_is_exactly_half_the_bf16_pairs_and_loads_back(tmp_path):
@@ -211,7 +235,9 @@ def test_packed_export_is_exactly_half_the_bf16_pairs_and_loads_back(tmp_path):
     plan, tensors = puzzle(model, ratio=0.5)
     res = export(model, plan, tmp_path / "p50", format=choose_format(plan), tensors=tensors, quiet=True)
     assert res.format == "packed" and not res.evaluation_only
-    assert _scope_bytes(tmp_path / "p50") == plan.model.expert_bytes // 2  # every packed tensor once: 2 B/element
+    assert (
+        _scope_bytes(tmp_path / "p50") == plan.model.expert_bytes // 2
+    )  # every packed tensor once: 2 B/element
     head = _header(tmp_path / "p50" / "model.safetensors")
     assert {v["dtype"] for k, v in head.items() if k.endswith(".packed")} == {"I16"}
     assert json.loads((tmp_path / "p50" / "moecompress.json").read_text())["format"] == "packed"
@@ -272,12 +298,33 @@ def test_compress_cli_writes_a_packed_checkpoint(tmp_path, capsys):
 
     path = save_tiny("qwen3_moe", tmp_path / "model", seed=1)
     ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
-    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=tmp_path / "stats",
-              stats=["counts", "tokens", "in_channel_norm", "mid_channel_norm"], dtype="float32", progress=False)
+    calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=16,
+        out=tmp_path / "stats",
+        stats=["counts", "tokens", "in_channel_norm", "mid_channel_norm"],
+        dtype="float32",
+        progress=False,
+    )
     out = tmp_path / "puzzle"
     try:
-        main(["compress", str(path), "--method", "puzzlemoe", "--ratio", "0.5", "--param", "quant_bits=3",
-              "--calib", str(tmp_path / "stats"), "--out", str(out)])
+        main(
+            [
+                "compress",
+                str(path),
+                "--method",
+                "puzzlemoe",
+                "--ratio",
+                "0.5",
+                "--param",
+                "quant_bits=3",
+                "--calib",
+                str(tmp_path / "stats"),
+                "--out",
+                str(out),
+            ]
+        )
         code = 0
     except SystemExit as exc:
         code = exc.code
@@ -294,4 +341,6 @@ def test_evolve_pairing_scores_its_proxy_and_never_loses_to_random():
     plan, _ = puzzle(tiny_model("qwen3_moe"), ratio=0.5, pairing="evolve", population=6, generations=4)
     for row in plan.params["puzzle"]["layers"]:
         assert row["proxy_loss"] <= row["random_proxy_loss"]
-        assert row["est_error"] == pytest.approx(row["proxy_loss"], rel=1e-5)  # the chosen groups' summed error
+        assert row["est_error"] == pytest.approx(
+            row["proxy_loss"], rel=1e-5
+        )  # the chosen groups' summed error

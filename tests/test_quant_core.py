@@ -327,9 +327,20 @@ def test_from_packed_missing_tensor():
 
 
 @pytest.mark.parametrize(
-    ("text", "cols"), [("w2g32", 128), ("w3g32", 128), ("w4g128", 128), ("w8g64", 128), ("w4c", 128),
-                       ("w3ca", 128), ("w4g32a", 128), ("w2ca", 128), ("w8g32a", 128),
-                       ("w4g64", 192), ("w3g32a", 96)]
+    ("text", "cols"),
+    [
+        ("w2g32", 128),
+        ("w3g32", 128),
+        ("w4g128", 128),
+        ("w8g64", 128),
+        ("w4c", 128),
+        ("w3ca", 128),
+        ("w4g32a", 128),
+        ("w2ca", 128),
+        ("w8g32a", 128),
+        ("w4g64", 192),
+        ("w3g32a", 96),
+    ],
 )
 def test_compressed_tensors_decompress_equals_dequantize(text, cols):
     from compressed_tensors.compressors import PackedQuantizationCompressor

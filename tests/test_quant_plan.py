@@ -42,17 +42,22 @@ def _routed_weight_bytes(path) -> int:
     return total
 
 
-COMPOSED = [("prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"}, "w4g32", "gptq"),
-            ("conmoe", {"ratio": 0.5, "scope_size": 2}, "w3g32", "gptq"),
-            ("puzzlemoe", {"ratio": 0.25, "quant_bits": 3, "quant_group": 32}, "w4g32a", "rtn")]
+COMPOSED = [
+    ("prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"}, "w4g32", "gptq"),
+    ("conmoe", {"ratio": 0.5, "scope_size": 2}, "w3g32", "gptq"),
+    ("puzzlemoe", {"ratio": 0.25, "quant_bits": 3, "quant_group": 32}, "w4g32a", "rtn"),
+]
 
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     from moecompress.pipeline import needs_for
 
-    needs = {s for method, params, spec, algo in COMPOSED
-             for s in needs_for(method, params, {"quant": spec, "algo": "gptq"})}
+    needs = {
+        s
+        for method, params, spec, algo in COMPOSED
+        for s in needs_for(method, params, {"quant": spec, "algo": "gptq"})
+    }
     needs |= {"hessian_in_g2", "hessian_mid_g2"}  # the gate²-weighted variant (weighting="gate2")
     return calibrated_tiny(tmp_path_factory.mktemp("qplan"), "qwen3_moe", 0, sorted(needs))
 
@@ -85,8 +90,9 @@ def test_gptq_beats_rtn_on_the_calibration_tokens(calibrated):
     for algo in ("rtn", "gptq"):
         plan, tensors = build_plan(adapter, "quant", {"quant": "w2g32", "algo": algo}, store)
         out = _logits(apply_plan(load_model(str(path), dtype="float32"), plan, tensors))
-        kl[algo] = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                              reduction="batchmean").item()
+        kl[algo] = torch.nn.functional.kl_div(
+            out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean"
+        ).item()
     assert 0 < kl["gptq"] < kl["rtn"]
 
 
@@ -106,9 +112,13 @@ def test_hf_export_is_compressed_tensors_and_loads(tmp_path, calibrated):
     assert any(k.endswith("experts.0.gate_proj.weight_packed") for k in keys)
     assert not any(".experts." in k and k.endswith("proj.weight") for k in keys)
     # compressed-tensors' own decompression equals the runtime's dequantized weights
-    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "dq"),
-                       converter=CompressedTensorsDequantizer(str(tmp_path / "hf"), dtype=torch.bfloat16),
-                       max_workers=1, device="cpu")
+    convert_checkpoint(
+        str(tmp_path / "hf"),
+        str(tmp_path / "dq"),
+        converter=CompressedTensorsDequantizer(str(tmp_path / "hf"), dtype=torch.bfloat16),
+        max_workers=1,
+        device="cpu",
+    )
     runtime = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
     blocks = {m.layer_index: m for m in runtime.modules() if isinstance(m, CompressedMoEBlock)}
     with safe_open(str(tmp_path / "dq" / "model.safetensors"), "pt") as f:
@@ -157,8 +167,10 @@ def test_quantized_scope_stays_packed_in_memory(tiny):
 
 def test_bad_quant_spec_is_one_sentence(tmp_path, capsys):
     path = save_tiny("olmoe", tmp_path / "m")
-    code, out, err = run_cli(["compress", str(path), "--method", "quant", "--param", "quant=w5g7",
-                              "--out", str(tmp_path / "o")], capsys)
+    code, out, err = run_cli(
+        ["compress", str(path), "--method", "quant", "--param", "quant=w5g7", "--out", str(tmp_path / "o")],
+        capsys,
+    )
     assert code == 2 and "Traceback" not in err and "w5g7" in err
     assert not (tmp_path / "o").exists()
     with pytest.raises(MoECompressError, match="w4g100"):
@@ -169,8 +181,9 @@ def test_gpt_oss_quantized_compact_roundtrip(tmp_path):
     model = tiny_model("gpt_oss")
     model.save_pretrained(tmp_path / "m")
     adapter = MoEAdapter(load_model(str(tmp_path / "m"), dtype="float32"))
-    plan, tensors = quantize_plan(CompressionPlan.identity(adapter), {}, _source(adapter),
-                                  QuantConfig(quant="w4c", algo="rtn"))
+    plan, tensors = quantize_plan(
+        CompressionPlan.identity(adapter), {}, _source(adapter), QuantConfig(quant="w4c", algo="rtn")
+    )
     export(str(tmp_path / "m"), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
     runtime = apply_plan(load_model(str(tmp_path / "m"), dtype="float32"), plan, tensors)
     assert torch.equal(_logits(load(tmp_path / "c")), _logits(runtime))
@@ -194,8 +207,12 @@ def test_plan_codes_equal_per_expert_gptq(calibrated, actorder, weighting):
 
     _, store, adapter, _ = calibrated
     suffix = "_g2" if weighting == "gate2" else ""
-    plan, tensors = build_plan(adapter, "quant", {"quant": "w2g32", "algo": "gptq", "actorder": actorder,
-                                                  "weighting": weighting}, store)
+    plan, tensors = build_plan(
+        adapter,
+        "quant",
+        {"quant": "w2g32", "algo": "gptq", "actorder": actorder, "weighting": weighting},
+        store,
+    )
     spec = QuantSpec.parse("w2g32", actorder=actorder)
     assert all(s.quant.actorder is actorder for sc in plan.scopes for s in sc.stored)
     i = adapter.moe_layers[0]
@@ -240,14 +257,17 @@ def test_an_expert_no_token_reached_is_rounded_not_zeroed(calibrated):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
-def test_a_quantized_scope_dequantized_a_range_at_a_time_computes_the_same(tmp_path, monkeypatch, family, impl):
+def test_a_quantized_scope_dequantized_a_range_at_a_time_computes_the_same(
+    tmp_path, monkeypatch, family, impl
+):
     from moecompress.runtime import quantized
 
     model = tiny_model(family)
     model.save_pretrained(tmp_path / "m")
     adapter = MoEAdapter(load_model(str(tmp_path / "m"), dtype="float32"))
-    plan, tensors = quantize_plan(CompressionPlan.identity(adapter), {}, _source(adapter),
-                                  QuantConfig(quant="w4c", algo="rtn"))
+    plan, tensors = quantize_plan(
+        CompressionPlan.identity(adapter), {}, _source(adapter), QuantConfig(quant="w4c", algo="rtn")
+    )
 
     def logits_and_widest():
         runtime = apply_plan(load_model(str(tmp_path / "m"), dtype="float32"), plan, tensors)
@@ -283,6 +303,8 @@ def test_quantized_biased_experts_count_their_biases(tmp_path):
     stored = sum(t.numel() * t.element_size() for t in tensors.values())
     assert plan.logical_bytes(tensors).stored_experts == stored
     w = adapter.get_expert(adapter.moe_layers[0], 0)
-    per_expert = expert_quant_bytes(QuantSpec.parse("w4c", algo="rtn"), *w.gate.shape, True, plan.model.element_size)
+    per_expert = expert_quant_bytes(
+        QuantSpec.parse("w4c", algo="rtn"), *w.gate.shape, True, plan.model.element_size
+    )
     n = sum(adapter.num_experts(i) for i in adapter.moe_layers)
     assert per_expert * n == stored

@@ -22,7 +22,11 @@ def test_library_bars_are_silenced_and_restored(capsys):
     logging.getLogger("lm_eval.evaluator").addHandler(handler)
     try:
         loud = _bars(capsys)
-        assert "Running loglikelihood requests" in loud and "Loading weights" in loud and "lm-eval warning" in loud
+        assert (
+            "Running loglikelihood requests" in loud
+            and "Loading weights" in loud
+            and "lm-eval warning" in loud
+        )
         with quiet_libraries():
             quiet = _bars(capsys)
         assert quiet == ""

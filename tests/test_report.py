@@ -12,17 +12,27 @@ from moecompress.eval.report import CHECKLIST_TITLES, checklist, compare_arms, w
 def entry(output_type, metric, values, ids=None, hib=True):
     values = [float(v) for v in values]
     ids = list(range(len(values))) if ids is None else ids
-    e = {"output_type": output_type, "aggregate": {metric: float(np.mean(values))},
-         "higher_is_better": {metric: hib}, "primary": metric, "n": len(values),
-         "items": {"ids": ids, metric: values}}
+    e = {
+        "output_type": output_type,
+        "aggregate": {metric: float(np.mean(values))},
+        "higher_is_better": {metric: hib},
+        "primary": metric,
+        "n": len(values),
+        "items": {"ids": ids, metric: values},
+    }
     return e
 
 
 def ppl_entry(nll, kl=None):
     ids = [f"abc:{i * 64}" for i in range(len(nll))]
-    e = {"output_type": "perplexity", "aggregate": {"ppl": float(np.exp(np.mean(nll))), "nll": float(np.mean(nll))},
-         "higher_is_better": {"ppl": False, "nll": False, "acc": True}, "primary": "nll", "n": len(nll),
-         "items": {"ids": ids, "nll": list(nll), "n_tokens": [64] * len(nll)}}
+    e = {
+        "output_type": "perplexity",
+        "aggregate": {"ppl": float(np.exp(np.mean(nll))), "nll": float(np.mean(nll))},
+        "higher_is_better": {"ppl": False, "nll": False, "acc": True},
+        "primary": "nll",
+        "n": len(nll),
+        "items": {"ids": ids, "nll": list(nll), "n_tokens": [64] * len(nll)},
+    }
     if kl is not None:
         e["aggregate"]["kl"] = float(np.mean(kl))
         e["items"]["kl"] = list(kl)
@@ -40,27 +50,84 @@ def full_results():
         gen = np.where(rng.random(60) < drop, 0, base_gen)
         nll = base_nll + drop + rng.normal(0, 0.02, 40)
         kl = np.abs(rng.normal(drop, 0.01, 40)) if kind != "original" else np.zeros(40)
-        a = {"name": name, "method": method, "kind": kind, "bytes": {"model": size},
-             "metrics": {"ppl:heldout.txt": ppl_entry(nll, kl), "fixture_mc": entry("multiple_choice", "acc", mc),
-                         "fixture_gen": entry("generate_until", "exact_match", gen)}}
+        a = {
+            "name": name,
+            "method": method,
+            "kind": kind,
+            "bytes": {"model": size},
+            "metrics": {
+                "ppl:heldout.txt": ppl_entry(nll, kl),
+                "fixture_mc": entry("multiple_choice", "acc", mc),
+                "fixture_gen": entry("generate_until", "exact_match", gen),
+            },
+        }
         a.update(kw)
         return a
 
     layers = [{"layer": i, "experts": 8, "retained": 4, "remapped": 0, "dropped": 4} for i in range(3)]
     return {
-        "model": {"name": "qwen3-moe-tiny", "model_type": "qwen3_moe", "router_convention": "softmax → top-2 → renorm",
-                  "num_experts": 8, "top_k": 2},
+        "model": {
+            "name": "qwen3-moe-tiny",
+            "model_type": "qwen3_moe",
+            "router_convention": "softmax → top-2 → renorm",
+            "num_experts": 8,
+            "top_k": 2,
+        },
         "calibration": {"domain": "English prose", "source": "fixture-calib", "tokens": 65536},
         "arms": [
-            arm("original", "original", "original", 0.0, 40_000_000, latency={"prefill_tok_s": 900.0,
-                "decode_tok_s": 40.0, "batch_size": 1, "prompt_len": 128, "new_tokens": 32, "repeats": 3,
-                "warmup": 1, "device": "cpu"}, memory={"peak_bytes": 600_000_000, "kind": "cpu_rss"}),
-            arm("reap-50-reroute", "reap", "compressed", 0.3, 22_000_000, gate_semantics="keep", operator="reroute",
-                mask_id="m1", params={"ratio": 0.5}, per_layer=layers),
-            arm("reap-50-drop", "reap", "compressed", 0.05, 22_000_000, gate_semantics="keep", operator="drop",
-                mask_id="m1", params={"ratio": 0.5}, per_layer=layers),
-            arm("quant-w4g128-gptq", "quant", "quant_baseline", 0.02, 12_000_000, gate_semantics="renorm",
-                params={"quant": "w4g128", "algo": "gptq"}, precision="w4g128", bits_per_weight=4.125),
+            arm(
+                "original",
+                "original",
+                "original",
+                0.0,
+                40_000_000,
+                latency={
+                    "prefill_tok_s": 900.0,
+                    "decode_tok_s": 40.0,
+                    "batch_size": 1,
+                    "prompt_len": 128,
+                    "new_tokens": 32,
+                    "repeats": 3,
+                    "warmup": 1,
+                    "device": "cpu",
+                },
+                memory={"peak_bytes": 600_000_000, "kind": "cpu_rss"},
+            ),
+            arm(
+                "reap-50-reroute",
+                "reap",
+                "compressed",
+                0.3,
+                22_000_000,
+                gate_semantics="keep",
+                operator="reroute",
+                mask_id="m1",
+                params={"ratio": 0.5},
+                per_layer=layers,
+            ),
+            arm(
+                "reap-50-drop",
+                "reap",
+                "compressed",
+                0.05,
+                22_000_000,
+                gate_semantics="keep",
+                operator="drop",
+                mask_id="m1",
+                params={"ratio": 0.5},
+                per_layer=layers,
+            ),
+            arm(
+                "quant-w4g128-gptq",
+                "quant",
+                "quant_baseline",
+                0.02,
+                12_000_000,
+                gate_semantics="renorm",
+                params={"quant": "w4g128", "algo": "gptq"},
+                precision="w4g128",
+                bits_per_weight=4.125,
+            ),
         ],
         "settings": {"seed": 0},
         "notes": ["synthetic results for the report test"],
@@ -98,7 +165,9 @@ def test_too_few_replicates_are_flagged():
     comps = compare_arms(res, B=300)
     text = render_markdown(res, comps, checklist(res), {}, {"B": 300, "seed": 0, "alpha": 0.05})
     assert "with B = 300 replicates" in text and "B ≥ 1920" in text
-    assert {c["verdict"] for c in comps} == {"not detectably different"}  # 12 * 2/301 > 0.05: nothing survives Holm
+    assert {c["verdict"] for c in comps} == {
+        "not detectably different"
+    }  # 12 * 2/301 > 0.05: nothing survives Holm
 
 
 def test_missing_items_are_listed_not_hidden(tmp_path):
@@ -112,7 +181,10 @@ def test_missing_items_are_listed_not_hidden(tmp_path):
     for i, title in enumerate(CHECKLIST_TITLES, 1):
         assert f"{i}. **MISSING** — {title}" in text
     items = checklist(r)
-    assert "router convention" in items[0]["detail"] and "calibration domain, source, tokens" in items[3]["detail"]
+    assert (
+        "router convention" in items[0]["detail"]
+        and "calibration domain, source, tokens" in items[3]["detail"]
+    )
 
 
 def test_unpaired_arms_are_refused(tmp_path):
@@ -145,8 +217,10 @@ def _many_arms(n: int = 28) -> dict:
         a = copy.deepcopy(template)
         a["name"] = f"conmoe-fixed-k-scope{i % 4}-ratio-{i:02d}"
         a["bytes"]["model"] = 10_000_000 + 500_000 * i
-        a["per_layer"] = [{"layer": k, "experts": 16, "retained": 8 - k, "remapped": k, "operators": 0,
-                           "dropped": 8} for k in range(4)]
+        a["per_layer"] = [
+            {"layer": k, "experts": 16, "retained": 8 - k, "remapped": k, "operators": 0, "dropped": 8}
+            for k in range(4)
+        ]
         arms.append(a)
     r["arms"] = arms
     return r
@@ -192,8 +266,12 @@ def test_pareto_front_and_discriminating_tasks():
 
     pts = [(10.0, 0.5), (5.0, 1.0), (7.0, 0.2), (8.0, 0.3), (12.0, 0.1), (5.0, 2.0)]
     assert pareto_front(pts) == [1, 2, 4]  # (5, 1.0) -> (7, 0.2) -> (12, 0.1); the rest are dominated
-    comps = [dict(task="mc", ci_low=-0.1, ci_high=0.05), dict(task="mc", ci_low=-0.2, ci_high=0.1),
-             dict(task="ppl", ci_low=0.01, ci_high=0.3), dict(task="ppl", ci_low=-0.1, ci_high=0.2)]
+    comps = [
+        dict(task="mc", ci_low=-0.1, ci_high=0.05),
+        dict(task="mc", ci_low=-0.2, ci_high=0.1),
+        dict(task="ppl", ci_low=0.01, ci_high=0.3),
+        dict(task="ppl", ci_low=-0.1, ci_high=0.2),
+    ]
     assert [c["task"] for c in discriminating(comps)] == ["ppl", "ppl"]  # no mc interval excludes 0
 
 

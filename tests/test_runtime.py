@@ -55,6 +55,7 @@ def test_identity_plan_is_exact_with_eager_experts_too(family):
 # ----------------------------------------------------------------------------- keep / renorm
 def _masked_selection_router(router, allowed, norm):
     """Independent reference for `keep`: the HF softmax router with pruned logits masked from selection only."""
+
     def forward(h):
         h = h.reshape(-1, router.weight.shape[1])
         logit = F.linear(h, router.weight)
@@ -64,6 +65,7 @@ def _masked_selection_router(router, allowed, norm):
         if norm:
             weight = weight / weight.sum(-1, keepdim=True)
         return logit, weight.to(logit.dtype), index
+
     router.forward = forward
 
 
@@ -71,14 +73,25 @@ def _physically_pruned(family, keep, **overrides):
     """Independent reference for `renorm`: a model with fewer experts whose router rows were deleted."""
     model = tiny_model(family, **overrides)
     k = len(keep)
-    cfg = tiny_config(family, **{**overrides, **{key: k for key in ("num_experts", "num_local_experts", "n_routed_experts")
-                                                   if key in tiny_config(family).to_dict()}})
+    cfg = tiny_config(
+        family,
+        **{
+            **overrides,
+            **{
+                key: k
+                for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                if key in tiny_config(family).to_dict()
+            },
+        },
+    )
     from transformers import AutoModelForCausalLM
 
     small = AutoModelForCausalLM.from_config(cfg).eval()
     idx = torch.tensor(keep)
-    state = {n: (t[idx] if ".mlp." in n and t.dim() >= 1 and t.shape[0] == 8 else t)
-             for n, t in model.state_dict().items()}
+    state = {
+        n: (t[idx] if ".mlp." in n and t.dim() >= 1 and t.shape[0] == 8 else t)
+        for n, t in model.state_dict().items()
+    }
     small.load_state_dict(state)
     return small
 
@@ -97,16 +110,23 @@ def test_keep_plan_equals_router_masking_of_the_original(family):
     torch.testing.assert_close(logits(apply_plan(model, plan)), logits(reference), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family, keep, overrides", [
-    ("qwen3_moe", [0, 2, 3, 5, 6], {}),
-    ("olmoe", [1, 2, 4, 7], {}),
-    ("deepseek_v2", [0, 3, 5, 6], {}),  # one expert per router group: group-limited routing survives
-])
+@pytest.mark.parametrize(
+    "family, keep, overrides",
+    [
+        ("qwen3_moe", [0, 2, 3, 5, 6], {}),
+        ("olmoe", [1, 2, 4, 7], {}),
+        ("deepseek_v2", [0, 3, 5, 6], {}),  # one expert per router group: group-limited routing survives
+    ],
+)
 def test_renorm_plan_equals_deleting_router_rows(family, keep, overrides):
     model = tiny_model(family, **overrides)
     plan = CompressionPlan.prune(model, prune_keep(ModelInfo.from_model(model), keep), gate="renorm")
-    torch.testing.assert_close(logits(apply_plan(model, plan)), logits(_physically_pruned(family, keep, **overrides)),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        logits(apply_plan(model, plan)),
+        logits(_physically_pruned(family, keep, **overrides)),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_keep_and_renorm_coincide_iff_the_router_renormalises():
@@ -115,8 +135,9 @@ def test_keep_and_renorm_coincide_iff_the_router_renormalises():
     for family in ("qwen3_moe", "olmoe"):  # norm_topk_prob True / False
         info = ModelInfo.from_model(tiny_model(family))
         for gate in ("keep", "renorm"):
-            out[family, gate] = logits(apply_plan(tiny_model(family),
-                                                  CompressionPlan.prune(info, prune_keep(info, keep), gate=gate)))
+            out[family, gate] = logits(
+                apply_plan(tiny_model(family), CompressionPlan.prune(info, prune_keep(info, keep), gate=gate))
+            )
     torch.testing.assert_close(out["qwen3_moe", "keep"], out["qwen3_moe", "renorm"], atol=1e-5, rtol=1e-5)
     assert (out["olmoe", "keep"] - out["olmoe", "renorm"]).abs().max() > 1e-3
 
@@ -130,9 +151,15 @@ def _materialize_in_memory(model, plan, tensors=None):
     with torch.no_grad():
         for lp in plan.layers:
             sc = plan.scope(lp.scope)
-            weights = [stored_weights(plan, sc, s, lambda l, e: src.get_expert(l, e), tensors) for s in sc.stored]
+            weights = [
+                stored_weights(plan, sc, s, lambda l, e: src.get_expert(l, e), tensors) for s in sc.stored
+            ]
             for e, t in enumerate(lp.slots):
-                w = weights[t] if isinstance(t, int) else adapter.get_expert(lp.layer, e).map(torch.zeros_like)
+                w = (
+                    weights[t]
+                    if isinstance(t, int)
+                    else adapter.get_expert(lp.layer, e).map(torch.zeros_like)
+                )
                 adapter.set_expert(lp.layer, e, w)
     return model
 
@@ -168,16 +195,29 @@ def test_aggregate_sums_weights_of_slots_sharing_a_stored_expert():
 def test_cross_layer_scope_stores_once_and_equals_materialized():
     model = tiny_model("qwen3_moe", num_hidden_layers=3)
     info = ModelInfo.from_model(model)
-    scope = Scope(id="pool01", layers=[0, 1], stored=[
-        StoredExpert(id=0, sources=[(0, 0)]), StoredExpert(id=1, sources=[(0, 5)]),
-        StoredExpert(id=2, sources=[(1, 2)]),
-        StoredExpert(id=3, sources=[(1, 3), (1, 6)], construction="weighted_merge", weights=[0.3, 0.7]),
-    ])
-    layers = [LayerPlan(layer=0, scope="pool01", gate="aggregate", slots=[0, 0, 2, 3, 1, 1, 2, 3]),
-              LayerPlan(layer=1, scope="pool01", gate="aggregate", slots=[2, 3, 2, 3, 0, 1, 3, 1]),
-              LayerPlan(layer=2, scope="layer2", gate="renorm", slots=list(range(8)))]
-    plan = CompressionPlan(model=info, scopes=[scope, Scope(id="layer2", layers=[2], stored=[
-        StoredExpert(id=e, sources=[(2, e)]) for e in range(8)])], layers=layers)
+    scope = Scope(
+        id="pool01",
+        layers=[0, 1],
+        stored=[
+            StoredExpert(id=0, sources=[(0, 0)]),
+            StoredExpert(id=1, sources=[(0, 5)]),
+            StoredExpert(id=2, sources=[(1, 2)]),
+            StoredExpert(id=3, sources=[(1, 3), (1, 6)], construction="weighted_merge", weights=[0.3, 0.7]),
+        ],
+    )
+    layers = [
+        LayerPlan(layer=0, scope="pool01", gate="aggregate", slots=[0, 0, 2, 3, 1, 1, 2, 3]),
+        LayerPlan(layer=1, scope="pool01", gate="aggregate", slots=[2, 3, 2, 3, 0, 1, 3, 1]),
+        LayerPlan(layer=2, scope="layer2", gate="renorm", slots=list(range(8))),
+    ]
+    plan = CompressionPlan(
+        model=info,
+        scopes=[
+            scope,
+            Scope(id="layer2", layers=[2], stored=[StoredExpert(id=e, sources=[(2, e)]) for e in range(8)]),
+        ],
+        layers=layers,
+    )
     reference = _materialize_in_memory(tiny_model("qwen3_moe", num_hidden_layers=3), plan)
     runtime = apply_plan(model, plan)
     torch.testing.assert_close(logits(runtime), logits(reference), atol=1e-5, rtol=1e-5)
@@ -203,8 +243,12 @@ def test_weighted_merge_and_dense_group_known_answers():
     assert g.gate.shape == (2 * info.layer(0).intermediate_size, 32)
     x = torch.randn(7, 32)
     act = adapter.layer(0).act
-    torch.testing.assert_close(expert_apply(g, x, act), 0.5 * adapter.expert_forward(0, 1, x)
-                               + 2.0 * adapter.expert_forward(0, 4, x), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        expert_apply(g, x, act),
+        0.5 * adapter.expert_forward(0, 1, x) + 2.0 * adapter.expert_forward(0, 4, x),
+        atol=1e-6,
+        rtol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- operators
@@ -227,11 +271,30 @@ def _operator_plan(model, gate="replace"):
         tensors[f"{p}.p.bias"] = torch.randn(32, generator=gen) * 0.1
         if e.gate_bias is not None:
             tensors[f"{p}.p.gate_bias"], tensors[f"{p}.p.up_bias"] = e.gate_bias[neurons], e.up_bias[neurons]
-        scopes.append(Scope(id=f"s{i}", layers=[i], stored=[StoredExpert(id=j, sources=[(i, e)])
-                                                           for j, e in enumerate([0, 1, 2])]))
-        layers.append(LayerPlan(layer=i, scope=f"s{i}", gate=gate, slots=[
-            0, 1, 2, ConstantOp(tensor=f"{p}.c"), TiltOp(rank=3, tensor=f"{p}.t"),
-            "drop", PartialOp(source=(i, 6), width=5, tensor=f"{p}.p"), 1]))
+        scopes.append(
+            Scope(
+                id=f"s{i}",
+                layers=[i],
+                stored=[StoredExpert(id=j, sources=[(i, e)]) for j, e in enumerate([0, 1, 2])],
+            )
+        )
+        layers.append(
+            LayerPlan(
+                layer=i,
+                scope=f"s{i}",
+                gate=gate,
+                slots=[
+                    0,
+                    1,
+                    2,
+                    ConstantOp(tensor=f"{p}.c"),
+                    TiltOp(rank=3, tensor=f"{p}.t"),
+                    "drop",
+                    PartialOp(source=(i, 6), width=5, tensor=f"{p}.p"),
+                    1,
+                ],
+            )
+        )
     return CompressionPlan(model=info, scopes=scopes, layers=layers), tensors
 
 
@@ -250,7 +313,7 @@ def test_operators_compute_their_definitions(family):
         for n in range(x.shape[0]):
             for pos in range(r.index.shape[1]):
                 target, g = lp.slots[int(r.index[n, pos])], r.weight[n, pos]
-                xn = x[n:n + 1]
+                xn = x[n : n + 1]
                 if isinstance(target, int):
                     y = original.expert_forward(i, [0, 1, 2][target], xn)
                 elif target == "drop":
@@ -260,8 +323,13 @@ def test_operators_compute_their_definitions(family):
                 elif isinstance(target, TiltOp):
                     y = tensors[f"{p}.t.bias"] + (xn @ tensors[f"{p}.t.V"]) @ tensors[f"{p}.t.U"].T
                 else:
-                    w = ExpertWeights(tensors[f"{p}.p.gate"], tensors[f"{p}.p.up"], tensors[f"{p}.p.down"],
-                                      tensors.get(f"{p}.p.gate_bias"), tensors.get(f"{p}.p.up_bias"))
+                    w = ExpertWeights(
+                        tensors[f"{p}.p.gate"],
+                        tensors[f"{p}.p.up"],
+                        tensors[f"{p}.p.down"],
+                        tensors.get(f"{p}.p.gate_bias"),
+                        tensors.get(f"{p}.p.up_bias"),
+                    )
                     y = expert_apply(w, xn, act) + tensors[f"{p}.p.bias"]
                 ref[n] += (g * y[0]).to(ref.dtype)
         shared = original.shared_forward(i, x)
@@ -281,9 +349,16 @@ def test_full_width_partial_copy_without_bias_is_the_expert_itself():
     for li in info.layers:
         i = li.layer
         e = adapter.get_expert(i, 4)
-        tensors.update({f"p{i}.gate": e.gate, f"p{i}.up": e.up, f"p{i}.down": e.down, f"p{i}.bias": torch.zeros(32)})
-        scopes.append(Scope(id=f"s{i}", layers=[i], stored=[StoredExpert(id=j, sources=[(i, j if j < 4 else j + 1)])
-                                                           for j in range(7)]))
+        tensors.update(
+            {f"p{i}.gate": e.gate, f"p{i}.up": e.up, f"p{i}.down": e.down, f"p{i}.bias": torch.zeros(32)}
+        )
+        scopes.append(
+            Scope(
+                id=f"s{i}",
+                layers=[i],
+                stored=[StoredExpert(id=j, sources=[(i, j if j < 4 else j + 1)]) for j in range(7)],
+            )
+        )
         slots = [0, 1, 2, 3, PartialOp(source=(i, 4), width=16, tensor=f"p{i}"), 4, 5, 6]
         layers.append(LayerPlan(layer=i, scope=f"s{i}", gate="replace", slots=slots))
     plan = CompressionPlan(model=info, scopes=scopes, layers=layers)
@@ -328,8 +403,9 @@ def test_refusals_are_one_sentence():
 
 def test_stored_experts_skip_sentinel_pairs_in_both_implementations():
     model = tiny_model("qwen3_moe")
-    block = StoredExperts.from_weights([MoEAdapter(model).get_expert(0, e) for e in range(3)], "fused",
-                                       MoEAdapter(model).layer(0).act)
+    block = StoredExperts.from_weights(
+        [MoEAdapter(model).get_expert(0, e) for e in range(3)], "fused", MoEAdapter(model).layer(0).act
+    )
     x = torch.randn(6, 32)
     index = torch.tensor([[0, 3], [3, 3], [2, 1], [1, 3], [0, 2], [3, 0]])
     weight = torch.rand(6, 2)
@@ -337,7 +413,9 @@ def test_stored_experts_skip_sentinel_pairs_in_both_implementations():
     for n in range(6):
         for p in range(2):
             if index[n, p] < 3:
-                ref[n] += weight[n, p] * MoEAdapter(model).expert_forward(0, int(index[n, p]), x[n:n + 1])[0]
+                ref[n] += (
+                    weight[n, p] * MoEAdapter(model).expert_forward(0, int(index[n, p]), x[n : n + 1])[0]
+                )
     for impl in ("grouped_mm", "eager"):
         block._config = type("C", (), {"_experts_implementation": impl})()
         torch.testing.assert_close(block(x, index, weight), ref, atol=1e-6, rtol=1e-5)
@@ -347,8 +425,14 @@ def test_stored_experts_skip_sentinel_pairs_in_both_implementations():
 def test_lm_eval_hflm_wraps_a_runtime_model():
     from moecompress.testing import fixture_dir
 
-    path = next((fixture_dir(n) for n in ("qwen3-moe-tiny", "olmoe-tiny") if (fixture_dir(n) / "config.json").is_file()),
-                None)
+    path = next(
+        (
+            fixture_dir(n)
+            for n in ("qwen3-moe-tiny", "olmoe-tiny")
+            if (fixture_dir(n) / "config.json").is_file()
+        ),
+        None,
+    )
     if path is None:
         pytest.fail("a shipped fixture is missing: restore src/moecompress/fixtures (it is committed)")
     from lm_eval.models.huggingface import HFLM
@@ -358,15 +442,19 @@ def test_lm_eval_hflm_wraps_a_runtime_model():
 
     model = load_model(str(path), dtype="float32")
     info = ModelInfo.from_model(model)
-    apply_plan(model, CompressionPlan.prune(info, {li.layer: list(range(0, li.num_experts, 2)) for li in info.layers}))
+    apply_plan(
+        model,
+        CompressionPlan.prune(info, {li.layer: list(range(0, li.num_experts, 2)) for li in info.layers}),
+    )
     from lm_eval.api.instance import Instance
 
     lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(str(path)), batch_size=1)
-    (ll, _), = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=("The cat", " sat"),
-                                          idx=0)])
+    ((ll, _),) = lm.loglikelihood(
+        [Instance(request_type="loglikelihood", doc={}, arguments=("The cat", " sat"), idx=0)]
+    )
     # the same log-likelihood from the runtime model's own logits (HFLM splits context and continuation this way)
     whole, ctx = lm.tok_encode("The cat sat"), lm.tok_encode("The cat")
-    cont = whole[len(ctx):]
+    cont = whole[len(ctx) :]
     with torch.no_grad():
         logp = model(torch.tensor([whole])).logits.float().log_softmax(-1)[0]
     direct = sum(float(logp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))

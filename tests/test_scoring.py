@@ -10,8 +10,15 @@ from moecompress.errors import MoECompressError
 from moecompress.methods.operators import fit_tilt, partial_copy_bias, partial_copy_size
 from moecompress.models import ExpertWeights
 from moecompress.scoring import (
-    default_ridge, doptimal_kernel, greedy_doptimal, group_feasible, logdet_objective, mone, nonuniform_keep,
-    super_experts, uniform_keep,
+    default_ridge,
+    doptimal_kernel,
+    greedy_doptimal,
+    group_feasible,
+    logdet_objective,
+    mone,
+    nonuniform_keep,
+    super_experts,
+    uniform_keep,
 )
 from moecompress.scoring.distance import pairwise_distance
 
@@ -23,8 +30,11 @@ def _moments(x, y):
 def _data(n=400, d=6, p=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g, dtype=torch.float64) + 0.3
-    y = x @ torch.randn(d, p, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, p, generator=g,
-                                                                                     dtype=torch.float64) + 1.0
+    y = (
+        x @ torch.randn(d, p, generator=g, dtype=torch.float64)
+        + 0.1 * torch.randn(n, p, generator=g, dtype=torch.float64)
+        + 1.0
+    )
     return x, y
 
 
@@ -117,8 +127,13 @@ def test_nonuniform_budget_keeps_floor():
 def test_mone_is_std_norm_times_mean_gate():
     g = torch.Generator().manual_seed(0)
     outs = [torch.randn(n, 3, generator=g, dtype=torch.float64) for n in (5, 9)]
-    s = mone(torch.stack([o.sum(0) for o in outs]), torch.stack([(o * o).sum(0) for o in outs]),
-             torch.tensor([5.0, 9.0]), torch.tensor([2.0, 3.0]), 20)
+    s = mone(
+        torch.stack([o.sum(0) for o in outs]),
+        torch.stack([(o * o).sum(0) for o in outs]),
+        torch.tensor([5.0, 9.0]),
+        torch.tensor([2.0, 3.0]),
+        20,
+    )
     expected = torch.stack([o.std(0, unbiased=False).norm() for o in outs]) * torch.tensor([2.0, 3.0]) / 20
     torch.testing.assert_close(s, expected)
 
@@ -134,10 +149,20 @@ def test_super_expert_rule_flags_only_outliers():
 
 def test_pairwise_distance_definition():
     g = torch.Generator().manual_seed(0)
-    w = ExpertWeights(torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g),
-                      torch.randn(3, 5, 4, generator=g))
+    w = ExpertWeights(
+        torch.randn(3, 4, 5, generator=g),
+        torch.randn(3, 4, 5, generator=g),
+        torch.randn(3, 5, 4, generator=g),
+    )
     d = pairwise_distance(w)
-    manual = sum(2 * (getattr(w, n)[0] - getattr(w, n)[2]).norm() /
-                 (getattr(w, n)[0].norm() + getattr(w, n)[2].norm() + 2e-8) for n in ("gate", "up", "down")) / 3
+    manual = (
+        sum(
+            2
+            * (getattr(w, n)[0] - getattr(w, n)[2]).norm()
+            / (getattr(w, n)[0].norm() + getattr(w, n)[2].norm() + 2e-8)
+            for n in ("gate", "up", "down")
+        )
+        / 3
+    )
     assert math.isclose(float(d[0, 2]), float(manual), rel_tol=1e-5)
     assert torch.equal(d, d.T) and float(d.diagonal().abs().max()) == 0.0

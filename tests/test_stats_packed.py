@@ -33,13 +33,21 @@ def packed(tmp_path_factory):
     computed = {}
     with warnings.catch_warnings():  # 4 short sequences leave a few experts unreached; expected here
         warnings.simplefilter("ignore")
-        store = calibrate(model, SPEC, seq_len=SEQ, out=root / "new", progress=False,
-                          stats=sorted(set(SYMMETRIC) | set(pipeline.needs_for("quant", QUANT))),
-                          on_layer_end=lambda i, s: computed.__setitem__(i, {k: v.clone() for k, v in s.items()}))
+        store = calibrate(
+            model,
+            SPEC,
+            seq_len=SEQ,
+            out=root / "new",
+            progress=False,
+            stats=sorted(set(SYMMETRIC) | set(pipeline.needs_for("quant", QUANT))),
+            on_layer_end=lambda i, s: computed.__setitem__(i, {k: v.clone() for k, v in s.items()}),
+        )
     old = root / "old"
     old.mkdir()
     for i in store.layers:
-        write_tensors(old / f"layer_{i:04d}.safetensors", computed[i], metadata={"format": "moecompress-stats/1"})
+        write_tensors(
+            old / f"layer_{i:04d}.safetensors", computed[i], metadata={"format": "moecompress-stats/1"}
+        )
     meta = {k: v for k, v in store.meta.items() if k not in ("packed", "packing")}
     (old / "stats.json").write_text(json.dumps({**meta, "format": "moecompress-stats/1"}))
     return root, model, store, computed, StatsStore.load(old)
@@ -55,7 +63,9 @@ def test_symmetric_statistics_round_trip_bit_identical(packed):
         for name in SYMMETRIC:
             t = computed[i][name]
             assert torch.equal(t, t.transpose(1, 2))
-            assert torch.equal(store.get_row(i, name, 3), t[3]) and torch.equal(store.get_rows(i, name, [5, 0]), t[[5, 0]])
+            assert torch.equal(store.get_row(i, name, 3), t[3]) and torch.equal(
+                store.get_rows(i, name, [5, 0]), t[[5, 0]]
+            )
     d = torch.randn(3, 7, 7, dtype=torch.float64)
     d = d + d.transpose(1, 2)
     assert pack(d).shape == (3, packed_size(7)) and torch.equal(unpack(pack(d)), d)
@@ -87,22 +97,47 @@ def test_a_format_1_store_reads_alike_and_gptq_codes_are_unchanged(packed):
     unknown = shutil.copytree(store.path, root / "future")
     meta = json.loads((unknown / "stats.json").read_text())
     (unknown / "stats.json").write_text(json.dumps({**meta, "format": "moecompress-stats/9"}))
-    with pytest.raises(MoECompressError, match=r"format 'moecompress-stats/9', which this version .* does not read"):
+    with pytest.raises(
+        MoECompressError, match=r"format 'moecompress-stats/9', which this version .* does not read"
+    ):
         StatsStore.load(unknown)
 
 
 # Qwen/Qwen3-30B-A3B's config.json, sizes as published
-QWEN3_30B_A3B = {"hidden_size": 2048, "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
-                 "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 151936,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "dtype": "bfloat16"}
+QWEN3_30B_A3B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+}
 
 
 def test_dry_run_reports_the_statistics_disk_each_way_for_qwen3_30b_a3b(tmp_path, capsys):
     from transformers import Qwen3MoeConfig
 
-    Qwen3MoeConfig(**QWEN3_30B_A3B).save_pretrained(tmp_path / "qwen3-30b-a3b")  # config.json alone, no weights
-    base = ["compress", str(tmp_path / "qwen3-30b-a3b"), "--calib", "c4:128", "--seq-len", "2048", "--out",
-            str(tmp_path / "out"), "--dry-run", "--max-memory", "100TB"]
+    Qwen3MoeConfig(**QWEN3_30B_A3B).save_pretrained(
+        tmp_path / "qwen3-30b-a3b"
+    )  # config.json alone, no weights
+    base = [
+        "compress",
+        str(tmp_path / "qwen3-30b-a3b"),
+        "--calib",
+        "c4:128",
+        "--seq-len",
+        "2048",
+        "--out",
+        str(tmp_path / "out"),
+        "--dry-run",
+        "--max-memory",
+        "100TB",
+    ]
     L, E, H, I = 48, 128, 2048, 768
     code, stdout, err = run_cli(base + ["--method", "quant", "--quant", "w4g128", "--json"], capsys)
     assert code == 0, err
@@ -115,7 +150,9 @@ def test_dry_run_reports_the_statistics_disk_each_way_for_qwen3_30b_a3b(tmp_path
     routing = q["stats_kept_full_bytes"] - full  # counts, tokens: a few KB
     assert 0 <= routing < 1e6 and q["stats_kept_disk_bytes"] == halved + routing
     assert 0.45 < q["stats_kept_disk_bytes"] / q["stats_kept_full_bytes"] <= 0.55
-    assert q["stats_streamed_memory_bytes"] >= 2 * E * (H * H + I * I) * 8 - 1  # one layer's float64 sums, twice
+    assert (
+        q["stats_streamed_memory_bytes"] >= 2 * E * (H * H + I * I) * 8 - 1
+    )  # one layer's float64 sums, twice
     code, stdout, err = run_cli(base + ["--method", "quant", "--quant", "w4g128"], capsys)
     text = " ".join(stdout.split())  # rich wraps at the terminal's width
     assert code == 0 and "statistics streamed (--calib a data spec; this run): 0 B on disk" in text, err

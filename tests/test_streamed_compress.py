@@ -22,13 +22,21 @@ from moecompress.methods.merging import install_merged_router
 from moecompress.models import MoEAdapter, load_model
 from moecompress.testing import save_tiny
 
-
 ARMS = [
     ("prune", {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}),
     ("conmoe", {"ratio": 0.5, "scope_size": 2}),
-    ("m-smoe", {"ratio": 0.5, "router": "merge"}),  # merged router rows: applied by the exporter while streaming
-    ("puzzlemoe", {"ratio": 0.5}),  # packed merges of every layer: plan tensors spilled to disk layer by layer
-    ("dense", {"criterion": "frequency", "grouping": "wc", "K": 4}),  # a dense FFN per layer, spilled likewise
+    (
+        "m-smoe",
+        {"ratio": 0.5, "router": "merge"},
+    ),  # merged router rows: applied by the exporter while streaming
+    (
+        "puzzlemoe",
+        {"ratio": 0.5},
+    ),  # packed merges of every layer: plan tensors spilled to disk layer by layer
+    (
+        "dense",
+        {"criterion": "frequency", "grouping": "wc", "K": 4},
+    ),  # a dense FFN per layer, spilled likewise
     # per-kind probes and pair candidates read layers at rest, then route: the view's meta dtypes must not follow
     ("auto", {"budget": 0.5, "ranks": [4], "sensitivity_sequences": 2, "sensitivity_seq_len": 16}),
 ]
@@ -41,9 +49,15 @@ def tiny(tmp_path_factory):
     model = load_model(str(path), dtype="float32").to(torch.bfloat16)  # a bf16 checkpoint, like real ones
     model.save_pretrained(path)
     ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(0))
-    calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=root / "stats",
-              stats=sorted({"reap"}.union(*[pipeline.needs_for(m, p) for m, p in ARMS])), dtype="float32",
-              progress=False)
+    calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=16,
+        out=root / "stats",
+        stats=sorted({"reap"}.union(*[pipeline.needs_for(m, p) for m, p in ARMS])),
+        dtype="float32",
+        progress=False,
+    )
     return root, path
 
 
@@ -63,11 +77,19 @@ def views(monkeypatch):
 
 def test_reap_pruning_never_materialises_an_expert(tiny, views):
     root, path = tiny
-    moecompress.compress(str(path), "prune", {"criterion": "reap", "ratio": 0.5, "gate": "renorm"},
-                      calib=root / "stats", out=root / "reap", progress=False)
+    moecompress.compress(
+        str(path),
+        "prune",
+        {"criterion": "reap", "ratio": 0.5, "gate": "renorm"},
+        calib=root / "stats",
+        out=root / "reap",
+        progress=False,
+    )
     (view,) = views
     assert view.layer_loads == {} and view.forward_loads == {}
-    assert all(p.is_meta for p in view.model.parameters())  # nothing of the checkpoint was ever read for the plan
+    assert all(
+        p.is_meta for p in view.model.parameters()
+    )  # nothing of the checkpoint was ever read for the plan
 
 
 @pytest.mark.parametrize("operator", ["reroute", "drop", "constant", "tilt", "remap", "partial"])
@@ -78,8 +100,15 @@ def test_what_prune_declares_it_holds_of_the_view_is_what_it_reads(tiny, tmp_pat
     params = {"criterion": "reap", "ratio": 0.5, "operator": operator, "rank": 4}
     needs = pipeline.needs_for("prune", params)
     ids = torch.randint(3, 96, (4, 16), generator=torch.Generator().manual_seed(1))
-    stats = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=16, out=tmp_path / "stats", stats=needs,
-                      dtype="float32", progress=False)
+    stats = calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=16,
+        out=tmp_path / "stats",
+        stats=needs,
+        dtype="float32",
+        progress=False,
+    )
     view = pipeline.open_view(str(path))
     pipeline.build_plan(view, "prune", params, stats)
     declared = get_method("prune").view_for(parse_config("prune", params))
@@ -100,7 +129,9 @@ def test_a_weight_reading_plan_holds_one_layer_at_a_time(tiny):
         assert layer.storage.module.gate_up_proj.dtype == torch.bfloat16
         assert layer.router.weight.dtype == torch.float32
         view.hold_layer(i)
-        assert layer.storage.module.gate_up_proj.dtype == torch.bfloat16  # no float32 copy of the experts for it
+        assert (
+            layer.storage.module.gate_up_proj.dtype == torch.bfloat16
+        )  # no float32 copy of the experts for it
     assert view.layer_loads == dict.fromkeys(layers, 1)
     view.experts(layers[-1])  # every expert at once: the layer in float32
     assert view.layer(layers[-1]).storage.module.gate_up_proj.dtype == torch.float32
@@ -118,25 +149,39 @@ def test_a_weight_reading_plan_holds_one_layer_at_a_time(tiny):
 def test_streamed_outputs_equal_the_float32_in_memory_path(tiny, method, params):
     root, path = tiny
     stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for(method, params))
-    old_plan, old_tensors = pipeline.build_plan(MoEAdapter(load_model(str(path), dtype="float32")), method, params,
-                                                stats)
+    old_plan, old_tensors = pipeline.build_plan(
+        MoEAdapter(load_model(str(path), dtype="float32")), method, params, stats
+    )
     source = str(path)
     if any(k.startswith("router.") for k in old_tensors):  # what compress did before: install, cast, export
         source = load_model(str(path), dtype="float32")
         install_merged_router(source, old_plan, old_tensors)
         source.to(torch.bfloat16)
     fmt = pipeline.choose_format(old_plan)
-    old = export(source, old_plan, root / f"{method}-old", format=fmt, tensors=old_tensors, quiet=True, overwrite=True)
+    old = export(
+        source, old_plan, root / f"{method}-old", format=fmt, tensors=old_tensors, quiet=True, overwrite=True
+    )
     new_out = root / f"{method}-new"
-    new = moecompress.compress(str(path), method, params, calib=root / "stats", out=new_out, format=fmt,
-                               progress=False, overwrite=True)
+    new = moecompress.compress(
+        str(path),
+        method,
+        params,
+        calib=root / "stats",
+        out=new_out,
+        format=fmt,
+        progress=False,
+        overwrite=True,
+    )
     assert new.format == old.format
     names = sorted(p.name for p in (root / f"{method}-old").iterdir() if p.name != "recipe.yaml")
     assert names == sorted(p.name for p in new_out.iterdir() if p.name != "recipe.yaml")
     for name in names:
         if name == "config.json":  # the former path wrote the float32 load's dtype over bf16 weights
             old_cfg, new_cfg = (json.loads((d / name).read_text()) for d in (root / f"{method}-old", new_out))
-            assert new_cfg.pop("dtype") == "bfloat16" and {**old_cfg, "dtype": None} == {**new_cfg, "dtype": None}
+            assert new_cfg.pop("dtype") == "bfloat16" and {**old_cfg, "dtype": None} == {
+                **new_cfg,
+                "dtype": None,
+            }
             continue
         assert filecmp.cmp(root / f"{method}-old" / name, new_out / name, shallow=False), name
 
@@ -146,14 +191,28 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
 
     root, path = tiny
     out = root / "dry"
-    base = ["compress", str(path), "--method", "conmoe", "--ratio", "0.5", "--param", "scope_size=2",
-            "--calib", str(root / "stats"), "--out", str(out)]
+    base = [
+        "compress",
+        str(path),
+        "--method",
+        "conmoe",
+        "--ratio",
+        "0.5",
+        "--param",
+        "scope_size=2",
+        "--calib",
+        str(root / "stats"),
+        "--out",
+        str(out),
+    ]
     code, stdout, err = run_cli(base + ["--dry-run"], capsys)
     assert code == 0, err
     assert "peak memory:" in stdout and "disk needed" in stdout and not out.exists()
     code, stdout, err = run_cli(base + ["--max-memory", "1MiB"], capsys)
     assert code == 2 and not out.exists()
-    assert "Compressing needs about" in err and "--max-memory allows 1.00 MiB" in err and "Traceback" not in err
+    assert (
+        "Compressing needs about" in err and "--max-memory allows 1.00 MiB" in err and "Traceback" not in err
+    )
 
 
 def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
@@ -162,16 +221,34 @@ def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
 
     root, path = tiny
     view = pipeline.open_view(str(path))
-    layer = max(view.reader.layer_bytes(i) for i in range(view.reader.num_layers))  # bf16 on disk, float32 to compute
+    layer = max(
+        view.reader.layer_bytes(i) for i in range(view.reader.num_layers)
+    )  # bf16 on disk, float32 to compute
     est = lambda method, params: estimate_compress(str(path), method, params, root / "stats", 16)
     assert est("prune", {"criterion": "reap", "ratio": 0.5}).plan_bytes == 0  # statistics only
     assert est("prune", {"criterion": "reap", "ratio": 0.5, "operator": "remap"}).plan_bytes == 3 * layer
     assert est("m-smoe", {"ratio": 0.5}).plan_bytes == 5 * layer  # the default: as stored + 2 float32 copies
     assert est("conmoe-local", {"ratio": 0.5}).plan_bytes == 5 * layer  # the variant's own scope (1)
     assert est("conmoe", {"ratio": 0.5, "scope_size": 2}).plan_bytes == 7 * layer
-    code, stdout, err = run_cli(["compress", str(path), "--method", "prune", "--criterion", "reap", "--ratio", "0.5",
-                                 "--calib", str(root / "stats"), "--out", str(root / "j"), "--dry-run", "--json"],
-                                capsys)
+    code, stdout, err = run_cli(
+        [
+            "compress",
+            str(path),
+            "--method",
+            "prune",
+            "--criterion",
+            "reap",
+            "--ratio",
+            "0.5",
+            "--calib",
+            str(root / "stats"),
+            "--out",
+            str(root / "j"),
+            "--dry-run",
+            "--json",
+        ],
+        capsys,
+    )
     got = json.loads(stdout)
     assert code == 0 and got["plan_bytes"] == 0 and got["peak_memory_bytes"] > got["export_bytes"] > 0, err
     assert 0 < got["disk_available_bytes"] <= shutil.disk_usage(root).total
@@ -186,8 +263,15 @@ def test_dry_run_counts_the_statistics_a_data_spec_calibration_gathers(tiny):
     needs = pipeline.needs_for("prune", params)
     bare = estimate_compress(str(path), "prune", params, "fixture-calib:8", 16)
     every = estimate_compress(str(path), "prune", params, "fixture-calib:8", 16, stats=needs)
-    staged = estimate_compress(str(path), "prune", params, "fixture-calib:8", 16, stats=needs,
-                               moment_fraction=pipeline.moment_fraction("prune", params))
+    staged = estimate_compress(
+        str(path),
+        "prune",
+        params,
+        "fixture-calib:8",
+        16,
+        stats=needs,
+        moment_fraction=pipeline.moment_fraction("prune", params),
+    )
     view = pipeline.open_view(str(path))
     h, layers = view.hidden_size, len(view.moe_layers)
     # float32 [E, H, H] x 2: the input moment (symmetric) stored as upper triangles, the cross moment whole
@@ -203,7 +287,9 @@ def test_a_conmoe_scope_is_read_one_projection_at_a_time_at_stored_precision(tin
     view = pipeline.open_view(str(path))
     i = view.moe_layers[0]
     w = view.experts_at_rest(i)
-    assert w.gate.dtype == torch.bfloat16 and view.resident is None  # a bf16 checkpoint; the float32 layer evicted
+    assert (
+        w.gate.dtype == torch.bfloat16 and view.resident is None
+    )  # a bf16 checkpoint; the float32 layer evicted
     ref = MoEAdapter(load_model(str(path), dtype="float32")).experts(i)
     for name in ("gate", "up", "down"):  # exact: the float32 values were upcast from these
         assert torch.equal(getattr(w, name).float(), getattr(ref, name)), name
@@ -214,7 +300,9 @@ def test_a_conmoe_scope_is_read_one_projection_at_a_time_at_stored_precision(tin
 
     def spy(self, j, name):
         t = real(self, j, name)
-        assert t.dtype == torch.bfloat16 and t._base is None  # stored precision, not a view pinning gate_up_proj
+        assert (
+            t.dtype == torch.bfloat16 and t._base is None
+        )  # stored precision, not a view pinning gate_up_proj
         # the scope is read one projection at a time: every earlier projection's tensors are gone
         assert all(r() is None for (_, n), r in zip(reads, alive) if n != name), (j, name)
         reads.append((j, name))
@@ -226,9 +314,15 @@ def test_a_conmoe_scope_is_read_one_projection_at_a_time_at_stored_precision(tin
     stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("conmoe", params))
     plan, _ = pipeline.build_plan(pipeline.open_view(str(path)), "conmoe", params, stats)
     layers = view.moe_layers
-    assert reads == [(j, n) for g in (layers[k:k + 2] for k in range(0, len(layers), 2))
-                     for n in ("gate", "up", "down") for j in g]
-    ref_plan, _ = pipeline.build_plan(MoEAdapter(load_model(str(path), dtype="float32")), "conmoe", params, stats)
+    assert reads == [
+        (j, n)
+        for g in (layers[k : k + 2] for k in range(0, len(layers), 2))
+        for n in ("gate", "up", "down")
+        for j in g
+    ]
+    ref_plan, _ = pipeline.build_plan(
+        MoEAdapter(load_model(str(path), dtype="float32")), "conmoe", params, stats
+    )
     assert plan.to_json() == ref_plan.to_json()
 
 
@@ -238,7 +332,9 @@ def test_puzzlemoe_plan_tensors_stay_on_disk_until_read(tiny):
     root, path = tiny
     params = {"ratio": 0.5}
     stats = pipeline.resolve_calibration(str(path), root / "stats", pipeline.needs_for("puzzlemoe", params))
-    _, ref = pipeline.build_plan(MoEAdapter(load_model(str(path), dtype="float32")), "puzzlemoe", params, stats)
+    _, ref = pipeline.build_plan(
+        MoEAdapter(load_model(str(path), dtype="float32")), "puzzlemoe", params, stats
+    )
     _, spilled = pipeline.build_plan(pipeline.open_view(str(path)), "puzzlemoe", params, stats)
     assert isinstance(spilled, streamed.SpilledTensors) and sorted(spilled) == sorted(ref) and ref
     files = sorted(spilled.dir.glob("*.safetensors"))
@@ -259,11 +355,18 @@ def test_tilt_gathers_moments_of_the_removed_experts_only_and_equals_one_pass(tm
 
     params = {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}
     model = str(resolve_source("fixture:qwen3-moe-tiny"))
-    one = calibrate(model, "fixture-calib:4", seq_len=32, out=tmp_path / "one",
-                    stats=pipeline.needs_for("prune", params), progress=False)  # moments of every expert
+    one = calibrate(
+        model,
+        "fixture-calib:4",
+        seq_len=32,
+        out=tmp_path / "one",
+        stats=pipeline.needs_for("prune", params),
+        progress=False,
+    )  # moments of every expert
     moecompress.compress(model, "prune", params, calib=tmp_path / "one", out=tmp_path / "ref", progress=False)
-    moecompress.compress(model, "prune", params, calib="fixture-calib:4", seq_len=32, out=tmp_path / "two",
-                         progress=False)
+    moecompress.compress(
+        model, "prune", params, calib="fixture-calib:4", seq_len=32, out=tmp_path / "two", progress=False
+    )
     first = StatsStore.load(tmp_path / "two-calib" / "stats")
     moments = StatsStore.load(tmp_path / "two-calib" / "stats-moments")
     assert not first.has("input_moment") and moments.has("input_moment", "cross_moment")

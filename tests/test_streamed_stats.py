@@ -28,7 +28,9 @@ def setup(tmp_path_factory):
 
 def test_streamed_statistics_equal_the_store_bit_for_bit(setup):
     _, model, needs, store = setup
-    streamed = StreamedStats(model, SPEC, needs, seq_len=SEQ, chunk=3)  # 16 experts: chunks of 3 and a tail of 1
+    streamed = StreamedStats(
+        model, SPEC, needs, seq_len=SEQ, chunk=3
+    )  # 16 experts: chunks of 3 and a tail of 1
     assert {"auto_g2_xx", "auto_g2_xy_f1", "auto_g2_aa", "hessian_in_g2", "hessian_mid_g2"} <= streamed.square
     seen = []
     for view in streamed.layers():
@@ -45,7 +47,9 @@ def test_streamed_statistics_equal_the_store_bit_for_bit(setup):
             else:
                 assert torch.equal(view.get(i, name), store.get(i, name)), (i, name)
         assert torch.equal(view.get_rows(i, "hessian_in_g2", [15, 2]), store.get(i, "hessian_in_g2")[[15, 2]])
-        assert torch.equal(store.get_rows(i, "hessian_in_g2", [15, 2]), store.get(i, "hessian_in_g2")[[15, 2]])
+        assert torch.equal(
+            store.get_rows(i, "hessian_in_g2", [15, 2]), store.get(i, "hessian_in_g2")[[15, 2]]
+        )
         seen.append(view)
     assert [v.layer for v in seen] == store.layers
     with pytest.raises(RuntimeError, match="was current"):  # a view read after its pass moved on is a bug
@@ -71,7 +75,9 @@ def test_dry_run_counts_streamed_statistics_in_memory_not_on_disk(setup):
     from moecompress.compress_dryrun import estimate_compress
 
     _, model, needs, _ = setup
-    assert pipeline.streamed_chunk("auto", SPEC) == 4 and pipeline.streamed_chunk("auto", SPEC, "w4g128") is None
+    assert (
+        pipeline.streamed_chunk("auto", SPEC) == 4 and pipeline.streamed_chunk("auto", SPEC, "w4g128") is None
+    )
     stored = estimate_compress(model, "auto", PARAMS, SPEC, SEQ, stats=needs)
     streamed = estimate_compress(model, "auto", PARAMS, SPEC, SEQ, stats=needs, streamed_chunk=4)
     assert stored.disk_bytes > stored.checkpoint_bytes == streamed.disk_bytes == streamed.checkpoint_bytes
@@ -98,7 +104,11 @@ def test_the_pass_lends_its_layer_to_the_method_view(setup):
         del w, fused
         for e in (0, 7):
             got, ref = view.get_expert(i, e), disk.get_expert(i, e)
-            assert got.gate.dtype == torch.float32 and torch.equal(got.gate, ref.gate) and torch.equal(got.down, ref.down)
+            assert (
+                got.gate.dtype == torch.float32
+                and torch.equal(got.gate, ref.gate)
+                and torch.equal(got.down, ref.down)
+            )
         assert torch.equal(view.router_params(i)[0], disk.router_params(i)[0])
         assert view.layer_loads == {}  # nothing read from disk for the view while the pass holds the layer
         seen.append(i)
@@ -134,7 +144,9 @@ def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tm
     assert isinstance(stats, StreamedStats) and stats.chunk == WHOLE_LAYER
     b, b_tensors = pipeline.make_plan(model, "quant", params, stats)
     assert a.model_dump() == b.model_dump() and all(s.quant.actorder for sc in b.scopes for s in sc.stored)
-    assert sorted(a_tensors) == sorted(b_tensors) and all(torch.equal(a_tensors[k], b_tensors[k]) for k in a_tensors)
+    assert sorted(a_tensors) == sorted(b_tensors) and all(
+        torch.equal(a_tensors[k], b_tensors[k]) for k in a_tensors
+    )
     assert not (tmp_path / "unused").exists()
     for view in stats.layers():  # the layer's Hessians come whole from one extra pass
         h = view.get(view.layer, "hessian_in")
@@ -170,8 +182,15 @@ def test_sequential_gptq_quantizes_each_layer_on_the_quantized_layers_before_it(
 
     _, model, _, _ = setup
     params = {"quant": "w2g64"}
-    plans = {mode: pipeline.make_plan(model, "quant", params, pipeline.calibrate_for(
-        model, SPEC, "quant", params, seq_len=SEQ, calib_mode=mode)) for mode in ("one-pass", "sequential")}
+    plans = {
+        mode: pipeline.make_plan(
+            model,
+            "quant",
+            params,
+            pipeline.calibrate_for(model, SPEC, "quant", params, seq_len=SEQ, calib_mode=mode),
+        )
+        for mode in ("one-pass", "sequential")
+    }
     (plan, t_seq), (_, t_one) = plans["sequential"], plans["one-pass"]
     first, second = MoEAdapter(load_model(model, dtype="float32")).moe_layers[:2]
     layer0 = {k: v for k, v in t_seq.items() if k.startswith(f"q.layer{first}.")}
@@ -179,8 +198,9 @@ def test_sequential_gptq_quantizes_each_layer_on_the_quantized_layers_before_it(
     sc = plan.scope_of(first)
     codes = {s.sources[0][1]: stored_weights(plan, sc, s, None, t_seq) for s in sc.stored}
     edited = _with_layer_replaced(model, first, codes, tmp_path / "edited")
-    _, t_want = pipeline.make_plan(edited, "quant", params, pipeline.calibrate_for(edited, SPEC, "quant", params,
-                                                                                   seq_len=SEQ))
+    _, t_want = pipeline.make_plan(
+        edited, "quant", params, pipeline.calibrate_for(edited, SPEC, "quant", params, seq_len=SEQ)
+    )
     layer1 = [k for k in t_seq if k.startswith(f"q.layer{second}.")]
     assert layer1 and all(torch.equal(t_seq[k], t_want[k]) for k in layer1)
     assert any(not torch.equal(t_seq[k], t_one[k]) for k in layer1)

@@ -70,12 +70,15 @@ def test_long_prompts_continue_in_the_next_row_and_mix_with_text(tok, tmp_path):
     assert "documents" not in data.sources[1].to_dict()  # other terms' records are unchanged
 
 
-@pytest.mark.parametrize("spec, msg", [
-    (f"task:{TASK}:100000", "fewer than the 100000 requested"),
-    (f"task:{TASK}@dev:4", "unknown split"),
-    (f"task:{TASK}@train:4", "no documents in split train"),
-    ("task:fixture_clozee:4", "did you mean fixture_cloze"),
-])
+@pytest.mark.parametrize(
+    "spec, msg",
+    [
+        (f"task:{TASK}:100000", "fewer than the 100000 requested"),
+        (f"task:{TASK}@dev:4", "unknown split"),
+        (f"task:{TASK}@train:4", "no documents in split train"),
+        ("task:fixture_clozee:4", "did you mean fixture_cloze"),
+    ],
+)
 def test_bad_task_terms_give_one_sentence(tok, spec, msg, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(MoECompressError, match=msg):

@@ -43,8 +43,13 @@ def test_every_tensor_has_exactly_one_class(family, tied):
     assert all(c in ("attention", "norm") for n, c in classes.items() if ".self_attn." in n)
     assert all(c == "norm" for n, c in classes.items() if "layernorm" in n or n == "model.norm.weight")
     state = model.state_dict()
-    info = CompressionPlan.identity(model).model  # the plan's whole-file bytes count each class's tensors once
-    assert sum(state[n].numel() * state[n].element_size() for n in classes) == info.expert_bytes + info.other_bytes
+    info = CompressionPlan.identity(
+        model
+    ).model  # the plan's whole-file bytes count each class's tensors once
+    assert (
+        sum(state[n].numel() * state[n].element_size() for n in classes)
+        == info.expert_bytes + info.other_bytes
+    )
 
 
 def test_families_with_shared_and_dense_layers():
@@ -67,8 +72,13 @@ def test_recipe_form_and_scope_all():
     assert only.quant is None and only.has_tensor_classes()
     adapter = MoEAdapter(tiny_model("deepseek_v3"))
     specs = resolve_class_specs(adapter, None, "all", "w4g32")
-    assert {k: v.name() for k, v in specs.items()} == {"attention": "w4g32", "shared": "w4g32", "dense_mlp": "w4g32",
-                                                       "embeddings": "w8c", "lm_head": "w8c"}
+    assert {k: v.name() for k, v in specs.items()} == {
+        "attention": "w4g32",
+        "shared": "w4g32",
+        "dense_mlp": "w4g32",
+        "embeddings": "w8c",
+        "lm_head": "w8c",
+    }
     assert all(v.algo == "rtn" for v in specs.values())
     over = resolve_class_specs(adapter, {"attention": "w8g32"}, "all", "w4g32")
     assert over["attention"].name() == "w8g32" and over["shared"].name() == "w4g32"
@@ -76,11 +86,14 @@ def test_recipe_form_and_scope_all():
     assert "classes" not in json.loads(CompressionPlan.identity(tiny_model("olmoe")).to_json())["params"]
 
 
-@pytest.mark.parametrize("classes, message", [
-    ({"dense_mlp": "w4g32"}, "has no dense_mlp weights"),
-    ({"lm_head": "w8c"}, "tied to its embeddings"),
-    ({"router": "w4g32"}, "router cannot take w4g32"),
-])
+@pytest.mark.parametrize(
+    "classes, message",
+    [
+        ({"dense_mlp": "w4g32"}, "has no dense_mlp weights"),
+        ({"lm_head": "w8c"}, "tied to its embeddings"),
+        ({"router": "w4g32"}, "router cannot take w4g32"),
+    ],
+)
 def test_bad_classes_are_one_sentence(classes, message):
     adapter = MoEAdapter(tiny_model("olmoe", tie_word_embeddings=True))
     with pytest.raises(MoECompressError, match=message):
@@ -96,7 +109,9 @@ def test_unknown_class_is_refused_by_the_config():
 def _quantized(model, specs, tensors=None):
     adapter = MoEAdapter(model)
     plan = CompressionPlan.identity(model)
-    return quantize_tensors(plan, tensors, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()})
+    return quantize_tensors(
+        plan, tensors, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()}
+    )
 
 
 def test_plan_records_serializes_and_counts_the_whole_file():
@@ -153,12 +168,19 @@ def test_compact_round_trip_equals_apply_plan(family, tmp_path):
     plan, tensors = quantize_tensors(plan, {}, adapter, specs)
     assert {tq.kind for tq in plan.tensor_quant.values()} >= {"attention", "embeddings", "router"}
     expected = logits(apply_plan(tiny_model(family, tie_word_embeddings=tied), plan, tensors))
-    assert not torch.equal(expected, logits(tiny_model(family, tie_word_embeddings=tied)))  # it changed something
+    assert not torch.equal(
+        expected, logits(tiny_model(family, tie_word_embeddings=tied))
+    )  # it changed something
     result = export(str(src), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
     loaded = load(tmp_path / "c", device_map="cpu")
     assert torch.equal(logits(loaded), expected)
-    keys = set(json.loads((tmp_path / "c" / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
-        (tmp_path / "c" / "model.safetensors").read_bytes()[:8], "little")]))
+    keys = set(
+        json.loads(
+            (tmp_path / "c" / "model.safetensors").read_bytes()[
+                8 : 8 + int.from_bytes((tmp_path / "c" / "model.safetensors").read_bytes()[:8], "little")
+            ]
+        )
+    )
     assert "model.layers.0.self_attn.o_proj.weight_packed" in keys
     assert "model.layers.0.self_attn.o_proj.weight" not in keys
     assert result.logical_bytes == plan.logical_bytes(tensors).total
@@ -170,15 +192,20 @@ def test_compact_file_is_smaller_by_the_expected_bytes(tmp_path):
     kw = dict(hidden_size=256, head_dim=32, moe_intermediate_size=128, vocab_size=512)
     model = tiny_model("qwen3_moe", **kw)
     base = CompressionPlan.identity(model)
-    plan, tensors = quantize_tensors(base, {}, MoEAdapter(model),
-                                     resolve_class_specs(MoEAdapter(model), None, "all", "w4g128"))
+    plan, tensors = quantize_tensors(
+        base, {}, MoEAdapter(model), resolve_class_specs(MoEAdapter(model), None, "all", "w4g128")
+    )
     r0 = export(model, base, tmp_path / "base", format="compact", quiet=True)
     r1 = export(model, plan, tmp_path / "q", format="compact", tensors=tensors, quiet=True)
     want = plan.logical_bytes(tensors, accounting="stored").total
     assert abs(r1.weight_bytes - want) / want < 0.01, (r1.weight_bytes, want)
     expected_saving = base.logical_bytes().total - plan.logical_bytes(tensors).total
     assert abs((r0.weight_bytes - r1.weight_bytes) - expected_saving) / expected_saving < 0.01
-    assert "vs original" in r1.describe() and "other tensors" in r1.describe() and r1.weight_bytes < r0.weight_bytes
+    assert (
+        "vs original" in r1.describe()
+        and "other tensors" in r1.describe()
+        and r1.weight_bytes < r0.weight_bytes
+    )
     loaded = load(tmp_path / "q", device_map="cpu")
     assert torch.equal(logits(loaded), logits(apply_plan(tiny_model("qwen3_moe", **kw), plan, tensors)))
 
@@ -190,19 +217,27 @@ def test_materialized_writes_the_dequantized_weights(tmp_path):
     plan, tensors = _quantized(model, {"attention": "w4g32", "embeddings": "w8c", "lm_head": "w8c"})
     export(model, plan, tmp_path / "m", format="materialized", tensors=tensors, quiet=True)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
-    torch.testing.assert_close(logits(plain), logits(apply_plan(tiny_model("olmoe"), plan, tensors)),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        logits(plain), logits(apply_plan(tiny_model("olmoe"), plan, tensors)), atol=1e-6, rtol=1e-6
+    )
 
 
 def _with_quantized_experts(model, specs):
     from moecompress.methods.quantize import quantize_plan
 
     adapter = MoEAdapter(model)
-    plan, tensors = quantize_plan(CompressionPlan.identity(model), {}, lambda l, e: adapter.layer(l).storage.read(e),
-                                  QuantConfig(quant="w4c", algo="rtn"), None)
+    plan, tensors = quantize_plan(
+        CompressionPlan.identity(model),
+        {},
+        lambda l, e: adapter.layer(l).storage.read(e),
+        QuantConfig(quant="w4c", algo="rtn"),
+        None,
+    )
     if not specs:
         return plan, tensors
-    return quantize_tensors(plan, tensors, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()})
+    return quantize_tensors(
+        plan, tensors, adapter, {k: QuantSpec.parse(v, algo="rtn") for k, v in specs.items()}
+    )
 
 
 def test_hf_export_has_one_config_group_per_precision_and_loads_in_transformers(tmp_path):
@@ -221,21 +256,28 @@ def test_hf_export_has_one_config_group_per_precision_and_loads_in_transformers(
     assert groups["lm_head"]["num_bits"] == 8 and groups["lm_head"]["strategy"] == "channel"
     assert groups["model.layers.0.self_attn.k_proj"]["group_size"] == 32
     targets = next(g["targets"] for g in qc["config_groups"].values() if g["weights"].get("group_size") == 32)
-    assert set(targets) == {n.removesuffix(".weight") for n, tq in plan.tensor_quant.items() if tq.kind == "attention"}
+    assert set(targets) == {
+        n.removesuffix(".weight") for n, tq in plan.tensor_quant.items() if tq.kind == "attention"
+    }
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     ours = apply_plan(tiny_model("olmoe"), plan, tensors)
     assert not torch.equal(logits(ours), logits(tiny_model("olmoe")))
     torch.testing.assert_close(logits(plain).float(), logits(ours), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("specs, message", [
-    ({"embeddings": "w8c"}, "compressed-tensors stores quantized Linear layers only"),
-    ({"attention": "w4g32"}, "keeps routed experts unquantized"),
-])
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        ({"embeddings": "w8c"}, "compressed-tensors stores quantized Linear layers only"),
+        ({"attention": "w4g32"}, "keeps routed experts unquantized"),
+    ],
+)
 def test_hf_export_refusals_are_one_sentence(tmp_path, specs, message):
     src = save_tiny("olmoe", tmp_path / "src")
     model = tiny_model("olmoe")
-    plan, tensors = _with_quantized_experts(model, specs) if "embeddings" in specs else _quantized(model, specs)
+    plan, tensors = (
+        _with_quantized_experts(model, specs) if "embeddings" in specs else _quantized(model, specs)
+    )
     with pytest.raises(MoECompressError, match=message):
         export(str(src), plan, tmp_path / "hf", format="hf", tensors=tensors, quiet=True)
     assert not (tmp_path / "hf").exists()
@@ -246,33 +288,67 @@ def test_cli_quant_scope_all_end_to_end(tmp_path, capsys):
     from moecompress.testing import fixture_dir, run_cli
 
     f = fixture_dir("olmoe-tiny")
-    code, out, err = run_cli(["compress", str(f), "--method", "quant", "--quant", "w4g32", "--quant-algo", "rtn",
-                              "--quant-scope", "all", "--out", str(tmp_path / "o")], capsys)
+    code, out, err = run_cli(
+        [
+            "compress",
+            str(f),
+            "--method",
+            "quant",
+            "--quant",
+            "w4g32",
+            "--quant-algo",
+            "rtn",
+            "--quant-scope",
+            "all",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "compact checkpoint" in out and "other tensors" in out
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     kinds = {v["kind"]: v["quant"] for v in plan["tensor_quant"].values()}
     assert set(kinds) == {"attention", "embeddings", "lm_head"}  # the router is left out of `all`
-    assert (kinds["attention"]["bits"], kinds["attention"]["group_size"], kinds["attention"]["algo"]) == (4, 32, "rtn")
+    assert (kinds["attention"]["bits"], kinds["attention"]["group_size"], kinds["attention"]["algo"]) == (
+        4,
+        32,
+        "rtn",
+    )
     assert (kinds["embeddings"]["bits"], kinds["embeddings"]["group_size"]) == (8, None)
     weights = (tmp_path / "o" / "model.safetensors").stat().st_size
     assert weights < 0.40 * (f / "model.safetensors").stat().st_size  # experts-only w4g32 is 0.56 of the file
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--quant-scope", "all"], "give --quant too"),
-    (["--quant", "w4g32", "--quant-scope", "most"], "--quant-scope 'most' is not known"),
-    (["--recipe", "RECIPE"], "has no dense_mlp weights"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--quant-scope", "all"], "give --quant too"),
+        (["--quant", "w4g32", "--quant-scope", "most"], "--quant-scope 'most' is not known"),
+        (["--recipe", "RECIPE"], "has no dense_mlp weights"),
+    ],
+)
 def test_cli_bad_quant_scope_is_one_sentence_exit_2(args, message, tmp_path, capsys):
     from moecompress.testing import fixture_dir, run_cli
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("method: prune\nparams: {criterion: frequency, ratio: 0.5}\n"
-                      "quant: {experts: w4g32, dense_mlp: w4g32, algo: rtn}\n")
+    recipe.write_text(
+        "method: prune\nparams: {criterion: frequency, ratio: 0.5}\n"
+        "quant: {experts: w4g32, dense_mlp: w4g32, algo: rtn}\n"
+    )
     args = [str(recipe) if a == "RECIPE" else a for a in args]
-    code, out, err = run_cli(["compress", str(fixture_dir("olmoe-tiny")), "--out", str(tmp_path / "o"),
-                              "--calib", "fixture-calib:4", *args], capsys)
+    code, out, err = run_cli(
+        [
+            "compress",
+            str(fixture_dir("olmoe-tiny")),
+            "--out",
+            str(tmp_path / "o"),
+            "--calib",
+            "fixture-calib:4",
+            *args,
+        ],
+        capsys,
+    )
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "o-calib").exists()
 
@@ -280,11 +356,17 @@ def test_cli_bad_quant_scope_is_one_sentence_exit_2(args, message, tmp_path, cap
 def test_recipe_arm_names_the_classes():
     from moecompress.recipe import ArmSpec
 
-    arm = ArmSpec.model_validate({"method": "prune", "params": {"criterion": "frequency", "ratio": 0.5},
-                                  "quant": {"experts": "w4g32", "attention": "w8g32", "algo": "rtn"}})
+    arm = ArmSpec.model_validate(
+        {
+            "method": "prune",
+            "params": {"criterion": "frequency", "ratio": 0.5},
+            "quant": {"experts": "w4g32", "attention": "w8g32", "algo": "rtn"},
+        }
+    )
     assert arm.display_name() == "prune-frequency-50+w4g32-rtn-attention-w8g32"
-    plain = ArmSpec.model_validate({"method": "prune", "params": {"criterion": "frequency", "ratio": 0.5},
-                                    "quant": "w4g32"})
+    plain = ArmSpec.model_validate(
+        {"method": "prune", "params": {"criterion": "frequency", "ratio": 0.5}, "quant": "w4g32"}
+    )
     assert plain.display_name() == "prune-frequency-50+w4g32-gptq"
 
 
@@ -302,9 +384,12 @@ def _reference_hessians(path, data, names):
         def fn(mod, args):
             x = args[0].reshape(-1, args[0].shape[-1])[mask["m"].reshape(-1).bool()].double()
             acc[name] = acc.get(name, 0) + x.T @ x
+
         return fn
 
-    handles = [model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(hook(n)) for n in names]
+    handles = [
+        model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(hook(n)) for n in names
+    ]
     with torch.no_grad():
         for _, rows in calib.batches(8, 0, 1):
             mask["m"] = calib.attention_mask[rows]
@@ -320,8 +405,12 @@ def test_linear_hessians_equal_sum_of_input_outer_products():
 
     path = fixture_dir("olmoe-tiny")
     data = {"spec": "fixture-calib:4", "seq_len": 32, "seed": 0}
-    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
-             "model.layers.3.self_attn.k_proj.weight", "lm_head.weight"]
+    names = [
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "lm_head.weight",
+    ]
     got = {}
     order = []
     for layer, hs in linear_hessian_pass(str(path), data, names):
@@ -348,18 +437,31 @@ def test_gptq_codes_of_non_expert_weights_equal_gptq_on_their_hessians():
 
     model = load_model(str(path), dtype="auto")
     adapter = MoEAdapter(model)
-    specs = resolve_class_specs(adapter, {"attention": "w4g32", "lm_head": "w8c", "embeddings": "w8c"}, None, None,
-                                gptq=dict(actorder=True, damp=0.01))
+    specs = resolve_class_specs(
+        adapter,
+        {"attention": "w4g32", "lm_head": "w8c", "embeddings": "w8c"},
+        None,
+        None,
+        gptq=dict(actorder=True, damp=0.01),
+    )
     assert specs["embeddings"].algo == "rtn" and specs["attention"].algo == "gptq"
-    plan, tensors = quantize_tensors(CompressionPlan.identity(model), {}, adapter, specs,
-                                     lambda names: linear_hessian_pass(str(path), data, names))
+    plan, tensors = quantize_tensors(
+        CompressionPlan.identity(model),
+        {},
+        adapter,
+        specs,
+        lambda names: linear_hessian_pass(str(path), data, names),
+    )
     _, ref = _reference_hessians(path, data, ["model.layers.2.self_attn.v_proj.weight", "lm_head.weight"])
-    for name, spec in (("model.layers.2.self_attn.v_proj.weight", specs["attention"]),
-                       ("lm_head.weight", specs["lm_head"])):
+    for name, spec in (
+        ("model.layers.2.self_attn.v_proj.weight", specs["attention"]),
+        ("lm_head.weight", specs["lm_head"]),
+    ):
         assert plan.tensor_quant[name].quant.algo == "gptq"
         base = name.removesuffix(".weight")
-        q = QuantizedTensor.from_packed({s: tensors[f"{base}.{s}"] for s in ("weight_packed", "weight_scale",
-                                                                            "weight_shape")}, spec)
+        q = QuantizedTensor.from_packed(
+            {s: tensors[f"{base}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")}, spec
+        )
         want = gptq(model.get_parameter(name).detach().float(), ref[name], spec)
         assert torch.equal(q.codes, want.codes) and torch.equal(q.scale, want.scale)
     assert plan.tensor_quant["model.embed_tokens.weight"].quant.algo == "rtn"
@@ -368,7 +470,9 @@ def test_gptq_codes_of_non_expert_weights_equal_gptq_on_their_hessians():
 def test_gptq_of_non_expert_weights_without_calibration_is_one_sentence():
     model = tiny_model("olmoe")
     adapter = MoEAdapter(model)
-    specs = resolve_class_specs(adapter, {"attention": "w4g32"}, None, None, gptq=dict(actorder=True, damp=0.01))
+    specs = resolve_class_specs(
+        adapter, {"attention": "w4g32"}, None, None, gptq=dict(actorder=True, damp=0.01)
+    )
     with pytest.raises(MoECompressError, match="needs calibration Hessians"):
         quantize_tensors(CompressionPlan.identity(model), {}, adapter, specs)
 
@@ -377,8 +481,15 @@ def test_compress_from_a_data_spec_gptqs_the_non_expert_weights(tmp_path):
     from moecompress import compress
     from moecompress.testing import fixture_dir
 
-    result = compress(str(fixture_dir("olmoe-tiny")), "quant", {"quant": "w4g32", "scope": "all"},
-                      calib="fixture-calib:4", seq_len=32, out=tmp_path / "o", progress=False)
+    result = compress(
+        str(fixture_dir("olmoe-tiny")),
+        "quant",
+        {"quant": "w4g32", "scope": "all"},
+        calib="fixture-calib:4",
+        seq_len=32,
+        out=tmp_path / "o",
+        progress=False,
+    )
     assert result.format == "compact"
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     algos = {(v["kind"], v["quant"]["algo"]) for v in plan["tensor_quant"].values()}

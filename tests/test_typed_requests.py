@@ -38,17 +38,45 @@ def counted(monkeypatch):
 
 
 def test_quant_run_builds_its_config_and_spec_once(counted, tmp_path, capsys):
-    code, _, err = run_cli(["compress", str(fixture_dir("olmoe-tiny")), "--method", "quant", "--quant", "w4g32",
-                            "--quant-algo", "rtn", "--out", str(tmp_path / "q")], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            str(fixture_dir("olmoe-tiny")),
+            "--method",
+            "quant",
+            "--quant",
+            "w4g32",
+            "--quant-algo",
+            "rtn",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert counted == {"AutoConfig": 0, "QuantConfig": 1, "QuantSpec.parse": 1}
 
 
 def test_recipe_setting_goes_down_as_it_was_validated(counted, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("method: prune\nparams: {criterion: frequency, ratio: 0.25}\nquant: {quant: w4g32, algo: rtn}\n")
-    code, _, err = run_cli(["compress", str(fixture_dir("olmoe-tiny")), "--recipe", str(recipe), "--calib",
-                            "fixture-calib:2", "--seq-len", "32", "--out", str(tmp_path / "p")], capsys)
+    recipe.write_text(
+        "method: prune\nparams: {criterion: frequency, ratio: 0.25}\nquant: {quant: w4g32, algo: rtn}\n"
+    )
+    code, _, err = run_cli(
+        [
+            "compress",
+            str(fixture_dir("olmoe-tiny")),
+            "--recipe",
+            str(recipe),
+            "--calib",
+            "fixture-calib:2",
+            "--seq-len",
+            "32",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     # the recipe's QuantConfig is built by pydantic as a nested field (no __init__ to count): every construction
     # parses its spec once (`QuantConfig._parsed`), so one parse is one construction
@@ -58,8 +86,28 @@ def test_recipe_setting_goes_down_as_it_was_validated(counted, tmp_path, capsys)
 def test_auto_run_builds_its_config_once(counted, tmp_path, capsys):
     _, store, _, _ = calibrated_tiny(tmp_path / "t", "olmoe", 3, A.needs_stats(A.AutoConfig()))
     counted["AutoConfig"] = 0
-    code, _, err = run_cli(["compress", str(tmp_path / "t" / "model"), "--method", "auto", "--budget", "0.5",
-                            "--budget-scope", "routed", "--param", "sensitivity=uniform", "--param", "measure=false",
-                            "--param", "bits=[16]", "--calib", str(store.path), "--out", str(tmp_path / "a")], capsys)
+    code, _, err = run_cli(
+        [
+            "compress",
+            str(tmp_path / "t" / "model"),
+            "--method",
+            "auto",
+            "--budget",
+            "0.5",
+            "--budget-scope",
+            "routed",
+            "--param",
+            "sensitivity=uniform",
+            "--param",
+            "measure=false",
+            "--param",
+            "bits=[16]",
+            "--calib",
+            str(store.path),
+            "--out",
+            str(tmp_path / "a"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert counted["AutoConfig"] == 1

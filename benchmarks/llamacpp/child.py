@@ -51,10 +51,14 @@ def _describe(m) -> dict:
 
     buf = __import__("ctypes").create_string_buffer(256)
     llama_cpp.llama_model_desc(m.model, buf, 256)
-    return dict(desc=buf.value.decode(), n_params=int(llama_cpp.llama_model_n_params(m.model)),
-                model_size=int(llama_cpp.llama_model_size(m.model)), n_vocab=int(m.n_vocab()),
-                llama_cpp_python=llama_cpp.__version__,
-                system_info=llama_cpp.llama_print_system_info().decode().strip())
+    return dict(
+        desc=buf.value.decode(),
+        n_params=int(llama_cpp.llama_model_n_params(m.model)),
+        model_size=int(llama_cpp.llama_model_size(m.model)),
+        n_vocab=int(m.n_vocab()),
+        llama_cpp_python=llama_cpp.__version__,
+        system_info=llama_cpp.llama_print_system_info().decode().strip(),
+    )
 
 
 def logits(args) -> None:
@@ -63,8 +67,16 @@ def logits(args) -> None:
 
     ids = np.load(args.ids)
     w, t = ids.shape
-    m = Llama(model_path=args.model, n_ctx=t, n_batch=t, n_ubatch=t, n_threads=args.threads,
-              n_threads_batch=args.threads, logits_all=True, verbose=False)
+    m = Llama(
+        model_path=args.model,
+        n_ctx=t,
+        n_batch=t,
+        n_ubatch=t,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        logits_all=True,
+        verbose=False,
+    )
     out = np.empty((w, t, m.n_vocab()), dtype=np.float32)
     for i in range(w):
         m.reset()
@@ -81,9 +93,16 @@ def speed(args) -> None:
     rss_start = _status_kb("VmRSS") * 1024
     prompt = [int(x) for x in np.load(args.ids)]
     t0 = time.perf_counter()
-    m = llama_cpp.Llama(model_path=args.model, n_ctx=len(prompt) + args.decode + 8, n_batch=len(prompt),
-                        n_ubatch=len(prompt), n_threads=args.threads, n_threads_batch=args.threads,
-                        logits_all=False, verbose=False)
+    m = llama_cpp.Llama(
+        model_path=args.model,
+        n_ctx=len(prompt) + args.decode + 8,
+        n_batch=len(prompt),
+        n_ubatch=len(prompt),
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        logits_all=False,
+        verbose=False,
+    )
     load_s = time.perf_counter() - t0
     rss_loaded = _status_kb("VmRSS") * 1024
     m.eval(prompt[:8])  # warm-up: first-call allocations and page faults kept out of the timings
@@ -99,7 +118,9 @@ def speed(args) -> None:
     t0 = time.perf_counter()
     n_vocab = m.n_vocab()
     for _ in range(args.decode):  # greedy: the last position's logits, as llama.cpp holds them
-        tok = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(m.ctx, -1), shape=(n_vocab,))))
+        tok = int(
+            np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(m.ctx, -1), shape=(n_vocab,)))
+        )
         tokens.append(tok)
         m.eval([tok])
     llama_cpp.llama_synchronize(m.ctx)
@@ -107,14 +128,25 @@ def speed(args) -> None:
     p2 = llama_cpp.llama_perf_context(m.ctx)
     n_p, t_p = p1.n_p_eval - p0.n_p_eval, (p1.t_p_eval_ms - p0.t_p_eval_ms) / 1000
     n_d, t_d = p2.n_eval - p1.n_eval, (p2.t_eval_ms - p1.t_eval_ms) / 1000
-    res = dict(model=_describe(m), threads=args.threads, prompt_tokens=len(prompt), decode_tokens=args.decode,
-               load_s=load_s,
-               prompt_tok_s=n_p / t_p, decode_tok_s=n_d / t_d,
-               prompt_tok_s_wall=len(prompt) / prompt_wall, decode_tok_s_wall=args.decode / decode_wall,
-               n_p_eval=n_p, n_eval=n_d, rss_start=rss_start, rss_loaded=rss_loaded,
-               # the process's peak RSS: VmHWM, which execve resets (ru_maxrss does not: it keeps the parent's peak)
-               peak_rss=_status_kb("VmHWM") * 1024,
-               ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, greedy=tokens)
+    res = dict(
+        model=_describe(m),
+        threads=args.threads,
+        prompt_tokens=len(prompt),
+        decode_tokens=args.decode,
+        load_s=load_s,
+        prompt_tok_s=n_p / t_p,
+        decode_tok_s=n_d / t_d,
+        prompt_tok_s_wall=len(prompt) / prompt_wall,
+        decode_tok_s_wall=args.decode / decode_wall,
+        n_p_eval=n_p,
+        n_eval=n_d,
+        rss_start=rss_start,
+        rss_loaded=rss_loaded,
+        # the process's peak RSS: VmHWM, which execve resets (ru_maxrss does not: it keeps the parent's peak)
+        peak_rss=_status_kb("VmHWM") * 1024,
+        ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        greedy=tokens,
+    )
     with open(args.out, "w") as fh:
         json.dump(res, fh)
     print(json.dumps(res["model"]))
@@ -123,8 +155,14 @@ def speed(args) -> None:
 def info(args) -> None:
     import llama_cpp
 
-    print(json.dumps(dict(llama_cpp_python=llama_cpp.__version__,
-                          system_info=llama_cpp.llama_print_system_info().decode().strip())))
+    print(
+        json.dumps(
+            dict(
+                llama_cpp_python=llama_cpp.__version__,
+                system_info=llama_cpp.llama_print_system_info().decode().strip(),
+            )
+        )
+    )
 
 
 def quantize(args) -> None:

@@ -73,15 +73,33 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQModifier dampening_frac (its default 0.01)")
-    ap.add_argument("--actorder", choices=("static", "none"), default="static",
-                    help="GPTQModifier actorder: its default 'static', or None")
-    ap.add_argument("--all-experts", dest="all_experts", action="store_true", default=True,
-                    help="oneshot's default moe_calibrate_all_experts=True (every expert's Hessian sees every token)")
-    ap.add_argument("--routed-only", dest="all_experts", action="store_false",
-                    help="moe_calibrate_all_experts=False: each expert's Hessian from its routed tokens only")
+    ap.add_argument(
+        "--actorder",
+        choices=("static", "none"),
+        default="static",
+        help="GPTQModifier actorder: its default 'static', or None",
+    )
+    ap.add_argument(
+        "--all-experts",
+        dest="all_experts",
+        action="store_true",
+        default=True,
+        help="oneshot's default moe_calibrate_all_experts=True (every expert's Hessian sees every token)",
+    )
+    ap.add_argument(
+        "--routed-only",
+        dest="all_experts",
+        action="store_false",
+        help="moe_calibrate_all_experts=False: each expert's Hessian from its routed tokens only",
+    )
     ap.add_argument("--mask", choices=("2d", "4d"), default="2d")
-    ap.add_argument("--propagate", dest="propagate", action="store_true", default=True,
-                    help="oneshot's default propagate_error=True: layer i+1 sees the outputs of quantized layer i")
+    ap.add_argument(
+        "--propagate",
+        dest="propagate",
+        action="store_true",
+        default=True,
+        help="oneshot's default propagate_error=True: layer i+1 sees the outputs of quantized layer i",
+    )
     ap.add_argument("--no-propagate", dest="propagate", action="store_false")
     args = ap.parse_args()
 
@@ -97,10 +115,16 @@ def main() -> int:
     data, n, seq_len, n_tokens = calibration_data(args.tokens, args.mask, args.batch_size)
     scheme = QuantizationScheme(
         targets=[EXPERT_TARGET],
-        weights=QuantizationArgs(num_bits=args.bits, type="int", symmetric=True, strategy="group",
-                                 group_size=args.group))
-    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], dampening_frac=args.damp,
-                          actorder=None if args.actorder == "none" else args.actorder)
+        weights=QuantizationArgs(
+            num_bits=args.bits, type="int", symmetric=True, strategy="group", group_size=args.group
+        ),
+    )
+    recipe = GPTQModifier(
+        config_groups={"group_0": scheme},
+        ignore=["lm_head"],
+        dampening_frac=args.damp,
+        actorder=None if args.actorder == "none" else args.actorder,
+    )
 
     warm_imports(args.model)
     t_run = time.perf_counter()
@@ -108,26 +132,62 @@ def main() -> int:
     model.eval()
     linearize_moe(model)
     t_loaded = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=n, max_seq_length=seq_len,
-            batch_size=args.batch_size, shuffle_calibration_samples=False,
-            moe_calibrate_all_experts=args.all_experts, propagate_error=args.propagate, pipeline="sequential")
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=recipe,
+        num_calibration_samples=n,
+        max_seq_length=seq_len,
+        batch_size=args.batch_size,
+        shuffle_calibration_samples=False,
+        moe_calibrate_all_experts=args.all_experts,
+        propagate_error=args.propagate,
+        pipeline="sequential",
+    )
     t_oneshot = time.perf_counter()
     model.save_pretrained(args.save, save_compressed=True)
     t_done = time.perf_counter()
 
-    weight_dtype = str(next(p for n_, p in model.named_parameters() if "embed" in n_).dtype).replace("torch.", "")
+    weight_dtype = str(next(p for n_, p in model.named_parameters() if "embed" in n_).dtype).replace(
+        "torch.", ""
+    )
     result = {
         "tool": "llm-compressor GPTQModifier",
-        "versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "torch", "transformers",
-                                              "datasets", "accelerate")},
+        "versions": {
+            p: version(p)
+            for p in (
+                "llmcompressor",
+                "compressed-tensors",
+                "torch",
+                "transformers",
+                "datasets",
+                "accelerate",
+            )
+        },
         "python": sys.version.split()[0],
-        "model": str(args.model), "dtype": weight_dtype, "bits": args.bits, "group": args.group,
-        "symmetric": True, "damp": args.damp, "actorder": args.actorder, "target": EXPERT_TARGET,
-        "sequences": int(n), "seq_len": int(seq_len), "tokens": n_tokens, "batch_size": args.batch_size,
-        "threads": args.threads, "moe_calibrate_all_experts": args.all_experts, "propagate_error": args.propagate,
-        "mask": args.mask, "pipeline": "sequential", "save": str(args.save),
-        "load_s": t_loaded - t_run, "oneshot_s": t_oneshot - t_loaded, "save_s": t_done - t_oneshot,
-        "run_s": t_done - t_run, "process_s": time.perf_counter() - T_PROCESS,
+        "model": str(args.model),
+        "dtype": weight_dtype,
+        "bits": args.bits,
+        "group": args.group,
+        "symmetric": True,
+        "damp": args.damp,
+        "actorder": args.actorder,
+        "target": EXPERT_TARGET,
+        "sequences": int(n),
+        "seq_len": int(seq_len),
+        "tokens": n_tokens,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "moe_calibrate_all_experts": args.all_experts,
+        "propagate_error": args.propagate,
+        "mask": args.mask,
+        "pipeline": "sequential",
+        "save": str(args.save),
+        "load_s": t_loaded - t_run,
+        "oneshot_s": t_oneshot - t_loaded,
+        "save_s": t_done - t_oneshot,
+        "run_s": t_done - t_run,
+        "process_s": time.perf_counter() - T_PROCESS,
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("bits", "run_s", "process_s", "dtype")}))

@@ -68,17 +68,39 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--all-experts", dest="all_experts", action="store_true", default=True,
-                    help="oneshot's default moe_calibrate_all_experts=True (every expert runs on every token)")
-    ap.add_argument("--routed-only", dest="all_experts", action="store_false",
-                    help="moe_calibrate_all_experts=False, what the REAP modifier itself recommends")
-    ap.add_argument("--mask", choices=("2d", "4d"), default="2d",
-                    help="2d: the dataset's 2-D attention mask, oneshot's own data path (default); 4d: a DataLoader "
-                         "whose batches carry the 4-D additive causal mask (see docs/peer_check.md)")
-    ap.add_argument("--propagate", dest="propagate", action="store_true", default=True,
-                    help="oneshot's default propagate_error=True: layer i+1 sees the outputs of pruned layer i")
-    ap.add_argument("--no-propagate", dest="propagate", action="store_false",
-                    help="propagate_error=False: every layer sees the outputs of the unpruned model")
+    ap.add_argument(
+        "--all-experts",
+        dest="all_experts",
+        action="store_true",
+        default=True,
+        help="oneshot's default moe_calibrate_all_experts=True (every expert runs on every token)",
+    )
+    ap.add_argument(
+        "--routed-only",
+        dest="all_experts",
+        action="store_false",
+        help="moe_calibrate_all_experts=False, what the REAP modifier itself recommends",
+    )
+    ap.add_argument(
+        "--mask",
+        choices=("2d", "4d"),
+        default="2d",
+        help="2d: the dataset's 2-D attention mask, oneshot's own data path (default); 4d: a DataLoader "
+        "whose batches carry the 4-D additive causal mask (see docs/peer_check.md)",
+    )
+    ap.add_argument(
+        "--propagate",
+        dest="propagate",
+        action="store_true",
+        default=True,
+        help="oneshot's default propagate_error=True: layer i+1 sees the outputs of pruned layer i",
+    )
+    ap.add_argument(
+        "--no-propagate",
+        dest="propagate",
+        action="store_false",
+        help="propagate_error=False: every layer sees the outputs of the unpruned model",
+    )
     args = ap.parse_args()
 
     import torch
@@ -98,8 +120,11 @@ def main() -> int:
     orig_prune = reap_base.prune_moe_layer
 
     def compute(self, *a, **k):
-        last.update(saliency=self.mean_saliency.tolist(), count=self.count.to("cpu", torch.float64).tolist(),
-                    sum=self.sum_saliency.to("cpu", torch.float64).tolist())
+        last.update(
+            saliency=self.mean_saliency.tolist(),
+            count=self.count.to("cpu", torch.float64).tolist(),
+            sum=self.sum_saliency.to("cpu", torch.float64).tolist(),
+        )
         return orig_compute(self, *a, **k)
 
     def prune(model, layer_name, retained, attrs):
@@ -122,10 +147,18 @@ def main() -> int:
         model.eval()
         linearize_moe(model)
         t_loaded = time.perf_counter()
-        oneshot(model=model, dataset=data, recipe=REAPPruningModifier(sparsity=args.sparsity, report_path=str(report)),
-                num_calibration_samples=n, max_seq_length=seq_len, batch_size=args.batch_size,
-                shuffle_calibration_samples=False, moe_calibrate_all_experts=args.all_experts,
-                propagate_error=args.propagate, pipeline="sequential")
+        oneshot(
+            model=model,
+            dataset=data,
+            recipe=REAPPruningModifier(sparsity=args.sparsity, report_path=str(report)),
+            num_calibration_samples=n,
+            max_seq_length=seq_len,
+            batch_size=args.batch_size,
+            shuffle_calibration_samples=False,
+            moe_calibrate_all_experts=args.all_experts,
+            propagate_error=args.propagate,
+            pipeline="sequential",
+        )
         t_done = time.perf_counter()
         retained = json.loads(report.read_text())
 
@@ -139,16 +172,34 @@ def main() -> int:
     diag = {str(layer_index(k)): v for k, v in observed.items()}
     result = {
         "tool": "llm-compressor REAPPruningModifier",
-        "versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "torch", "transformers",
-                                              "datasets", "accelerate")},
+        "versions": {
+            p: version(p)
+            for p in (
+                "llmcompressor",
+                "compressed-tensors",
+                "torch",
+                "transformers",
+                "datasets",
+                "accelerate",
+            )
+        },
         "python": sys.version.split()[0],
-        "model": str(args.model), "sparsity": args.sparsity, "sequences": int(n), "seq_len": int(seq_len),
-        "tokens": n_tokens, "batch_size": args.batch_size, "threads": args.threads,
-        "moe_calibrate_all_experts": args.all_experts, "propagate_error": args.propagate, "mask": args.mask,
+        "model": str(args.model),
+        "sparsity": args.sparsity,
+        "sequences": int(n),
+        "seq_len": int(seq_len),
+        "tokens": n_tokens,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "moe_calibrate_all_experts": args.all_experts,
+        "propagate_error": args.propagate,
+        "mask": args.mask,
         "pipeline": "sequential",
         "keep": dict(sorted(keep.items(), key=lambda kv: int(kv[0]))),
         "saliency": diag,
-        "load_s": t_loaded - t_run, "oneshot_s": t_done - t_loaded, "run_s": t_done - t_run,
+        "load_s": t_loaded - t_run,
+        "oneshot_s": t_done - t_loaded,
+        "run_s": t_done - t_run,
         "process_s": time.perf_counter() - T_PROCESS,
     }
     Path(args.out).write_text(json.dumps(result, indent=1))

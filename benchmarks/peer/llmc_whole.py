@@ -79,8 +79,10 @@ def quantized_modules(model) -> dict:
             d["bits"].add(int(w.num_bits))
         elif type(m).__name__ in ("Linear", "Embedding") or "Router" in type(m).__name__:
             left.setdefault(kind if kind != "other" else type(m).__name__, []).append(name)
-    return ({k: {"modules": v["modules"], "bits": sorted(v["bits"])} for k, v in done.items()},
-            {k: {"modules": len(v), "example": v[0]} for k, v in left.items()})
+    return (
+        {k: {"modules": v["modules"], "bits": sorted(v["bits"])} for k, v in done.items()},
+        {k: {"modules": len(v), "example": v[0]} for k, v in left.items()},
+    )
 
 
 def embedding_scales(save: Path) -> dict | None:
@@ -93,8 +95,12 @@ def embedding_scales(save: Path) -> dict | None:
             for k in f.keys():
                 if k.endswith("embed_tokens.weight_scale"):
                     s = f.get_tensor(k).float()
-                    return {"tensor": k, "numel": s.numel(), "zero": int((s == 0).sum()),
-                            "non_finite": int((~torch.isfinite(s)).sum())}
+                    return {
+                        "tensor": k,
+                        "numel": s.numel(),
+                        "zero": int((s == 0).sum()),
+                        "non_finite": int((~torch.isfinite(s)).sum()),
+                    }
     return None
 
 
@@ -105,8 +111,12 @@ def main() -> int:
     ap.add_argument("--bits", type=int, required=True)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--scope", choices=("linear", "all"), default="linear")
-    ap.add_argument("--embed", choices=("rtn-pass", "in-gptq"), default="rtn-pass",
-                    help="--scope all: how the embeddings are quantized (see the module docstring)")
+    ap.add_argument(
+        "--embed",
+        choices=("rtn-pass", "in-gptq"),
+        default="rtn-pass",
+        help="--scope all: how the embeddings are quantized (see the module docstring)",
+    )
     ap.add_argument("--save", required=True, help="directory for the compressed checkpoint")
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -122,16 +132,20 @@ def main() -> int:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM
 
-    data, n, seq_len, n_tokens = calibration_data(args.tokens, "2d", args.batch_size)  # as shipped: a 2-D mask
+    data, n, seq_len, n_tokens = calibration_data(
+        args.tokens, "2d", args.batch_size
+    )  # as shipped: a 2-D mask
 
     def weights() -> QuantizationArgs:
-        return QuantizationArgs(num_bits=args.bits, type="int", symmetric=True, strategy="group",
-                                group_size=args.group)
+        return QuantizationArgs(
+            num_bits=args.bits, type="int", symmetric=True, strategy="group", group_size=args.group
+        )
 
     targets = ["Linear"] + (["Embedding"] if args.scope == "all" and args.embed == "in-gptq" else [])
     ignore = [ROUTER_IGNORE] + (["lm_head"] if args.scope == "linear" else [])
-    gptq = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=targets, weights=weights())},
-                        ignore=ignore)  # actorder "static", dampening_frac 0.01: its defaults
+    gptq = GPTQModifier(
+        config_groups={"group_0": QuantizationScheme(targets=targets, weights=weights())}, ignore=ignore
+    )  # actorder "static", dampening_frac 0.01: its defaults
     embed_pass = args.scope == "all" and args.embed == "rtn-pass"
 
     t_run = time.perf_counter()
@@ -139,33 +153,79 @@ def main() -> int:
     model.eval()
     linearize_moe(model)
     t_loaded = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=gptq, num_calibration_samples=n, max_seq_length=seq_len,
-            batch_size=args.batch_size, shuffle_calibration_samples=False, pipeline="sequential")
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=gptq,
+        num_calibration_samples=n,
+        max_seq_length=seq_len,
+        batch_size=args.batch_size,
+        shuffle_calibration_samples=False,
+        pipeline="sequential",
+    )
     if embed_pass:  # data-free round-to-nearest of the embeddings, the same W{b} group spec
-        oneshot(model=model, recipe=QuantizationModifier(
-            config_groups={"group_embed": QuantizationScheme(targets=["Embedding"], weights=weights())}))
+        oneshot(
+            model=model,
+            recipe=QuantizationModifier(
+                config_groups={"group_embed": QuantizationScheme(targets=["Embedding"], weights=weights())}
+            ),
+        )
     t_oneshot = time.perf_counter()
     done, left = quantized_modules(model)
     model.save_pretrained(args.save, save_compressed=True)
     t_done = time.perf_counter()
 
-    weight_dtype = str(next(p for n_, p in model.named_parameters() if "norm" in n_).dtype).replace("torch.", "")
+    weight_dtype = str(next(p for n_, p in model.named_parameters() if "norm" in n_).dtype).replace(
+        "torch.", ""
+    )
     result = {
         "tool": "llm-compressor GPTQModifier (whole model)",
-        "versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "torch", "transformers",
-                                              "datasets", "accelerate")},
+        "versions": {
+            p: version(p)
+            for p in (
+                "llmcompressor",
+                "compressed-tensors",
+                "torch",
+                "transformers",
+                "datasets",
+                "accelerate",
+            )
+        },
         "python": sys.version.split()[0],
-        "model": str(args.model), "dtype": weight_dtype, "bits": args.bits, "group": args.group, "symmetric": True,
-        "scope": args.scope, "embed": args.embed if args.scope == "all" else None,
-        "recipe": {"gptq": {"targets": targets, "ignore": ignore, "actorder": "static (default)",
-                            "dampening_frac": "0.01 (default)"},
-                   "embedding_rtn_pass": embed_pass},
-        "quantized": done, "not_quantized": left, "embedding_scales": embedding_scales(Path(args.save)),
-        "sequences": int(n), "seq_len": int(seq_len), "tokens": n_tokens, "batch_size": args.batch_size,
-        "threads": args.threads, "mask": "2d", "moe_calibrate_all_experts": True, "propagate_error": True,
-        "pipeline": "sequential", "save": str(args.save),
-        "load_s": t_loaded - t_run, "oneshot_s": t_oneshot - t_loaded, "save_s": t_done - t_oneshot,
-        "run_s": t_done - t_run, "process_s": time.perf_counter() - T_PROCESS,
+        "model": str(args.model),
+        "dtype": weight_dtype,
+        "bits": args.bits,
+        "group": args.group,
+        "symmetric": True,
+        "scope": args.scope,
+        "embed": args.embed if args.scope == "all" else None,
+        "recipe": {
+            "gptq": {
+                "targets": targets,
+                "ignore": ignore,
+                "actorder": "static (default)",
+                "dampening_frac": "0.01 (default)",
+            },
+            "embedding_rtn_pass": embed_pass,
+        },
+        "quantized": done,
+        "not_quantized": left,
+        "embedding_scales": embedding_scales(Path(args.save)),
+        "sequences": int(n),
+        "seq_len": int(seq_len),
+        "tokens": n_tokens,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "mask": "2d",
+        "moe_calibrate_all_experts": True,
+        "propagate_error": True,
+        "pipeline": "sequential",
+        "save": str(args.save),
+        "load_s": t_loaded - t_run,
+        "oneshot_s": t_oneshot - t_loaded,
+        "save_s": t_done - t_oneshot,
+        "run_s": t_done - t_run,
+        "process_s": time.perf_counter() - T_PROCESS,
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("bits", "scope", "run_s", "quantized")}))

@@ -21,5 +21,14 @@ from .plan import CompressionPlan, PlanTensors  # plan / runtime / export API (i
 from .api import apply_plan, calibrate, compare, compress, evaluate, export, load  # isort: skip
 
 __all__ = ["MoEAdapter", "MoECompressError", "RouterSpec", "__version__", "load_model"]
-__all__ += ["CompressionPlan", "PlanTensors", "apply_plan", "calibrate", "compare", "compress", "evaluate",
-            "export", "load"]
+__all__ += [
+    "CompressionPlan",
+    "PlanTensors",
+    "apply_plan",
+    "calibrate",
+    "compare",
+    "compress",
+    "evaluate",
+    "export",
+    "load",
+]

@@ -31,7 +31,10 @@ def is_cli_process() -> bool:
     if os.path.basename(sys.argv[0] if sys.argv else "") == "moecompress":
         return True
     argv = list(getattr(sys, "orig_argv", None) or [])
-    return any(a == "-m" and argv[k + 1:k + 2] in (["moecompress"], ["moecompress.cli"]) for k, a in enumerate(argv))
+    return any(
+        a == "-m" and argv[k + 1 : k + 2] in (["moecompress"], ["moecompress.cli"])
+        for k, a in enumerate(argv)
+    )
 
 
 def install_startup_handlers() -> None:

@@ -41,7 +41,9 @@ class CrossLayerAnalysis:
     moe_layers: list[int]
     scopes: list[list[int]]
     neighbours: list[NeighbourRecord] = field(default_factory=list)
-    heatmap: list[list[float]] = field(default_factory=list)  # rows: source layer, cols: nn layer (moe_layers order)
+    heatmap: list[list[float]] = field(
+        default_factory=list
+    )  # rows: source layer, cols: nn layer (moe_layers order)
     cross_fraction: dict[int, float] = field(default_factory=dict)
     overall_cross_fraction: float = 0.0
 
@@ -63,13 +65,21 @@ def nearest_neighbours(distance: torch.Tensor) -> tuple[list[int], list[float]]:
     return idx.tolist(), vals.tolist()
 
 
-def analyze_scopes(experts_of: Callable[[int], object], moe_layers: list[int], scope_size: int,
-                   model_name: str = "", eps: float = 1e-8, progress: bool = False) -> CrossLayerAnalysis:
+def analyze_scopes(
+    experts_of: Callable[[int], object],
+    moe_layers: list[int],
+    scope_size: int,
+    model_name: str = "",
+    eps: float = 1e-8,
+    progress: bool = False,
+) -> CrossLayerAnalysis:
     """Run the analysis with `experts_of(layer)` giving that layer's stacked ExpertWeights."""
     from .methods.conmoe import scope_distance, scopes
 
     groups = scopes(moe_layers, scope_size)
-    res = CrossLayerAnalysis(model=model_name, scope_size=scope_size, moe_layers=list(moe_layers), scopes=groups)
+    res = CrossLayerAnalysis(
+        model=model_name, scope_size=scope_size, moe_layers=list(moe_layers), scopes=groups
+    )
     pos = {layer: i for i, layer in enumerate(moe_layers)}
     counts = torch.zeros(len(moe_layers), len(moe_layers), dtype=torch.float64)
     for s, group in _track(list(enumerate(groups)), progress, "nearest neighbours"):
@@ -90,7 +100,9 @@ def analyze_scopes(experts_of: Callable[[int], object], moe_layers: list[int], s
         i = pos[layer]
         res.cross_fraction[layer] = round(float(1.0 - frac[i, i]) if rows[i, 0] > 0 else 0.0, 6)
     total = counts.sum()
-    res.overall_cross_fraction = round(float((total - counts.diagonal().sum()) / total), 6) if total > 0 else 0.0
+    res.overall_cross_fraction = (
+        round(float((total - counts.diagonal().sum()) / total), 6) if total > 0 else 0.0
+    )
     return res
 
 
@@ -123,7 +135,9 @@ def _plot(plt, res: CrossLayerAnalysis, path) -> Path:
     mat = torch.tensor(res.heatmap, dtype=torch.float64).numpy() if n else None
     side = max(4.0, min(12.0, 0.35 * n + 2.5))
     plt.rcParams.update({"font.size": max(10.0, min(16.0, 10.0 * side / 6.0))})  # legible at every size
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(2 * side + 1.5, side), gridspec_kw={"width_ratios": [1.15, 1]})
+    fig, (ax, bx) = plt.subplots(
+        1, 2, figsize=(2 * side + 1.5, side), gridspec_kw={"width_ratios": [1.15, 1]}
+    )
     im = ax.imshow(mat, cmap="viridis", vmin=0.0, vmax=1.0, origin="upper", aspect="equal")
     step = max(1, n // 16)
     ticks = list(range(0, n, step))
@@ -136,8 +150,15 @@ def _plot(plt, res: CrossLayerAnalysis, path) -> Path:
         for i in range(n):
             for j in range(n):
                 if mat[i, j] > 0:
-                    ax.text(j, i, f"{mat[i, j]:.2f}", ha="center", va="center", fontsize=8,
-                            color="black" if mat[i, j] > 0.6 else "white")
+                    ax.text(
+                        j,
+                        i,
+                        f"{mat[i, j]:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="black" if mat[i, j] > 0.6 else "white",
+                    )
     cbar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     cbar.set_label("fraction of source-layer experts")
     fr = [res.cross_fraction[layer] for layer in layers]
@@ -147,7 +168,9 @@ def _plot(plt, res: CrossLayerAnalysis, path) -> Path:
     bx.set_xlabel("MoE layer")
     bx.set_ylabel("cross-layer nearest-neighbour fraction")
     bx.axhline(res.overall_cross_fraction, color="black", linestyle="--", linewidth=1)
-    bx.set_title(f"Nearest neighbour in another layer\n(dashed: all layers, {100 * res.overall_cross_fraction:.1f}%)")
+    bx.set_title(
+        f"Nearest neighbour in another layer\n(dashed: all layers, {100 * res.overall_cross_fraction:.1f}%)"
+    )
     if res.model:
         fig.suptitle(res.model)
     fig.tight_layout()
@@ -179,8 +202,14 @@ def _stream_experts(source: str, trust_remote_code: bool):
     return adapter.moe_layers, experts_of
 
 
-def analyze_model(source: str, scope_size: int = 4, trust_remote_code: bool = False, eps: float = 1e-8,
-                  progress: bool = False, model=None) -> CrossLayerAnalysis:
+def analyze_model(
+    source: str,
+    scope_size: int = 4,
+    trust_remote_code: bool = False,
+    eps: float = 1e-8,
+    progress: bool = False,
+    model=None,
+) -> CrossLayerAnalysis:
     """The analysis of a checkpoint directory / hub id (streamed layer by layer), or of a loaded `model`."""
     from .models import MoEAdapter
 
@@ -200,8 +229,9 @@ def analyze_model(source: str, scope_size: int = 4, trust_remote_code: bool = Fa
     return analyze_scopes(experts_of, layers, scope_size, model_name=str(source), eps=eps, progress=progress)
 
 
-def write_analysis(res: CrossLayerAnalysis, out: str | os.PathLike, overwrite: bool = False, protect=(),
-                   inputs=None) -> Path:
+def write_analysis(
+    res: CrossLayerAnalysis, out: str | os.PathLike, overwrite: bool = False, protect=(), inputs=None
+) -> Path:
     """analysis.json + nn_heatmap.png into `out` (atomically). `inputs`: the model's fingerprint from when the
     analysis started (`atomic.fingerprint_inputs`), checked before the rename."""
     from .atomic import atomic_dir

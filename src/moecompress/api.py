@@ -38,16 +38,34 @@ from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
 from .methods import parse_config, stats_to_gather
-from .pipeline import (calibrate_for, check_calib_mode, check_format_name, check_imatrix, check_quant_classes,
-                       check_target_name, imatrix_writer, make_plan, quant_config, target_format)
+from .pipeline import (
+    calibrate_for,
+    check_calib_mode,
+    check_format_name,
+    check_imatrix,
+    check_quant_classes,
+    check_target_name,
+    imatrix_writer,
+    make_plan,
+    quant_config,
+    target_format,
+)
 from .plan import CompressionPlan
 
 if TYPE_CHECKING:
     from .recipe import Recipe
 
 
-def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=None, for_method=None,
-              seq_len: int = 2048, **options):
+def calibrate(
+    model: str,
+    data,
+    *,
+    out: str | os.PathLike | None = None,
+    stats=None,
+    for_method=None,
+    seq_len: int = 2048,
+    **options,
+):
     """Gather per-expert statistics of checkpoint `model` over calibration `data` into a stats store at `out`.
 
     stats: statistic names (list or comma string); for_method: also what this method (or list of methods)
@@ -55,14 +73,29 @@ def calibrate(model: str, data, *, out: str | os.PathLike | None = None, stats=N
     statistics only by name. options: every other keyword of the calibration runner (`calibrate/api.py`:
     batch_size, dtype, seed, device, resume, dry_run, offload_dir, padding, moment_experts, overwrite, ...).
     Returns the `StatsStore` (a `ResourceEstimate` with ``dry_run=True``)."""
-    return gather_statistics(model, data, seq_len=seq_len, out=out, stats=stats_to_gather(stats, for_method),
-                             **options)
+    return gather_statistics(
+        model, data, seq_len=seq_len, out=out, stats=stats_to_gather(stats, for_method), **options
+    )
 
 
-def compress(model: str, method: str, params: dict[str, Any] | None = None, *, calib=None,
-             out: str | os.PathLike, format: str = "auto", seq_len: int = 256, seed: int = 0,
-             dtype: str = "float32", overwrite: bool = False, progress: bool = True, quant=None,
-             calib_mode: str = "one-pass", target: str = "moecompress", imatrix: bool = False):
+def compress(
+    model: str,
+    method: str,
+    params: dict[str, Any] | None = None,
+    *,
+    calib=None,
+    out: str | os.PathLike,
+    format: str = "auto",
+    seq_len: int = 256,
+    seed: int = 0,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    progress: bool = True,
+    quant=None,
+    calib_mode: str = "one-pass",
+    target: str = "moecompress",
+    imatrix: bool = False,
+):
     """Compress checkpoint `model` with `method` and write it to `out`; returns the `ExportResult`.
 
     calib: a stats store directory, or a data spec calibrated (once, reused) into `<out>-calib/stats`.
@@ -89,8 +122,11 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     protect = [model, calib_dir]
     check_output(out, overwrite, protect, kind="checkpoint")  # before any compute, a calibration included
     check_target_name(target)
-    recorded = (params.model_dump(mode="json", exclude_unset=True) if isinstance(params, BaseModel)
-                else dict(params or {}))
+    recorded = (
+        params.model_dump(mode="json", exclude_unset=True)
+        if isinstance(params, BaseModel)
+        else dict(params or {})
+    )
     if target != "moecompress" and method == "auto":
         params = recorded = {**recorded, "target": target}
     # validated once, here: the method's config and the quantization setting (a bad field or spec is one sentence
@@ -99,36 +135,84 @@ def compress(model: str, method: str, params: dict[str, Any] | None = None, *, c
     recorded_quant, quant_setting = quant, quant_config(quant)
     check_quant_classes(model, quant_setting, config, method)  # and a tensor class the model lacks
     check_format_name(format)  # and an unknown format
-    check_calib_mode(calib_mode, method, calib, quant_setting)  # and a calibration mode this run cannot honour
+    check_calib_mode(
+        calib_mode, method, calib, quant_setting
+    )  # and a calibration mode this run cannot honour
     if imatrix:
         check_imatrix(calib, format, target)
     params, quant = config, quant_setting
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
-        stats = calibrate_for(model, calib, method, params, quant, seq_len=seq_len, seed=seed,
-                              work_dir=out.parent / f"{out.name}-calib", progress=progress, overwrite=overwrite,
-                              calib_mode=calib_mode)
-        plan, tensors = make_plan(model, method, params, stats, quant=quant, seed=seed, dtype=dtype,
-                                  progress=progress)
-        recipe = {"model": str(model), "method": method, "params": recorded,
-                  "calib": str(calib) if calib else None, "seq_len": seq_len, "seed": seed,
-                  "quant": recorded_quant.model_dump(mode="json") if isinstance(recorded_quant, BaseModel)
-                  else recorded_quant}
+        stats = calibrate_for(
+            model,
+            calib,
+            method,
+            params,
+            quant,
+            seq_len=seq_len,
+            seed=seed,
+            work_dir=out.parent / f"{out.name}-calib",
+            progress=progress,
+            overwrite=overwrite,
+            calib_mode=calib_mode,
+        )
+        plan, tensors = make_plan(
+            model, method, params, stats, quant=quant, seed=seed, dtype=dtype, progress=progress
+        )
+        recipe = {
+            "model": str(model),
+            "method": method,
+            "params": recorded,
+            "calib": str(calib) if calib else None,
+            "seq_len": seq_len,
+            "seed": seed,
+            "quant": recorded_quant.model_dump(mode="json")
+            if isinstance(recorded_quant, BaseModel)
+            else recorded_quant,
+        }
         if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
             recipe["calib_mode"] = calib_mode
         if target != "moecompress":
             recipe["target"] = target
         extras = imatrix_writer(model, plan, stats) if imatrix else None
-        return export(model, plan, out, format=target_format(plan, target, format), tensors=tensors, recipe=recipe,
-                      overwrite=overwrite, protect=protect, inputs=inputs, extras=extras)
+        return export(
+            model,
+            plan,
+            out,
+            format=target_format(plan, target, format),
+            tensors=tensors,
+            recipe=recipe,
+            overwrite=overwrite,
+            protect=protect,
+            inputs=inputs,
+            extras=extras,
+        )
 
 
-def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str | None = None, limit=None,
-             num_fewshot: int | None = None, batch_size: int = 1, include_path=None, window: int = 512,
-             stride: int | None = None, max_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
-             seed: int = 1234, trust_remote_code: bool = False, out: str | os.PathLike | None = None,
-             report: str | os.PathLike | None = None, overwrite: bool = False, progress: bool = True,
-             trust_task_code: bool = False, allow_nan: bool = False) -> dict:
+def evaluate(
+    model: str,
+    *,
+    tasks=None,
+    ppl: str | None = None,
+    reference: str | None = None,
+    limit=None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    include_path=None,
+    window: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    seed: int = 1234,
+    trust_remote_code: bool = False,
+    out: str | os.PathLike | None = None,
+    report: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    trust_task_code: bool = False,
+    allow_nan: bool = False,
+) -> dict:
     """Perplexity, next-token accuracy and KL to `reference` on `ppl`, and lm-eval `tasks`, of checkpoint
     `model` (an export of any format, or an original); returns the results dict (schema moecompress.results/1,
     one arm, per-item values).
@@ -151,12 +235,16 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
     from .validate import check_range, check_seed
 
     if not tasks and not ppl:
-        raise MoECompressError("Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE.")
+        raise MoECompressError(
+            "Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE."
+        )
     if reference and not ppl:
         raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
     if include_path and not trust_task_code:
-        raise MoECompressError("--include-path runs the Python code that its task YAML files name (lm-eval's "
-                               "!function); pass --trust-task-code if you trust that directory.")
+        raise MoECompressError(
+            "--include-path runs the Python code that its task YAML files name (lm-eval's "
+            "!function); pass --trust-task-code if you trust that directory."
+        )
     check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
     check_range("--batch-size", batch_size, 1)
     check_range("--num-fewshot", num_fewshot, 0)
@@ -169,7 +257,9 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
     reference = resolve_fixture(reference) if reference else None
     reads = [model, reference, ppl, *(include_path or [])]  # the ones that exist here (`atomic.check_apart`)
     if out is not None and out.is_dir():
-        raise MoECompressError(f"--out {out} is a directory; pass a file path such as {out / 'results.json'}.")
+        raise MoECompressError(
+            f"--out {out} is a directory; pass a file path such as {out / 'results.json'}."
+        )
     if out is not None:
         check_apart(out, reads)
         _check_results_file(out, overwrite)
@@ -177,7 +267,9 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
         check_output(report, overwrite, protect=reads, flag="--report", kind="report")
     if limit is not None and limit >= 1:
         limit = int(limit)
-    if isinstance(ppl, (str, os.PathLike)):  # a missing or unreadable text file is refused before any model loads
+    if isinstance(
+        ppl, (str, os.PathLike)
+    ):  # a missing or unreadable text file is refused before any model loads
         from .data import parse_spec
 
         parse_spec(str(ppl))
@@ -186,46 +278,119 @@ def evaluate(model: str, *, tasks=None, ppl: str | None = None, reference: str |
             if path is not None:
                 held.enter_context(claim(path, flag))
         inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
-        results = _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, include_path, window,
-                            stride, max_tokens, dtype, device, seed, trust_remote_code, progress, allow_nan)
+        results = _evaluate(
+            model,
+            reference,
+            tasks,
+            ppl,
+            limit,
+            num_fewshot,
+            batch_size,
+            include_path,
+            window,
+            stride,
+            max_tokens,
+            dtype,
+            device,
+            seed,
+            trust_remote_code,
+            progress,
+            allow_nan,
+        )
         inputs.check()
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             write_results(out, results)
         if report is not None:
-            with atomic_dir(report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs,
-                            flag="--report") as tmp:
+            with atomic_dir(
+                report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
+            ) as tmp:
                 write_report(results, tmp)
     return results
 
 
-def _evaluate(model, reference, tasks, ppl, limit, num_fewshot, batch_size, include_path, window, stride,
-              max_tokens, dtype, device, seed, trust_remote_code, progress, allow_nan) -> dict:
+def _evaluate(
+    model,
+    reference,
+    tasks,
+    ppl,
+    limit,
+    num_fewshot,
+    batch_size,
+    include_path,
+    window,
+    stride,
+    max_tokens,
+    dtype,
+    device,
+    seed,
+    trust_remote_code,
+    progress,
+    allow_nan,
+) -> dict:
     """`evaluate`'s computation, once its outputs are checked and claimed: the results dict."""
     from .eval.runner import check_finite, evaluate_model, model_info, plan_arm_fields
 
     m = _load_for_eval(model, dtype, device, trust_remote_code)
     tok = _tokenizer(model, trust_remote_code)
     ref = _load_for_eval(reference, dtype, device, trust_remote_code) if reference else None
-    metrics = evaluate_model(m, tok, tasks=tasks, ppl=ppl, reference=ref, limit=limit, num_fewshot=num_fewshot,
-                             batch_size=batch_size, include_path=include_path, window=window, stride=stride,
-                             max_tokens=max_tokens, seed=seed, progress=progress)
+    metrics = evaluate_model(
+        m,
+        tok,
+        tasks=tasks,
+        ppl=ppl,
+        reference=ref,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        include_path=include_path,
+        window=window,
+        stride=stride,
+        max_tokens=max_tokens,
+        seed=seed,
+        progress=progress,
+    )
     info = model_info(m, model)
     check_finite(info["name"], metrics, allow_nan)
-    arm = {"name": info["name"], "method": "checkpoint", "kind": "original", "path": str(model),
-           "bytes": info["bytes"], "metrics": metrics}
+    arm = {
+        "name": info["name"],
+        "method": "checkpoint",
+        "kind": "original",
+        "path": str(model),
+        "bytes": info["bytes"],
+        "metrics": metrics,
+    }
     plan = getattr(m, "_moecompress_plan", None)
     if plan is not None:  # an export: record what the plan says (gate semantics, operators, per-layer counts)
         arm.update({k: v for k, v in plan_arm_fields(plan).items() if v is not None}, kind="compressed")
-    return {"schema": "moecompress.results/1", "model": info, "arms": [arm],
-            "settings": {"window": window, "stride": stride or window, "max_tokens": max_tokens, "limit": limit,
-                         "num_fewshot": num_fewshot, "seed": seed, "reference": reference}}
+    return {
+        "schema": "moecompress.results/1",
+        "model": info,
+        "arms": [arm],
+        "settings": {
+            "window": window,
+            "stride": stride or window,
+            "max_tokens": max_tokens,
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+            "seed": seed,
+            "reference": reference,
+        },
+    }
 
 
-def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.PathLike], out: str | os.PathLike, *,
-            overwrite: bool = False, keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
-            progress: bool = True, verbose: bool = False, allow_nan: bool = False, resume: bool = False
-            ) -> dict[str, Any]:
+def compare(
+    recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    keep_checkpoints: bool = True,
+    pairs: list[tuple[str, str]] | None = None,
+    progress: bool = True,
+    verbose: bool = False,
+    allow_nan: bool = False,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run every arm of `recipes` (a `Recipe`, or recipe files whose arms are compared together) from one
     calibration, evaluate all on the same items, write report.md, ranking.md, PNGs and results.json under
     `out`; returns the results. pairs: the paired comparisons (default: every arm against the original).
@@ -237,8 +402,17 @@ def compare(recipes: Recipe | str | os.PathLike | Sequence[Recipe | str | os.Pat
     if not isinstance(recipes, Recipe):
         items = [recipes] if isinstance(recipes, (str, os.PathLike)) else list(recipes)
         recipes = merge_recipes([r if isinstance(r, Recipe) else load_recipe(r) for r in items])
-    return run_compare(recipes, out, overwrite=overwrite, progress=progress, keep_checkpoints=keep_checkpoints,
-                       pairs=pairs, verbose=verbose, allow_nan=allow_nan, resume=resume)
+    return run_compare(
+        recipes,
+        out,
+        overwrite=overwrite,
+        progress=progress,
+        keep_checkpoints=keep_checkpoints,
+        pairs=pairs,
+        verbose=verbose,
+        allow_nan=allow_nan,
+        resume=resume,
+    )
 
 
 def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None = None):
@@ -248,14 +422,23 @@ def apply_plan(model, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor]
     return _apply(model, plan, tensors)
 
 
-def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
-           tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False, **kwargs):
+def export(
+    model_or_path,
+    plan: CompressionPlan,
+    out: str | os.PathLike,
+    format: str = "compact",
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    recipe=None,
+    overwrite: bool = False,
+    **kwargs,
+):
     """Write the compressed checkpoint (``compact`` | ``hf`` | ``packed`` | ``materialized`` | ``gguf``); returns an
     `ExportResult`. kwargs: `export.core.export`'s (max_shard_size, quiet, protect)."""
     from .export import export as _export
 
-    return _export(model_or_path, plan, out, format=format, tensors=tensors, recipe=recipe, overwrite=overwrite,
-                   **kwargs)
+    return _export(
+        model_or_path, plan, out, format=format, tensors=tensors, recipe=recipe, overwrite=overwrite, **kwargs
+    )
 
 
 def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
@@ -264,7 +447,9 @@ def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None
     max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate)."""
     from .export import load as _load
 
-    return _load(path, device_map=device_map, dtype=dtype, max_memory=max_memory, offload_folder=offload_folder)
+    return _load(
+        path, device_map=device_map, dtype=dtype, max_memory=max_memory, offload_folder=offload_folder
+    )
 
 
 def _load_for_eval(source: str, dtype: str, device: str | None, trust_remote_code: bool):
@@ -282,8 +467,10 @@ def _tokenizer(source: str, trust_remote_code: bool):
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError):
-        raise MoECompressError(f"No tokenizer could be loaded from {source}; copy the original model's tokenizer "
-                               "files into the checkpoint directory.") from None
+        raise MoECompressError(
+            f"No tokenizer could be loaded from {source}; copy the original model's tokenizer "
+            "files into the checkpoint directory."
+        ) from None
 
 
 def _check_results_file(out: Path, overwrite: bool) -> None:
@@ -299,5 +486,7 @@ def _check_results_file(out: Path, overwrite: bool) -> None:
         except (OSError, ValueError, AttributeError, UnicodeDecodeError):
             ours = False
         if not ours:
-            raise MoECompressError(f"{out} is not a results file written by moecompress, so --overwrite will not "
-                                   "replace it; pass another --out.")
+            raise MoECompressError(
+                f"{out} is not a results file written by moecompress, so --overwrite will not "
+                "replace it; pass another --out."
+            )

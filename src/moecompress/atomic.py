@@ -88,19 +88,22 @@ def check_apart(out: str | os.PathLike, protect=(), flag: str = "--out") -> None
     for p in _local(protect):
         src = _abs(p).resolve()
         if _is_within(src, full):
-            raise MoECompressError(f"{flag} {out} is (or contains) {p}, which this run reads; pass another "
-                                   "output path.")
+            raise MoECompressError(
+                f"{flag} {out} is (or contains) {p}, which this run reads; pass another output path."
+            )
         if _is_within(full, src):
-            raise MoECompressError(f"{flag} {out} is inside {p}, which this run reads; pass an output path "
-                                   "outside it.")
+            raise MoECompressError(
+                f"{flag} {out} is inside {p}, which this run reads; pass an output path outside it."
+            )
 
 
 def _resolve(out, flag: str) -> Path:
     try:
         return _abs(out).resolve()
     except RuntimeError:  # Python < 3.13 reports a loop of symbolic links so
-        raise MoECompressError(f"{flag} {out} passes through a loop of symbolic links; pass another output "
-                               "path.") from None
+        raise MoECompressError(
+            f"{flag} {out} passes through a loop of symbolic links; pass another output path."
+        ) from None
 
 
 # room a name needs for its hidden siblings: ".NAME.tmp-PID-XXXXXXXX", ".NAME.lock", "NAME-calib", ".NAME.partial"
@@ -124,28 +127,33 @@ def check_path(out: str | os.PathLike, flag: str = "--out") -> Path:
             parent = parent.parent
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise MoECompressError(f"{flag} {out} passes through a loop of symbolic links; pass another "
-                                       "output path.") from None
+                raise MoECompressError(
+                    f"{flag} {out} passes through a loop of symbolic links; pass another output path."
+                ) from None
             if exc.errno == errno.ENAMETOOLONG:
-                raise MoECompressError(f"{flag} {out} is too long for the file system; pass a shorter output "
-                                       "path.") from None
+                raise MoECompressError(
+                    f"{flag} {out} is too long for the file system; pass a shorter output path."
+                ) from None
             if exc.errno == errno.ENOTDIR:  # a component is a file: report the file
                 while parent.parent != parent and not parent.is_file():
                     parent = parent.parent
                 break
             raise
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise MoECompressError(f"Cannot write {out}: {parent} is not a writable directory; pass an output path "
-                               "you can write to.")
+        raise MoECompressError(
+            f"Cannot write {out}: {parent} is not a writable directory; pass an output path you can write to."
+        )
     try:
         limit = os.pathconf(parent, "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
     longest = max(len(os.fsencode(part)) for part in full.relative_to(parent).parts) if full != parent else 0
     if longest + _SIBLING_BYTES > limit:
-        raise MoECompressError(f"{flag} {out} is too long: a name in it has {longest} bytes, and moecompress needs "
-                               f"one of at most {limit - _SIBLING_BYTES} to write hidden files beside it; pass a "
-                               "shorter output path.")
+        raise MoECompressError(
+            f"{flag} {out} is too long: a name in it has {longest} bytes, and moecompress needs "
+            f"one of at most {limit - _SIBLING_BYTES} to write hidden files beside it; pass a "
+            "shorter output path."
+        )
     return parent
 
 
@@ -155,7 +163,9 @@ def marker_kind(directory: str | os.PathLike) -> str | None:
         kind = json.loads((Path(directory) / MARKER).read_text()).get("kind")
     except (OSError, ValueError, AttributeError):
         return None
-    return kind if isinstance(kind, str) and kind != "output" else None  # "output": before kinds were recorded
+    return (
+        kind if isinstance(kind, str) and kind != "output" else None
+    )  # "output": before kinds were recorded
 
 
 def _family(kind: str) -> str:
@@ -163,8 +173,9 @@ def _family(kind: str) -> str:
     return kind.split(":", 1)[0]
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False, protect=(), flag: str = "--out",
-                 kind: str | None = None) -> Path:
+def check_output(
+    out: str | os.PathLike, overwrite: bool = False, protect=(), flag: str = "--out", kind: str | None = None
+) -> Path:
     """Refuse, in one sentence and before any compute, an output directory this run may not write.
 
     `protect`: paths this run reads (the input model, a reference, a stats store in use); `out` may be
@@ -175,29 +186,43 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, protect=(), fl
     out = Path(out)
     full = _abs(out)
     check_path(out, flag)
-    if full.is_symlink() and not full.exists():  # renaming onto it would replace the link, not write its target
-        raise MoECompressError(f"{flag} {out} is a dangling symbolic link (to {os.readlink(full)}); remove it or "
-                               "pass another output path.")
+    if (
+        full.is_symlink() and not full.exists()
+    ):  # renaming onto it would replace the link, not write its target
+        raise MoECompressError(
+            f"{flag} {out} is a dangling symbolic link (to {os.readlink(full)}); remove it or "
+            "pass another output path."
+        )
     if full.exists() and not full.is_dir():
-        raise MoECompressError(f"{flag} {out} is an existing file, not a directory; pass a new directory path.")
+        raise MoECompressError(
+            f"{flag} {out} is an existing file, not a directory; pass a new directory path."
+        )
     check_apart(out, protect, flag)
     if full.exists():
         if not overwrite:
             raise MoECompressError(f"{out} already exists; choose another output path or pass --overwrite.")
         if _is_within(Path.cwd().resolve(), full.resolve()):
-            raise MoECompressError(f"{flag} {out} is the current directory or one of its ancestors; --overwrite "
-                                   "never replaces it, so pass a new directory path.")
+            raise MoECompressError(
+                f"{flag} {out} is the current directory or one of its ancestors; --overwrite "
+                "never replaces it, so pass a new directory path."
+            )
         if not (full / MARKER).is_file():
-            raise MoECompressError(f"{out} was not written by moecompress (no {MARKER} marker), so --overwrite "
-                                   "will not delete it; remove it yourself or pass another output path.")
+            raise MoECompressError(
+                f"{out} was not written by moecompress (no {MARKER} marker), so --overwrite "
+                "will not delete it; remove it yourself or pass another output path."
+            )
         if not _marker_readable(full):
-            raise MoECompressError(f"The {MARKER} marker of {out} cannot be read (not a JSON object with a kind), "
-                                   "so --overwrite will not replace it; remove it yourself or pass another output "
-                                   "path.")
+            raise MoECompressError(
+                f"The {MARKER} marker of {out} cannot be read (not a JSON object with a kind), "
+                "so --overwrite will not replace it; remove it yourself or pass another output "
+                "path."
+            )
         old = marker_kind(full)
         if kind not in (None, "output") and old is not None and _family(old) != _family(kind):
-            raise MoECompressError(f"{out} holds moecompress output of kind '{_family(old)}', not "
-                                   f"'{_family(kind)}', so --overwrite will not replace it; pass another output path.")
+            raise MoECompressError(
+                f"{out} holds moecompress output of kind '{_family(old)}', not "
+                f"'{_family(kind)}', so --overwrite will not replace it; pass another output path."
+            )
     return out
 
 
@@ -256,7 +281,9 @@ def fix_permissions(root: str | os.PathLike) -> None:
 def write_marker(directory: str | os.PathLike, kind: str) -> None:
     from ._version import __version__
 
-    (Path(directory) / MARKER).write_text(json.dumps({"kind": kind, "moecompress_version": __version__}) + "\n")
+    (Path(directory) / MARKER).write_text(
+        json.dumps({"kind": kind, "moecompress_version": __version__}) + "\n"
+    )
 
 
 # ----------------------------------------------------------------------------- one writer per output
@@ -296,10 +323,15 @@ class _Lock:
                 holder = os.pread(fd, 64, 0)
                 os.close(fd)
                 self._remove_made()
-                pid = holder[len(_LOCK_TAG):].split()[0].decode(errors="replace") if holder.startswith(
-                    _LOCK_TAG) and holder[len(_LOCK_TAG):].split() else "unknown"
-                raise MoECompressError(f"Another moecompress run is writing {self.out} (pid {pid}); wait for it or "
-                                       f"choose another {self.flag}.") from None
+                pid = (
+                    holder[len(_LOCK_TAG) :].split()[0].decode(errors="replace")
+                    if holder.startswith(_LOCK_TAG) and holder[len(_LOCK_TAG) :].split()
+                    else "unknown"
+                )
+                raise MoECompressError(
+                    f"Another moecompress run is writing {self.out} (pid {pid}); wait for it or "
+                    f"choose another {self.flag}."
+                ) from None
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
             except FileNotFoundError:
@@ -389,8 +421,10 @@ class Inputs:
     def check(self) -> None:
         for p, fp in self.taken.items():
             if self._fingerprint(p) != fp:
-                raise MoECompressError(f"{p} changed while this run read it, so its output was not written; run "
-                                       "again once it no longer changes.")
+                raise MoECompressError(
+                    f"{p} changed while this run read it, so its output was not written; run "
+                    "again once it no longer changes."
+                )
 
 
 def fingerprint_inputs(paths, content=None) -> Inputs:
@@ -448,8 +482,14 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False, protect=(), kind: str = "output",
-               inputs: Inputs | None = None, flag: str = "--out"):
+def atomic_dir(
+    out: str | os.PathLike,
+    overwrite: bool = False,
+    protect=(),
+    kind: str = "output",
+    inputs: Inputs | None = None,
+    flag: str = "--out",
+):
     """Yield a temporary sibling of `out` to write into; rename it to `out` only on success.
 
     Any exception (including KeyboardInterrupt and the CLI's SIGTERM exception) removes the temporary

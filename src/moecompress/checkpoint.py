@@ -46,11 +46,18 @@ def _checkpoint_dir(path: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
-                                      local_files_only=not hub_reachable()))
+        return Path(
+            snapshot_download(
+                src,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
+                local_files_only=not hub_reachable(),
+            )
+        )
     except Exception:
-        raise MoECompressError(f"Could not fetch {src} from the HuggingFace hub (offline or unknown id); download "
-                               "the checkpoint where the hub is reachable and pass its local directory.") from None
+        raise MoECompressError(
+            f"Could not fetch {src} from the HuggingFace hub (offline or unknown id); download "
+            "the checkpoint where the hub is reachable and pass its local directory."
+        ) from None
 
 
 def _index_shards(root: Path) -> dict[str, Path]:
@@ -62,21 +69,26 @@ def _index_shards(root: Path) -> dict[str, Path]:
         weight_map = read_weight_map(index)  # every shard confined to the checkpoint directory
         missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
         if missing:
-            raise MoECompressError(f"The checkpoint at {root} is missing shard {missing[0]} named by its index; "
-                                   "re-download the complete checkpoint.")
+            raise MoECompressError(
+                f"The checkpoint at {root} is missing shard {missing[0]} named by its index; "
+                "re-download the complete checkpoint."
+            )
         return {k: root / f for k, f in weight_map.items()}
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
-        raise MoECompressError(f"{root} holds no .safetensors weights; convert the checkpoint to safetensors "
-                               "(pickled .bin weights are never loaded).")
+        raise MoECompressError(
+            f"{root} holds no .safetensors weights; convert the checkpoint to safetensors "
+            "(pickled .bin weights are never loaded)."
+        )
     out: dict[str, Path] = {}
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 out.update(dict.fromkeys(f.keys(), shard))
         except Exception:
-            raise MoECompressError(f"{shard} is not a readable safetensors file: the checkpoint is corrupted; "
-                                   "re-download it.") from None
+            raise MoECompressError(
+                f"{shard} is not a readable safetensors file: the checkpoint is corrupted; re-download it."
+            ) from None
     return out
 
 
@@ -172,8 +184,10 @@ class CheckpointReader:
         for name, module in model.named_modules():
             if module is layers:
                 return name, len(layers)
-        raise MoECompressError("Cannot locate the decoder layers of this checkpoint's model class; "
-                               "it is not supported (see docs/models.md).")
+        raise MoECompressError(
+            "Cannot locate the decoder layers of this checkpoint's model class; "
+            "it is not supported (see docs/models.md)."
+        )
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights (see `checkpoint_fingerprint`)."""
@@ -237,7 +251,9 @@ class CheckpointReader:
     def native_state(self, i: int) -> dict[str, torch.Tensor]:
         """Decoder layer i's tensors under native ``model.state_dict()`` names, in the on-disk dtype."""
         if not 0 <= i < self.num_layers:
-            raise MoECompressError(f"Layer {i} does not exist; the checkpoint has {self.num_layers} decoder layers.")
+            raise MoECompressError(
+                f"Layer {i} does not exist; the checkpoint has {self.num_layers} decoder layers."
+            )
         return self._state(self._by_layer.get(i, []))
 
     def read_tensors(self, natives: list[str]) -> dict[str, torch.Tensor]:
@@ -245,8 +261,10 @@ class CheckpointReader:
         quantization of non-expert weights reads (`methods.tensor_quant`)."""
         unknown = [n for n in natives if n not in self._targets]
         if unknown:
-            raise MoECompressError(f"The checkpoint at {self.path} has no tensor '{unknown[0]}'; it does not match "
-                                   "its config.json.")
+            raise MoECompressError(
+                f"The checkpoint at {self.path} has no tensor '{unknown[0]}'; it does not match "
+                "its config.json."
+            )
         return self._state(list(natives))
 
     def other_state(self) -> dict[str, torch.Tensor]:
@@ -280,8 +298,10 @@ class CheckpointReader:
             if ref is None:
                 continue
             if tuple(t.shape) != tuple(ref.shape):
-                raise MoECompressError(f"Tensor {name} has shape {tuple(t.shape)} in the checkpoint but the config "
-                                       f"implies {tuple(ref.shape)}: the checkpoint does not match its config.json.")
+                raise MoECompressError(
+                    f"Tensor {name} has shape {tuple(t.shape)} in the checkpoint but the config "
+                    f"implies {tuple(ref.shape)}: the checkpoint does not match its config.json."
+                )
             _set_tensor(model, name, t.to(device=device, dtype=target(name, t)))
 
     def load_layer(self, model: nn.Module, i: int, device="cpu", dtype=None) -> nn.Module:
@@ -309,8 +329,10 @@ class CheckpointReader:
                 _recreate_buffers(module, device)
         for name, t in model.named_parameters(remove_duplicate=False):
             if not name.startswith(self.layers_prefix + ".") and t.is_meta:
-                raise MoECompressError(f"The checkpoint at {self.path} has no tensor for {name}: it is incomplete; "
-                                       "re-download it.")
+                raise MoECompressError(
+                    f"The checkpoint at {self.path} has no tensor for {name}: it is incomplete; "
+                    "re-download it."
+                )
 
     def free_layer(self, model: nn.Module, i: int) -> None:
         """Return decoder layer i to the meta device (its memory is released)."""
@@ -318,7 +340,9 @@ class CheckpointReader:
         for module in layer.modules():
             for n, p in list(module._parameters.items()):
                 if p is not None and not p.is_meta:
-                    module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                    module._parameters[n] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=False
+                    )
             for n, b in list(module._buffers.items()):
                 if b is not None and not b.is_meta:
                     module._buffers[n] = torch.empty_like(b, device="meta")
@@ -330,10 +354,10 @@ class CheckpointReader:
                 _recreate_buffers(module, device)
         for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
             if t.is_meta:
-                raise MoECompressError(f"The checkpoint at {self.path} has no tensor for {prefix}.{name}: it is "
-                                       "incomplete or does not match its config.json; re-download it.")
-
-
+                raise MoECompressError(
+                    f"The checkpoint at {self.path} has no tensor for {prefix}.{name}: it is "
+                    "incomplete or does not match its config.json; re-download it."
+                )
 
 
 def parse_dtype_or_none(dtype):

@@ -33,16 +33,27 @@ def _tokenizer(path: str):
         return None
 
 
-def _evaluate(model, tokenizer, recipe: Recipe, reference, progress: bool, arm: str,
-              allow_nan: bool = False) -> dict[str, dict]:
+def _evaluate(
+    model, tokenizer, recipe: Recipe, reference, progress: bool, arm: str, allow_nan: bool = False
+) -> dict[str, dict]:
     """The arm's metrics; NaN / infinite ones stop the run right after that arm (`check_finite`) unless allowed."""
     from .eval.runner import check_finite, evaluate_model
 
     ev = recipe.eval
     tasks = ev.tasks if tokenizer is not None else []
-    metrics = evaluate_model(model, tokenizer, tasks=tasks, ppl=ev.ppl, reference=reference, limit=ev.limit,
-                             num_fewshot=ev.num_fewshot, batch_size=ev.batch_size, window=ev.window,
-                             max_tokens=ev.max_tokens, progress=progress)
+    metrics = evaluate_model(
+        model,
+        tokenizer,
+        tasks=tasks,
+        ppl=ev.ppl,
+        reference=reference,
+        limit=ev.limit,
+        num_fewshot=ev.num_fewshot,
+        batch_size=ev.batch_size,
+        window=ev.window,
+        max_tokens=ev.max_tokens,
+        progress=progress,
+    )
     check_finite(arm, metrics, allow_nan)
     return metrics
 
@@ -62,13 +73,17 @@ def check_distill_settings(recipe: Recipe) -> None:
             continue
         name = arm.display_name()
         if get_method(arm.method).family != "dense":
-            raise MoECompressError(f"Arm '{name}' has a 'distill' block, but only dense arms are distilled; remove "
-                                   "it or use a dense method.")
+            raise MoECompressError(
+                f"Arm '{name}' has a 'distill' block, but only dense arms are distilled; remove "
+                "it or use a dense method."
+            )
         settings = dict(arm.distill)
         data = settings.pop("data", "fixture-calib")
         if not isinstance(data, str):
-            raise MoECompressError(f"Arm '{name}': distill field 'data' must be a data spec such as fixture-calib, "
-                                   f"not a {type(data).__name__}; fix the recipe.")
+            raise MoECompressError(
+                f"Arm '{name}': distill field 'data' must be a data spec such as fixture-calib, "
+                f"not a {type(data).__name__}; fix the recipe."
+            )
         parse_spec(data)
         try:
             DistillConfig(**settings)
@@ -76,8 +91,9 @@ def check_distill_settings(recipe: Recipe) -> None:
             errs = exc.errors()  # a misspelt key also makes its correct name "missing": name the typo
             e = next((x for x in errs if x["type"] == "extra_forbidden"), errs[0])
             loc = ".".join(str(p) for p in e["loc"]) or "distill"
-            raise MoECompressError(f"Arm '{name}': field 'distill.{loc}' is invalid ({e['msg']}); fix the "
-                                   "recipe.") from None
+            raise MoECompressError(
+                f"Arm '{name}': field 'distill.{loc}' is invalid ({e['msg']}); fix the recipe."
+            ) from None
 
 
 def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
@@ -90,9 +106,18 @@ def _latency(model, path, recipe: Recipe) -> dict[str, Any]:
     return benchmark(model, path, prompt_len=64, new_tokens=16, batch_size=1, warmup=1, repeats=3)
 
 
-def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, progress: bool = True,
-                keep_checkpoints: bool = True, pairs: list[tuple[str, str]] | None = None,
-                verbose: bool = False, allow_nan: bool = False, resume: bool = False) -> dict[str, Any]:
+def run_compare(
+    recipe: Recipe,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    keep_checkpoints: bool = True,
+    pairs: list[tuple[str, str]] | None = None,
+    verbose: bool = False,
+    allow_nan: bool = False,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run every arm of `recipe`; write report.md, PNGs, results.json under `out`; return the results.
 
     `pairs` chooses the paired comparisons (default: every arm against the original). The report
@@ -121,21 +146,40 @@ def run_compare(recipe: Recipe, out: str | Path, *, overwrite: bool = False, pro
         check_format_name(arm.format)
     # the previous report stays in place until this one is complete (atomic_dir renames at the end)
     check_output(out, overwrite, protect, kind="report")
-    from .quiet import quiet_libraries
-
     from .atomic import claim
     from .pipeline import model_fingerprint
+    from .quiet import quiet_libraries
 
     track = ArmProgress(2 + len(recipe.arms), enabled=progress and not verbose)
-    journal = ArmJournal(out, dict(recipe=recipe.model_dump(mode="json"), model=model_fingerprint(model_path),
-                                   keep_checkpoints=keep_checkpoints))
+    journal = ArmJournal(
+        out,
+        dict(
+            recipe=recipe.model_dump(mode="json"),
+            model=model_fingerprint(model_path),
+            keep_checkpoints=keep_checkpoints,
+        ),
+    )
     with claim(out):
         done = journal.start(resume)
         try:
-            with quiet_libraries(not verbose), track, atomic_dir(out, overwrite=overwrite, protect=protect,
-                                                                 kind="report") as tmp:
-                results = _run_arms(recipe, out, tmp, model_path, progress and verbose, keep_checkpoints, pairs,
-                                    track, allow_nan, journal, done)
+            with (
+                quiet_libraries(not verbose),
+                track,
+                atomic_dir(out, overwrite=overwrite, protect=protect, kind="report") as tmp,
+            ):
+                results = _run_arms(
+                    recipe,
+                    out,
+                    tmp,
+                    model_path,
+                    progress and verbose,
+                    keep_checkpoints,
+                    pairs,
+                    track,
+                    allow_nan,
+                    journal,
+                    done,
+                )
         except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the finished arms stay for --resume
             raise
         except BaseException:
@@ -162,12 +206,16 @@ class ArmJournal:
         run = self.dir / "run.json"
         old = self._read(run)
         if self.dir.exists() and old is None:  # never delete what moecompress did not write
-            raise MoECompressError(f"{self.dir} is in the way of this report's partial run and was not written by "
-                                   "moecompress (no readable run.json); remove it or choose another --out.")
+            raise MoECompressError(
+                f"{self.dir} is in the way of this report's partial run and was not written by "
+                "moecompress (no readable run.json); remove it or choose another --out."
+            )
         if resume and old is not None:
             if old.get("identity") != self.identity:
-                raise MoECompressError(f"The interrupted run in {self.dir} was made with another recipe, model or "
-                                       "--keep-checkpoints setting; drop --resume to start over or pass the same ones.")
+                raise MoECompressError(
+                    f"The interrupted run in {self.dir} was made with another recipe, model or "
+                    "--keep-checkpoints setting; drop --resume to start over or pass the same ones."
+                )
             return {p.stem: json.loads(p.read_text()) for p in sorted((self.dir / "arms").glob("*.json"))}
         shutil.rmtree(self.dir, ignore_errors=True)  # ours: a stale partial run of this output
         (self.dir / "arms").mkdir(parents=True)
@@ -209,8 +257,14 @@ class ArmProgress:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
-                                      MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
             self._progress.__enter__()
             self._task = self._progress.add_task("calibrating", total=self.total)
         return self
@@ -231,11 +285,15 @@ class ArmProgress:
             return
         from .atomic import human_bytes
 
-        agg = next((v.get("aggregate", {}) for k, v in entry.get("metrics", {}).items() if k.startswith("ppl:")), {})
+        agg = next(
+            (v.get("aggregate", {}) for k, v in entry.get("metrics", {}).items() if k.startswith("ppl:")), {}
+        )
         size = entry.get("bytes", {}).get("model")
         kl = agg.get("kl")
-        self._progress.console.print(f"  [green]✓[/] {entry['name']:<24} {human_bytes(size) if size else '-':>10}"
-                                     + (f"  KL {kl:.4f}" if kl is not None else ""))
+        self._progress.console.print(
+            f"  [green]✓[/] {entry['name']:<24} {human_bytes(size) if size else '-':>10}"
+            + (f"  KL {kl:.4f}" if kl is not None else "")
+        )
         self._progress.advance(self._task)
 
     def calibrated(self, seconds: float) -> None:
@@ -249,15 +307,32 @@ def with_quant_baselines(recipe: Recipe) -> Recipe:
     reference every structural arm is held against (skipped when the recipe already has that arm)."""
     from .recipe import ArmSpec
 
-    have = {(a.method, a.params.get("quant"), a.params.get("algo", "gptq")) for a in recipe.arms if a.quant is None}
-    extra = [ArmSpec(method="quant", params={"quant": spec, "algo": "gptq"}) for spec in recipe.eval.quant_baselines
-             if ("quant", spec, "gptq") not in have]
+    have = {
+        (a.method, a.params.get("quant"), a.params.get("algo", "gptq"))
+        for a in recipe.arms
+        if a.quant is None
+    }
+    extra = [
+        ArmSpec(method="quant", params={"quant": spec, "algo": "gptq"})
+        for spec in recipe.eval.quant_baselines
+        if ("quant", spec, "gptq") not in have
+    ]
     return recipe.model_copy(update={"arms": [*recipe.arms, *extra]}) if extra else recipe
 
 
-def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: bool, keep_checkpoints: bool,
-              pairs, track: ArmProgress, allow_nan: bool, journal: ArmJournal,
-              done: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _run_arms(
+    recipe: Recipe,
+    out: Path,
+    tmp: Path,
+    model_path: str,
+    progress: bool,
+    keep_checkpoints: bool,
+    pairs,
+    track: ArmProgress,
+    allow_nan: bool,
+    journal: ArmJournal,
+    done: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     """The body of `run_compare`: the report is written under `tmp`, paths in the results name `out`. The shared
     calibration and the finished arms (results, checkpoints) go to the `journal`; arms in `done` are not run."""
     from .eval.loading import eval_dtype, load_for_eval
@@ -276,8 +351,17 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     def calibrate_for(spec, arms, where: Path):
         needs = sorted({s for arm in arms for s in needs_for(arm.method, arm.params, arm.quant)})
         t = time.perf_counter()
-        st = resolve_calibration(model_path, spec.data, needs, seq_len=spec.seq_len, seed=spec.seed,
-                                 batch_size=spec.batch_size, work_dir=where, dtype="float32", progress=progress)
+        st = resolve_calibration(
+            model_path,
+            spec.data,
+            needs,
+            seq_len=spec.seq_len,
+            seed=spec.seed,
+            batch_size=spec.batch_size,
+            work_dir=where,
+            dtype="float32",
+            progress=progress,
+        )
         return st, time.perf_counter() - t
 
     # one calibration serves every arm without its own; an arm with its own spec (its domain) shares it only
@@ -289,7 +373,9 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     track.calibrated(calib_seconds)
     arm_stats: dict[str, tuple] = {}
     for k, key in enumerate(own):
-        group = [a for a in recipe.arms if a.calibration is not None and a.calibration.model_dump_json() == key]
+        group = [
+            a for a in recipe.arms if a.calibration is not None and a.calibration.model_dump_json() == key
+        ]
         spec = group[0].calibration
         st, sec = calibrate_for(spec, group, journal.dir / f"arm-calibration-{k}")
         arm_stats[key] = (st, _calibration_info(st, spec, sec))
@@ -298,12 +384,17 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         return stats if arm.calibration is None else arm_stats[arm.calibration.model_dump_json()][0]
 
     def own_calibration(arm) -> dict:
-        return {} if arm.calibration is None else {"calibration": arm_stats[arm.calibration.model_dump_json()][1]}
+        return (
+            {}
+            if arm.calibration is None
+            else {"calibration": arm_stats[arm.calibration.model_dump_json()][1]}
+        )
 
     # every evaluated model in one dtype (default: the checkpoint's own), offloaded when it does not fit
     dtype = eval_dtype(recipe.eval.dtype, model_path)
-    evaluate_load = partial(load_for_eval, dtype=dtype, max_memory=recipe.eval.max_memory,
-                            offload_dir=work / "offload")
+    evaluate_load = partial(
+        load_for_eval, dtype=dtype, max_memory=recipe.eval.max_memory, offload_dir=work / "offload"
+    )
     reference, ref_eval = evaluate_load(model_path, loader=load_model)
     arms: list[dict[str, Any]] = []
 
@@ -317,9 +408,16 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
         track.done(done["original"])
     else:
         track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
-        original = dict(name="original", method="none", kind="original", path=model_path, export_format="hf",
-                        metrics=_evaluate(reference, tokenizer, recipe, reference, progress, "original", allow_nan),
-                        eval=ref_eval, **_latency(reference, model_path, recipe))
+        original = dict(
+            name="original",
+            method="none",
+            kind="original",
+            path=model_path,
+            export_format="hf",
+            metrics=_evaluate(reference, tokenizer, recipe, reference, progress, "original", allow_nan),
+            eval=ref_eval,
+            **_latency(reference, model_path, recipe),
+        )
         from .plan import CompressionPlan
 
         original["bytes"]["model"] = CompressionPlan.identity(reference).logical_bytes().total
@@ -331,42 +429,87 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
             arms.append(done[name])
             track.done(done[name])
             continue
-        track.stage(name, "compressing",
-                    header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})")
+        track.stage(
+            name,
+            "compressing",
+            header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})",
+        )
         ckpt = journal.fresh("checkpoints", name)
         if get_method(arm.method).family == "dense":
             journal.fresh(".distill", name)
-            entry = _dense_arm(arm, name, model_path, stats_of(arm), journal.dir, recipe, tokenizer, reference,
-                               progress, evaluate_load, allow_nan)
+            entry = _dense_arm(
+                arm,
+                name,
+                model_path,
+                stats_of(arm),
+                journal.dir,
+                recipe,
+                tokenizer,
+                reference,
+                progress,
+                evaluate_load,
+                allow_nan,
+            )
             finished(dict(entry, path=str(out / "checkpoints" / name), **own_calibration(arm)))
             continue
         t1 = time.perf_counter()  # the arm's plan streams from the checkpoint, one layer at a time
-        plan, tensors = make_plan(model_path, arm.method, arm.params, stats_of(arm), quant=arm.quant,
-                                  seed=recipe.seed, progress=progress)
+        plan, tensors = make_plan(
+            model_path,
+            arm.method,
+            arm.params,
+            stats_of(arm),
+            quant=arm.quant,
+            seed=recipe.seed,
+            progress=progress,
+        )
         build_seconds = time.perf_counter() - t1
         fmt = choose_format(plan, arm.format)
         track.stage(name, "exporting")
-        result = export(model_path, plan, ckpt, format=fmt, tensors=tensors,
-                        recipe={"model": recipe.model, "method": arm.method, "params": arm.params,
-                                "quant": arm.quant.model_dump() if arm.quant else None}, quiet=not progress)
+        result = export(
+            model_path,
+            plan,
+            ckpt,
+            format=fmt,
+            tensors=tensors,
+            recipe={
+                "model": recipe.model,
+                "method": arm.method,
+                "params": arm.params,
+                "quant": arm.quant.model_dump() if arm.quant else None,
+            },
+            quiet=not progress,
+        )
         track.stage(name, "evaluating")
         model, arm_eval = evaluate_load(ckpt, loader=load)
         entry = plan_arm_fields(plan, tensors)
         kind = "quant_baseline" if arm.method == "quant" else "compressed"
-        entry.update(name=name, method=arm.method, params=arm.params, ratio=arm.params.get("ratio"),
-                     kind="materialized" if result.evaluation_only else kind, export_format=fmt,
-                     path=str(out / "checkpoints" / name), compress_seconds=round(build_seconds, 3),
-                     metrics=_evaluate(model, tokenizer, recipe, reference, progress, name, allow_nan),
-                     eval=arm_eval)
+        entry.update(
+            name=name,
+            method=arm.method,
+            params=arm.params,
+            ratio=arm.params.get("ratio"),
+            kind="materialized" if result.evaluation_only else kind,
+            export_format=fmt,
+            path=str(out / "checkpoints" / name),
+            compress_seconds=round(build_seconds, 3),
+            metrics=_evaluate(model, tokenizer, recipe, reference, progress, name, allow_nan),
+            eval=arm_eval,
+        )
         entry.update(_latency(model, ckpt, recipe))
-        entry["bytes"].update(model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes)
+        entry["bytes"].update(
+            model=result.logical_bytes, disk=result.bytes_on_disk, weights=result.weight_bytes
+        )
         entry.update(own_calibration(arm))
         finished(entry)
         del model
 
-    results = dict(model=model_info(reference, model_path, name=Path(model_path).name),
-                   calibration=_calibration_info(stats, cal, calib_seconds), arms=arms,
-                   settings={"seed": recipe.seed, "eval_dtype": dtype}, notes=_notes(recipe, dtype, arms))
+    results = dict(
+        model=model_info(reference, model_path, name=Path(model_path).name),
+        calibration=_calibration_info(stats, cal, calib_seconds),
+        arms=arms,
+        settings={"seed": recipe.seed, "eval_dtype": dtype},
+        notes=_notes(recipe, dtype, arms),
+    )
     shutil.rmtree(work)
     if keep_checkpoints and (journal.dir / "checkpoints").is_dir():
         (journal.dir / "checkpoints").rename(tmp / "checkpoints")
@@ -375,17 +518,34 @@ def _run_arms(recipe: Recipe, out: Path, tmp: Path, model_path: str, progress: b
     return results
 
 
-def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, progress,
-               evaluate_load, allow_nan: bool = False) -> dict[str, Any]:
+def _dense_arm(
+    arm,
+    name,
+    model_path,
+    stats,
+    out,
+    recipe,
+    tokenizer,
+    reference,
+    progress,
+    evaluate_load,
+    allow_nan: bool = False,
+) -> dict[str, Any]:
     """MoE → dense: the arm is the standard dense checkpoint itself, loaded with plain transformers."""
     from .distill.dense_export import export_dense
-    from .models import load_model
     from .methods import parse_config
+    from .models import load_model
 
     ckpt = out / "checkpoints" / name
     t1 = time.perf_counter()
-    summary = export_dense(model_path, ckpt, parse_config(arm.method, arm.params), dtype="float32",
-                           calib={i: stats.layer(i) for i in stats.layers}, progress=progress)
+    summary = export_dense(
+        model_path,
+        ckpt,
+        parse_config(arm.method, arm.params),
+        dtype="float32",
+        calib={i: stats.layer(i) for i in stats.layers},
+        progress=progress,
+    )
     seconds = time.perf_counter() - t1
     distilled = None
     if arm.distill:
@@ -394,9 +554,15 @@ def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, 
         settings = dict(arm.distill)
         data = settings.pop("data", "fixture-calib")
         # the teacher in the evaluation dtype (the checkpoint's own by default), not replicated in float32
-        run = distill(model_path, ckpt, data, out=out / ".distill" / name,
-                      teacher_dtype=evaluate_load.keywords["dtype"], progress=progress,
-                      **settings)
+        run = distill(
+            model_path,
+            ckpt,
+            data,
+            out=out / ".distill" / name,
+            teacher_dtype=evaluate_load.keywords["dtype"],
+            progress=progress,
+            **settings,
+        )
         shutil.rmtree(ckpt)
         shutil.copytree(run.student_dir, ckpt)
         shutil.rmtree(out / ".distill", ignore_errors=True)
@@ -404,10 +570,21 @@ def _dense_arm(arm, name, model_path, stats, out, recipe, tokenizer, reference, 
         seconds = time.perf_counter() - t1
     model, arm_eval = evaluate_load(ckpt, loader=load_model)
     weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    entry = dict(name=name, method=arm.method, params=arm.params, kind="compressed", export_format="dense",
-                 gate_semantics="n/a (dense FFN)", operator=None, path=str(ckpt), compress_seconds=round(seconds, 3),
-                 student=summary.get("student_class"), distilled=distilled,
-                 metrics=_evaluate(model, tokenizer, recipe, reference, progress, name, allow_nan), eval=arm_eval)
+    entry = dict(
+        name=name,
+        method=arm.method,
+        params=arm.params,
+        kind="compressed",
+        export_format="dense",
+        gate_semantics="n/a (dense FFN)",
+        operator=None,
+        path=str(ckpt),
+        compress_seconds=round(seconds, 3),
+        student=summary.get("student_class"),
+        distilled=distilled,
+        metrics=_evaluate(model, tokenizer, recipe, reference, progress, name, allow_nan),
+        eval=arm_eval,
+    )
     entry.update(_latency(model, ckpt, recipe))
     entry["bytes"].update(model=weights, disk=summary["bytes"], weights=weights)
     return entry
@@ -420,22 +597,34 @@ def _calibration_info(stats, cal, seconds: float) -> dict[str, Any] | None:
     domains = "; ".join(sorted({s.get("domain", "") for s in data.get("sources", []) if s.get("domain")}))
     # what each term drew (for a task term: the task, its split and how many documents)
     origin = "; ".join(s["origin"] for s in data.get("sources", []) if s.get("origin"))
-    return dict(domain=domains or None, source=data.get("spec", cal.data), origin=origin or None,
-                tokens=stats.token_count, seq_len=cal.seq_len, seed=cal.seed, seconds=round(seconds, 2))
+    return dict(
+        domain=domains or None,
+        source=data.get("spec", cal.data),
+        origin=origin or None,
+        tokens=stats.token_count,
+        seq_len=cal.seq_len,
+        seed=cal.seed,
+        seconds=round(seconds, 2),
+    )
 
 
 def _notes(recipe: Recipe, dtype: str = "float32", arms: list[dict[str, Any]] = ()) -> list[str]:
     offloaded = [a["name"] for a in arms if a.get("eval", {}).get("offloaded")]
     extra = [f"Every model was evaluated in {dtype} (logits upcast to float32 for KL and perplexity)."]
     if offloaded:
-        extra.append(f"Evaluated offloaded (accelerate device_map: what did not fit in memory was read from disk, "
-                     f"slower but the same numbers): {', '.join(offloaded)}.")
-    return [f"Every arm is evaluated on the same {recipe.eval.ppl} windows (window {recipe.eval.window}) and the "
-            f"same lm-eval documents (limit {recipe.eval.limit}); checkpoints were exported and loaded back "
-            "before evaluation.",
-            "Latency and memory are measured arm after arm, not interleaved: on a shared machine they drift with "
-            "the load, so read them as indicative; benchmarks/bench_runtime_speed.py measures runtime speed side "
-            "by side with repeats.", *extra]
+        extra.append(
+            f"Evaluated offloaded (accelerate device_map: what did not fit in memory was read from disk, "
+            f"slower but the same numbers): {', '.join(offloaded)}."
+        )
+    return [
+        f"Every arm is evaluated on the same {recipe.eval.ppl} windows (window {recipe.eval.window}) and the "
+        f"same lm-eval documents (limit {recipe.eval.limit}); checkpoints were exported and loaded back "
+        "before evaluation.",
+        "Latency and memory are measured arm after arm, not interleaved: on a shared machine they drift with "
+        "the load, so read them as indicative; benchmarks/bench_runtime_speed.py measures runtime speed side "
+        "by side with repeats.",
+        *extra,
+    ]
 
 
 TABLE_WIDTH = 100  # the ranking table is laid out for (at most) this many terminal columns
@@ -450,7 +639,9 @@ def ranking_table(results: dict[str, Any]) -> Table:
     from .eval.report import ranking_rows
 
     header, rows = ranking_rows(results)
-    table = Table(title="arms ranked by KL to the original (same windows)", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title="arms ranked by KL to the original (same windows)", box=box.SIMPLE_HEAD, pad_edge=False
+    )
     for i, col in enumerate(header):
         if i == 0:
             table.add_column(col, justify="left", overflow="fold", ratio=1, min_width=12)

@@ -33,7 +33,6 @@ from .disk import free_bytes, tag_bytes
 from .errors import MoECompressError
 
 
-
 @dataclass
 class CompressEstimate:
     peak_memory_bytes: int
@@ -46,7 +45,9 @@ class CompressEstimate:
     disk_available_bytes: int | None = None  # free where --out goes (None: no output path given)
     # the statistics each way (module doc); None where the method reads none, or (streamed) cannot stream them
     stats_streamed_disk_bytes: int | None = None  # nothing is written: 0
-    stats_streamed_memory_bytes: int | None = None  # one layer's statistics (square rows of a chunk), held twice
+    stats_streamed_memory_bytes: int | None = (
+        None  # one layer's statistics (square rows of a chunk), held twice
+    )
     stats_kept_disk_bytes: int | None = None  # a kept store, symmetric statistics as upper triangles
     stats_kept_full_bytes: int | None = None  # the same store with every matrix whole (format 1)
     stats_kept_memory_bytes: int | None = None  # calibrating it: one layer's float64 sums, held twice
@@ -57,27 +58,53 @@ class CompressEstimate:
         return dict(vars(self))
 
     def rows(self) -> list[tuple[str, str]]:
-        time = ("unknown (a config.json without weights: nothing to time)" if self.time_s is None
-                else f"{self.time_s:.0f} s")
-        rows = [("peak memory", human_bytes(self.peak_memory_bytes)),
-                ("  calibration phase", human_bytes(self.calibration_bytes)),
-                ("  plan building (streamed view)", human_bytes(self.plan_bytes)),
-                ("  export (streamed)", human_bytes(self.export_bytes)),
-                ("checkpoint on disk" + (" (from config.json, no weights)" if self.config_only else ""),
-                 human_bytes(self.checkpoint_bytes)),
-                ("disk needed (output upper bound + statistics)", human_bytes(self.disk_bytes) + (
-                    "" if self.disk_available_bytes is None else
-                    f" ({human_bytes(self.disk_available_bytes)} free where --out goes)"))]
+        time = (
+            "unknown (a config.json without weights: nothing to time)"
+            if self.time_s is None
+            else f"{self.time_s:.0f} s"
+        )
+        rows = [
+            ("peak memory", human_bytes(self.peak_memory_bytes)),
+            ("  calibration phase", human_bytes(self.calibration_bytes)),
+            ("  plan building (streamed view)", human_bytes(self.plan_bytes)),
+            ("  export (streamed)", human_bytes(self.export_bytes)),
+            (
+                "checkpoint on disk" + (" (from config.json, no weights)" if self.config_only else ""),
+                human_bytes(self.checkpoint_bytes),
+            ),
+            (
+                "disk needed (output upper bound + statistics)",
+                human_bytes(self.disk_bytes)
+                + (
+                    ""
+                    if self.disk_available_bytes is None
+                    else f" ({human_bytes(self.disk_available_bytes)} free where --out goes)"
+                ),
+            ),
+        ]
         if self.stats_streamed_memory_bytes is not None:
-            rows.append(("statistics streamed (--calib a data spec" + ("; this run)" if self.stats_streamed else ")"),
-                         (f"{human_bytes(self.stats_streamed_disk_bytes)} on disk (no per-expert matrix written), "
-                          f"{human_bytes(self.stats_streamed_memory_bytes)} in memory at a layer")))
+            rows.append(
+                (
+                    "statistics streamed (--calib a data spec"
+                    + ("; this run)" if self.stats_streamed else ")"),
+                    (
+                        f"{human_bytes(self.stats_streamed_disk_bytes)} on disk (no per-expert matrix written), "
+                        f"{human_bytes(self.stats_streamed_memory_bytes)} in memory at a layer"
+                    ),
+                )
+            )
         if self.stats_kept_disk_bytes is not None:
-            rows.append(("statistics kept as a store (calibrate --out DIR, then --calib DIR"
-                         + (")" if self.stats_streamed else "; this run)"),
-                         (f"{human_bytes(self.stats_kept_disk_bytes)} on disk (symmetric matrices as upper "
-                          f"triangles; {human_bytes(self.stats_kept_full_bytes)} as full matrices), "
-                          f"{human_bytes(self.stats_kept_memory_bytes)} in memory while calibrating a layer")))
+            rows.append(
+                (
+                    "statistics kept as a store (calibrate --out DIR, then --calib DIR"
+                    + (")" if self.stats_streamed else "; this run)"),
+                    (
+                        f"{human_bytes(self.stats_kept_disk_bytes)} on disk (symmetric matrices as upper "
+                        f"triangles; {human_bytes(self.stats_kept_full_bytes)} as full matrices), "
+                        f"{human_bytes(self.stats_kept_memory_bytes)} in memory while calibrating a layer"
+                    ),
+                )
+            )
         rows.append(("time of the checkpoint reads (the method's own arithmetic not counted)", time))
         return rows
 
@@ -104,10 +131,12 @@ class _ConfigOnly:
         self._bytes: dict[int | None, int] = {}
         prefix = self.layers_prefix + "."
         for name, p in self._skeleton.named_parameters():  # tied weights once
-            key = int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
+            key = int(name[len(prefix) :].split(".")[0]) if name.startswith(prefix) else None
             self._bytes[key] = self._bytes.get(key, 0) + p.numel() * self.elem
         # per-expert keys on disk, fused on reading (as CheckpointReader.converts finds them in real shards)
-        self._converts = any(isinstance(m, WeightConverter) for m in get_model_conversion_mapping(self._skeleton))
+        self._converts = any(
+            isinstance(m, WeightConverter) for m in get_model_conversion_mapping(self._skeleton)
+        )
 
     def layer_bytes(self, i: int | None) -> int:
         return self._bytes.get(i, 0)
@@ -123,15 +152,28 @@ class _ConfigOnly:
 def _config_only(model: str) -> Path | None:
     """`model` as a local directory holding a config.json and no safetensors weights, else None."""
     p = Path(model)
-    if p.is_dir() and (p / "config.json").is_file() and not any(p.glob("*.safetensors")) \
-            and not (p / "model.safetensors.index.json").is_file():
+    if (
+        p.is_dir()
+        and (p / "config.json").is_file()
+        and not any(p.glob("*.safetensors"))
+        and not (p / "model.safetensors.index.json").is_file()
+    ):
         return p
     return None
 
 
-def estimate_compress(model: str, method: str, params: dict | None, calib, seq_len: int,
-                      dtype_bytes: int = 4, stats: list[str] = (), moment_fraction: float | None = None,
-                      streamed_chunk: int | None = None, out=None) -> CompressEstimate:
+def estimate_compress(
+    model: str,
+    method: str,
+    params: dict | None,
+    calib,
+    seq_len: int,
+    dtype_bytes: int = 4,
+    stats: list[str] = (),
+    moment_fraction: float | None = None,
+    streamed_chunk: int | None = None,
+    out=None,
+) -> CompressEstimate:
     """The estimate of the module doc for `compress(model, method, params, calib=calib)`.
 
     stats: the statistics the method reads (their collectors' one-layer sums count towards calibration's
@@ -176,7 +218,9 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
     layer_disk = max(layer_disk, *(reader.layer_bytes(i) for i in range(reader.num_layers)))
     non_layer_disk = reader.layer_bytes(None)
     scale = dtype_bytes / disk_elem
-    factor = 3.5 if any(reader.converts(i) for i in moe) else 2.0  # calibrate dry-run's measured fusing factor
+    factor = (
+        3.5 if any(reader.converts(i) for i in moe) else 2.0
+    )  # calibrate dry-run's measured fusing factor
     hidden = int(reader.config.hidden_size)
 
     calib_bytes, calib_passes, stats_bytes = 0, 0, 0
@@ -192,20 +236,32 @@ def estimate_compress(model: str, method: str, params: dict | None, calib, seq_l
             acc, stats_bytes = _statistics(adapter, list(stats), moment_fraction)
             calib_bytes += 2 * acc
             calib_passes += moment_fraction is not None
-    plan_bytes = int(layer_disk * view.stored + layer_disk * scale * view.compute
-                     + (non_layer_disk * scale if view.forwards else 0))
+    plan_bytes = int(
+        layer_disk * view.stored
+        + layer_disk * scale * view.compute
+        + (non_layer_disk * scale if view.forwards else 0)
+    )
     export_bytes = int(factor * layer_disk + non_layer_disk)
     # streamed statistics are gathered while the method works on the layer: the two phases overlap
-    overlap = calib_bytes + plan_bytes if streamed_chunk is not None and stats else max(calib_bytes, plan_bytes)
+    overlap = (
+        calib_bytes + plan_bytes if streamed_chunk is not None and stats else max(calib_bytes, plan_bytes)
+    )
     peak = baseline + max(overlap, export_bytes)
     passes = calib_passes + 1 + (1 if view.stored or view.compute else 0)  # + export, + the view's reads
     each_way = _statistics_each_way(adapter, entry, list(stats), moment_fraction) if stats else {}
-    return CompressEstimate(peak_memory_bytes=int(peak), calibration_bytes=calib_bytes, plan_bytes=plan_bytes,
-                            export_bytes=export_bytes, disk_bytes=ckpt + stats_bytes, checkpoint_bytes=ckpt,
-                            time_s=None if t_layer is None else t_layer * reader.num_layers * passes,
-                            disk_available_bytes=None if out is None else free_bytes(out), **each_way,
-                            stats_streamed=bool(stats) and streamed_chunk is not None,
-                            config_only=config_dir is not None)
+    return CompressEstimate(
+        peak_memory_bytes=int(peak),
+        calibration_bytes=calib_bytes,
+        plan_bytes=plan_bytes,
+        export_bytes=export_bytes,
+        disk_bytes=ckpt + stats_bytes,
+        checkpoint_bytes=ckpt,
+        time_s=None if t_layer is None else t_layer * reader.num_layers * passes,
+        disk_available_bytes=None if out is None else free_bytes(out),
+        **each_way,
+        stats_streamed=bool(stats) and streamed_chunk is not None,
+        config_only=config_dir is not None,
+    )
 
 
 def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: float | None) -> dict:
@@ -214,16 +270,23 @@ def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: floa
 
     acc, kept = _statistics(adapter, stats, moment_fraction)
     _, full = _statistics(adapter, stats, moment_fraction, packed=False)
-    out = {"stats_kept_disk_bytes": int(kept), "stats_kept_full_bytes": int(full),
-           "stats_kept_memory_bytes": int(2 * acc)}
+    out = {
+        "stats_kept_disk_bytes": int(kept),
+        "stats_kept_full_bytes": int(full),
+        "stats_kept_memory_bytes": int(2 * acc),
+    }
     if entry.streamed_stats:
         chunk = WHOLE_LAYER if entry.streamed_whole_layer else CHUNK
-        out.update(stats_streamed_disk_bytes=0,
-                   stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, chunk)))
+        out.update(
+            stats_streamed_disk_bytes=0,
+            stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, chunk)),
+        )
     return out
 
 
-def _statistics(adapter, stats: list[str], moment_fraction: float | None, packed: bool = True) -> tuple[int, int]:
+def _statistics(
+    adapter, stats: list[str], moment_fraction: float | None, packed: bool = True
+) -> tuple[int, int]:
     """(largest one-layer collector sums, statistics of every layer) in bytes, from the collectors' shapes;
     with `moment_fraction`, the moments are a second pass over that fraction of each layer's experts.
     `packed`: symmetric statistics as a store keeps them (upper triangles); False: full matrices (format 1)."""
@@ -252,12 +315,16 @@ def _streamed_statistics(adapter, stats: list[str], chunk: int) -> int:
     classes = collectors_for(stats)
     rest, _ = stat_sizes(adapter, moe, classes, {"square_experts": []})
     chunk = min(chunk, max(adapter.num_experts(i) for i in moe))  # WHOLE_LAYER: every expert of a layer
-    rows, _ = stat_sizes(adapter, moe, [c for c in classes if c.square], {"square_experts": list(range(chunk))})
+    rows, _ = stat_sizes(
+        adapter, moe, [c for c in classes if c.square], {"square_experts": list(range(chunk))}
+    )
     return rest + rows
 
 
 def refuse_if_over(est: CompressEstimate, max_memory: int) -> None:
     if est.peak_memory_bytes > max_memory:
-        raise MoECompressError(f"Compressing needs about {human_bytes(est.peak_memory_bytes)} of memory but "
-                               f"--max-memory allows {human_bytes(max_memory)}; raise --max-memory or use a method "
-                               "with a smaller scope.")
+        raise MoECompressError(
+            f"Compressing needs about {human_bytes(est.peak_memory_bytes)} of memory but "
+            f"--max-memory allows {human_bytes(max_memory)}; raise --max-memory or use a method "
+            "with a smaller scope."
+        )

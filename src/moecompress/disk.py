@@ -17,9 +17,21 @@ from pathlib import Path, PurePosixPath
 from .errors import MoECompressError
 
 # safetensors dtype tag -> torch dtype name and bytes per element
-DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-          "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "U16": ("uint16", 2), "I8": ("int8", 1),
-          "U8": ("uint8", 1), "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
+DTYPES = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
 
 
 def tag_bytes(tag: str, default: int) -> int:
@@ -80,11 +92,15 @@ def dtype_tag(dtype) -> str | None:
     return next((tag for tag, (name, _) in DTYPES.items() if str(dtype) == f"torch.{name}"), None)
 
 
-def encode_header(entries: dict[str, tuple[str, list[int], int, int]], metadata: dict[str, str] | None) -> bytes:
+def encode_header(
+    entries: dict[str, tuple[str, list[int], int, int]], metadata: dict[str, str] | None
+) -> bytes:
     """``[u64 little-endian length][JSON header]`` of a safetensors file whose data follows, for
     ``entries`` = {name: (dtype tag, shape, start, end)} (offsets into the data). Keys sorted and the header
     padded with spaces to 8-byte alignment, as safetensors writes it, so equal tensors give equal bytes."""
-    header: dict = {k: {"dtype": d, "shape": list(sh), "data_offsets": [a, b]} for k, (d, sh, a, b) in entries.items()}
+    header: dict = {
+        k: {"dtype": d, "shape": list(sh), "data_offsets": [a, b]} for k, (d, sh, a, b) in entries.items()
+    }
     if metadata:
         header["__metadata__"] = metadata
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -120,15 +136,21 @@ def read_weight_map(index: str | os.PathLike) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        raise MoECompressError(f"{index} is not a valid safetensors index: the checkpoint is corrupted; "
-                               "re-download it.") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise MoECompressError(f"{index} has a weight_map that is not a mapping of tensor names to file names: the "
-                               "checkpoint is corrupted; re-download it.")
+        raise MoECompressError(
+            f"{index} is not a valid safetensors index: the checkpoint is corrupted; re-download it."
+        ) from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise MoECompressError(
+            f"{index} has a weight_map that is not a mapping of tensor names to file names: the "
+            "checkpoint is corrupted; re-download it."
+        )
     for f in weight_map.values():
         parts = PurePosixPath(f.replace("\\", "/")).parts
         if not parts or f.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
-            raise MoECompressError(f"{index} names the shard '{f}', which lies outside the checkpoint directory; "
-                                   "the index is corrupted or malicious, so re-download the checkpoint.")
+            raise MoECompressError(
+                f"{index} names the shard '{f}', which lies outside the checkpoint directory; "
+                "the index is corrupted or malicious, so re-download the checkpoint."
+            )
     return weight_map

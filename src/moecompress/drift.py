@@ -59,7 +59,9 @@ def _ratio(across: float, within: float) -> float:
     return across / within if within > 0 else float("nan")
 
 
-def drift_summary(masks: dict[str, list[Mask]], layers: list[int], bootstrap: int = 1000, seed: int = 0) -> dict:
+def drift_summary(
+    masks: dict[str, list[Mask]], layers: list[int], bootstrap: int = 1000, seed: int = 0
+) -> dict:
     """Resampling and domain distances (overall and per layer), drift ratios and bootstrap intervals.
 
     masks: spec -> its R draws' masks (every spec the same R, draw r of each paired)."""
@@ -74,16 +76,26 @@ def drift_summary(masks: dict[str, list[Mask]], layers: list[int], bootstrap: in
 
     def stats(idx):
         w = {s: {k: _within(masks[s], idx, f) for k, f in keys.items()} for s in specs}
-        d = {f"{a} | {b}": {k: _across(masks[a], masks[b], idx, f) for k, f in keys.items()} for a, b in pairs}
+        d = {
+            f"{a} | {b}": {k: _across(masks[a], masks[b], idx, f) for k, f in keys.items()} for a, b in pairs
+        }
         return w, d
 
     w, d = stats(every)
     mean_w = sum(w[s]["overall"] for s in specs) / len(specs)
-    out = {"draws": R, "resampling": w, "domain": d,
-           "ratio": {f"{a} | {b}": _ratio(d[f"{a} | {b}"]["overall"], (w[a]["overall"] + w[b]["overall"]) / 2)
-                     for a, b in pairs}}
-    out["overall"] = {"resampling": mean_w,
-                      "domain": sum(v["overall"] for v in d.values()) / len(d) if d else float("nan")}
+    out = {
+        "draws": R,
+        "resampling": w,
+        "domain": d,
+        "ratio": {
+            f"{a} | {b}": _ratio(d[f"{a} | {b}"]["overall"], (w[a]["overall"] + w[b]["overall"]) / 2)
+            for a, b in pairs
+        },
+    }
+    out["overall"] = {
+        "resampling": mean_w,
+        "domain": sum(v["overall"] for v in d.values()) / len(d) if d else float("nan"),
+    }
     out["overall"]["ratio"] = _ratio(out["overall"]["domain"], mean_w)
     gen = torch.Generator().manual_seed(seed)
     reps: dict[str, list[float]] = {k: [] for k in ["overall", *out["ratio"]]}
@@ -94,7 +106,9 @@ def drift_summary(masks: dict[str, list[Mask]], layers: list[int], bootstrap: in
         if d:
             reps["overall"].append(_ratio(sum(v["overall"] for v in bd.values()) / len(bd), bmean))
         for a, b in pairs:
-            reps[f"{a} | {b}"].append(_ratio(bd[f"{a} | {b}"]["overall"], (bw[a]["overall"] + bw[b]["overall"]) / 2))
+            reps[f"{a} | {b}"].append(
+                _ratio(bd[f"{a} | {b}"]["overall"], (bw[a]["overall"] + bw[b]["overall"]) / 2)
+            )
     out["interval"] = {k: _percentiles(v) for k, v in reps.items() if v}
     return out
 
@@ -119,7 +133,9 @@ class MaskDrift:
     seed: int
     layers: list[int]
     calibration: dict[str, list[dict]] = field(default_factory=dict)  # spec label -> each draw's data record
-    masks: dict[str, dict[str, list[Mask]]] = field(default_factory=dict)  # "criterion@ratio" -> label -> draws
+    masks: dict[str, dict[str, list[Mask]]] = field(
+        default_factory=dict
+    )  # "criterion@ratio" -> label -> draws
     summary: dict[str, dict] = field(default_factory=dict)  # "criterion@ratio" -> drift_summary
 
     def to_dict(self) -> dict:
@@ -130,9 +146,19 @@ def _mask_name(criterion: str, ratio: float) -> str:
     return f"{criterion}@{ratio:g}"
 
 
-def mask_drift(model: str, specs: list[str], criteria: list[str], ratios: list[float], *, draws: int = 4,
-               sequences: int | None = None, seq_len: int = 256, seed: int = 0, bootstrap: int = 1000,
-               batch_size: int = 8) -> MaskDrift:
+def mask_drift(
+    model: str,
+    specs: list[str],
+    criteria: list[str],
+    ratios: list[float],
+    *,
+    draws: int = 4,
+    sequences: int | None = None,
+    seq_len: int = 256,
+    seed: int = 0,
+    bootstrap: int = 1000,
+    batch_size: int = 8,
+) -> MaskDrift:
     """Prune masks of `model` from `draws` disjoint, token-matched draws of every spec, for every
     criterion × ratio, and their drift summaries (module docstring).
 
@@ -147,32 +173,51 @@ def mask_drift(model: str, specs: list[str], criteria: list[str], ratios: list[f
     from .models.loading import resolve_fixture, resolve_source
 
     if draws < 2 or not specs:
-        raise MoECompressError(f"Mask drift needs at least one spec and two draws of each (got {len(specs)} specs, "
-                               f"{draws} draws); pass --draws 2 or more.")
+        raise MoECompressError(
+            f"Mask drift needs at least one spec and two draws of each (got {len(specs)} specs, "
+            f"{draws} draws); pass --draws 2 or more."
+        )
     model = resolve_source(resolve_fixture(model))
-    configs = {_mask_name(c, r): parse_config("prune", {"criterion": c, "ratio": r}) for c in criteria for r in ratios}
+    configs = {
+        _mask_name(c, r): parse_config("prune", {"criterion": c, "ratio": r})
+        for c in criteria
+        for r in ratios
+    }
     needs = sorted({n for cfg in configs.values() for n in get_method("prune").stats_for(cfg)})
     tok = load_tokenizer(model)
     if sequences is None:
-        sequences = min(len(disjoint_resamples(s, tok, seq_len, None, draws, seed)[0].data.input_ids) for s in specs)
+        sequences = min(
+            len(disjoint_resamples(s, tok, seq_len, None, draws, seed)[0].data.input_ids) for s in specs
+        )
     view = StreamedAdapter(model)
     result = MaskDrift(str(model), list(specs), draws, sequences, seq_len, seed, list(view.moe_layers))
     result.masks = {name: {} for name in configs}
-    labels = [s if specs.count(s) == 1 else f"{s} #{k + 1}" for k, s in enumerate(specs)]  # a spec twice: 2 rows
+    labels = [
+        s if specs.count(s) == 1 else f"{s} #{k + 1}" for k, s in enumerate(specs)
+    ]  # a spec twice: 2 rows
     step = math.gcd(batch_size, sequences)  # batches never straddle two draws
     all_experts = {i: set(range(view.num_experts(i))) for i in view.moe_layers}
     for spec, label in zip(specs, labels):
         picked = disjoint_resamples(spec, tok, seq_len, sequences, draws, seed)
-        joined = CalibrationData(torch.cat([d.data.input_ids for d in picked]),
-                                 torch.cat([d.data.attention_mask for d in picked]), spec, seq_len, seed)
+        joined = CalibrationData(
+            torch.cat([d.data.input_ids for d in picked]),
+            torch.cat([d.data.attention_mask for d in picked]),
+            spec,
+            seq_len,
+            seed,
+        )
         per_draw = calibrate_groups(model, joined, [sequences] * draws, needs, batch_size=step)
         result.calibration[label] = [{**d.data.to_dict(), "documents": d.documents} for d in picked]
         for name, cfg in configs.items():
             result.masks[name][label] = []
             for stats in per_draw:
                 kept = select_experts(cfg, view, MappingStats(stats))
-                result.masks[name][label].append({i: sorted(all_experts[i] - set(kept[i])) for i in view.moe_layers})
-    result.summary = {name: drift_summary(m, result.layers, bootstrap, seed) for name, m in result.masks.items()}
+                result.masks[name][label].append(
+                    {i: sorted(all_experts[i] - set(kept[i])) for i in view.moe_layers}
+                )
+    result.summary = {
+        name: drift_summary(m, result.layers, bootstrap, seed) for name, m in result.masks.items()
+    }
     return result
 
 
@@ -194,9 +239,14 @@ def plot_drift(res: MaskDrift, name: str, path: str | os.PathLike) -> Path:
     ax.set_xlabel("MoE layer")
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8)
-    ax.set_title(f"Jaccard distance between pruned sets, {name} ({res.draws} draws x {res.sequences * res.seq_len:,} "
-                 "tokens)", fontsize=10)
+            ax.text(
+                j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8
+            )
+    ax.set_title(
+        f"Jaccard distance between pruned sets, {name} ({res.draws} draws x {res.sequences * res.seq_len:,} "
+        "tokens)",
+        fontsize=10,
+    )
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -204,7 +254,9 @@ def plot_drift(res: MaskDrift, name: str, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def write_drift(res: MaskDrift, out: str | os.PathLike, overwrite: bool = False, protect=(), inputs=None) -> Path:
+def write_drift(
+    res: MaskDrift, out: str | os.PathLike, overwrite: bool = False, protect=(), inputs=None
+) -> Path:
     """drift.json and one heatmap per criterion × ratio (drift_<criterion>_<ratio>.png) into `out`, atomically.
     `inputs`: the model's fingerprint from when the run started, checked before the rename."""
     from .atomic import atomic_dir

@@ -17,10 +17,21 @@ from .methods import MethodContext, get_method, parse_config
 from .models import MoEAdapter
 
 
-def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list[str], *, seq_len: int = 256,
-                        seed: int = 0, batch_size: int = 8, work_dir: str | os.PathLike | None = None,
-                        dtype: str = "auto", progress: bool = True, moment_experts=None, name: str = "stats",
-                        overwrite: bool = True):
+def resolve_calibration(
+    model: str,
+    calib: str | os.PathLike | None,
+    needs: list[str],
+    *,
+    seq_len: int = 256,
+    seed: int = 0,
+    batch_size: int = 8,
+    work_dir: str | os.PathLike | None = None,
+    dtype: str = "auto",
+    progress: bool = True,
+    moment_experts=None,
+    name: str = "stats",
+    overwrite: bool = True,
+):
     """A StatsStore holding at least `needs`: an existing store directory, or a data spec to calibrate on.
 
     A spec is calibrated into `work_dir/<name>`, an output like any other (docs/architecture.md,
@@ -34,8 +45,10 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
 
     if calib is None:
         if needs:
-            raise MoECompressError("This method needs calibration statistics; pass --calib with a stats directory "
-                                   "from moecompress calibrate or a data spec such as fixture-calib:64.")
+            raise MoECompressError(
+                "This method needs calibration statistics; pass --calib with a stats directory "
+                "from moecompress calibrate or a data spec such as fixture-calib:64."
+            )
         return None
     if Path(calib).is_dir():  # a directory is a stats store or nothing: never read it as a data spec
         store = StatsStore.load(calib, model_fingerprint=model_fingerprint(model))
@@ -43,14 +56,36 @@ def resolve_calibration(model: str, calib: str | os.PathLike | None, needs: list
         store.check_model(*model_structure(model))
         return store
     out = Path(work_dir or ".") / name
-    return calibrate(model, str(calib), seq_len=seq_len, out=out, stats=sorted(set(needs)), batch_size=batch_size,
-                     dtype=dtype, seed=seed, progress=progress, moment_experts=moment_experts, overwrite=overwrite,
-                     keep_partial=False)
+    return calibrate(
+        model,
+        str(calib),
+        seq_len=seq_len,
+        out=out,
+        stats=sorted(set(needs)),
+        batch_size=batch_size,
+        dtype=dtype,
+        seed=seed,
+        progress=progress,
+        moment_experts=moment_experts,
+        overwrite=overwrite,
+        keep_partial=False,
+    )
 
 
-def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, params: dict[str, Any] | None,
-                  quant=None, *, seq_len: int = 256, seed: int = 0, work_dir: str | os.PathLike | None = None,
-                  progress: bool = True, overwrite: bool = True, calib_mode: str = "one-pass"):
+def calibrate_for(
+    model: str,
+    calib: str | os.PathLike | None,
+    method: str,
+    params: dict[str, Any] | None,
+    quant=None,
+    *,
+    seq_len: int = 256,
+    seed: int = 0,
+    work_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    overwrite: bool = True,
+    calib_mode: str = "one-pass",
+):
     """The statistics `method` with `params` (and `quant`) reads, as `resolve_calibration` gives them.
 
     `calib_mode` "sequential" takes each layer's statistics on the outputs of the already-quantized layers
@@ -69,8 +104,15 @@ def calibrate_for(model: str, calib: str | os.PathLike | None, method: str, para
     if streams_statistics(method, calib, quant):
         from .calibrate.streamed import StreamedStats
 
-        return StreamedStats(model, str(calib), needs, seq_len=seq_len, seed=seed,
-                             chunk=streamed_chunk(method, calib, quant), sequential=calib_mode == "sequential")
+        return StreamedStats(
+            model,
+            str(calib),
+            needs,
+            seq_len=seq_len,
+            seed=seed,
+            chunk=streamed_chunk(method, calib, quant),
+            sequential=calib_mode == "sequential",
+        )
     entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
     staged = moments and entry.moment_experts is not None and calib is not None and not Path(calib).is_dir()
     common = dict(seq_len=seq_len, seed=seed, work_dir=work_dir, progress=progress, overwrite=overwrite)
@@ -93,8 +135,10 @@ def check_calib_mode(calib_mode: str, method: str, calib, quant=None) -> None:
     if calib_mode not in ("one-pass", "sequential"):
         raise MoECompressError(f"--calib-mode '{calib_mode}' is not known: use one-pass or sequential.")
     if calib_mode == "sequential" and not (method == "quant" and streams_statistics(method, calib, quant)):
-        raise MoECompressError("--calib-mode sequential works with --method quant (GPTQ) calibrated from a data "
-                               "spec (--calib fixture-calib:64, not a stats directory); drop it or use that.")
+        raise MoECompressError(
+            "--calib-mode sequential works with --method quant (GPTQ) calibrated from a data "
+            "spec (--calib fixture-calib:64, not a stats directory); drop it or use that."
+        )
 
 
 def streams_statistics(method: str, calib, quant=None) -> bool:
@@ -102,8 +146,12 @@ def streams_statistics(method: str, calib, quant=None) -> bool:
     (`calibrate.streamed.StreamedStats`: nothing stored, docs/calibration.md) instead of a store: a method
     that reads them in layer order (`MethodEntry.streamed_stats`: auto, quant), calibrated from a data spec, with no
     quantization stage after it (that stage reads every layer's Hessians)."""
-    return (get_method(method).streamed_stats and calib is not None and not Path(calib).is_dir()
-            and quant_config(quant) is None)
+    return (
+        get_method(method).streamed_stats
+        and calib is not None
+        and not Path(calib).is_dir()
+        and quant_config(quant) is None
+    )
 
 
 def streamed_chunk(method: str, calib, quant=None) -> int | None:
@@ -130,8 +178,12 @@ def model_structure(model: str) -> tuple[list[int], dict[int, int], int, dict[in
 
     adapter = MoEAdapter(skeleton(load_config(model)))
     layers = adapter.moe_layers
-    return (layers, {i: adapter.num_experts(i) for i in layers}, adapter.hidden_size,
-            {i: adapter.top_k(i) for i in layers})
+    return (
+        layers,
+        {i: adapter.num_experts(i) for i in layers},
+        adapter.hidden_size,
+        {i: adapter.top_k(i) for i in layers},
+    )
 
 
 def model_fingerprint(model: str) -> str | None:
@@ -143,8 +195,14 @@ def model_fingerprint(model: str) -> str | None:
     return checkpoint_fingerprint(src) if Path(src).is_dir() else None
 
 
-def build_plan(adapter: MoEAdapter, method: str, params: dict[str, Any] | None, stats=None, seed: int = 0,
-               progress: bool = False):
+def build_plan(
+    adapter: MoEAdapter,
+    method: str,
+    params: dict[str, Any] | None,
+    stats=None,
+    seed: int = 0,
+    progress: bool = False,
+):
     """(plan, tensors) of `method` with `params` on an in-memory model."""
     entry = get_method(method)
     config = parse_config(method, params)
@@ -180,10 +238,14 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
     source = lambda l, e: adapter.layer(l).storage.read(e)
     if config.quant is not None:
         plan, tensors = quantize_plan(plan, tensors, source, config, stats, progress)
-    return quantize_tensors(plan, tensors, adapter, config.class_specs(adapter), hessian_source(adapter, stats))
+    return quantize_tensors(
+        plan, tensors, adapter, config.class_specs(adapter), hessian_source(adapter, stats)
+    )
 
 
-def check_quant_classes(model: str, quant, params: dict[str, Any] | None = None, method: str | None = None) -> None:
+def check_quant_classes(
+    model: str, quant, params: dict[str, Any] | None = None, method: str | None = None
+) -> None:
     """Refuse, before any compute, a quantization setting naming a tensor class this checkpoint lacks or a spec a
     class cannot take (one sentence): resolved on a meta skeleton of `model` (no weights read)."""
     config = quant_config(quant)
@@ -209,7 +271,9 @@ TARGET_FORMAT = {"llama.cpp": "gguf", "vllm": "hf", "transformers": "hf"}  # the
 
 def check_target_name(target: str) -> None:
     if target != "moecompress" and target not in TARGET_FORMAT:
-        raise MoECompressError(f"Target '{target}' is not known; use moecompress, {', '.join(TARGET_FORMAT)}.")
+        raise MoECompressError(
+            f"Target '{target}' is not known; use moecompress, {', '.join(TARGET_FORMAT)}."
+        )
 
 
 def target_format(plan, target: str, requested: str = "auto") -> str:
@@ -226,8 +290,10 @@ def target_format(plan, target: str, requested: str = "auto") -> str:
     why = format_class(fmt).reason(plan)
     if why is not None:
         hint = " (auto --target llama.cpp searches only what it runs)" if target == "llama.cpp" else ""
-        raise MoECompressError(f"This plan cannot run in {target}: {why}; change the method's settings{hint}, or "
-                               "drop --target to write it for moecompress's runtime.")
+        raise MoECompressError(
+            f"This plan cannot run in {target}: {why}; change the method's settings{hint}, or "
+            "drop --target to write it for moecompress's runtime."
+        )
     return fmt
 
 
@@ -239,16 +305,22 @@ def check_imatrix(calib, format: str, target: str) -> None:
     from .export.imatrix import EXPERT_STATS
 
     if not (format == "gguf" or (format == "auto" and target == "llama.cpp")):
-        raise MoECompressError("--imatrix belongs with a GGUF output; add --format gguf or --target llama.cpp.")
+        raise MoECompressError(
+            "--imatrix belongs with a GGUF output; add --format gguf or --target llama.cpp."
+        )
     if calib is None or not Path(calib).is_dir():
-        raise MoECompressError(f"--imatrix reads a statistics store: calibrate with --stats {','.join(EXPERT_STATS)} "
-                               "(and what the method needs) and pass the store as --calib.")
+        raise MoECompressError(
+            f"--imatrix reads a statistics store: calibrate with --stats {','.join(EXPERT_STATS)} "
+            "(and what the method needs) and pass the store as --calib."
+        )
     store = load_stats(calib)
     store.require(*EXPERT_STATS)
     spec = str(store.meta.get("data", {}).get("spec", ""))
     if not spec or spec.startswith("tokens:"):
-        raise MoECompressError("--imatrix re-reads the calibration text for the attention inputs, but this store was "
-                               "gathered from token ids; calibrate from a data spec (e.g. fixture-calib:64).")
+        raise MoECompressError(
+            "--imatrix re-reads the calibration text for the attention inputs, but this store was "
+            "gathered from token ids; calibrate from a data spec (e.g. fixture-calib:64)."
+        )
 
 
 def imatrix_writer(model: str, plan, stats):
@@ -268,17 +340,28 @@ def imatrix_writer(model: str, plan, stats):
 
         adapter = open_view(model)
         cls, shapes = tensor_classes(adapter), tensor_shapes(adapter)
-        names = [n for n, c in cls.items() if c in ("attention", "shared", "dense_mlp", "lm_head")
-                 and quantizable(n, shapes[n], c)]
+        names = [
+            n
+            for n, c in cls.items()
+            if c in ("attention", "shared", "dense_mlp", "lm_head") and quantizable(n, shapes[n], c)
+        ]
         data = stats.meta.get("data", {})
-        diag = {n: h.diagonal().clone() for _, hs in hessians(adapter, stats, None)(names) for n, h in hs.items()}
+        diag = {
+            n: h.diagonal().clone() for _, hs in hessians(adapter, stats, None)(names) for n, h in hs.items()
+        }
         adapter.release()
         tokens = int(stats.get(adapter.moe_layers[0], "tokens"))
-        name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHES[plan.model.model_type].arch),
-                                            plan.model.num_hidden_layers)
+        name_map = gguf.get_tensor_name_map(
+            getattr(gguf.MODEL_ARCH, ARCHES[plan.model.model_type].arch), plan.model.num_hidden_layers
+        )
         seq = int(data.get("seq_len", 0) or 0)
-        write_imatrix(directory / IMATRIX_FILE, {**entries, **linear_entries(diag, tokens, name_map)},
-                      [str(data.get("spec", ""))], seq, tokens // seq if seq else 0)
+        write_imatrix(
+            directory / IMATRIX_FILE,
+            {**entries, **linear_entries(diag, tokens, name_map)},
+            [str(data.get("spec", ""))],
+            seq,
+            tokens // seq if seq else 0,
+        )
 
     return write
 
@@ -293,8 +376,9 @@ def choose_format(plan, requested: str = "auto") -> str:
         return auto_format(plan)
     why = format_class(requested).reason(plan)
     if why is not None:
-        raise MoECompressError(f"The '{requested}' format cannot express this plan ({why}); use --format "
-                               f"{auto_format(plan)}.")
+        raise MoECompressError(
+            f"The '{requested}' format cannot express this plan ({why}); use --format {auto_format(plan)}."
+        )
     return requested
 
 
@@ -307,8 +391,17 @@ def open_view(model: str, dtype: str = "float32"):
     return StreamedAdapter(model, compute_dtype=parse_dtype(dtype))
 
 
-def make_plan(model: str, method: str, params: dict[str, Any] | None, stats=None, *, quant=None, seed: int = 0,
-              dtype: str = "float32", progress: bool = False):
+def make_plan(
+    model: str,
+    method: str,
+    params: dict[str, Any] | None,
+    stats=None,
+    *,
+    quant=None,
+    seed: int = 0,
+    dtype: str = "float32",
+    progress: bool = False,
+):
     """(plan, tensors) of `method` with `params` on checkpoint `model`, quantized when `quant` is given.
 
     The method sees the streamed view (`open_view`): one decoder layer in memory at a time, never the whole

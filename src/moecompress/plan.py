@@ -43,10 +43,18 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from .errors import MoECompressError
 from .quant.spec import QuantSpec
@@ -107,7 +115,9 @@ class ModelInfo(_Strict):
     expert_bias: bool = False  # experts carry biases (GPT-OSS)
     layers: list[MoELayerInfo]
     expert_bytes: int = Field(ge=0)  # all routed experts of the original, as stored
-    other_bytes: int = Field(ge=0)  # every other saved tensor: embeddings, attention, norms, routers, shared experts
+    other_bytes: int = Field(
+        ge=0
+    )  # every other saved tensor: embeddings, attention, norms, routers, shared experts
     source: str | None = None
 
     @field_validator("dtype")
@@ -119,8 +129,10 @@ class ModelInfo(_Strict):
         for info in self.layers:
             if info.layer == i:
                 return info
-        raise MoECompressError(f"Layer {i} is not a MoE layer of this {self.model_type} model; "
-                               f"MoE layers are {[x.layer for x in self.layers]}.")
+        raise MoECompressError(
+            f"Layer {i} is not a MoE layer of this {self.model_type} model; "
+            f"MoE layers are {[x.layer for x in self.layers]}."
+        )
 
     @property
     def element_size(self) -> int:
@@ -128,14 +140,17 @@ class ModelInfo(_Strict):
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @classmethod
-    def from_model(cls, model_or_adapter, source: str | None = None, checkpoint: str | os.PathLike | None = None
-                   ) -> ModelInfo:
+    def from_model(
+        cls, model_or_adapter, source: str | None = None, checkpoint: str | os.PathLike | None = None
+    ) -> ModelInfo:
         """Describe an original model. Bytes follow `checkpoint` (default: `source`, else the model's
         ``name_or_path``) when it is a directory of safetensors; otherwise the in-memory dtypes."""
         from .disk import checkpoint_dir, stored_tensors
         from .models import MoEAdapter
 
-        adapter = model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
+        adapter = (
+            model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
+        )
         model = adapter.model
         name = getattr(model, "name_or_path", None) or None
         found = checkpoint_dir(checkpoint) or checkpoint_dir(source) or checkpoint_dir(name)
@@ -154,15 +169,28 @@ class ModelInfo(_Strict):
             expert_params.update(id(p) for p in params)
             dtype = dtype or params[0].dtype
             numel = sum(p.numel() for p in params)
-            nbytes = numel * el(expert_dtype) if expert_dtype else sum(p.numel() * p.element_size() for p in params)
+            nbytes = (
+                numel * el(expert_dtype)
+                if expert_dtype
+                else sum(p.numel() * p.element_size() for p in params)
+            )
             spec = layer.spec
-            layers.append(MoELayerInfo(
-                layer=i, num_experts=spec.num_experts, top_k=spec.top_k,
-                intermediate_size=layer.storage.intermediate_size, bytes_per_expert=nbytes // spec.num_experts,
-                n_group=spec.n_group, topk_group=spec.topk_group, group_score=spec.group_score,
-                keep_equals_renorm=bool(spec.norm_topk_prob or spec.topk_before_softmax or spec.scoring == "sigmoid"),
-                router=spec.describe(),
-            ))
+            layers.append(
+                MoELayerInfo(
+                    layer=i,
+                    num_experts=spec.num_experts,
+                    top_k=spec.top_k,
+                    intermediate_size=layer.storage.intermediate_size,
+                    bytes_per_expert=nbytes // spec.num_experts,
+                    n_group=spec.n_group,
+                    topk_group=spec.topk_group,
+                    group_score=spec.group_score,
+                    keep_equals_renorm=bool(
+                        spec.norm_topk_prob or spec.topk_before_softmax or spec.scoring == "sigmoid"
+                    ),
+                    router=spec.describe(),
+                )
+            )
         rest = _disk_other_dtype(disk) if disk else None
 
         def nbytes_of(key: str, t: torch.Tensor) -> int:
@@ -181,12 +209,15 @@ class ModelInfo(_Strict):
                     other += nbytes_of(f"{mod_name}.{buf}" if mod_name else buf, b)
         first = adapter.layer(adapter.moe_layers[0])
         return cls(
-            model_type=adapter.model_type, hidden_size=adapter.hidden_size,
+            model_type=adapter.model_type,
+            hidden_size=adapter.hidden_size,
             num_hidden_layers=len(adapter.decoder_layers),
             dtype=expert_dtype or str(dtype).removeprefix("torch."),
             disk_dtypes=sorted({d for d, _ in disk.values()}) if disk else None,
-            expert_bias=first.storage.has_bias, layers=layers,
-            expert_bytes=sum(x.bytes_per_expert * x.num_experts for x in layers), other_bytes=other,
+            expert_bias=first.storage.has_bias,
+            layers=layers,
+            expert_bytes=sum(x.bytes_per_expert * x.num_experts for x in layers),
+            other_bytes=other,
             source=source if source is not None else name,
         )
 
@@ -221,10 +252,14 @@ class StoredExpert(_Strict):
     id: int = Field(ge=0)
     sources: list[tuple[int, int]]  # (layer, expert) of the original model
     construction: Construction = "copy"
-    weights: list[float] | None = None  # weighted_merge / dense_group: one per source (used when tensor is None)
+    weights: list[float] | None = (
+        None  # weighted_merge / dense_group: one per source (used when tensor is None)
+    )
     tensor: str | None = None  # PlanTensors prefix when the method supplies the weights
     intermediate_size: int | None = Field(None, ge=1)  # width when it differs from the source layer's
-    nbytes: int | None = Field(None, ge=0)  # stored bytes of packed (elementwise_merge) tensors when not at hand
+    nbytes: int | None = Field(
+        None, ge=0
+    )  # stored bytes of packed (elementwise_merge) tensors when not at hand
     # PuzzleMoE packed layout of the tensors under `tensor` ("pair-bf16", "pair-q3-g128", "group3-bf16", ...;
     # see moecompress.runtime.packed). A packed expert holds one reconstruction per source: a slot that maps
     # to it computes the member whose source is (its layer, its slot) -- sources' order is the member order.
@@ -272,7 +307,7 @@ class PartialOp(_Strict):
 
 
 Operator = Annotated[ConstantOp | TiltOp | PartialOp, Field(discriminator="op")]
-SlotTarget = Union[int, Literal["drop"], Operator]
+SlotTarget = int | Literal["drop"] | Operator
 
 
 class LayerPlan(_Strict):
@@ -356,10 +391,14 @@ class TensorQuant(_Strict):
 
     @field_serializer("quant")
     def _quant_in_full(self, quant: QuantSpec):
-        return quant.model_dump(mode="json")  # as StoredExpert.quant: group_size=None must survive exclude_none
+        return quant.model_dump(
+            mode="json"
+        )  # as StoredExpert.quant: group_size=None must survive exclude_none
 
     def original_bytes(self) -> int:
-        return self.shape[0] * self.shape[1] * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return (
+            self.shape[0] * self.shape[1] * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        )
 
     def stored_bytes(self) -> int:
         return self.quant.tensor_bytes(*self.shape)
@@ -389,8 +428,10 @@ class CompressionPlan(_Strict):
     def check(self) -> None:
         """Raise MoECompressError (one sentence) if the plan is inconsistent or infeasible."""
         if self.schema_version != SCHEMA_VERSION:
-            _fail(f"Plan schema version {self.schema_version} is not supported (this moecompress reads version "
-                  f"{SCHEMA_VERSION}); regenerate the plan with this version.")
+            _fail(
+                f"Plan schema version {self.schema_version} is not supported (this moecompress reads version "
+                f"{SCHEMA_VERSION}); regenerate the plan with this version."
+            )
         info = {x.layer: x for x in self.model.layers}
         seen = [lp.layer for lp in self.layers]
         if len(set(seen)) != len(seen):
@@ -399,10 +440,14 @@ class CompressionPlan(_Strict):
         if set(seen) != set(info):
             missing, extra = sorted(set(info) - set(seen)), sorted(set(seen) - set(info))
             if extra:
-                _fail(f"The plan has an entry for layer {extra[0]}, which is not a MoE layer of the model "
-                      f"(MoE layers: {sorted(info)}); remove it.")
-            _fail(f"The plan has no entry for MoE layer {missing[0]}; every MoE layer needs one "
-                  "(use the identity mapping for layers left untouched).")
+                _fail(
+                    f"The plan has an entry for layer {extra[0]}, which is not a MoE layer of the model "
+                    f"(MoE layers: {sorted(info)}); remove it."
+                )
+            _fail(
+                f"The plan has no entry for MoE layer {missing[0]}; every MoE layer needs one "
+                "(use the identity mapping for layers left untouched)."
+            )
         scopes = {}
         for sc in self.scopes:
             if sc.id in scopes:
@@ -418,7 +463,9 @@ class CompressionPlan(_Strict):
         for sc in self.scopes:
             for i in sc.layers:
                 if i in owner:
-                    _fail(f"Layer {i} belongs to scopes '{owner[i]}' and '{sc.id}'; a layer uses exactly one scope.")
+                    _fail(
+                        f"Layer {i} belongs to scopes '{owner[i]}' and '{sc.id}'; a layer uses exactly one scope."
+                    )
                 owner[i] = sc.id
         used: dict[str, set[int]] = {sc.id: set() for sc in self.scopes}
         for lp in sorted(self.layers, key=lambda x: x.layer):
@@ -426,24 +473,34 @@ class CompressionPlan(_Strict):
             if lp.scope not in scopes:
                 _fail(f"Layer {lp.layer} refers to scope '{lp.scope}', which the plan does not define.")
             if owner.get(lp.layer) != lp.scope:
-                _fail(f"Layer {lp.layer} uses scope '{lp.scope}' but that scope does not list layer {lp.layer}; "
-                      "add the layer to the scope's layers.")
+                _fail(
+                    f"Layer {lp.layer} uses scope '{lp.scope}' but that scope does not list layer {lp.layer}; "
+                    "add the layer to the scope's layers."
+                )
             if len(lp.slots) != li.num_experts:
-                _fail(f"Layer {lp.layer} maps {len(lp.slots)} slots but the model has {li.num_experts} experts there; "
-                      "map every original slot (to a stored id, an operator or \"drop\").")
+                _fail(
+                    f"Layer {lp.layer} maps {len(lp.slots)} slots but the model has {li.num_experts} experts there; "
+                    'map every original slot (to a stored id, an operator or "drop").'
+                )
             k_stored = len(scopes[lp.scope].stored)
             for e, target in enumerate(lp.slots):
                 if isinstance(target, bool):
-                    _fail(f"Slot {e} of layer {lp.layer} is a boolean; use a stored id, an operator or \"drop\".")
+                    _fail(
+                        f'Slot {e} of layer {lp.layer} is a boolean; use a stored id, an operator or "drop".'
+                    )
                 if isinstance(target, int):
                     if not 0 <= target < k_stored:
-                        _fail(f"Slot {e} of layer {lp.layer} maps to stored expert {target}, but scope "
-                              f"'{lp.scope}' stores only ids 0..{k_stored - 1}.")
+                        _fail(
+                            f"Slot {e} of layer {lp.layer} maps to stored expert {target}, but scope "
+                            f"'{lp.scope}' stores only ids 0..{k_stored - 1}."
+                        )
                     packed = scopes[lp.scope].stored[target]
                     if packed.packing is not None and (lp.layer, e) not in [tuple(x) for x in packed.sources]:
-                        _fail(f"Slot {e} of layer {lp.layer} maps to the packed stored expert {target} of scope "
-                              f"'{lp.scope}', which holds only its sources {[tuple(x) for x in packed.sources]}; "
-                              "a slot can only compute its own member of a packed merge.")
+                        _fail(
+                            f"Slot {e} of layer {lp.layer} maps to the packed stored expert {target} of scope "
+                            f"'{lp.scope}', which holds only its sources {[tuple(x) for x in packed.sources]}; "
+                            "a slot can only compute its own member of a packed merge."
+                        )
                     used[lp.scope].add(target)
                 elif not isinstance(target, str):
                     self._check_operator(lp.layer, e, target, info)
@@ -451,14 +508,20 @@ class CompressionPlan(_Strict):
         for sc in self.scopes:
             unused = sorted(set(range(len(sc.stored))) - used[sc.id])
             if unused:
-                _fail(f"Stored expert {unused[0]} of scope '{sc.id}' is never used by any slot; remove it "
-                      "(it would only cost bytes).")
-        for name, tq in self.tensor_quant.items():
+                _fail(
+                    f"Stored expert {unused[0]} of scope '{sc.id}' is never used by any slot; remove it "
+                    "(it would only cost bytes)."
+                )
+        for name, _tq in self.tensor_quant.items():
             if not name.endswith(".weight"):
-                _fail(f"The plan quantizes '{name}', which is not a '.weight' tensor; only 2-D weights of "
-                      "linear layers and embeddings take an integer precision.")
+                _fail(
+                    f"The plan quantizes '{name}', which is not a '.weight' tensor; only 2-D weights of "
+                    "linear layers and embeddings take an integer precision."
+                )
         if sum(tq.original_bytes() for tq in self.tensor_quant.values()) > self.model.other_bytes:
-            _fail("The plan quantizes more non-expert bytes than the model holds; it was made for another model.")
+            _fail(
+                "The plan quantizes more non-expert bytes than the model holds; it was made for another model."
+            )
 
     def _check_stored(self, sc: Scope, s: StoredExpert, info: dict[int, MoELayerInfo]) -> None:
         where = f"stored expert {s.id} of scope '{sc.id}'"
@@ -468,34 +531,46 @@ class CompressionPlan(_Strict):
             if layer not in info or not 0 <= e < info[layer].num_experts:
                 _fail(f"The {where} names source ({layer}, {e}), which is not an expert of the model.")
             if layer not in sc.layers:
-                _fail(f"The {where} takes expert {e} of layer {layer}, outside the scope's layers {sc.layers}; "
-                      "add that layer to the scope.")
+                _fail(
+                    f"The {where} takes expert {e} of layer {layer}, outside the scope's layers {sc.layers}; "
+                    "add that layer to the scope."
+                )
         if s.construction == "copy":
             if len(s.sources) != 1 or s.weights is not None:
                 _fail(f"The {where} is a copy, so it needs exactly one source and no weights.")
         elif s.construction in ("weighted_merge", "dense_group"):
             # with supplied tensors the weights are provenance only (e.g. one per group of sources)
             if s.tensor is None and s.weights is not None and len(s.weights) != len(s.sources):
-                _fail(f"The {where} has {len(s.weights)} weights for {len(s.sources)} sources; give one per source.")
+                _fail(
+                    f"The {where} has {len(s.weights)} weights for {len(s.sources)} sources; give one per source."
+                )
             if s.construction == "weighted_merge" and s.weights is None and s.tensor is None:
                 _fail(f"The {where} is a weighted merge without weights or tensors; give merge weights.")
         elif s.tensor is None:
-            _fail(f"The {where} is an element-wise merge, so the method must supply its tensors (set 'tensor').")
+            _fail(
+                f"The {where} is an element-wise merge, so the method must supply its tensors (set 'tensor')."
+            )
         if s.quant is not None:
             if s.packing is not None:
-                _fail(f"The {where} is packed as '{s.packing}', which carries its own precision; drop its 'quant'.")
+                _fail(
+                    f"The {where} is packed as '{s.packing}', which carries its own precision; drop its 'quant'."
+                )
             if s.tensor is None:
                 _fail(f"The {where} is quantized, so its integer tensors must be supplied (set 'tensor').")
         if s.packing is not None:
             if s.construction != "elementwise_merge":
-                _fail(f"The {where} declares packing '{s.packing}' but is a {s.construction}; only element-wise "
-                      "merges are packed.")
+                _fail(
+                    f"The {where} declares packing '{s.packing}' but is a {s.construction}; only element-wise "
+                    "merges are packed."
+                )
             from .puzzle.codes import parse_packing
 
             spec = parse_packing(s.packing)
             if len(s.sources) != spec.members or len(set(s.sources)) != spec.members:
-                _fail(f"The {where} is packed as '{s.packing}' ({spec.members} members) but lists "
-                      f"{len(s.sources)} sources; give one distinct source per member.")
+                _fail(
+                    f"The {where} is packed as '{s.packing}' ({spec.members} members) but lists "
+                    f"{len(s.sources)} sources; give one distinct source per member."
+                )
 
     def _check_operator(self, layer: int, e: int, op, info: dict[int, MoELayerInfo]) -> None:
         h = self.model.hidden_size
@@ -504,55 +579,77 @@ class CompressionPlan(_Strict):
         if isinstance(op, PartialOp):
             sl, se = op.source
             if sl not in info or not 0 <= se < info[sl].num_experts:
-                _fail(f"The partial copy of slot {e} in layer {layer} names source ({sl}, {se}), "
-                      "which is not an expert of the model.")
+                _fail(
+                    f"The partial copy of slot {e} in layer {layer} names source ({sl}, {se}), "
+                    "which is not an expert of the model."
+                )
             if not 1 <= op.width <= info[sl].intermediate_size:
-                _fail(f"The partial copy of slot {e} in layer {layer} keeps {op.width} neurons; "
-                      f"use 1..{info[sl].intermediate_size}.")
+                _fail(
+                    f"The partial copy of slot {e} in layer {layer} keeps {op.width} neurons; "
+                    f"use 1..{info[sl].intermediate_size}."
+                )
 
     def _check_routing(self, lp: LayerPlan, li: MoELayerInfo) -> None:
         routable = lp.routable()
         n = sum(routable)
         if n < li.top_k:
-            _fail(f"Layer {lp.layer} leaves {n} routable experts but the router selects top-{li.top_k}; "
-                  f"keep at least {li.top_k} slots or use gate 'replace'.")
+            _fail(
+                f"Layer {lp.layer} leaves {n} routable experts but the router selects top-{li.top_k}; "
+                f"keep at least {li.top_k} slots or use gate 'replace'."
+            )
         if li.n_group > 1 and lp.gate in ("renorm", "keep"):
             size = li.num_experts // li.n_group
-            counts = sorted(sum(routable[g * size:(g + 1) * size]) for g in range(li.n_group))
+            counts = sorted(sum(routable[g * size : (g + 1) * size]) for g in range(li.n_group))
             # a group with no routable expert scores -inf and is never chosen while enough live groups remain,
             # so the worst case is the topk_group live groups holding the fewest experts
             live = [c for c in counts if c >= (2 if li.group_score == "top2_sum" else 1)]
-            worst = sum(live[:li.topk_group])
+            worst = sum(live[: li.topk_group])
             if worst < li.top_k:
-                _fail(f"Layer {lp.layer} makes group-limited routing infeasible: the {li.topk_group} router groups "
-                      f"with fewest experts left hold {worst} < top-{li.top_k}; keep more experts in the groups "
-                      f"of {size}.")
+                _fail(
+                    f"Layer {lp.layer} makes group-limited routing infeasible: the {li.topk_group} router groups "
+                    f"with fewest experts left hold {worst} < top-{li.top_k}; keep more experts in the groups "
+                    f"of {size}."
+                )
             if li.group_score == "top2_sum" and 1 in counts:
-                _fail(f"Layer {lp.layer} leaves a group with a single expert, but this router scores groups by the "
-                      "sum of their top two experts; keep zero or at least two experts in every group.")
+                _fail(
+                    f"Layer {lp.layer} leaves a group with a single expert, but this router scores groups by the "
+                    "sum of their top two experts; keep zero or at least two experts in every group."
+                )
 
     def check_model(self, adapter) -> None:
         """Refuse a plan made for a different model (one sentence)."""
         m = self.model
         if adapter.model_type != m.model_type or adapter.moe_layers != [x.layer for x in m.layers]:
-            _fail(f"This plan was made for a {m.model_type} model with MoE layers {[x.layer for x in m.layers]}, "
-                  f"but the model is {adapter.model_type} with MoE layers {adapter.moe_layers}; use a plan made "
-                  "for this model.")
+            _fail(
+                f"This plan was made for a {m.model_type} model with MoE layers {[x.layer for x in m.layers]}, "
+                f"but the model is {adapter.model_type} with MoE layers {adapter.moe_layers}; use a plan made "
+                "for this model."
+            )
         for x in m.layers:
-            if adapter.num_experts(x.layer) != x.num_experts or adapter.intermediate_size(x.layer) != x.intermediate_size:
-                _fail(f"Layer {x.layer} of the model has {adapter.num_experts(x.layer)} experts of width "
-                      f"{adapter.intermediate_size(x.layer)}, the plan expects {x.num_experts} of width "
-                      f"{x.intermediate_size}; use a plan made for this model.")
+            if (
+                adapter.num_experts(x.layer) != x.num_experts
+                or adapter.intermediate_size(x.layer) != x.intermediate_size
+            ):
+                _fail(
+                    f"Layer {x.layer} of the model has {adapter.num_experts(x.layer)} experts of width "
+                    f"{adapter.intermediate_size(x.layer)}, the plan expects {x.num_experts} of width "
+                    f"{x.intermediate_size}; use a plan made for this model."
+                )
         if self.tensor_quant:
             from .models.tensor_classes import tensor_classes, tensor_shapes
 
             classes, shapes = tensor_classes(adapter), tensor_shapes(adapter)
             for name, tq in self.tensor_quant.items():
                 if classes.get(name) != tq.kind or shapes.get(name) != tuple(tq.shape):
-                    found = (f"a {classes[name]} tensor of shape {shapes[name]}" if name in classes
-                             else "not a tensor of it")
-                    _fail(f"The plan quantizes '{name}' as a {tq.kind} weight of shape {tuple(tq.shape)}, but in "
-                          f"the model it is {found}; use a plan made for this model.")
+                    found = (
+                        f"a {classes[name]} tensor of shape {shapes[name]}"
+                        if name in classes
+                        else "not a tensor of it"
+                    )
+                    _fail(
+                        f"The plan quantizes '{name}' as a {tq.kind} weight of shape {tuple(tq.shape)}, but in "
+                        f"the model it is {found}; use a plan made for this model."
+                    )
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Every tensor the plan references is present with the right shape (one sentence if not)."""
@@ -574,54 +671,76 @@ class CompressionPlan(_Strict):
                     from .decoders import has_decoder
 
                     if not any(k.startswith(s.tensor + ".") for k in tensors):
-                        _fail(f"The plan tensors lack '{s.tensor}.*' for stored expert {s.id} of scope '{sc.id}'; "
-                              "pass the tensors the method produced (plan_tensors.safetensors).")
+                        _fail(
+                            f"The plan tensors lack '{s.tensor}.*' for stored expert {s.id} of scope '{sc.id}'; "
+                            "pass the tensors the method produced (plan_tensors.safetensors)."
+                        )
                     if not has_decoder(s.construction):
-                        _fail(f"Stored expert {s.id} of scope '{sc.id}' is packed but no decoder is registered "
-                              "for element-wise merges; import the PuzzleMoE method module first.")
+                        _fail(
+                            f"Stored expert {s.id} of scope '{sc.id}' is packed but no decoder is registered "
+                            "for element-wise merges; import the PuzzleMoE method module first."
+                        )
                     continue
                 self._need(tensors, s.tensor, self.expert_shapes(sc, s))
         for name, tq in self.tensor_quant.items():
             prefix, _, part = quant_tensor_prefix(name).rpartition(".")
-            self._need_quant(tensors, prefix, tq.quant, {part: tuple(tq.shape)}, what=f"quantized {tq.kind} weight")
+            self._need_quant(
+                tensors, prefix, tq.quant, {part: tuple(tq.shape)}, what=f"quantized {tq.kind} weight"
+            )
         for lp in self.layers:
-            for e, op in lp.operators():
+            for _e, op in lp.operators():
                 if isinstance(op, ConstantOp):
                     self._need(tensors, op.tensor, {"value": (h,)})
                 elif isinstance(op, TiltOp):
                     self._need(tensors, op.tensor, {"U": (h, op.rank), "V": (h, op.rank), "bias": (h,)})
                 else:
-                    self._need(tensors, op.tensor, {"gate": (op.width, h), "up": (op.width, h),
-                                                    "down": (h, op.width), "bias": (h,)})
+                    self._need(
+                        tensors,
+                        op.tensor,
+                        {"gate": (op.width, h), "up": (op.width, h), "down": (h, op.width), "bias": (h,)},
+                    )
 
     @staticmethod
     def _need(tensors, prefix: str, shapes: dict[str, tuple]) -> None:
         for part, shape in shapes.items():
             key = f"{prefix}.{part}"
             if key not in tensors:
-                _fail(f"The plan tensors lack '{key}'; pass the tensors the method produced "
-                      "(plan_tensors.safetensors beside plan.json).")
+                _fail(
+                    f"The plan tensors lack '{key}'; pass the tensors the method produced "
+                    "(plan_tensors.safetensors beside plan.json)."
+                )
             if tuple(tensors[key].shape) != shape:
-                _fail(f"Plan tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}; "
-                      "the tensors do not belong to this plan.")
+                _fail(
+                    f"Plan tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}; "
+                    "the tensors do not belong to this plan."
+                )
 
     @staticmethod
-    def _need_quant(tensors, prefix: str, spec: QuantSpec, shapes: dict[str, tuple], what: str = "stored expert"
-                    ) -> None:
+    def _need_quant(
+        tensors, prefix: str, spec: QuantSpec, shapes: dict[str, tuple], what: str = "stored expert"
+    ) -> None:
         for part, shape in shapes.items():
             key = f"{prefix}.{part}" if prefix else part
-            for suffix in ("weight_packed", "weight_scale", "weight_shape") + (() if spec.symmetric
-                                                                              else ("weight_zero_point",)):
+            for suffix in ("weight_packed", "weight_scale", "weight_shape") + (
+                () if spec.symmetric else ("weight_zero_point",)
+            ):
                 if f"{key}.{suffix}" not in tensors:
-                    _fail(f"The plan tensors lack '{key}.{suffix}' of a {spec.name()} {what}; pass the "
-                          "tensors the quantization produced (plan_tensors.safetensors beside plan.json).")
+                    _fail(
+                        f"The plan tensors lack '{key}.{suffix}' of a {spec.name()} {what}; pass the "
+                        "tensors the quantization produced (plan_tensors.safetensors beside plan.json)."
+                    )
             if tuple(int(x) for x in tensors[f"{key}.weight_shape"].reshape(-1).tolist()) != shape:
-                _fail(f"Plan tensor '{key}' is quantized with shape {tuple(tensors[f'{key}.weight_shape'].tolist())}, "
-                      f"expected {shape}; the tensors do not belong to this plan.")
+                _fail(
+                    f"Plan tensor '{key}' is quantized with shape {tuple(tensors[f'{key}.weight_shape'].tolist())}, "
+                    f"expected {shape}; the tensors do not belong to this plan."
+                )
             from .quant.tensor import check_packed
 
-            check_packed({s: tensors[f"{key}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")}, spec,
-                         f"Plan tensor '{key}'")
+            check_packed(
+                {s: tensors[f"{key}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")},
+                spec,
+                f"Plan tensor '{key}'",
+            )
 
     # ------------------------------------------------------------------ queries
     def expert_shapes(self, sc: Scope, s: StoredExpert) -> dict[str, tuple[int, int]]:
@@ -662,8 +781,11 @@ class CompressionPlan(_Strict):
         """Does any stored expert keep PuzzleMoE packed tensors?"""
         return any(s.packing is not None for sc in self.scopes for s in sc.stored)
 
-    def logical_bytes(self, tensors: Mapping[str, torch.Tensor] | None = None,
-                      accounting: Literal["logical", "stored"] = "logical") -> ByteReport:
+    def logical_bytes(
+        self,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        accounting: Literal["logical", "stored"] = "logical",
+    ) -> ByteReport:
         """Bytes the compressed model needs: stored experts + operator parameters + everything else.
 
         The one byte count of a plan: the `auto` solver's budget, the exporter's report and the tests
@@ -692,21 +814,32 @@ class CompressionPlan(_Strict):
                     shapes = self.expert_shapes(sc, s)
                     stored += sum(s.quant.tensor_bytes(*shape) for shape in shapes.values())
                     stored += (2 * shapes["gate"][0] + h) * el if bias else 0
-                elif pad and s.packing is None and not (s.construction == "elementwise_merge"
-                                                           and (tensors is None or f"{s.tensor}.gate" not in tensors)):
+                elif (
+                    pad
+                    and s.packing is None
+                    and not (
+                        s.construction == "elementwise_merge"
+                        and (tensors is None or f"{s.tensor}.gate" not in tensors)
+                    )
+                ):
                     stored += (3 * width * h + (2 * width + h if bias else 0)) * el
                 elif s.construction == "copy":
                     stored += self.model.layer(s.sources[0][0]).bytes_per_expert
-                elif s.construction == "elementwise_merge" and (s.packing is not None or tensors is None
-                                                               or f"{s.tensor}.gate" not in tensors):
+                elif s.construction == "elementwise_merge" and (
+                    s.packing is not None or tensors is None or f"{s.tensor}.gate" not in tensors
+                ):
                     if tensors is not None and any(k.startswith(f"{s.tensor}.") for k in tensors):
                         mine = (tensors[k] for k in tensors if k.startswith(f"{s.tensor}."))  # keys first: a
-                        stored += sum(t.numel() * t.element_size() for t in mine)  # lazy mapping reads only these
+                        stored += sum(
+                            t.numel() * t.element_size() for t in mine
+                        )  # lazy mapping reads only these
                     elif s.nbytes is not None:
                         stored += s.nbytes
                     else:
-                        _fail(f"Stored expert {s.id} of scope '{sc.id}' is packed; pass its tensors or set nbytes "
-                              "to count its bytes.")
+                        _fail(
+                            f"Stored expert {s.id} of scope '{sc.id}' is packed; pass its tensors or set nbytes "
+                            "to count its bytes."
+                        )
                 else:
                     w = self.stored_width(sc, s)
                     stored += (3 * w * h + (2 * w + h if bias else 0)) * el
@@ -723,20 +856,35 @@ class CompressionPlan(_Strict):
                 else:
                     w = pwidth if padded else op.width
                     ops += (3 * w * h + h + (2 * w if bias else 0)) * el
-        other = self.model.other_bytes + sum(tq.stored_bytes() - tq.original_bytes()
-                                             for tq in self.tensor_quant.values())
-        return ByteReport(stored_experts=stored, operators=ops, other=other, total=stored + ops + other,
-                          original=self.model.expert_bytes + self.model.other_bytes,
-                          original_routed=self.model.expert_bytes)
+        other = self.model.other_bytes + sum(
+            tq.stored_bytes() - tq.original_bytes() for tq in self.tensor_quant.values()
+        )
+        return ByteReport(
+            stored_experts=stored,
+            operators=ops,
+            other=other,
+            total=stored + ops + other,
+            original=self.model.expert_bytes + self.model.other_bytes,
+            original_routed=self.model.expert_bytes,
+        )
 
     def summary(self) -> list[dict]:
         """One row per MoE layer, for reports."""
         rows = []
         for lp in sorted(self.layers, key=lambda x: x.layer):
             sc = self.scope(lp.scope)
-            rows.append(dict(layer=lp.layer, scope=sc.id, stored=len(sc.stored), gate=lp.gate,
-                             slots=len(lp.slots), to_stored=len(lp.stored_ids()), operators=len(lp.operators()),
-                             dropped=len(lp.dropped())))
+            rows.append(
+                dict(
+                    layer=lp.layer,
+                    scope=sc.id,
+                    stored=len(sc.stored),
+                    gate=lp.gate,
+                    slots=len(lp.slots),
+                    to_stored=len(lp.stored_ids()),
+                    operators=len(lp.operators()),
+                    dropped=len(lp.dropped()),
+                )
+            )
         return rows
 
     # ------------------------------------------------------------------ serialisation
@@ -752,16 +900,22 @@ class CompressionPlan(_Strict):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise MoECompressError(f"{where} is not valid JSON (line {exc.lineno}); regenerate or fix it.") from None
+            raise MoECompressError(
+                f"{where} is not valid JSON (line {exc.lineno}); regenerate or fix it."
+            ) from None
         if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
-            _fail(f"{where} has schema version {data.get('schema_version')}, but this moecompress reads version "
-                  f"{SCHEMA_VERSION}; regenerate the plan with this version.")
+            _fail(
+                f"{where} has schema version {data.get('schema_version')}, but this moecompress reads version "
+                f"{SCHEMA_VERSION}; regenerate the plan with this version."
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
-            raise MoECompressError(f"{where} is invalid at '{loc}': {err['msg']}; fix it (see docs/plan.md).") from None
+            raise MoECompressError(
+                f"{where} is invalid at '{loc}': {err['msg']}; fix it (see docs/plan.md)."
+            ) from None
 
     def save(self, directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
         """Write plan.json (+ plan_tensors.safetensors when tensors are given) into `directory`."""
@@ -771,8 +925,11 @@ class CompressionPlan(_Strict):
         if tensors:
             from safetensors.torch import save_file
 
-            save_file({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())},
-                      str(d / TENSORS_FILE), metadata={"format": "pt"})
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())},
+                str(d / TENSORS_FILE),
+                metadata={"format": "pt"},
+            )
         return d / PLAN_FILE
 
     @classmethod
@@ -802,24 +959,49 @@ class CompressionPlan(_Strict):
         return cls.prune(info, {x.layer: list(range(x.num_experts)) for x in info.layers}, method=method)
 
     @classmethod
-    def prune(cls, model, keep: Mapping[int, Sequence[int]], gate: GateSemantics = "renorm",
-              method: str = "prune", params: dict | None = None, source: str | None = None) -> CompressionPlan:
+    def prune(
+        cls,
+        model,
+        keep: Mapping[int, Sequence[int]],
+        gate: GateSemantics = "renorm",
+        method: str = "prune",
+        params: dict | None = None,
+        source: str | None = None,
+    ) -> CompressionPlan:
         """Keep the listed experts of each layer (copies); every other slot is dropped, at gate `gate`."""
         info = model if isinstance(model, ModelInfo) else ModelInfo.from_model(model, source)
         scopes, layers = [], []
         for li in info.layers:
             kept = sorted(set(int(e) for e in keep.get(li.layer, range(li.num_experts))))
             sid = f"layer{li.layer}"
-            scopes.append(Scope(id=sid, layers=[li.layer],
-                                stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(kept)]))
+            scopes.append(
+                Scope(
+                    id=sid,
+                    layers=[li.layer],
+                    stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(kept)],
+                )
+            )
             pos = {e: j for j, e in enumerate(kept)}
-            layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate,
-                                    slots=[pos.get(e, "drop") for e in range(li.num_experts)]))
+            layers.append(
+                LayerPlan(
+                    layer=li.layer,
+                    scope=sid,
+                    gate=gate,
+                    slots=[pos.get(e, "drop") for e in range(li.num_experts)],
+                )
+            )
         return cls(model=info, scopes=scopes, layers=layers, method=method, params=params or {})
 
     @classmethod
-    def remap(cls, model, assignment: Mapping[int, Sequence[int]], gate: GateSemantics = "aggregate",
-              method: str = "remap", params: dict | None = None, source: str | None = None) -> CompressionPlan:
+    def remap(
+        cls,
+        model,
+        assignment: Mapping[int, Sequence[int]],
+        gate: GateSemantics = "aggregate",
+        method: str = "remap",
+        params: dict | None = None,
+        source: str | None = None,
+    ) -> CompressionPlan:
         """Per layer, slot e computes original expert assignment[e] (a retained prototype), stored once."""
         info = model if isinstance(model, ModelInfo) else ModelInfo.from_model(model, source)
         scopes, layers = [], []
@@ -827,8 +1009,13 @@ class CompressionPlan(_Strict):
             assign = [int(a) for a in assignment.get(li.layer, range(li.num_experts))]
             protos = sorted(set(assign))
             sid = f"layer{li.layer}"
-            scopes.append(Scope(id=sid, layers=[li.layer],
-                                stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(protos)]))
+            scopes.append(
+                Scope(
+                    id=sid,
+                    layers=[li.layer],
+                    stored=[StoredExpert(id=j, sources=[(li.layer, e)]) for j, e in enumerate(protos)],
+                )
+            )
             pos = {e: j for j, e in enumerate(protos)}
             layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate, slots=[pos[a] for a in assign]))
         return cls(model=info, scopes=scopes, layers=layers, method=method, params=params or {})

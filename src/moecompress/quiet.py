@@ -13,8 +13,18 @@ import logging
 import warnings
 from collections.abc import Iterator
 
-LOGGERS = ("transformers", "lm_eval", "lm-eval", "datasets", "huggingface_hub", "accelerate", "evaluate",
-           "compressed_tensors", "llmcompressor", "torch.distributed")
+LOGGERS = (
+    "transformers",
+    "lm_eval",
+    "lm-eval",
+    "datasets",
+    "huggingface_hub",
+    "accelerate",
+    "evaluate",
+    "compressed_tensors",
+    "llmcompressor",
+    "torch.distributed",
+)
 LOGURU = ("compressed_tensors", "llmcompressor")
 
 
@@ -31,8 +41,11 @@ def quiet_libraries(enabled: bool = True) -> Iterator[None]:
         _transformers(stack)
         _datasets(stack)
         _hub(stack)
-        for name in list(LOGGERS) + [n for n in logging.root.manager.loggerDict
-                                      if n.split(".")[0] in {x.split(".")[0] for x in LOGGERS}]:
+        for name in list(LOGGERS) + [
+            n
+            for n in logging.root.manager.loggerDict
+            if n.split(".")[0] in {x.split(".")[0] for x in LOGGERS}
+        ]:
             log = logging.getLogger(name)
             old = log.level
             log.setLevel(logging.ERROR)
@@ -116,7 +129,11 @@ def _lm_eval_git(stack: contextlib.ExitStack) -> None:
 
     def git_hash():
         try:
-            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+            return (
+                subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL)
+                .strip()
+                .decode()
+            )
         except (subprocess.CalledProcessError, FileNotFoundError):
             return None
 

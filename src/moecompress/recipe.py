@@ -50,15 +50,20 @@ class EvalSpec(BaseModel):
     batch_size: int = 8
     latency: bool = Field(True, description="measure prefill/decode tokens/s and peak memory")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="dtype the reference and every arm are loaded in for evaluation; auto = the "
-        "reference checkpoint's stored dtype (logits are upcast to float32 for KL and perplexity)")
+        "auto",
+        description="dtype the reference and every arm are loaded in for evaluation; auto = the "
+        "reference checkpoint's stored dtype (logits are upcast to float32 for KL and perplexity)",
+    )
     max_memory: str | None = Field(
-        None, description="memory for one evaluated model (e.g. '40GB'); a model needing more is loaded with "
-        "device_map offloading. Default: 90% of the memory available when it is loaded")
+        None,
+        description="memory for one evaluated model (e.g. '40GB'); a model needing more is loaded with "
+        "device_map offloading. Default: 90% of the memory available when it is loaded",
+    )
     quant_baselines: list[str] = Field(
         default_factory=lambda: ["w4g128", "w3g128"],
         description="pure-quantization reference arms (method 'quant', GPTQ) on the routed experts: specs such as "
-        "w4g128 (a bare bit width b means w<b>g128)")
+        "w4g128 (a bare bit width b means w<b>g128)",
+    )
 
     @field_validator("max_memory")
     @classmethod
@@ -89,17 +94,23 @@ class ArmSpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     format: str = "auto"
     distill: dict[str, Any] | None = Field(
-        None, description="dense arms only: knowledge-distillation settings (moecompress.distill.DistillConfig, "
-        "e.g. {tokens: 65536, data: fixture-calib}) applied to the student before evaluation")
+        None,
+        description="dense arms only: knowledge-distillation settings (moecompress.distill.DistillConfig, "
+        "e.g. {tokens: 65536, data: fixture-calib}) applied to the student before evaluation",
+    )
     quant: QuantConfig | None = Field(
-        None, description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
+        None,
+        description="weight quantization of every stored expert the method keeps: a spec such as w4g128, or "
         "{quant: w4g128, algo: gptq|rtn, weighting: uniform|gate2}; non-expert tensor classes by name ({experts: "
-        "w4g128, attention: w8g128, shared: w4g128, embeddings: w8c}) or scope: all")
+        "w4g128, attention: w8g128, shared: w4g128, embeddings: w8c}) or scope: all",
+    )
     _config: BaseModel | None = PrivateAttr(None)  # the method's validated config (`load_recipe`)
     calibration: CalibrationSpec | None = Field(
-        None, description="this arm's own calibration (e.g. in-domain: {data: 'task:gsm8k:128'}); default: the "
+        None,
+        description="this arm's own calibration (e.g. in-domain: {data: 'task:gsm8k:128'}); default: the "
         "recipe's shared one. Arms naming the same spec share one calibration; every arm is still scored on the "
-        "same evaluation items")
+        "same evaluation items",
+    )
 
     @field_validator("quant", mode="before")
     @classmethod
@@ -111,8 +122,9 @@ class ArmSpec(BaseModel):
     def _safe_name(cls, v: str | None) -> str | None:
         # the name becomes a checkpoint directory under --out: no separators, no '..'
         if v is not None and not SAFE_NAME.match(v):
-            raise ValueError("may hold only letters, digits, '.', '_', '+' and '-' and must start with a letter "
-                             "or digit")
+            raise ValueError(
+                "may hold only letters, digits, '.', '_', '+' and '-' and must start with a letter or digit"
+            )
         return v
 
     @property
@@ -207,8 +219,10 @@ def _check_size(data, path) -> None:
         node = todo.pop()
         seen += 1
         if seen > MAX_RECIPE_NODES:
-            raise MoECompressError(f"{path} expands to more than {MAX_RECIPE_NODES:,} values (nested YAML "
-                                   "aliases?); write the recipe out plainly.")
+            raise MoECompressError(
+                f"{path} expands to more than {MAX_RECIPE_NODES:,} values (nested YAML "
+                "aliases?); write the recipe out plainly."
+            )
         if isinstance(node, dict):
             todo.extend(node.keys())
             todo.extend(node.values())
@@ -227,7 +241,9 @@ def load_recipe(path: str | os.PathLike, model: str | None = None) -> Recipe:
     try:
         data = yaml.safe_load(p.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise MoECompressError(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file.") from None
+        raise MoECompressError(
+            f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file."
+        ) from None
     except RecursionError:
         raise MoECompressError(f"{path} nests too deeply to be a recipe; fix the file.") from None
     _check_size(data, path)
@@ -242,8 +258,10 @@ def merge_recipes(recipes: list[Recipe]) -> Recipe:
     for r in recipes[1:]:
         for key in ("model", "calibration", "eval"):
             if getattr(r, key) != getattr(first, key):
-                raise MoECompressError(f"The recipes disagree on '{key}'; arms compared together must share the "
-                                       "model, the calibration and the evaluation settings.")
+                raise MoECompressError(
+                    f"The recipes disagree on '{key}'; arms compared together must share the "
+                    "model, the calibration and the evaluation settings."
+                )
     arms = [a for r in recipes for a in r.arms]
     names = [a.display_name() for a in arms]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -18,8 +18,11 @@ def _numel(module) -> int:
     """Parameters plus persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias): what a checkpoint stores."""
     n = sum(p.numel() for p in module.parameters())
     for sub in module.modules():
-        n += sum(b.numel() for name, b in sub.named_buffers(recurse=False)
-                 if name not in sub._non_persistent_buffers_set)
+        n += sum(
+            b.numel()
+            for name, b in sub.named_buffers(recurse=False)
+            if name not in sub._non_persistent_buffers_set
+        )
     return n
 
 
@@ -44,20 +47,40 @@ def inspect_model(source: str, trust_remote_code: bool = False) -> dict:
         n_router = _numel(layer.router)
         n_shared = sum(_numel(m) for m in (layer.shared, layer.shared_gate) if m is not None)
         routed, router, shared = routed + n_routed, router + n_router, shared + n_shared
-        layers.append(dict(layer=i, experts=layer.storage.num_experts, top_k=layer.spec.top_k,
-                           expert_width=layer.storage.intermediate_size, shared=layer.shared is not None,
-                           router=layer.spec.describe(), router_verified=layer.verified))
+        layers.append(
+            dict(
+                layer=i,
+                experts=layer.storage.num_experts,
+                top_k=layer.spec.top_k,
+                expert_width=layer.storage.intermediate_size,
+                shared=layer.shared is not None,
+                router=layer.spec.describe(),
+                router_verified=layer.verified,
+            )
+        )
     total = _numel(model)
     rest = total - routed - router - shared
     first = adapter.layer(adapter.moe_layers[0])
     out = dict(
-        source=str(source), model_type=adapter.model_type, architecture=type(model).__name__,
-        declared_family=adapter.family is not None, num_layers=len(adapter.decoder_layers),
-        moe_layers=adapter.moe_layers, dense_layers=adapter.dense_layers,
-        experts_per_layer=sorted({d["experts"] for d in layers}), top_k=first.spec.top_k,
-        router=first.spec.to_dict(), router_convention=first.spec.describe(), dtype=str(_dtype_of(config)),
-        bytes=dict(routed_experts=routed * elem, router=router * elem, shared_experts=shared * elem,
-                   rest=rest * elem, total=total * elem),
+        source=str(source),
+        model_type=adapter.model_type,
+        architecture=type(model).__name__,
+        declared_family=adapter.family is not None,
+        num_layers=len(adapter.decoder_layers),
+        moe_layers=adapter.moe_layers,
+        dense_layers=adapter.dense_layers,
+        experts_per_layer=sorted({d["experts"] for d in layers}),
+        top_k=first.spec.top_k,
+        router=first.spec.to_dict(),
+        router_convention=first.spec.describe(),
+        dtype=str(_dtype_of(config)),
+        bytes=dict(
+            routed_experts=routed * elem,
+            router=router * elem,
+            shared_experts=shared * elem,
+            rest=rest * elem,
+            total=total * elem,
+        ),
         parameters=dict(routed_experts=routed, router=router, shared_experts=shared, rest=rest, total=total),
         layers=layers,
     )

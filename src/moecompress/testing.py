@@ -26,8 +26,13 @@ def _randomise_buffers(model: torch.nn.Module, gen: torch.Generator) -> None:
     # zero-initialised router weights / biases would make every routing a tie
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 1 and ("router" in name or ".gate." in name or name.endswith("gate.weight")
-                                 or "experts" in name or "sinks" in name):
+            if p.dim() >= 1 and (
+                "router" in name
+                or ".gate." in name
+                or name.endswith("gate.weight")
+                or "experts" in name
+                or "sinks" in name
+            ):
                 scale = 0.1 if "experts" in name else 0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * (scale if p.dim() > 1 else 0.1))
         for name, b in model.named_buffers():
@@ -73,9 +78,12 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 def block_inputs(adapter, ids) -> dict:
     """{MoE layer: its block's input [N, H]} from one full forward of `adapter.model` on token ids."""
     inputs = {}
-    hooks = [adapter.layer(i).block.register_forward_hook(
-        lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach()))
-        for i in adapter.moe_layers]
+    hooks = [
+        adapter.layer(i).block.register_forward_hook(
+            lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]).detach())
+        )
+        for i in adapter.moe_layers
+    ]
     try:
         with torch.no_grad():
             adapter.model(ids)
@@ -94,8 +102,16 @@ def calibrated_tiny(root: str | Path, model_type: str, seed: int, stats: list[st
     root = Path(root)
     path = save_tiny(model_type, root / "model", seed=seed)
     ids = torch.randint(3, 96, (8, 24), generator=torch.Generator().manual_seed(0))
-    store = calibrate(str(path), CalibrationData.from_tokens(ids), seq_len=24, out=root / "stats", stats=stats,
-                      batch_size=4, dtype="float32", progress=False)
+    store = calibrate(
+        str(path),
+        CalibrationData.from_tokens(ids),
+        seq_len=24,
+        out=root / "stats",
+        stats=stats,
+        batch_size=4,
+        dtype="float32",
+        progress=False,
+    )
     adapter = MoEAdapter(load_model(str(path), dtype="float32"))
     return path, store, adapter, block_inputs(adapter, ids)
 
@@ -127,7 +143,11 @@ def tree_snapshot(*roots: Path) -> dict:
             for name in dirs + files:
                 p = Path(dirpath) / name
                 st = p.lstat()
-                snap[str(p)] = (p.is_dir(), 0 if p.is_dir() else st.st_size, 0 if p.is_dir() else st.st_mtime_ns)
+                snap[str(p)] = (
+                    p.is_dir(),
+                    0 if p.is_dir() else st.st_size,
+                    0 if p.is_dir() else st.st_mtime_ns,
+                )
     return snap
 
 

@@ -10,8 +10,18 @@ from .errors import MoECompressError
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
 # the one size syntax of every option and recipe field that takes bytes (--max-memory, --budget 4GB, shard size)
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -28,8 +38,9 @@ def parse_size(size: int | str) -> int:
     return math.floor(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
 
 
-def check_range(flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
-                hint: str = "") -> None:
+def check_range(
+    flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, hint: str = ""
+) -> None:
     """Refuse `value` of option `flag` outside [lo, hi] (open ends with lo_open / hi_open), NaN or infinite.
 
     None (an option not given) passes.
@@ -55,8 +66,9 @@ def parse_floats(flag: str, text: str) -> list[float]:
         try:
             out.append(float(part))
         except ValueError:
-            raise MoECompressError(f"{flag} '{text}' holds '{part}', which is not a number; write e.g. "
-                                   f"{flag} 0.25,0.5.") from None
+            raise MoECompressError(
+                f"{flag} '{text}' holds '{part}', which is not a number; write e.g. {flag} 0.25,0.5."
+            ) from None
     if not out:
         raise MoECompressError(f"{flag} is empty; write e.g. {flag} 0.25,0.5.")
     return out
@@ -65,8 +77,10 @@ def parse_floats(flag: str, text: str) -> list[float]:
 def check_name(name: str, what: str = "Arm name") -> str:
     """Names that become paths: letters, digits, '.', '_', '+', '-' only, never '.' or '..'."""
     if not SAFE_NAME.match(name) or set(name) <= {"."}:
-        raise MoECompressError(f"{what} '{name}' may hold only letters, digits, '.', '_', '+' and '-' (it names "
-                               "a directory); rename it.")
+        raise MoECompressError(
+            f"{what} '{name}' may hold only letters, digits, '.', '_', '+' and '-' (it names "
+            "a directory); rename it."
+        )
     return name
 
 

@@ -33,16 +33,38 @@ def _progress(enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     # progress goes to stderr so that --json output on stdout stays parseable
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), disable=not enabled, transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=False,
+    )
 
 
 def _identity(reader, fingerprint, calib, names, params, dtype, device, batch_size) -> dict:
     """What must match for a resumed run to give identical statistics (normalised through JSON)."""
-    return json.loads(json.dumps({"model_fingerprint": fingerprint, "model_source": str(reader.path), "data_spec": calib.spec,
-            "data_source": calib.spec, "data_fingerprint": calib.fingerprint(), "seq_len": calib.seq_len,
-            "seed": calib.seed, "stats": names, "params": params, "dtype": str(dtype).replace("torch.", ""),
-            "device": torch.device(device).type, "batch_size": batch_size}, default=str))
+    return json.loads(
+        json.dumps(
+            {
+                "model_fingerprint": fingerprint,
+                "model_source": str(reader.path),
+                "data_spec": calib.spec,
+                "data_source": calib.spec,
+                "data_fingerprint": calib.fingerprint(),
+                "seq_len": calib.seq_len,
+                "seed": calib.seed,
+                "stats": names,
+                "params": params,
+                "dtype": str(dtype).replace("torch.", ""),
+                "device": torch.device(device).type,
+                "batch_size": batch_size,
+            },
+            default=str,
+        )
+    )
 
 
 def _layer_ids(spec) -> list[int]:
@@ -51,7 +73,9 @@ def _layer_ids(spec) -> list[int]:
         items = spec.split(",") if isinstance(spec, str) else list(spec)
         return sorted({int(i) for i in items if not isinstance(i, str) or i.strip()})
     except (TypeError, ValueError):
-        raise MoECompressError(f"hessian_layers '{spec}' is not a list of layer ids such as '0,1,2'; fix it.") from None
+        raise MoECompressError(
+            f"hessian_layers '{spec}' is not a list of layer ids such as '0,1,2'; fix it."
+        ) from None
 
 
 def _check_finite(layer: int, stats: dict[str, torch.Tensor], dtype=None, weights=()) -> None:
@@ -60,15 +84,23 @@ def _check_finite(layer: int, stats: dict[str, torch.Tensor], dtype=None, weight
     Advising --dtype float32 for broken weights did not help, so that advice is given only where it can."""
     for name, t in stats.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            if any(w.is_floating_point() and not w.is_meta and not bool(torch.isfinite(w).all()) for w in weights):
-                raise MoECompressError(f"Decoder layer {layer} of the checkpoint holds NaN or infinite weights, so "
-                                       "its statistics are not finite; check or re-download the checkpoint.")
+            if any(
+                w.is_floating_point() and not w.is_meta and not bool(torch.isfinite(w).all()) for w in weights
+            ):
+                raise MoECompressError(
+                    f"Decoder layer {layer} of the checkpoint holds NaN or infinite weights, so "
+                    "its statistics are not finite; check or re-download the checkpoint."
+                )
             if dtype in (torch.float32, torch.float64):
-                raise MoECompressError(f"Statistic {name} of layer {layer} is not finite even in "
-                                       f"{str(dtype).replace('torch.', '')}: the checkpoint's weights (or its router) "
-                                       "hold NaN or infinite values; check or re-download the checkpoint.")
-            raise MoECompressError(f"Statistic {name} of layer {layer} is not finite: the model's activations "
-                                   "overflowed in this dtype; re-run with --dtype float32.")
+                raise MoECompressError(
+                    f"Statistic {name} of layer {layer} is not finite even in "
+                    f"{str(dtype).replace('torch.', '')}: the checkpoint's weights (or its router) "
+                    "hold NaN or infinite values; check or re-download the checkpoint."
+                )
+            raise MoECompressError(
+                f"Statistic {name} of layer {layer} is not finite: the model's activations "
+                "overflowed in this dtype; re-run with --dtype float32."
+            )
 
 
 @dataclass(frozen=True)
@@ -156,11 +188,28 @@ def calibrate(
     The keywords are `CalibrationOptions`; ``Calibration(model, data, options).run()`` is the same call.
     """
     options = CalibrationOptions(
-        seq_len=seq_len, out=out, stats=stats, offload_dir=offload_dir, resume=resume, dry_run=dry_run,
-        batch_size=batch_size, dtype=dtype, seed=seed, device=device, padding=padding, chat_template=chat_template,
-        tokenizer=tokenizer, moment_experts=moment_experts, hessian_layers=hessian_layers, transform=transform,
-        on_layer_end=on_layer_end, overwrite=overwrite, progress=progress, trust_remote_code=trust_remote_code,
-        keep_partial=keep_partial)
+        seq_len=seq_len,
+        out=out,
+        stats=stats,
+        offload_dir=offload_dir,
+        resume=resume,
+        dry_run=dry_run,
+        batch_size=batch_size,
+        dtype=dtype,
+        seed=seed,
+        device=device,
+        padding=padding,
+        chat_template=chat_template,
+        tokenizer=tokenizer,
+        moment_experts=moment_experts,
+        hessian_layers=hessian_layers,
+        transform=transform,
+        on_layer_end=on_layer_end,
+        overwrite=overwrite,
+        progress=progress,
+        trust_remote_code=trust_remote_code,
+        keep_partial=keep_partial,
+    )
     return Calibration(model, data, options)._run(warn_stacklevel=4)  # the warning names calibrate's caller
 
 
@@ -173,7 +222,9 @@ class Calibration:
     when the last layer is done.
     """
 
-    def __init__(self, model: str, data, options: CalibrationOptions = CalibrationOptions(), stream: bool = False):
+    def __init__(
+        self, model: str, data, options: CalibrationOptions = CalibrationOptions(), stream: bool = False
+    ):
         from ..checkpoint import CheckpointReader
         from ..data import CalibrationData, load_calibration, load_tokenizer
         from ..models import parse_dtype
@@ -195,20 +246,38 @@ class Calibration:
         self.rank, self.world = dist.world()
         self.device = dist.default_device(o.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise MoECompressError("--device cuda was requested but no CUDA device is available; pass --device cpu.")
+            raise MoECompressError(
+                "--device cuda was requested but no CUDA device is available; pass --device cpu."
+            )
         if isinstance(data, CalibrationData):
             self.calib = data
         else:
-            self.calib = load_calibration(str(data), load_tokenizer(str(self.reader.path), o.tokenizer), o.seq_len,
-                                          o.seed, o.padding, o.chat_template)
+            self.calib = load_calibration(
+                str(data),
+                load_tokenizer(str(self.reader.path), o.tokenizer),
+                o.seq_len,
+                o.seed,
+                o.padding,
+                o.chat_template,
+            )
         self.out = None if o.out is None else Path(o.out)
         self.fingerprint = self.reader.fingerprint()
         from ..atomic import fingerprint_inputs
         from ..checkpoint import checkpoint_fingerprint
 
-        self.inputs = fingerprint_inputs([self.reader.path], checkpoint_fingerprint)  # checked before the rename
-        self.identity = _identity(self.reader, self.fingerprint, self.calib, self.names, self.params,
-                                  self.dtype or "auto", self.device, o.batch_size)
+        self.inputs = fingerprint_inputs(
+            [self.reader.path], checkpoint_fingerprint
+        )  # checked before the rename
+        self.identity = _identity(
+            self.reader,
+            self.fingerprint,
+            self.calib,
+            self.names,
+            self.params,
+            self.dtype or "auto",
+            self.device,
+            o.batch_size,
+        )
 
     def run(self):
         """The `StatsStore` (or, for a dry run, the `ResourceEstimate`)."""
@@ -223,13 +292,24 @@ class Calibration:
         if self.out is not None and not o.dry_run:
             from ..atomic import check_output
 
-            check_output(self.out, o.overwrite, protect=[self.reader.path], kind="stats")  # before any compute
+            check_output(
+                self.out, o.overwrite, protect=[self.reader.path], kind="stats"
+            )  # before any compute
         est = self._estimate()
         if o.dry_run:
             from .dryrun import probe_time
 
-            return probe_time(self.reader, self.calib, self.device, self.dtype, o.batch_size, self.world,
-                              self.classes, self.params, est)
+            return probe_time(
+                self.reader,
+                self.calib,
+                self.device,
+                self.dtype,
+                o.batch_size,
+                self.world,
+                self.classes,
+                self.params,
+                est,
+            )
         from .dryrun import refuse_if_too_big
 
         refuse_if_too_big(est)
@@ -238,23 +318,34 @@ class Calibration:
     def _existing_store(self) -> StatsStore | None:
         """A finished store at `out`: reused when it answers this request, refused when it is foreign."""
         o, out = self.options, self.out
-        if not (out is not None and out.is_dir() and (out / "stats.json").is_file() and not o.overwrite
-                and not o.dry_run):
+        if not (
+            out is not None
+            and out.is_dir()
+            and (out / "stats.json").is_file()
+            and not o.overwrite
+            and not o.dry_run
+        ):
             return None
         existing = StatsStore.load(out, model_fingerprint=self.fingerprint, data_spec=self.calib.spec)
         if existing.meta["data"]["fingerprint"] != self.calib.fingerprint():
-            raise MoECompressError(f"The stats store {out} was computed on other tokens of '{self.calib.spec}' "
-                                   "(another seq_len, seed or tokenizer); choose another --out or pass --overwrite.")
+            raise MoECompressError(
+                f"The stats store {out} was computed on other tokens of '{self.calib.spec}' "
+                "(another seq_len, seed or tokenizer); choose another --out or pass --overwrite."
+            )
         differ = _settings_differ(existing.meta, self.params, self.dtype, o.batch_size, self.device)
         if differ:
             key, old, new = differ
-            raise MoECompressError(f"The stats store {out} was computed with {key} {old}, not {new}; pass "
-                                   "--overwrite to recompute it or choose another --out.")
+            raise MoECompressError(
+                f"The stats store {out} was computed with {key} {old}, not {new}; pass "
+                "--overwrite to recompute it or choose another --out."
+            )
         if existing.has(*self.names):
             return existing
-        raise MoECompressError(f"The stats store {out} lacks "
-                               f"{', '.join(n for n in self.names if not existing.has(n))}; pass --overwrite to "
-                               "recompute it with these statistics or choose another --out.")
+        raise MoECompressError(
+            f"The stats store {out} lacks "
+            f"{', '.join(n for n in self.names if not existing.has(n))}; pass --overwrite to "
+            "recompute it with these statistics or choose another --out."
+        )
 
     def _estimate(self):
         from ..models import MoEAdapter
@@ -262,9 +353,20 @@ class Calibration:
 
         o = self.options
         meta_adapter = MoEAdapter(self.reader._skeleton)  # the reader's own meta skeleton: structure only
-        return estimate(self.reader, self.calib, meta_adapter, self.device, self.dtype, o.batch_size, self.world,
-                        o.offload_dir, self.out or Path.cwd() / "stats", self.classes, self.params,
-                        o.transform is not None)
+        return estimate(
+            self.reader,
+            self.calib,
+            meta_adapter,
+            self.device,
+            self.dtype,
+            o.batch_size,
+            self.world,
+            o.offload_dir,
+            self.out or Path.cwd() / "stats",
+            self.classes,
+            self.params,
+            o.transform is not None,
+        )
 
     def _stream(self, warn_stacklevel: int) -> StatsStore:
         """Run every decoder layer in order (resuming a partial run), then write the store.
@@ -297,9 +399,18 @@ class Calibration:
         finished, error = dist.broadcast_object((finished, error))
         if error:
             raise MoECompressError(error)
-        runner = SequentialRunner(self.reader, self.calib, self.device, self.dtype, o.batch_size, rank, self.world,
-                                  o.offload_dir, o.transform is not None,
-                                  run_key=f"{self.fingerprint}:{self.calib.fingerprint()}:{rank}/{self.world}")
+        runner = SequentialRunner(
+            self.reader,
+            self.calib,
+            self.device,
+            self.dtype,
+            o.batch_size,
+            rank,
+            self.world,
+            o.offload_dir,
+            o.transform is not None,
+            run_key=f"{self.fingerprint}:{self.calib.fingerprint()}:{rank}/{self.world}",
+        )
         adapter = runner.adapter
         moe = adapter.moe_layers
         last = max(moe)
@@ -328,7 +439,9 @@ class Calibration:
                 bar.reset(batch_task, total=len(runner.batches))
                 stats_i = self._layer(runner, i, partial, lambda: bar.advance(batch_task))
                 if stats_i is not None:
-                    layer_stats[i] = _summary(stats_i)  # the layer's file holds the values; keep no second copy
+                    layer_stats[i] = _summary(
+                        stats_i
+                    )  # the layer's file holds the values; keep no second copy
                 bar.advance(layers_task)
                 if o.on_layer_end is not None:
                     o.on_layer_end(i, stats_i)
@@ -338,21 +451,36 @@ class Calibration:
         unreached = {i: v for i, v in unreached.items() if v}
         if unreached and rank == 0:
             listing = "; ".join(f"layer {i}: experts {v}" for i, v in unreached.items())
-            warnings.warn(f"No calibration token reached some experts ({listing}); their statistics are 0. Use more "
-                          "or more varied calibration data if a method needs them.", UnreachedExpertsWarning,
-                          stacklevel=warn_stacklevel)
+            warnings.warn(
+                f"No calibration token reached some experts ({listing}); their statistics are 0. Use more "
+                "or more varied calibration data if a method needs them.",
+                UnreachedExpertsWarning,
+                stacklevel=warn_stacklevel,
+            )
         dist.barrier()
         if rank == 0:
-            meta = _meta(self.reader, self.fingerprint, adapter, self.calib, self.names, self.params, self.dtype,
-                         o.batch_size, layer_stats, unreached, self.device)
+            meta = _meta(
+                self.reader,
+                self.fingerprint,
+                adapter,
+                self.calib,
+                self.names,
+                self.params,
+                self.dtype,
+                o.batch_size,
+                layer_stats,
+                unreached,
+                self.device,
+            )
             store = write_store(self.out, partial, moe, meta, inputs=self.inputs, overwrite=o.overwrite)
             partial.remove()
         runner.cache.clear()
         dist.barrier()
         return store if rank == 0 else StatsStore.load(self.out)
 
-    def _replay(self, runner, start: int, layer_stats: dict[int, dict], partial: PartialRun, bar,
-                layers_task) -> None:
+    def _replay(
+        self, runner, start: int, layer_stats: dict[int, dict], partial: PartialRun, bar, layers_task
+    ) -> None:
         """Replay the finished prefix (forward only) to rebuild its outputs when no cached hidden state is left."""
         from .hooks import LayerObserver
 
@@ -361,15 +489,19 @@ class Calibration:
             bar.update(layers_task, description=f"replay layer {i}")
             layer = runner.load_layer(i)
             if i in moe:  # the statistics pass's exact computation path, so outputs are bit-identical
-                obs = LayerObserver(adapter, i, [cls(adapter, i, "meta", **self.params) for cls in self.classes],
-                                    mute=True)
+                obs = LayerObserver(
+                    adapter, i, [cls(adapter, i, "meta", **self.params) for cls in self.classes], mute=True
+                )
                 obs.attach()
                 try:
                     runner.run_layer(i, observer=obs)
                 finally:
                     obs.detach()
-            repl = (transform(i, layer, adapter, partial.load_layer(i) if i in layer_stats else None)
-                    if transform is not None else None)
+            repl = (
+                transform(i, layer, adapter, partial.load_layer(i) if i in layer_stats else None)
+                if transform is not None
+                else None
+            )
             if i not in moe or isinstance(repl, nn.Module):
                 runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None)
             _restore_block(adapter, i)
@@ -400,8 +532,16 @@ class Calibration:
         return stats_i
 
 
-def gather(runner, i: int, classes, params: dict, device, *, write: bool = True,
-           on_batch: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+def gather(
+    runner,
+    i: int,
+    classes,
+    params: dict,
+    device,
+    *,
+    write: bool = True,
+    on_batch: Callable[[], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Layer i's statistics from collectors of `classes`: every batch through the loaded layer, observed
     (outputs written as the next layer's inputs when `write`), sums reduced across ranks, finalized on CPU."""
     from . import distributed as dist
@@ -426,25 +566,43 @@ def _summary(stats_i: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the end of a run reads of a finished layer's statistics: every name with its shape (meta tensors,
     no memory) and the expert counts (unreached experts). Keeping every layer's full statistics until the store
     is written held them all at once: input/cross moments alone are E·H² float64 values per layer."""
-    return {k: v if k == "counts" else torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in stats_i.items()}
+    return {
+        k: v if k == "counts" else torch.empty(v.shape, dtype=v.dtype, device="meta")
+        for k, v in stats_i.items()
+    }
 
 
 def _settings_differ(meta: dict, params: dict, dtype, batch_size: int, dev) -> tuple | None:
     """(setting, stored, requested) for the first content-changing setting that differs from the store's."""
     want = _meta_settings(params, dtype, batch_size, dev)
     for key, value in want.items():
-        if key in meta and json.loads(json.dumps(meta[key], default=str)) != json.loads(json.dumps(value, default=str)):
-            return {"params": "collector parameters", "dtype": "dtype", "batch_size": "batch size",
-                    "device": "device"}[key], meta[key], value
+        if key in meta and json.loads(json.dumps(meta[key], default=str)) != json.loads(
+            json.dumps(value, default=str)
+        ):
+            return (
+                {
+                    "params": "collector parameters",
+                    "dtype": "dtype",
+                    "batch_size": "batch size",
+                    "device": "device",
+                }[key],
+                meta[key],
+                value,
+            )
     return None
 
 
 def _meta_settings(params: dict, dtype, batch_size: int, dev) -> dict:
     """The settings besides model and tokens that change a store's content (recorded in stats.json)."""
-    return {"params": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-                       for k, v in params.items()},
-            "dtype": str(dtype).replace("torch.", "") if dtype is not None else "auto",
-            "batch_size": batch_size, "device": torch.device(dev).type}
+    return {
+        "params": {
+            k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+            for k, v in params.items()
+        },
+        "dtype": str(dtype).replace("torch.", "") if dtype is not None else "auto",
+        "batch_size": batch_size,
+        "device": torch.device(dev).type,
+    }
 
 
 def _restore_block(adapter, i: int) -> None:
@@ -453,21 +611,36 @@ def _restore_block(adapter, i: int) -> None:
         adapter.set_block(i, adapter.layer(i).block)
 
 
-def _meta(reader, fingerprint, adapter, calib, names, params, dtype, batch_size, layer_stats, unreached,
-          _device="cpu") -> dict:
+def _meta(
+    reader,
+    fingerprint,
+    adapter,
+    calib,
+    names,
+    params,
+    dtype,
+    batch_size,
+    layer_stats,
+    unreached,
+    _device="cpu",
+) -> dict:
     cfg = reader.config
     stats_held = sorted(set().union(*(set(s) for s in layer_stats.values())))
     shapes = {n: list(layer_stats[adapter.moe_layers[0]][n].shape) for n in stats_held}
     return {
         "format": FORMAT,
-        "model": {"source": str(reader.path), "fingerprint": fingerprint,
-                  "model_type": getattr(cfg, "model_type", None),
-                  "architecture": (getattr(cfg, "architectures", None) or [None])[0],
-                  "num_layers": reader.num_layers, "moe_layers": adapter.moe_layers,
-                  "num_experts": {str(i): adapter.num_experts(i) for i in adapter.moe_layers},
-                  "top_k": {str(i): adapter.top_k(i) for i in adapter.moe_layers},
-                  "router": {str(i): adapter.router_spec(i).describe() for i in adapter.moe_layers},
-                  "hidden_size": adapter.hidden_size},
+        "model": {
+            "source": str(reader.path),
+            "fingerprint": fingerprint,
+            "model_type": getattr(cfg, "model_type", None),
+            "architecture": (getattr(cfg, "architectures", None) or [None])[0],
+            "num_layers": reader.num_layers,
+            "moe_layers": adapter.moe_layers,
+            "num_experts": {str(i): adapter.num_experts(i) for i in adapter.moe_layers},
+            "top_k": {str(i): adapter.top_k(i) for i in adapter.moe_layers},
+            "router": {str(i): adapter.router_spec(i).describe() for i in adapter.moe_layers},
+            "hidden_size": adapter.hidden_size,
+        },
         "data": calib.to_dict(),
         "stats": stats_held,
         "requested": names,
@@ -478,4 +651,3 @@ def _meta(reader, fingerprint, adapter, calib, names, params, dtype, batch_size,
         "versions": versions(),
         "nan_policy": "experts with no routed token get 0 for every per-token mean",
     }
-

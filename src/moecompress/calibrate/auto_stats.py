@@ -44,7 +44,9 @@ SAMPLE_SIZE = 512
 
 def _per_token(collector: Collector, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     n = collector.sums["tokens"].to(torch.float64).clamp(min=1)
-    return {name: collector.sums[name].div_(n) for name in names}  # in place: a copy held the layer's sums twice
+    return {
+        name: collector.sums[name].div_(n) for name in names
+    }  # in place: a copy held the layer's sums twice
 
 
 class _GateWeighted(Collector):
@@ -88,8 +90,9 @@ class _GateWeighted(Collector):
                     if fold:
                         self.sums[f"{name}_f1"][k] += value
 
-    def add(self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor,
-            square: bool) -> dict:  # pragma: no cover
+    def add(
+        self, obs: Observation, e: int, tok: torch.Tensor, g2: torch.Tensor, square: bool
+    ) -> dict:  # pragma: no cover
         """Expert e's terms of this batch; the square ones only when `square` (e's square sums are gathered)."""
         raise NotImplementedError
 
@@ -192,13 +195,17 @@ class AutoSubstituteCollector(Collector):
             tok, slot = torch.where(idx == e)
             g2 = wt[tok, slot].square()
             # [n, E] ‖f_p − f_e‖², a few tokens at a time: [n, E, H] float64 copies were most of the layer's peak
-            d2 = torch.cat([(f[t] - f[t, e][:, None, :]).square().sum(-1) for t in tok.split(_SUBSTITUTE_ROWS)])
+            d2 = torch.cat(
+                [(f[t] - f[t, e][:, None, :]).square().sum(-1) for t in tok.split(_SUBSTITUTE_ROWS)]
+            )
             s["auto_remap"][e] += g2 @ d2
             mask = torch.ones(self.E, dtype=torch.bool, device=idx.device)
             mask[e] = False
             for gate, kw in (("keep", "allowed"), ("renorm", "present")):
                 r = self.adapter.route(self.layer, x[tok], **{kw: mask})
-                picked = f[tok[:, None], r.index]  # [n, k, H]: the substitutes only, not every expert's output
+                picked = f[
+                    tok[:, None], r.index
+                ]  # [n, k, H]: the substitutes only, not every expert's output
                 new = (picked * r.weight.to(torch.float64)[..., None]).sum(1)
                 s[f"auto_reroute_{gate}"][e] += (new - y[tok]).square().sum()
 

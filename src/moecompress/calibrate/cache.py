@@ -17,7 +17,9 @@ import torch
 
 
 class ActivationCache:
-    def __init__(self, offload_dir: str | os.PathLike | None = None, double: bool = False, tag: str = "rank0"):
+    def __init__(
+        self, offload_dir: str | os.PathLike | None = None, double: bool = False, tag: str = "rank0"
+    ):
         self.dir = None if offload_dir is None else Path(offload_dir) / tag
         self.double = double or self.dir is not None
         self.parity = 0
@@ -74,8 +76,9 @@ class ActivationCache:
         return True
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._cur.values()) + \
-            sum(t.numel() * t.element_size() for t in self._next.values())
+        return sum(t.numel() * t.element_size() for t in self._cur.values()) + sum(
+            t.numel() * t.element_size() for t in self._next.values()
+        )
 
     def clear(self) -> None:
         self._cur, self._next = {}, {}

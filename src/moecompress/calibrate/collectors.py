@@ -122,9 +122,13 @@ class RoutingCollector(Collector):
     def finalize(self) -> dict[str, torch.Tensor]:
         s = self.sums
         n = s["tokens"].to(torch.float64)
-        return {"counts": s["count"].clone(), "tokens": s["tokens"].reshape(()).clone(),
-                "routing_mass": s["mass"].clone(), "pp": s["prob"] / n.clamp(min=1),
-                "cp": _safe_div(s["prob_sel"], s["count"])}
+        return {
+            "counts": s["count"].clone(),
+            "tokens": s["tokens"].reshape(()).clone(),
+            "routing_mass": s["mass"].clone(),
+            "pp": s["prob"] / n.clamp(min=1),
+            "cp": _safe_div(s["prob_sel"], s["count"]),
+        }
 
 
 class ReapCollector(Collector):
@@ -159,8 +163,12 @@ class ReapCollector(Collector):
 
     def finalize(self) -> dict[str, torch.Tensor]:
         s = self.sums
-        return {"reap": _safe_div(s["gnorm"], s["count"]), "ean": s["norm"].clone(),
-                "out_norm_mean": _safe_div(s["norm"], s["count"]), "out_norm_sq_mean": _safe_div(s["sq"], s["count"])}
+        return {
+            "reap": _safe_div(s["gnorm"], s["count"]),
+            "ean": s["norm"].clone(),
+            "out_norm_mean": _safe_div(s["norm"], s["count"]),
+            "out_norm_sq_mean": _safe_div(s["sq"], s["count"]),
+        }
 
 
 class OutputMomentsCollector(Collector):
@@ -280,8 +288,14 @@ class MomentCollector(Collector):
     """
 
     name = "moments"
-    provides = ("input_moment", "cross_moment", "moment_experts", "moment_count", "moment_in_mean",
-                "moment_out_mean")
+    provides = (
+        "input_moment",
+        "cross_moment",
+        "moment_experts",
+        "moment_count",
+        "moment_in_mean",
+        "moment_out_mean",
+    )
     symmetric = ("input_moment",)
     needs = frozenset({"routing", "outputs"})
 
@@ -293,8 +307,10 @@ class MomentCollector(Collector):
         experts = list(range(self.E)) if sel is None else sorted({int(e) for e in sel})
         bad = [e for e in experts if not 0 <= e < self.E]
         if bad:
-            raise MoECompressError(f"moment_experts names expert {bad[0]} but layer {self.layer} has {self.E} "
-                                   "experts; pass ids in [0, E).")
+            raise MoECompressError(
+                f"moment_experts names expert {bad[0]} but layer {self.layer} has {self.E} "
+                "experts; pass ids in [0, E)."
+            )
         self.experts = experts
         S = len(experts)
         self.zeros("count", S, dtype=torch.int64)
@@ -323,10 +339,14 @@ class MomentCollector(Collector):
         from .symmetric import mirror_
 
         s, c = self.sums, self.sums["count"]
-        return {"moment_experts": torch.tensor(self.experts, dtype=torch.int64), "moment_count": c.clone(),
-                "moment_in_mean": _safe_div(s["in_sum"], c), "moment_out_mean": _safe_div(s["out_sum"], c),
-                "input_moment": mirror_(_safe_div(s["xx"], c, out=s["xx"])),
-                "cross_moment": _safe_div(s["xy"], c, out=s["xy"])}
+        return {
+            "moment_experts": torch.tensor(self.experts, dtype=torch.int64),
+            "moment_count": c.clone(),
+            "moment_in_mean": _safe_div(s["in_sum"], c),
+            "moment_out_mean": _safe_div(s["out_sum"], c),
+            "input_moment": mirror_(_safe_div(s["xx"], c, out=s["xx"])),
+            "cross_moment": _safe_div(s["xy"], c, out=s["xy"]),
+        }
 
     def stat_bytes(self, packed: bool = True) -> int:
         from .symmetric import packed_size

@@ -23,8 +23,6 @@ from ..disk import free_bytes, tag_bytes
 from ..errors import MoECompressError
 
 
-
-
 @dataclass
 class ResourceEstimate:
     peak_memory_bytes: int
@@ -49,31 +47,47 @@ class ResourceEstimate:
     def problem(self) -> str | None:
         """The sentence that refuses the run, or None when it fits."""
         if self.peak_memory_bytes > self.memory_available_bytes:
-            hint = ("pass --offload-dir DIR to keep activations on disk, " if not self.activation_on_disk
-                    and self.activation_cache_bytes > self.memory_available_bytes * 0.25 else "")
-            return (f"Calibration needs about {_human(self.peak_memory_bytes)} of memory but only "
-                    f"{_human(self.memory_available_bytes)} is available; {hint}use a smaller --batch-size or fewer "
-                    "calibration sequences.")
-        if self.device_memory_bytes is not None and self.device_available_bytes is not None \
-                and self.device_memory_bytes > self.device_available_bytes:
-            return (f"One layer with its batch needs about {_human(self.device_memory_bytes)} of GPU memory but only "
-                    f"{_human(self.device_available_bytes)} is free; use a smaller --batch-size, --dtype bfloat16 "
-                    "or --device cpu.")
+            hint = (
+                "pass --offload-dir DIR to keep activations on disk, "
+                if not self.activation_on_disk
+                and self.activation_cache_bytes > self.memory_available_bytes * 0.25
+                else ""
+            )
+            return (
+                f"Calibration needs about {_human(self.peak_memory_bytes)} of memory but only "
+                f"{_human(self.memory_available_bytes)} is available; {hint}use a smaller --batch-size or fewer "
+                "calibration sequences."
+            )
+        if (
+            self.device_memory_bytes is not None
+            and self.device_available_bytes is not None
+            and self.device_memory_bytes > self.device_available_bytes
+        ):
+            return (
+                f"One layer with its batch needs about {_human(self.device_memory_bytes)} of GPU memory but only "
+                f"{_human(self.device_available_bytes)} is free; use a smaller --batch-size, --dtype bfloat16 "
+                "or --device cpu."
+            )
         if self.disk_bytes > self.disk_available_bytes:
-            return (f"Calibration needs about {_human(self.disk_bytes)} of disk (activation cache and statistics) but "
-                    f"only {_human(self.disk_available_bytes)} is free; free space or point --offload-dir/--out "
-                    "elsewhere.")
+            return (
+                f"Calibration needs about {_human(self.disk_bytes)} of disk (activation cache and statistics) but "
+                f"only {_human(self.disk_available_bytes)} is free; free space or point --offload-dir/--out "
+                "elsewhere."
+            )
         return None
 
     def rows(self) -> list[tuple[str, str]]:
         peak = f"{_human(self.peak_memory_bytes)} of {_human(self.memory_available_bytes)} available"
         cache = f"{_human(self.activation_cache_bytes)} ({'disk' if self.activation_on_disk else 'memory'})"
-        out = [("peak memory (host)", peak),
-               ("largest layer", _human(self.layer_bytes)), ("non-layer tensors", _human(self.non_layer_bytes)),
-               ("activation cache", cache),
-               ("collector sums (one layer)", _human(self.accumulator_bytes)),
-               ("statistics", _human(self.stats_bytes)),
-               ("disk", f"{_human(self.disk_bytes)} of {_human(self.disk_available_bytes)} free")]
+        out = [
+            ("peak memory (host)", peak),
+            ("largest layer", _human(self.layer_bytes)),
+            ("non-layer tensors", _human(self.non_layer_bytes)),
+            ("activation cache", cache),
+            ("collector sums (one layer)", _human(self.accumulator_bytes)),
+            ("statistics", _human(self.stats_bytes)),
+            ("disk", f"{_human(self.disk_bytes)} of {_human(self.disk_available_bytes)} free"),
+        ]
         if self.device_memory_bytes is not None:
             gpu = f"{_human(self.device_memory_bytes)} of {_human(self.device_available_bytes or 0)} free"
             out.append(("GPU memory", gpu))
@@ -115,8 +129,20 @@ def _stat_bytes(collector, packed: bool) -> int:
         return collector.stat_bytes()
 
 
-def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, offload_dir, out,
-             collector_classes, params, double_buffer: bool) -> ResourceEstimate:
+def estimate(
+    reader,
+    data,
+    adapter,
+    device,
+    dtype,
+    batch_size: int,
+    world: int,
+    offload_dir,
+    out,
+    collector_classes,
+    params,
+    double_buffer: bool,
+) -> ResourceEstimate:
     import psutil
 
     cfg = reader.config
@@ -142,36 +168,58 @@ def estimate(reader, data, adapter, device, dtype, batch_size: int, world: int, 
     inter = max(adapter.intermediate_size(i) for i in moe)
     k = max(adapter.top_k(i) for i in moe)
     tokens = batch_size * data.seq_len
-    batch_ws = tokens * hidden * comp_elem * 12 + tokens * k * inter * comp_elem * 3 \
+    batch_ws = (
+        tokens * hidden * comp_elem * 12
+        + tokens * k * inter * comp_elem * 3
         + batch_size * heads * data.seq_len * data.seq_len * 4
+    )
     acc, stats_total = stat_sizes(adapter, moe, collector_classes, params)
     baseline = psutil.Process().memory_info().rss
     on_gpu = torch.device(device).type == "cuda"
     # reading a layer holds its mapped shard pages and the copies; per-expert keys add the stacked and
     # concatenated fused tensors (measured ~3.5x the layer on the 4.98 GB benchmark checkpoint)
     factor = 3.5 if any(reader.converts(i) for i in range(last + 1)) else 2.0
-    peak_host = baseline + max(non_layer, factor * layer_bytes) + ram_act + (0 if on_gpu else batch_ws + 2 * acc)
+    peak_host = (
+        baseline + max(non_layer, factor * layer_bytes) + ram_act + (0 if on_gpu else batch_ws + 2 * acc)
+    )
     dev_need = dev_free = None
     if on_gpu:
         dev_need = max(non_layer, layer_bytes) + 2 * tokens * hidden * comp_elem + batch_ws + 2 * acc
         dev_free = torch.cuda.mem_get_info(torch.device(device))[0]
     disk_need = stats_total + (2 * act if on_disk else 0)
     return ResourceEstimate(
-        peak_memory_bytes=int(peak_host), memory_available_bytes=int(psutil.virtual_memory().available + baseline),
-        device_memory_bytes=dev_need, device_available_bytes=dev_free, activation_cache_bytes=int(act),
-        activation_on_disk=on_disk, stats_bytes=int(stats_total), disk_bytes=int(disk_need),
-        disk_available_bytes=free_bytes(offload_dir or Path(out).parent), layer_bytes=layer_bytes,
-        non_layer_bytes=non_layer, accumulator_bytes=int(acc))
+        peak_memory_bytes=int(peak_host),
+        memory_available_bytes=int(psutil.virtual_memory().available + baseline),
+        device_memory_bytes=dev_need,
+        device_available_bytes=dev_free,
+        activation_cache_bytes=int(act),
+        activation_on_disk=on_disk,
+        stats_bytes=int(stats_total),
+        disk_bytes=int(disk_need),
+        disk_available_bytes=free_bytes(offload_dir or Path(out).parent),
+        layer_bytes=layer_bytes,
+        non_layer_bytes=non_layer,
+        accumulator_bytes=int(acc),
+    )
 
 
-def probe_time(reader, data, device, dtype, batch_size: int, world: int, collector_classes, params,
-               est: ResourceEstimate) -> ResourceEstimate:
+def probe_time(
+    reader, data, device, dtype, batch_size: int, world: int, collector_classes, params, est: ResourceEstimate
+) -> ResourceEstimate:
     """Time one layer on one batch (first MoE layer, embedding output as a stand-in input) and extrapolate."""
     from .hooks import LayerObserver
     from .runner import SequentialRunner
 
-    one = type(data)(data.input_ids[:batch_size], data.attention_mask[:batch_size], data.spec, data.seq_len,
-                     data.seed, data.padded, data.chat_template, data.sources)
+    one = type(data)(
+        data.input_ids[:batch_size],
+        data.attention_mask[:batch_size],
+        data.spec,
+        data.seq_len,
+        data.seed,
+        data.padded,
+        data.chat_template,
+        data.sources,
+    )
     runner = SequentialRunner(reader, one, device, dtype, batch_size)
     runner.embed()
     adapter = runner.adapter
@@ -208,8 +256,13 @@ def probe_time(reader, data, device, dtype, batch_size: int, world: int, collect
         total += t_load * reader.layer_bytes(j) / probe_bytes
         total += n_batches * (t_obs if j in moe else t_plain)
     est.time_s = total
-    est.probe = {"layer": i, "load_s": t_load, "batch_s_plain": t_plain, "batch_s_observed": t_obs,
-                 "batches_per_rank": n_batches}
+    est.probe = {
+        "layer": i,
+        "load_s": t_load,
+        "batch_s_plain": t_plain,
+        "batch_s_observed": t_obs,
+        "batches_per_rank": n_batches,
+    }
     return est
 
 

@@ -31,15 +31,25 @@ def _group_of_batches(batches, sizes: Sequence[int], batch_size: int) -> dict[in
     for b, rows in batches:
         g = bisect.bisect_right(ends, rows.start)
         if rows.stop > ends[g]:
-            raise MoECompressError(f"Calibration groups of {list(sizes)} sequences do not split into batches of "
-                                   f"{batch_size}; make every group a multiple of the batch size.")
+            raise MoECompressError(
+                f"Calibration groups of {list(sizes)} sequences do not split into batches of "
+                f"{batch_size}; make every group a multiple of the batch size."
+            )
         out[b] = g
     return out
 
 
-def calibrate_groups(model: str, data: CalibrationData, sizes: Sequence[int], stats=None, *, batch_size: int = 8,
-                     dtype: str | None = "auto", device: str = "cpu", trust_remote_code: bool = False
-                     ) -> list[GroupStats]:
+def calibrate_groups(
+    model: str,
+    data: CalibrationData,
+    sizes: Sequence[int],
+    stats=None,
+    *,
+    batch_size: int = 8,
+    dtype: str | None = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> list[GroupStats]:
     """Per-group statistics of `model` on `data`, whose rows are `sizes[0]` sequences of group 0, then group 1, …
 
     stats: statistic names, as for `calibrate` (the routing defaults are always gathered)."""
@@ -49,12 +59,15 @@ def calibrate_groups(model: str, data: CalibrationData, sizes: Sequence[int], st
     from .runner import SequentialRunner
 
     if not sizes or min(sizes) < 1 or sum(sizes) != data.num_sequences:
-        raise MoECompressError(f"Calibration groups of {list(sizes)} sequences do not add up to the "
-                               f"{data.num_sequences} sequences given; pass one positive size per group.")
+        raise MoECompressError(
+            f"Calibration groups of {list(sizes)} sequences do not add up to the "
+            f"{data.num_sequences} sequences given; pass one positive size per group."
+        )
     classes = collectors_for(sorted(set(resolve_stats(stats)) | set(DEFAULT_STATS)))
     reader = CheckpointReader(model, trust_remote_code)
-    runner = SequentialRunner(reader, data, device, None if dtype in (None, "auto") else parse_dtype(dtype),
-                              batch_size)
+    runner = SequentialRunner(
+        reader, data, device, None if dtype in (None, "auto") else parse_dtype(dtype), batch_size
+    )
     group_of = _group_of_batches(runner.batches, sizes, batch_size)
     adapter = runner.adapter
     out: list[GroupStats] = [{} for _ in sizes]
@@ -65,7 +78,9 @@ def calibrate_groups(model: str, data: CalibrationData, sizes: Sequence[int], st
             obs = LayerObserver(adapter, i, sets[0])
             obs.attach()
             try:
-                runner.run_layer(i, observer=obs, before_batch=lambda b: obs.use(sets[group_of[b]]))
+                runner.run_layer(
+                    i, observer=obs, before_batch=lambda b, obs=obs, sets=sets: obs.use(sets[group_of[b]])
+                )
             finally:
                 obs.detach()
             for g, collectors in enumerate(sets):

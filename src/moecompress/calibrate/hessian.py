@@ -39,12 +39,15 @@ def _hessian_layers(collector: Collector) -> bool:
     try:
         sel = sorted({int(i) for i in sel})
     except (TypeError, ValueError):
-        raise MoECompressError(f"hessian_layers must be a list of layer ids, not {sel!r}; pass e.g. [0, 1].") from None
+        raise MoECompressError(
+            f"hessian_layers must be a list of layer ids, not {sel!r}; pass e.g. [0, 1]."
+        ) from None
     moe = list(collector.adapter.moe_layers)
     bad = [i for i in sel if i not in moe]
     if bad:
-        raise MoECompressError(f"hessian_layers names layer {bad[0]}, which is not a MoE layer; pass ids among "
-                               f"{moe}.")
+        raise MoECompressError(
+            f"hessian_layers names layer {bad[0]}, which is not a MoE layer; pass ids among {moe}."
+        )
     return collector.layer in sel
 
 
@@ -140,12 +143,14 @@ def _stat(stats, layer: int, name: str) -> torch.Tensor:
     try:
         return stats[layer][name]
     except KeyError:
-        raise MoECompressError(f"The statistics lack '{name}' for layer {layer}; re-run calibration with "
-                               "--for-method quant.") from None
+        raise MoECompressError(
+            f"The statistics lack '{name}' for layer {layer}; re-run calibration with --for-method quant."
+        ) from None
 
 
-def union_hessian(stats, layer: int, sources: Iterable, kind: str = "in", g2: bool = False
-                  ) -> tuple[torch.Tensor, int]:
+def union_hessian(
+    stats, layer: int, sources: Iterable, kind: str = "in", g2: bool = False
+) -> tuple[torch.Tensor, int]:
     r"""Hessian (float64) and token count of a stored expert built from `sources`.
 
     H_S = Σ_{s∈S} hessian_{kind}_s = Σ_t m_t(S) x_t x_tᵀ,  n_S = Σ_{s∈S} counts_s,  m_t(S) = |K(t) ∩ S|.
@@ -174,21 +179,27 @@ def union_hessian(stats, layer: int, sources: Iterable, kind: str = "in", g2: bo
     if kind not in ("in", "mid"):
         raise MoECompressError(f"kind must be 'in' or 'mid', not '{kind}'.")
     name = f"hessian_{kind}" + ("_g2" if g2 else "")
-    pairs = [(int(s[0]), int(s[1])) if isinstance(s, (tuple, list)) else (int(layer), int(s)) for s in sources]
+    pairs = [
+        (int(s[0]), int(s[1])) if isinstance(s, (tuple, list)) else (int(layer), int(s)) for s in sources
+    ]
     if not pairs:
         raise MoECompressError("A merged expert needs at least one source; pass its (layer, expert) pairs.")
     total, count = None, 0
     for li, e in pairs:
         h = _stat(stats, li, name)
         if h.shape[0] == 0:
-            raise MoECompressError(f"The statistics hold no '{name}' for layer {li} (gathered for other layers "
-                                   "only, hessian_layers); re-run calibration including this layer.")
+            raise MoECompressError(
+                f"The statistics hold no '{name}' for layer {li} (gathered for other layers "
+                "only, hessian_layers); re-run calibration including this layer."
+            )
         if not 0 <= e < h.shape[0]:
             raise MoECompressError(f"Source expert {e} is out of range: layer {li} has {h.shape[0]} experts.")
         he = h[e].to(torch.float64)
         if total is not None and he.shape != total.shape:
-            raise MoECompressError(f"Sources of widths {tuple(total.shape)} and {tuple(he.shape)} have no summed "
-                                   f"'{name}'; merge sources of one width.")
+            raise MoECompressError(
+                f"Sources of widths {tuple(total.shape)} and {tuple(he.shape)} have no summed "
+                f"'{name}'; merge sources of one width."
+            )
         total = he if total is None else total + he
         count += int(_stat(stats, li, "counts")[e])
     return total, count

@@ -69,8 +69,15 @@ class LayerObserver:
         x = h.reshape(-1, h.shape[-1])
         rows = self._rows(x)
         xv = x[rows]
-        self.observe(Observation(self.adapter, self.layer, xv, self.adapter.route(self.layer, xv),
-                                 chunk_tokens=self.chunk_tokens))
+        self.observe(
+            Observation(
+                self.adapter,
+                self.layer,
+                xv,
+                self.adapter.route(self.layer, xv),
+                chunk_tokens=self.chunk_tokens,
+            )
+        )
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.valid is None or self.valid.numel() != x.shape[0]:
@@ -125,7 +132,9 @@ class ObservedBlock(nn.Module):
         shared = adapter.shared_forward(i, x)
         if shared is not None:
             out = out + shared
-        obs = Observation(adapter, i, x[rows], _restrict(r, rows), outputs=outputs, chunk_tokens=ob.chunk_tokens)
+        obs = Observation(
+            adapter, i, x[rows], _restrict(r, rows), outputs=outputs, chunk_tokens=ob.chunk_tokens
+        )
         obs._mid.update(mids)
         ob.observe(obs)
         out = out.reshape(shape)

@@ -28,14 +28,24 @@ def _calibration(model: str, data: dict):
     from ..data import load_calibration, load_tokenizer
 
     if not isinstance(data, dict) or "spec" not in data:
-        raise MoECompressError("The calibration statistics do not record their data spec, which GPTQ of non-expert "
-                               "weights re-reads; calibrate again with this version or use --quant-algo rtn.")
+        raise MoECompressError(
+            "The calibration statistics do not record their data spec, which GPTQ of non-expert "
+            "weights re-reads; calibrate again with this version or use --quant-algo rtn."
+        )
     reader = CheckpointReader(model)
-    calib = load_calibration(str(data["spec"]), load_tokenizer(str(reader.path)), int(data["seq_len"]),
-                             int(data["seed"]), bool(data.get("padded", False)), bool(data.get("chat_template", False)))
+    calib = load_calibration(
+        str(data["spec"]),
+        load_tokenizer(str(reader.path)),
+        int(data["seq_len"]),
+        int(data["seed"]),
+        bool(data.get("padded", False)),
+        bool(data.get("chat_template", False)),
+    )
     if data.get("fingerprint") not in (None, calib.fingerprint()):
-        raise MoECompressError(f"The calibration data '{data['spec']}' no longer tokenizes to what the statistics "
-                               "were gathered on; calibrate again or use --quant-algo rtn.")
+        raise MoECompressError(
+            f"The calibration data '{data['spec']}' no longer tokenizes to what the statistics "
+            "were gathered on; calibrate again or use --quant-algo rtn."
+        )
     return reader, calib
 
 
@@ -53,8 +63,9 @@ def _final_norm(model: nn.Module) -> nn.Module | None:
     return getattr(model.base_model, "norm", None)
 
 
-def linear_hessian_pass(model: str, data: dict, names: list[str], batch_size: int = 8
-                        ) -> Iterator[tuple[int | None, dict[str, torch.Tensor]]]:
+def linear_hessian_pass(
+    model: str, data: dict, names: list[str], batch_size: int = 8
+) -> Iterator[tuple[int | None, dict[str, torch.Tensor]]]:
     """(decoder layer, {weight name: H [in, in] float64}) for each layer holding some of `names`, in order, then
     (None, {...}) for those outside the layers (lm_head); `data`: a store's ``meta["data"]`` (spec, seq_len, seed).
     A name whose module saw no real token is left out (its weight falls back to round-to-nearest)."""
@@ -79,8 +90,12 @@ def linear_hessian_pass(model: str, data: dict, names: list[str], batch_size: in
         for i in range(through + 1):
             runner.load_layer(i)
             acc: dict[str, torch.Tensor] = {}
-            hooks = [runner.model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(
-                lambda mod, args, n=n: _accumulate(acc, n, valid, args[0])) for n in by_layer.get(i, [])]
+            hooks = [
+                runner.model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(
+                    lambda mod, args, n=n, acc=acc: _accumulate(acc, n, valid, args[0])
+                )
+                for n in by_layer.get(i, [])
+            ]
             try:
                 runner.run_layer(i, before_batch=before)
             finally:

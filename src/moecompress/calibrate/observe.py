@@ -18,8 +18,15 @@ from ..models import MoEAdapter, Routing, expert_intermediate
 class Observation:
     """One batch at one MoE layer: x [N, H] (real tokens only) and their routing."""
 
-    def __init__(self, adapter: MoEAdapter, layer: int, x: torch.Tensor, routing: Routing,
-                 outputs: dict[int, torch.Tensor] | None = None, chunk_tokens: int = 1024):
+    def __init__(
+        self,
+        adapter: MoEAdapter,
+        layer: int,
+        x: torch.Tensor,
+        routing: Routing,
+        outputs: dict[int, torch.Tensor] | None = None,
+        chunk_tokens: int = 1024,
+    ):
         self.adapter, self.layer, self.x, self.routing = adapter, layer, x, routing
         self.num_experts = adapter.num_experts(layer)
         self._outputs: dict[int, torch.Tensor] = dict(outputs or {})
@@ -52,7 +59,9 @@ class Observation:
         """act(gate x) * (up x) of expert e on its routed tokens [n_e, I] (the input of its down projection)."""
         if e not in self._mid:
             tok, _ = self.routed(e)
-            self._mid[e] = expert_intermediate(self._expert(e), self.x[tok], self.adapter.layer(self.layer).act)
+            self._mid[e] = expert_intermediate(
+                self._expert(e), self.x[tok], self.adapter.layer(self.layer).act
+            )
         return self._mid[e]
 
     def output(self, e: int) -> torch.Tensor:
@@ -72,4 +81,9 @@ class Observation:
         for s in range(0, n, self.chunk_tokens):
             sl = slice(s, min(s + self.chunk_tokens, n))
             xs = self.x[sl]
-            yield sl, torch.stack([self.adapter.expert_forward(self.layer, e, xs) for e in range(self.num_experts)])
+            yield (
+                sl,
+                torch.stack(
+                    [self.adapter.expert_forward(self.layer, e, xs) for e in range(self.num_experts)]
+                ),
+            )

@@ -22,16 +22,25 @@ STAT_PROVIDERS: dict[str, str] = {}  # stat name -> collector name
 
 BUILTIN_COLLECTORS: tuple[type[Collector], ...] = (
     # shared by several methods
-    collectors.RoutingCollector, collectors.ReapCollector, collectors.OutputMomentsCollector,
-    collectors.ChannelNormCollector, collectors.AllExpertsCollector, collectors.MomentCollector,
+    collectors.RoutingCollector,
+    collectors.ReapCollector,
+    collectors.OutputMomentsCollector,
+    collectors.ChannelNormCollector,
+    collectors.AllExpertsCollector,
+    collectors.MomentCollector,
     collectors.RouterCorrelationCollector,
     # one method's statistics
     intermediate.IntermediateMeanCollector,  # prune, partial copies: mid_mean
     remap.RemapErrorCollector,  # prune, functional remap: remap_error
-    auto_stats.AutoOutputCollector, auto_stats.AutoAffineCollector, auto_stats.AutoMidCollector,  # auto
-    auto_stats.AutoSubstituteCollector, auto_stats.AutoSampleCollector,
-    hessian.HessianInCollector, hessian.HessianMidCollector,  # GPTQ
-    hessian.GateSquaredHessianInCollector, hessian.GateSquaredHessianMidCollector,
+    auto_stats.AutoOutputCollector,
+    auto_stats.AutoAffineCollector,
+    auto_stats.AutoMidCollector,  # auto
+    auto_stats.AutoSubstituteCollector,
+    auto_stats.AutoSampleCollector,
+    hessian.HessianInCollector,
+    hessian.HessianMidCollector,  # GPTQ
+    hessian.GateSquaredHessianInCollector,
+    hessian.GateSquaredHessianMidCollector,
 )
 
 DEFAULT_STATS = ("counts", "tokens", "routing_mass", "pp", "cp")
@@ -60,8 +69,9 @@ _register_builtins()
 def _unknown(names) -> None:
     unknown = [s for s in names if s not in STAT_PROVIDERS]
     if unknown:
-        raise MoECompressError(f"Unknown statistic '{unknown[0]}'; known statistics: "
-                               f"{', '.join(sorted(STAT_PROVIDERS))}.")
+        raise MoECompressError(
+            f"Unknown statistic '{unknown[0]}'; known statistics: {', '.join(sorted(STAT_PROVIDERS))}."
+        )
 
 
 def collectors_for(stats: list[str]) -> list[type[Collector]]:

@@ -44,7 +44,10 @@ class RemapErrorCollector(Collector):
                 self.sums["cnt"][k, e] += int(fold.sum())
 
     def finalize(self) -> dict[str, torch.Tensor]:
-        return {"remap_error": _safe_div(self.sums["err"], self.sums["cnt"]), "remap_count": self.sums["cnt"].clone()}
+        return {
+            "remap_error": _safe_div(self.sums["err"], self.sums["cnt"]),
+            "remap_count": self.sums["cnt"].clone(),
+        }
 
     def counts(self):
         return None

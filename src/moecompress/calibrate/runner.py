@@ -79,9 +79,19 @@ class SequentialRunner:
         double_buffer: keep a layer's inputs until the layer is done (needed for layer transforms).
     """
 
-    def __init__(self, reader: CheckpointReader, data: CalibrationData, device="cpu", dtype=None,
-                 batch_size: int = 8, rank: int = 0, world: int = 1, offload_dir=None, double_buffer: bool = False,
-                 run_key: str = ""):
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        data: CalibrationData,
+        device="cpu",
+        dtype=None,
+        batch_size: int = 8,
+        rank: int = 0,
+        world: int = 1,
+        offload_dir=None,
+        double_buffer: bool = False,
+        run_key: str = "",
+    ):
         from ..models import skeleton
 
         self.reader, self.data = reader, data
@@ -125,7 +135,11 @@ class SequentialRunner:
                     mask = self.data.attention_mask[rows]
                     current.clear()
                     try:
-                        base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+                        base(
+                            input_ids=ids.to(self.device),
+                            attention_mask=mask.to(self.device),
+                            use_cache=False,
+                        )
                     except _Stop:
                         pass
                     key = _mask_key(ids, mask)
@@ -148,9 +162,16 @@ class SequentialRunner:
         self.reader.free_layer(self.model, i)
 
     @torch.no_grad()
-    def run_layer(self, i: int, layer: nn.Module | None = None, observer=None, write: bool = True,
-                  on_batch: Callable | None = None, on_output: Callable | None = None,
-                  before_batch: Callable[[int], None] | None = None) -> None:
+    def run_layer(
+        self,
+        i: int,
+        layer: nn.Module | None = None,
+        observer=None,
+        write: bool = True,
+        on_batch: Callable | None = None,
+        on_output: Callable | None = None,
+        before_batch: Callable[[int], None] | None = None,
+    ) -> None:
         """Push every batch through decoder layer i (optionally observed); outputs become the next inputs."""
         layer = self.layers[i] if layer is None else layer
         for b, _ in self.batches:

@@ -32,13 +32,19 @@ import torch
 from ..errors import MoECompressError
 
 FORMAT = "moecompress-stats/2"
-FORMATS = ("moecompress-stats/1", FORMAT)  # the formats this version reads (1: no packed symmetric statistics)
+FORMATS = (
+    "moecompress-stats/1",
+    FORMAT,
+)  # the formats this version reads (1: no packed symmetric statistics)
 
 # statistics whose shape follows from the model alone ("E": the layer's experts, "H": the hidden size), checked
 # against the model from the files' headers (`StatsStore.check_model`)
-_SHAPES = {**dict.fromkeys(("counts", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_mean",
-                            "out_norm_sq_mean"), ("E",)),
-           **dict.fromkeys(("out_mean", "out_var", "in_channel_norm"), ("E", "H"))}
+_SHAPES = {
+    **dict.fromkeys(
+        ("counts", "routing_mass", "pp", "cp", "reap", "ean", "out_norm_mean", "out_norm_sq_mean"), ("E",)
+    ),
+    **dict.fromkeys(("out_mean", "out_var", "in_channel_norm"), ("E", "H")),
+}
 
 
 def _write_json(path: Path, obj) -> None:
@@ -75,8 +81,10 @@ def _unpacked(t: torch.Tensor, name: str, path: Path) -> torch.Tensor:
     from .symmetric import dim_of, unpack
 
     if t.dim() < 1 or dim_of(t.shape[-1]) is None:
-        raise MoECompressError(f"{path} holds '{name}' packed with {list(t.shape)} values, no upper triangle of a "
-                               "square matrix: the stats store is corrupted; re-run calibration.")
+        raise MoECompressError(
+            f"{path} holds '{name}' packed with {list(t.shape)} values, no upper triangle of a "
+            "square matrix: the stats store is corrupted; re-run calibration."
+        )
     return unpack(t)
 
 
@@ -108,9 +116,13 @@ def versions() -> dict[str, str]:
 
     from .._version import __version__
 
-    return {"moecompress": __version__, "torch": torch.__version__.split("+")[0],
-            "transformers": transformers.__version__, "safetensors": safetensors.__version__,
-            "python": platform.python_version()}
+    return {
+        "moecompress": __version__,
+        "torch": torch.__version__.split("+")[0],
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
 
 
 class StatsStore:
@@ -127,17 +139,21 @@ class StatsStore:
         path = Path(path)
         meta_file = path / "stats.json"
         if not meta_file.is_file():
-            raise MoECompressError(f"{path} is not a stats store (no stats.json); run "
-                                   "`moecompress calibrate` to create one.")
+            raise MoECompressError(
+                f"{path} is not a stats store (no stats.json); run `moecompress calibrate` to create one."
+            )
         try:
             meta = json.loads(meta_file.read_text())
         except json.JSONDecodeError:
-            raise MoECompressError(f"{meta_file} is not valid JSON: the stats store is corrupted; re-run "
-                                   "calibration.") from None
+            raise MoECompressError(
+                f"{meta_file} is not valid JSON: the stats store is corrupted; re-run calibration."
+            ) from None
         if meta.get("format") not in FORMATS:
-            raise MoECompressError(f"{path} holds stats format '{meta.get('format')}', which this version of "
-                                   f"moecompress does not read ({' or '.join(FORMATS)}); re-run calibration with this "
-                                   "version.")
+            raise MoECompressError(
+                f"{path} holds stats format '{meta.get('format')}', which this version of "
+                f"moecompress does not read ({' or '.join(FORMATS)}); re-run calibration with this "
+                "version."
+            )
         store = cls(path, meta)
         store.check(model_fingerprint, data_spec)
         return store
@@ -146,14 +162,23 @@ class StatsStore:
         """Refuse (one sentence) when the store was computed on another model or data spec."""
         m, d = self.meta["model"], self.meta["data"]
         if model_fingerprint is not None and m["fingerprint"] != model_fingerprint:
-            raise MoECompressError(f"The stats store {self.path} was computed on another model ({m['source']}); "
-                                   "re-run calibration for this model or pass the store made from it.")
+            raise MoECompressError(
+                f"The stats store {self.path} was computed on another model ({m['source']}); "
+                "re-run calibration for this model or pass the store made from it."
+            )
         if data_spec is not None and d["spec"] != data_spec:
-            raise MoECompressError(f"The stats store {self.path} was computed on data '{d['spec']}', not "
-                                   f"'{data_spec}'; re-run calibration with this data or pass --data {d['spec']}.")
+            raise MoECompressError(
+                f"The stats store {self.path} was computed on data '{d['spec']}', not "
+                f"'{data_spec}'; re-run calibration with this data or pass --data {d['spec']}."
+            )
 
-    def check_model(self, moe_layers: list[int], num_experts: dict[int, int], hidden_size: int,
-                    top_k: dict[int, int] | None = None) -> None:
+    def check_model(
+        self,
+        moe_layers: list[int],
+        num_experts: dict[int, int],
+        hidden_size: int,
+        top_k: dict[int, int] | None = None,
+    ) -> None:
         """Refuse (one sentence) a store whose statistics do not fit the model.
 
         The recorded identity (fingerprint, source) is only text: a store copied from another model with it
@@ -164,29 +189,37 @@ class StatsStore:
         from ..disk import read_header
 
         if sorted(self.layers) != sorted(moe_layers):
-            raise MoECompressError(f"The stats store {self.path} covers MoE layers {self.layers} but the model's are "
-                                   f"{sorted(moe_layers)}: it was made for another model; re-run calibration for "
-                                   "this model.")
+            raise MoECompressError(
+                f"The stats store {self.path} covers MoE layers {self.layers} but the model's are "
+                f"{sorted(moe_layers)}: it was made for another model; re-run calibration for "
+                "this model."
+            )
         for i in self.layers:
             try:
                 header = read_header(self._file(i))
             except (OSError, ValueError, UnicodeDecodeError):
-                raise MoECompressError(f"{self._file(i)} is missing or unreadable: the stats store is corrupted; "
-                                       "re-run calibration.") from None
+                raise MoECompressError(
+                    f"{self._file(i)} is missing or unreadable: the stats store is corrupted; "
+                    "re-run calibration."
+                ) from None
             dims = {"E": num_experts[i], "H": hidden_size}
             for name, entry in header.items():
                 want = [dims[d] for d in _SHAPES.get(name, ())]
                 if want and list(entry.get("shape", [])) != want:
-                    raise MoECompressError(f"The stats store {self.path} holds '{name}' of layer {i} with shape "
-                                           f"{entry.get('shape')}, but this model needs {want}: it was made for "
-                                           "another model; re-run calibration for this model.")
+                    raise MoECompressError(
+                        f"The stats store {self.path} holds '{name}' of layer {i} with shape "
+                        f"{entry.get('shape')}, but this model needs {want}: it was made for "
+                        "another model; re-run calibration for this model."
+                    )
             if top_k is not None and {"counts", "tokens"} <= set(header):
                 counts, tokens = self._read(i, "counts", ...), self._read(i, "tokens", ...)
                 if int(counts.sum()) != int(tokens) * top_k[i]:
                     per_token = int(counts.sum()) / max(int(tokens), 1)
-                    raise MoECompressError(f"The stats store {self.path} routes {per_token:g} experts per token in "
-                                           f"layer {i}, but this model routes {top_k[i]}: it was made for another "
-                                           "model; re-run calibration for this model.")
+                    raise MoECompressError(
+                        f"The stats store {self.path} routes {per_token:g} experts per token in "
+                        f"layer {i}, but this model routes {top_k[i]}: it was made for another "
+                        "model; re-run calibration for this model."
+                    )
 
     def _file(self, layer: int) -> Path:
         return self.path / f"layer_{layer:04d}.safetensors"
@@ -223,8 +256,9 @@ class StatsStore:
         missing = [n for n in names if n not in self.meta["stats"]]
         if missing:
             hint = f"--for-method {method}" if method else f"--stats {','.join(missing)}"
-            raise MoECompressError(f"The stats store {self.path} lacks '{missing[0]}'; re-run moecompress calibrate "
-                                   f"with {hint}.")
+            raise MoECompressError(
+                f"The stats store {self.path} lacks '{missing[0]}'; re-run moecompress calibrate with {hint}."
+            )
 
     def get(self, layer: int, name: str) -> torch.Tensor:
         """Statistic `name` of decoder layer `layer` (see docs/calibration.md for definitions and shapes)."""
@@ -249,13 +283,17 @@ class StatsStore:
                 packed = name in _packed_in(f.metadata())
                 t = f.get_tensor(name) if index is ... else f.get_slice(name)[index]
         except Exception:
-            raise MoECompressError(f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
-                                   "re-run calibration.") from None
+            raise MoECompressError(
+                f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
+                "re-run calibration."
+            ) from None
         # calibration never writes NaN or inf (it refuses them, and unreached experts get 0), so one here was
         # edited in or damaged; it used to change the plan silently (NaN scores sort anywhere)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise MoECompressError(f"The stats store {self.path} holds NaN or infinite values in '{name}' of layer "
-                                   f"{layer}: it is corrupted; re-run calibration.")
+            raise MoECompressError(
+                f"The stats store {self.path} holds NaN or infinite values in '{name}' of layer "
+                f"{layer}: it is corrupted; re-run calibration."
+            )
         return _unpacked(t, name, self._file(layer)) if packed else t
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
@@ -271,8 +309,9 @@ class StatsStore:
         return f"calibration {d['spec']} ({domains}), {d['tokens']:,} tokens, seq_len {d['seq_len']}, seed {d['seed']}"
 
 
-def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict,
-                inputs=None, overwrite: bool = False) -> StatsStore:
+def write_store(
+    out: Path, partial: PartialRun, layers: list[int], meta: dict, inputs=None, overwrite: bool = False
+) -> StatsStore:
     """Move the finished layer files of `partial` into a complete store at `out` (atomically).
 
     `inputs`: the model's fingerprint from when the run started (`atomic.fingerprint_inputs`), checked
@@ -286,8 +325,10 @@ def write_store(out: Path, partial: PartialRun, layers: list[int], meta: dict,
             os.replace(partial.dir / f"layer_{i:04d}.safetensors", Path(tmp) / f"layer_{i:04d}.safetensors")
             packed |= _file_packed(Path(tmp) / f"layer_{i:04d}.safetensors")
         # informational (each file's metadata says what it holds packed): which statistics are upper triangles
-        _write_json(Path(tmp) / "stats.json", {**meta, "packed": sorted(packed),
-                                               "packing": "upper triangle, torch.triu_indices order"})
+        _write_json(
+            Path(tmp) / "stats.json",
+            {**meta, "packed": sorted(packed), "packing": "upper triangle, torch.triu_indices order"},
+        )
     return StatsStore(Path(out), json.loads((Path(out) / "stats.json").read_text()))
 
 
@@ -328,20 +369,32 @@ class PartialRun:
                 old = json.loads(run.read_text())
             except (OSError, ValueError):
                 old = None
-            if not (isinstance(old, dict) and isinstance(old.get("identity"), dict)
-                    and isinstance(old.get("finished"), list)):
-                raise MoECompressError(f"The interrupted run in {self.dir} cannot be resumed (its run.json is cut "
-                                       "short or unreadable); drop --resume to start over.") from None
-            for key, what in (("model_fingerprint", "another model"), ("data_fingerprint", "other data"),
-                              ("data_spec", "another data spec")):
+            if not (
+                isinstance(old, dict)
+                and isinstance(old.get("identity"), dict)
+                and isinstance(old.get("finished"), list)
+            ):
+                raise MoECompressError(
+                    f"The interrupted run in {self.dir} cannot be resumed (its run.json is cut "
+                    "short or unreadable); drop --resume to start over."
+                ) from None
+            for key, what in (
+                ("model_fingerprint", "another model"),
+                ("data_fingerprint", "other data"),
+                ("data_spec", "another data spec"),
+            ):
                 if old["identity"].get(key) != identity.get(key):
-                    raise MoECompressError(f"The interrupted run in {self.dir} was made with {what} "
-                                           f"({old['identity'].get(key.replace('fingerprint', 'source'), key)}); "
-                                           "drop --resume to start over or pass its original inputs.")
+                    raise MoECompressError(
+                        f"The interrupted run in {self.dir} was made with {what} "
+                        f"({old['identity'].get(key.replace('fingerprint', 'source'), key)}); "
+                        "drop --resume to start over or pass its original inputs."
+                    )
             if old["identity"] != identity:
                 diff = sorted(k for k in identity if old["identity"].get(k) != identity[k])
-                raise MoECompressError(f"The interrupted run in {self.dir} used different settings ({', '.join(diff)}); "
-                                       "drop --resume to start over or pass the same settings.")
+                raise MoECompressError(
+                    f"The interrupted run in {self.dir} used different settings ({', '.join(diff)}); "
+                    "drop --resume to start over or pass the same settings."
+                )
             return [i for i in old["finished"] if (self.dir / f"layer_{i:04d}.safetensors").is_file()]
         if self.dir.exists():
             shutil.rmtree(self.dir)

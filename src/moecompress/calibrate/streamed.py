@@ -50,27 +50,42 @@ class _Named:
     def require(self, *names: str, method: str | None = None) -> None:
         missing = [n for n in names if not self.has(n)]
         if missing:
-            raise MoECompressError(f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it.")
+            raise MoECompressError(
+                f"The streamed statistics lack '{missing[0]}'; this is a bug, please report it."
+            )
 
 
 class LayerStats(_Named):
     """The statistics of one MoE layer of a `StreamedStats` pass, with a store's reading interface
     (``get``, ``get_row``, ``has``, ``require``, ``meta``) for that layer only."""
 
-    def __init__(self, layer: int, stats: dict[str, torch.Tensor], rows, square: frozenset[str], meta: dict,
-                 chunk: int, weights=None, replace=None):
+    def __init__(
+        self,
+        layer: int,
+        stats: dict[str, torch.Tensor],
+        rows,
+        square: frozenset[str],
+        meta: dict,
+        chunk: int,
+        weights=None,
+        replace=None,
+    ):
         self.layer, self.meta, self.chunk = layer, meta, chunk
         self.sequential = replace is not None  # the pass computes the next layer's inputs after the reader
         self._replace = replace
-        self.weights = weights  # (checkpoint, native name -> tensor) of the pass's loaded layer, as stored; or None
+        self.weights = (
+            weights  # (checkpoint, native name -> tensor) of the pass's loaded layer, as stored; or None
+        )
         self._stats, self._rows, self._square = stats, rows, square
         self._cached: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (experts, their square rows)
         self.passes = 0  # square-statistics passes run so far (tests)
 
     def _check(self, layer: int, name: str) -> None:
         if layer != self.layer or self._rows is None:
-            raise RuntimeError(f"Statistics of layer {layer} read while layer {self.layer}'s pass "
-                               f"{'is' if self._rows is not None else 'was'} current; this is a bug, please report it.")
+            raise RuntimeError(
+                f"Statistics of layer {layer} read while layer {self.layer}'s pass "
+                f"{'is' if self._rows is not None else 'was'} current; this is a bug, please report it."
+            )
         self.require(name)
 
     def get(self, layer: int, name: str) -> torch.Tensor:
@@ -79,8 +94,10 @@ class LayerStats(_Named):
             return self._stats[name]
         experts = list(range(int(self._stats["counts"].numel())))
         if self.chunk < len(experts):
-            raise RuntimeError(f"'{name}' is read one expert at a time on streamed statistics (get_row); this is a "
-                               "bug, please report it.")
+            raise RuntimeError(
+                f"'{name}' is read one expert at a time on streamed statistics (get_row); this is a "
+                "bug, please report it."
+            )
         if not self._holds(experts):
             self._gather(experts)
         return self._cached[1][name]
@@ -102,8 +119,10 @@ class LayerStats(_Named):
             return self._stats[name][list(ids)]
         if not self._holds(ids):
             if len(ids) > self.chunk:
-                raise RuntimeError(f"{len(ids)} experts' '{name}' asked for at once, more than the chunk of "
-                                   f"{self.chunk}; this is a bug, please report it.")
+                raise RuntimeError(
+                    f"{len(ids)} experts' '{name}' asked for at once, more than the chunk of "
+                    f"{self.chunk}; this is a bug, please report it."
+                )
             self._gather(sorted(set(ids)))
         experts, rows = self._cached
         return rows[name][[experts.index(e) for e in ids]]
@@ -137,49 +156,85 @@ class LayerStats(_Named):
 class StreamedStats(_Named):
     """Statistics `names` of `model` on calibration `data`, per layer, gathered on demand (module doc)."""
 
-    def __init__(self, model: str, data, names: list[str], *, seq_len: int = 256, seed: int = 0,
-                 batch_size: int = 8, dtype: str = "auto", chunk: int = CHUNK, sequential: bool = False):
-        self.cal = Calibration(model, data, CalibrationOptions(seq_len=seq_len, stats=names, batch_size=batch_size,
-                                                               dtype=dtype, seed=seed, progress=False), stream=True)
+    def __init__(
+        self,
+        model: str,
+        data,
+        names: list[str],
+        *,
+        seq_len: int = 256,
+        seed: int = 0,
+        batch_size: int = 8,
+        dtype: str = "auto",
+        chunk: int = CHUNK,
+        sequential: bool = False,
+    ):
+        self.cal = Calibration(
+            model,
+            data,
+            CalibrationOptions(
+                seq_len=seq_len, stats=names, batch_size=batch_size, dtype=dtype, seed=seed, progress=False
+            ),
+            stream=True,
+        )
         if self.cal.world > 1:
-            raise MoECompressError("Streamed statistics run in one process; calibrate into a store with "
-                                   "moecompress calibrate (multi-process) and pass it with --calib DIR.")
+            raise MoECompressError(
+                "Streamed statistics run in one process; calibrate into a store with "
+                "moecompress calibrate (multi-process) and pass it with --calib DIR."
+            )
         self.chunk, self.sequential = chunk, sequential
         self.square = frozenset().union(*(cls.square for cls in self.cal.classes))
-        self.meta = {"data": self.cal.calib.to_dict(), "stats": list(self.cal.names), "streamed": True,
-                     "calib_mode": "sequential" if sequential else "one-pass"}
+        self.meta = {
+            "data": self.cal.calib.to_dict(),
+            "stats": list(self.cal.names),
+            "streamed": True,
+            "calib_mode": "sequential" if sequential else "one-pass",
+        }
 
     def layers(self) -> Iterator[LayerStats]:
         """One pass: a `LayerStats` per MoE layer in order, valid until the next one is asked for."""
         from .runner import SequentialRunner
 
         cal = self.cal
-        runner = SequentialRunner(cal.reader, cal.calib, cal.device, cal.dtype, cal.options.batch_size,
-                                  double_buffer=True)  # a layer's inputs stay for its square-statistics passes
+        runner = SequentialRunner(
+            cal.reader, cal.calib, cal.device, cal.dtype, cal.options.batch_size, double_buffer=True
+        )  # a layer's inputs stay for its square-statistics passes
         squares = [cls for cls in cal.classes if cls.square]
         try:
             runner.embed()
             for i in runner.moe_passes():
                 # sequential: the layer's outputs wait until the reader has replaced what it compressed
-                stats_i = gather(runner, i, cal.classes, {**cal.params, "square_experts": []}, cal.device,
-                                 write=not self.sequential)
+                stats_i = gather(
+                    runner,
+                    i,
+                    cal.classes,
+                    {**cal.params, "square_experts": []},
+                    cal.device,
+                    write=not self.sequential,
+                )
                 stats_i = {k: v for k, v in stats_i.items() if k not in self.square}
 
                 def rows(ids: list[int], i=i) -> dict[str, torch.Tensor]:
-                    got = gather(runner, i, squares, {**cal.params, "square_experts": ids}, cal.device, write=False)
+                    got = gather(
+                        runner, i, squares, {**cal.params, "square_experts": ids}, cal.device, write=False
+                    )
                     return {k: v for k, v in got.items() if k in self.square}
 
                 weights = None
                 if cal.dtype is None:  # the runner holds the layer as stored: it can be lent (`each_layer`)
                     layer = runner.model.get_submodule(f"{cal.reader.layers_prefix}.{i}")
                     prefix = f"{cal.reader.layers_prefix}.{i}"
-                    weights = (str(cal.reader.path), {**dict(layer.named_parameters(prefix)),
-                                                      **dict(layer.named_buffers(prefix))})
+                    weights = (
+                        str(cal.reader.path),
+                        {**dict(layer.named_parameters(prefix)), **dict(layer.named_buffers(prefix))},
+                    )
                 replace = None
                 if self.sequential:
+
                     def replace(e: int, w, i=i) -> None:
                         with torch.no_grad():
                             runner.adapter.layer(i).storage.write(e, w)
+
                 view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk, weights, replace)
                 del stats_i, weights  # held by the view only: freeing the layer must free its tensors
                 yield view
@@ -201,8 +256,11 @@ def each_layer(stats, layers: list[int], adapter=None) -> Iterator[tuple[int, ob
         for view in stats.layers():
             if view.layer not in layers:
                 continue
-            lent = (view.weights is not None and hasattr(adapter, "lend")
-                    and adapter.lend(view.layer, view.weights[1], view.weights[0]))
+            lent = (
+                view.weights is not None
+                and hasattr(adapter, "lend")
+                and adapter.lend(view.layer, view.weights[1], view.weights[0])
+            )
             try:
                 yield view.layer, view
             finally:

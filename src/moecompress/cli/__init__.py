@@ -11,8 +11,12 @@ import typer
 from . import analyze, calibrate, compare, compress, dense, distill, eval, grid, inspect
 from .entry import run
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Compress trained Mixture-of-Experts language models after training.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Compress trained Mixture-of-Experts language models after training.",
+)
 
 app.command("inspect")(inspect.inspect_command)
 app.command("compress")(compress.compress_command)

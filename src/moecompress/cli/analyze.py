@@ -19,16 +19,28 @@ FIXTURE_DOMAINS = ["fixture-calib/technical", "fixture-calib/scripture", "fixtur
 def analyze_command(
     model: str = typer.Argument(..., help="Local checkpoint directory or hub id."),
     scope: int = typer.Option(4, "--scope", help="MoE layers per scope (consecutive); 1 = layer-local."),
-    out: str = typer.Option(..., "--out", help="Output directory (analysis.json + nn_heatmap.png, or drift.json + "
-                            "drift_<criterion>_<ratio>.png with --mask-drift)."),
-    mask_drift: bool = typer.Option(False, "--mask-drift", help="Mask drift across --data specs vs resampling."),
-    data: list[str] = typer.Option([], "--data", help="--mask-drift: a calibration spec (repeatable; default for "
-                                   "a fixture: its three corpora)."),
+    out: str = typer.Option(
+        ...,
+        "--out",
+        help="Output directory (analysis.json + nn_heatmap.png, or drift.json + "
+        "drift_<criterion>_<ratio>.png with --mask-drift).",
+    ),
+    mask_drift: bool = typer.Option(
+        False, "--mask-drift", help="Mask drift across --data specs vs resampling."
+    ),
+    data: list[str] = typer.Option(
+        [],
+        "--data",
+        help="--mask-drift: a calibration spec (repeatable; default for a fixture: its three corpora).",
+    ),
     criterion: str = typer.Option("reap", "--criterion", help="--mask-drift: the pruning criterion."),
     ratio: float = typer.Option(0.5, "--ratio", help="--mask-drift: the fraction of routed experts pruned."),
     draws: int = typer.Option(4, "--draws", help="--mask-drift: disjoint, token-matched draws of each spec."),
-    sequences: int | None = typer.Option(None, "--sequences", help="--mask-drift: windows per draw (default: the "
-                                         "most every spec can fill --draws times)."),
+    sequences: int | None = typer.Option(
+        None,
+        "--sequences",
+        help="--mask-drift: windows per draw (default: the most every spec can fill --draws times).",
+    ),
     seq_len: int = typer.Option(256, "--seq-len", help="--mask-drift: tokens per window."),
     seed: int = typer.Option(0, "--seed", help="--mask-drift: shuffles the documents before they are dealt."),
     bootstrap: int = typer.Option(1000, "--bootstrap", help="--mask-drift: bootstrap replicates over draws."),
@@ -42,8 +54,9 @@ def analyze_command(
     source = model
     model = resolve_fixture(model)
     if mask_drift:
-        return _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, seq_len, seed, bootstrap,
-                           overwrite)
+        return _mask_drift(
+            source, model, out, data, criterion, ratio, draws, sequences, seq_len, seed, bootstrap, overwrite
+        )
     if scope < 1:
         raise MoECompressError(f"--scope must be at least 1 (got {scope}); use 1 for layer-local or e.g. 4.")
     check_output(out, overwrite, protect=[model], kind="analysis")
@@ -70,8 +83,9 @@ def _reads(model):
     return fingerprint_inputs([model], checkpoint_fingerprint)
 
 
-def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, seq_len, seed, bootstrap,
-                overwrite) -> None:
+def _mask_drift(
+    source, model, out, data, criterion, ratio, draws, sequences, seq_len, seed, bootstrap, overwrite
+) -> None:
     from ..drift import mask_drift, write_drift
 
     check_range("--draws", draws, 2, hint="two draws or more")
@@ -81,16 +95,29 @@ def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, se
     check_range("--bootstrap", bootstrap, 1)
     specs = list(data) or (FIXTURE_DOMAINS if str(source).startswith("fixture:") else [])
     if not specs:
-        raise MoECompressError("--mask-drift needs calibration specs to compare; pass --data SPEC once per domain, "
-                               "e.g. --data c4:64 --data gsm8k:64.")
+        raise MoECompressError(
+            "--mask-drift needs calibration specs to compare; pass --data SPEC once per domain, "
+            "e.g. --data c4:64 --data gsm8k:64."
+        )
     check_output(out, overwrite, protect=[model], kind="analysis")
     with claim(out):
         inputs = _reads(model)
-        res = mask_drift(model, specs, [criterion], [ratio], draws=draws, sequences=sequences, seq_len=seq_len,
-                         seed=seed, bootstrap=bootstrap)
+        res = mask_drift(
+            model,
+            specs,
+            [criterion],
+            [ratio],
+            draws=draws,
+            sequences=sequences,
+            seq_len=seq_len,
+            seed=seed,
+            bootstrap=bootstrap,
+        )
         path = write_drift(res, out, overwrite=overwrite, protect=[model], inputs=inputs)
-    (name, s), = res.summary.items()
-    table = Table(title=f"mask drift, {name}: {res.draws} draws x {res.sequences * res.seq_len:,} tokens per spec")
+    ((name, s),) = res.summary.items()
+    table = Table(
+        title=f"mask drift, {name}: {res.draws} draws x {res.sequences * res.seq_len:,} tokens per spec"
+    )
     for col in ("pair", "Jaccard distance", "drift ratio"):
         table.add_column(col, justify="left" if col == "pair" else "right")
     for pair, v in s["domain"].items():
@@ -99,6 +126,8 @@ def _mask_drift(source, model, out, data, criterion, ratio, draws, sequences, se
         table.add_row(f"{spec} (resampled)", f"{v['overall']:.3f}", "")
     if "overall" in s["interval"]:
         lo, hi = s["interval"]["overall"]
-        table.add_row("all domain pairs ÷ resampling", "", f"{s['overall']['ratio']:.2f} [{lo:.2f}, {hi:.2f}]")
+        table.add_row(
+            "all domain pairs ÷ resampling", "", f"{s['overall']['ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
+        )
     Console().print(table)
     Console().print(f"wrote {path / 'drift.json'} and {path / f'drift_{name.replace(chr(64), chr(95))}.png'}")

@@ -18,31 +18,45 @@ from ..validate import check_range, check_seed
 
 
 def calibrate_command(
-    model: str = typer.Argument(..., help="Checkpoint directory (safetensors) or hub id; streamed layer by layer."),
-    data: str = typer.Option(..., "--data", help="Data spec: c4:128, wikitext2:64, fineweb-edu:256, gsm8k:128, "
-                                                 "fixture-calib:64, file.txt, file.jsonl#text, mixtures a:64+b:64."),
+    model: str = typer.Argument(
+        ..., help="Checkpoint directory (safetensors) or hub id; streamed layer by layer."
+    ),
+    data: str = typer.Option(
+        ...,
+        "--data",
+        help="Data spec: c4:128, wikitext2:64, fineweb-edu:256, gsm8k:128, "
+        "fixture-calib:64, file.txt, file.jsonl#text, mixtures a:64+b:64.",
+    ),
     seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per calibration sequence."),
     out: str = typer.Option(..., "--out", help="Stats store directory to write."),
     stats: str | None = typer.Option(None, "--stats", help="Comma-separated statistic names to gather."),
     for_method: str | None = typer.Option(None, "--for-method", help="Gather what this method needs."),
     offload_dir: str | None = typer.Option(None, "--offload-dir", help="Keep hidden states on disk here."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished layer."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue an interrupted run from its last finished layer."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only estimate memory, disk and time, then stop."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per batch."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32 or bfloat16."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration sequences."),
-    device: str | None = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: CUDA if present)."),
+    device: str | None = typer.Option(
+        None, "--device", help="cuda, cuda:1 or cpu (default: CUDA if present)."
+    ),
     pad: bool = typer.Option(False, "--pad", help="Pad documents with a mask instead of packing them."),
-    chat_template: bool = typer.Option(False, "--chat-template", help="Render text with the tokenizer's chat "
-                                                                      "template (instruct models)."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Tokenizer directory or id if the model "
-                                                                      "directory has none."),
-    moment_experts: str | None = typer.Option(None, "--moment-experts",
-                                                 help="Experts for input/cross moments: '0,3,5' or JSON "
-                                                      "{\"layer\": [ids]} (default: all)."),
-    hessian_layers: str | None = typer.Option(None, "--hessian-layers",
-                                                 help="MoE layers whose GPTQ Hessians to gather: '0,1,2' "
-                                                      "(default: all)."),
+    chat_template: bool = typer.Option(
+        False, "--chat-template", help="Render text with the tokenizer's chat template (instruct models)."
+    ),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="Tokenizer directory or id if the model directory has none."
+    ),
+    moment_experts: str | None = typer.Option(
+        None,
+        "--moment-experts",
+        help="Experts for input/cross moments: '0,3,5' or JSON {\"layer\": [ids]} (default: all).",
+    ),
+    hessian_layers: str | None = typer.Option(
+        None, "--hessian-layers", help="MoE layers whose GPTQ Hessians to gather: '0,1,2' (default: all)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing stats store."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
@@ -54,12 +68,28 @@ def calibrate_command(
     experts = _moment_experts(moment_experts) if moment_experts else None
     console = Console()
     try:
-        result = calibrate(model, data, seq_len=seq_len, out=out, stats=stats, for_method=for_method,
-                           offload_dir=offload_dir, resume=resume, dry_run=dry_run, batch_size=batch_size,
-                           dtype=dtype, seed=seed, device=device, padding=pad, chat_template=chat_template,
-                           tokenizer=tokenizer, moment_experts=experts, hessian_layers=hessian_layers,
-                           overwrite=overwrite,
-                           trust_remote_code=trust_remote_code)
+        result = calibrate(
+            model,
+            data,
+            seq_len=seq_len,
+            out=out,
+            stats=stats,
+            for_method=for_method,
+            offload_dir=offload_dir,
+            resume=resume,
+            dry_run=dry_run,
+            batch_size=batch_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            padding=pad,
+            chat_template=chat_template,
+            tokenizer=tokenizer,
+            moment_experts=experts,
+            hessian_layers=hessian_layers,
+            overwrite=overwrite,
+            trust_remote_code=trust_remote_code,
+        )
     finally:
         import torch.distributed as dist
 
@@ -89,14 +119,17 @@ def calibrate_command(
 
 def _moment_experts(text: str):
     """'0,3,5' -> [0, 3, 5]; '{"1": [0, 2]}' -> {"1": [0, 2]}; anything else refused in one sentence."""
-    bad = MoECompressError(f"--moment-experts '{text}' is neither '0,3,5' nor a JSON object {{\"layer\": [ids]}} "
-                           "of non-negative integers; fix it.")
+    bad = MoECompressError(
+        f"--moment-experts '{text}' is neither '0,3,5' nor a JSON object {{\"layer\": [ids]}} "
+        "of non-negative integers; fix it."
+    )
     try:
         if text.strip().startswith("{"):
             value = json.loads(text)
             ok = isinstance(value, dict) and all(
                 str(k).isdigit() and isinstance(v, list) and all(type(e) is int and e >= 0 for e in v)
-                for k, v in value.items())
+                for k, v in value.items()
+            )
         else:
             value = [int(e) for e in text.split(",") if e.strip()]
             ok = bool(value) and all(e >= 0 for e in value)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import typer
@@ -31,61 +30,101 @@ def parse_params(pairs: list[str]) -> dict:
         try:
             params[key.strip().replace("-", "_")] = yaml.safe_load(value)
         except yaml.YAMLError:
-            raise MoECompressError(f"--param '{pair}' has a value that is not a YAML scalar or list; quote it or "
-                                   "write e.g. --param rank=8.") from None
+            raise MoECompressError(
+                f"--param '{pair}' has a value that is not a YAML scalar or list; quote it or "
+                "write e.g. --param rank=8."
+            ) from None
     return params
 
 
 def compress_command(
     model: str = typer.Argument(..., help="Checkpoint directory or hub id."),
-    method: str = typer.Option("prune", help="prune | conmoe | m-smoe | hc-smoe | puzzlemoe | dense | auto ..."),
+    method: str = typer.Option(
+        "prune", help="prune | conmoe | m-smoe | hc-smoe | puzzlemoe | dense | auto ..."
+    ),
     out: Path = typer.Option(..., help="Output directory (written atomically)."),
-    calib: Optional[str] = typer.Option(None, help="Stats directory from `moecompress calibrate`, or a data spec."),
-    ratio: Optional[float] = typer.Option(None, help="Fraction of routed experts removed, in [0, 1)."),
-    criterion: Optional[str] = typer.Option(None, help="Selection criterion (prune/dense)."),
-    operator: Optional[str] = typer.Option(None, help="Replacement operator (prune)."),
-    rank: Optional[int] = typer.Option(None, help="Tilt rank / partial-copy budget (prune)."),
-    gate: Optional[str] = typer.Option(None, help="keep | renorm (prune, reroute)."),
-    budget: Optional[str] = typer.Option(None, help="Bytes kept (auto): a fraction of the original's weights as "
-                                         "stored on disk (0.5, 50%), or a size (4GB, 500MB, 1.5GiB); of the whole "
-                                         "file unless --budget-scope routed."),
-    budget_scope: Optional[str] = typer.Option(None, help="whole (default): --budget counts every weight of the "
-                                               "file and auto also gives attention, shared experts, dense MLPs, "
-                                               "embeddings and lm_head a precision | routed: it counts the routed "
-                                               "experts only, the rest stays as it is (auto)."),
+    calib: str | None = typer.Option(
+        None, help="Stats directory from `moecompress calibrate`, or a data spec."
+    ),
+    ratio: float | None = typer.Option(None, help="Fraction of routed experts removed, in [0, 1)."),
+    criterion: str | None = typer.Option(None, help="Selection criterion (prune/dense)."),
+    operator: str | None = typer.Option(None, help="Replacement operator (prune)."),
+    rank: int | None = typer.Option(None, help="Tilt rank / partial-copy budget (prune)."),
+    gate: str | None = typer.Option(None, help="keep | renorm (prune, reroute)."),
+    budget: str | None = typer.Option(
+        None,
+        help="Bytes kept (auto): a fraction of the original's weights as "
+        "stored on disk (0.5, 50%), or a size (4GB, 500MB, 1.5GiB); of the whole "
+        "file unless --budget-scope routed.",
+    ),
+    budget_scope: str | None = typer.Option(
+        None,
+        help="whole (default): --budget counts every weight of the "
+        "file and auto also gives attention, shared experts, dense MLPs, "
+        "embeddings and lm_head a precision | routed: it counts the routed "
+        "experts only, the rest stays as it is (auto).",
+    ),
     param: list[str] = typer.Option([], help="Any other method parameter as key=value (repeatable)."),
-    recipe: Optional[Path] = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
-    quant: Optional[str] = typer.Option(None, help="Also quantize every stored expert: w4g128, w3g64, w2g32, w8c "
-                                        "('a' suffix: asymmetric); --method quant quantizes the original experts."),
-    quant_algo: str = typer.Option("gptq", help="gptq (calibration Hessians) | rtn (round-to-nearest). GPTQ's "
-                                   "defaults are llm-compressor's: act order on (--param actorder=false), damp "
-                                   "0.01 (--param damp=0.1), block 128, each expert's routed tokens "
-                                   "(docs/quantization.md, 'Defaults')."),
-    quant_weighting: str = typer.Option("uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."),
-    quant_scope: Optional[str] = typer.Option(None, help="experts (default): --quant applies to the routed experts "
-                                              "| all: also to attention, shared experts and dense MLPs, with "
-                                              "embeddings and lm_head at w8c (round-to-nearest) and the router "
-                                              "untouched; written --format compact (docs/quantization.md, "
-                                              "'Non-expert tensors')."),
+    recipe: Path | None = typer.Option(None, help="YAML recipe {method, params}; CLI options override it."),
+    quant: str | None = typer.Option(
+        None,
+        help="Also quantize every stored expert: w4g128, w3g64, w2g32, w8c "
+        "('a' suffix: asymmetric); --method quant quantizes the original experts.",
+    ),
+    quant_algo: str = typer.Option(
+        "gptq",
+        help="gptq (calibration Hessians) | rtn (round-to-nearest). GPTQ's "
+        "defaults are llm-compressor's: act order on (--param actorder=false), damp "
+        "0.01 (--param damp=0.1), block 128, each expert's routed tokens "
+        "(docs/quantization.md, 'Defaults').",
+    ),
+    quant_weighting: str = typer.Option(
+        "uniform", help="GPTQ Hessian: uniform | gate2 (gate²-weighted tokens)."
+    ),
+    quant_scope: str | None = typer.Option(
+        None,
+        help="experts (default): --quant applies to the routed experts "
+        "| all: also to attention, shared experts and dense MLPs, with "
+        "embeddings and lm_head at w8c (round-to-nearest) and the router "
+        "untouched; written --format compact (docs/quantization.md, "
+        "'Non-expert tensors').",
+    ),
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
-    target: str = typer.Option("moecompress", help="The runtime that serves the output: moecompress (every plan) | "
-                               "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q4_0 / 16-bit "
-                               "type per layer tensor) | vllm | transformers (write hf); a plan the runtime cannot "
-                               "run is refused."),
-    imatrix: bool = typer.Option(False, "--imatrix", help="With a GGUF output: also write imatrix.gguf, llama.cpp's "
-                                 "importance matrix from the --calib statistics store, for llama-quantize "
-                                 "--imatrix (K- and i-quants); the store needs --stats "
-                                 "counts,tokens,in_channel_norm,mid_channel_norm."),
+    target: str = typer.Option(
+        "moecompress",
+        help="The runtime that serves the output: moecompress (every plan) | "
+        "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q4_0 / 16-bit "
+        "type per layer tensor) | vllm | transformers (write hf); a plan the runtime cannot "
+        "run is refused.",
+    ),
+    imatrix: bool = typer.Option(
+        False,
+        "--imatrix",
+        help="With a GGUF output: also write imatrix.gguf, llama.cpp's "
+        "importance matrix from the --calib statistics store, for llama-quantize "
+        "--imatrix (K- and i-quants); the store needs --stats "
+        "counts,tokens,in_channel_norm,mid_channel_norm.",
+    ),
     seq_len: int = typer.Option(256, help="Calibration sequence length."),
-    calib_mode: str = typer.Option("one-pass", help="one-pass: every layer's statistics on the original model's "
-                                   "activations | sequential: on the already-quantized earlier layers (GPTQ's "
-                                   "pipeline; --method quant with --calib a data spec)."),
+    calib_mode: str = typer.Option(
+        "one-pass",
+        help="one-pass: every layer's statistics on the original model's "
+        "activations | sequential: on the already-quantized earlier layers (GPTQ's "
+        "pipeline; --method quant with --calib a data spec).",
+    ),
     seed: int = typer.Option(0),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print memory, disk and time estimates; compute nothing."),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the estimates as JSON (bytes, seconds)."),
-    max_memory: Optional[str] = typer.Option(None, help="Refuse when the estimated peak memory exceeds this "
-                                             "(e.g. 16GB; default: the memory available now)."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print memory, disk and time estimates; compute nothing."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="With --dry-run: print the estimates as JSON (bytes, seconds)."
+    ),
+    max_memory: str | None = typer.Option(
+        None,
+        help="Refuse when the estimated peak memory exceeds this "
+        "(e.g. 16GB; default: the memory available now).",
+    ),
 ) -> None:
     """Compress MODEL with one method and write a checkpoint that is really smaller."""
     check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
@@ -99,8 +138,10 @@ def compress_command(
 
         spec = load_recipe(recipe, model=model)
         if len(spec.arms) != 1:
-            raise MoECompressError(f"{recipe} holds {len(spec.arms)} arms but compress builds one; use "
-                                   "`moecompress compare` for several arms.")
+            raise MoECompressError(
+                f"{recipe} holds {len(spec.arms)} arms but compress builds one; use "
+                "`moecompress compare` for several arms."
+            )
         arm = spec.arms[0]
         method = arm.method
         params.update(arm.params)
@@ -109,8 +150,15 @@ def compress_command(
         quant_setting = arm.quant  # validated with the recipe: passed down as it is unless a flag changes it
         if format == "auto":
             format = arm.format
-    given = dict(ratio=ratio, criterion=criterion, operator=operator, rank=rank, gate=gate, budget=budget,
-                 budget_scope=budget_scope)
+    given = dict(
+        ratio=ratio,
+        criterion=criterion,
+        operator=operator,
+        rank=rank,
+        gate=gate,
+        budget=budget,
+        budget_scope=budget_scope,
+    )
     params.update({k: v for k, v in given.items() if v is not None})
     params.update(parse_params(param))
     if quant is not None and method == "quant":
@@ -118,7 +166,9 @@ def compress_command(
     elif quant is not None:
         quant_setting = dict(quant=quant, algo=quant_algo, weighting=quant_weighting)
     if quant_scope is not None and isinstance(quant_setting, BaseModel):
-        quant_setting = quant_setting.model_dump()  # a flag changes the recipe's setting: validated again below
+        quant_setting = (
+            quant_setting.model_dump()
+        )  # a flag changes the recipe's setting: validated again below
     if quant_scope is not None:
         if quant_scope not in ("experts", "all"):
             raise MoECompressError(f"--quant-scope '{quant_scope}' is not known; use experts or all.")
@@ -127,8 +177,10 @@ def compress_command(
         elif quant_setting is not None:
             quant_setting["scope"] = quant_scope
         else:
-            raise MoECompressError("--quant-scope says which weights --quant applies to; give --quant too (e.g. "
-                                   "--quant w4g128 --quant-scope all).")
+            raise MoECompressError(
+                "--quant-scope says which weights --quant applies to; give --quant too (e.g. "
+                "--quant w4g128 --quant-scope all)."
+            )
     if validated is not None and params == recipe_params:
         params = validated  # no flag changed the recipe's params: its config object goes down as it is
     if dry_run or max_memory is not None:
@@ -137,10 +189,20 @@ def compress_command(
         except ValueError:
             limit = -1
         if limit <= 0:  # "-5GB" parsed to a negative limit, refused only after the estimate
-            raise MoECompressError(f"--max-memory '{max_memory}' is not a positive size such as 16GB or 512MB.")
-        est = estimate_compress(model, method, params, calib, seq_len, stats=needs_for(method, params, quant_setting),
-                                moment_fraction=moment_fraction(method, params),
-                                streamed_chunk=streamed_chunk(method, calib, quant_setting), out=out)
+            raise MoECompressError(
+                f"--max-memory '{max_memory}' is not a positive size such as 16GB or 512MB."
+            )
+        est = estimate_compress(
+            model,
+            method,
+            params,
+            calib,
+            seq_len,
+            stats=needs_for(method, params, quant_setting),
+            moment_fraction=moment_fraction(method, params),
+            streamed_chunk=streamed_chunk(method, calib, quant_setting),
+            out=out,
+        )
         if dry_run and as_json:
             typer.echo(json.dumps(est.to_dict(), indent=2))
         elif dry_run:
@@ -149,9 +211,21 @@ def compress_command(
         refuse_if_over(est, limit)
         if dry_run:
             return
-    result = compress(model, method, params, calib=calib, out=out, format=format, seq_len=seq_len, seed=seed,
-                      overwrite=overwrite, quant=quant_setting, calib_mode=calib_mode, target=target,
-                      imatrix=imatrix)
+    result = compress(
+        model,
+        method,
+        params,
+        calib=calib,
+        out=out,
+        format=format,
+        seq_len=seq_len,
+        seed=seed,
+        overwrite=overwrite,
+        quant=quant_setting,
+        calib_mode=calib_mode,
+        target=target,
+        imatrix=imatrix,
+    )
     Console().print(result.describe())
     table = auto_table(Path(result.path) / "plan.json")
     if table is not None:
@@ -166,13 +240,25 @@ def auto_table(plan_json: Path):
     rows = summary.get("layers")
     if not rows:
         return None
-    table = Table("layer", "gate", "representations", "stored bits", "bytes", "est. KL",
-                  title="auto: per-layer choices")
+    table = Table(
+        "layer", "gate", "representations", "stored bits", "bytes", "est. KL", title="auto: per-layer choices"
+    )
     for r in rows:
-        table.add_row(str(r["layer"]), r["gate"], ", ".join(f"{k} {v}" for k, v in r["choices"].items()),
-                      ", ".join(f"{k}-bit {v}" for k, v in r.get("bits", {}).items()) or "—",
-                      str(r["routed_bytes"]), f"{r['est_kl']:.3g}")
+        table.add_row(
+            str(r["layer"]),
+            r["gate"],
+            ", ".join(f"{k} {v}" for k, v in r["choices"].items()),
+            ", ".join(f"{k}-bit {v}" for k, v in r.get("bits", {}).items()) or "—",
+            str(r["routed_bytes"]),
+            f"{r['est_kl']:.3g}",
+        )
     for r in summary.get("tensors", []):  # a whole-file budget: the non-expert weights, one row per class
-        table.add_row(r["cls"], "", f"{sum(r['bits'].values())} tensors",
-                      ", ".join(f"{k}-bit {v}" for k, v in r["bits"].items()), str(r["bytes"]), f"{r['est_kl']:.3g}")
+        table.add_row(
+            r["cls"],
+            "",
+            f"{sum(r['bits'].values())} tensors",
+            ", ".join(f"{k}-bit {v}" for k, v in r["bits"].items()),
+            str(r["bytes"]),
+            f"{r['est_kl']:.3g}",
+        )
     return table

@@ -22,8 +22,10 @@ from ..memory import bound_kernel_caches
 try:
     from safetensors import SafetensorError as _SafetensorError
 except ImportError:  # pragma: no cover - safetensors is a hard dependency
+
     class _SafetensorError(Exception):
         pass
+
 
 err_console = Console(stderr=True, soft_wrap=True)
 
@@ -48,11 +50,16 @@ _received: list[int] = []
 def _interrupted(verb: str | None) -> None:
     signum = _received[0] if _received else 2
     # the verbs with --resume say how to continue (compare and demo keep their finished arms); others must not
-    hint = {"calibrate": " (run the same calibrate with --resume to continue)",
-            "compare": " (finished arms were kept: run the same compare with --resume to continue)",
-            "demo": " (finished arms were kept: run demo with --resume to continue)"}.get(verb or "", "")
-    err_console.print(f"[bold red]interrupted:[/] {_SIGNAL_NAMES.get(signum, signum)}; unfinished outputs were "
-                      f"removed{hint}.", highlight=False)
+    hint = {
+        "calibrate": " (run the same calibrate with --resume to continue)",
+        "compare": " (finished arms were kept: run the same compare with --resume to continue)",
+        "demo": " (finished arms were kept: run demo with --resume to continue)",
+    }.get(verb or "", "")
+    err_console.print(
+        f"[bold red]interrupted:[/] {_SIGNAL_NAMES.get(signum, signum)}; unfinished outputs were "
+        f"removed{hint}.",
+        highlight=False,
+    )
     sys.exit(128 + signum)
 
 
@@ -91,16 +98,22 @@ def run(app: typer.Typer, argv: list[str] | None = None) -> None:
         _interrupted(verb)
     except _SafetensorError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        err_console.print(f"[bold red]error:[/] A safetensors file is truncated or corrupt ({first}); re-download or "
-                          "re-export the checkpoint.", highlight=False)
+        err_console.print(
+            f"[bold red]error:[/] A safetensors file is truncated or corrupt ({first}); re-download or "
+            "re-export the checkpoint.",
+            highlight=False,
+        )
         sys.exit(2)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         where = f" while writing {exc.filename}" if exc.filename else ""
-        err_console.print(f"[bold red]error:[/] The disk is full{where}; free space there, or point --out (and "
-                          "TMPDIR, where plans keep their tensors until the export) at a larger disk, then run "
-                          "again (the unfinished output was removed).", highlight=False)
+        err_console.print(
+            f"[bold red]error:[/] The disk is full{where}; free space there, or point --out (and "
+            "TMPDIR, where plans keep their tensors until the export) at a larger disk, then run "
+            "again (the unfinished output was removed).",
+            highlight=False,
+        )
         sys.exit(2)
     finally:
         for sig, handler in previous.items():

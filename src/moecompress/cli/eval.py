@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -13,42 +12,85 @@ from ..api import evaluate
 
 
 def eval_command(
-    model: str = typer.Argument(..., help="Checkpoint directory (HF, or compact when moecompress.load supports it)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated lm-eval tasks, e.g. "
-                                        "fixture_cloze,fixture_nextword (local) or arc_easy,hellaswag (hub)."),
-    ppl: Optional[str] = typer.Option(None, "--ppl", help="Data spec or .txt/.jsonl file for perplexity, "
-                                      "next-token accuracy and KL (e.g. fixture-heldout)."),
-    limit: Optional[float] = typer.Option(None, help="Documents per task (int) or fraction (< 1)."),
-    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt."),
+    model: str = typer.Argument(
+        ..., help="Checkpoint directory (HF, or compact when moecompress.load supports it)."
+    ),
+    tasks: str | None = typer.Option(
+        None,
+        "--tasks",
+        help="Comma-separated lm-eval tasks, e.g. "
+        "fixture_cloze,fixture_nextword (local) or arc_easy,hellaswag (hub).",
+    ),
+    ppl: str | None = typer.Option(
+        None,
+        "--ppl",
+        help="Data spec or .txt/.jsonl file for perplexity, "
+        "next-token accuracy and KL (e.g. fixture-heldout).",
+    ),
+    limit: float | None = typer.Option(None, help="Documents per task (int) or fraction (< 1)."),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt."),
     batch_size: int = typer.Option(1, "--batch-size", help="Batch size for lm-eval and perplexity windows."),
-    reference: Optional[str] = typer.Option(None, "--reference",
-                                            help="Original model: KL(reference || MODEL) on --ppl."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results dict (JSON) here."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Also write report.md + PNGs into this directory."),
-    include_path: Optional[list[Path]] = typer.Option(None, "--include-path",
-                                                      help="Directory of local task YAML + JSONL. Its YAML may "
-                                                      "name Python code (lm-eval's !function), which runs: needs "
-                                                      "--trust-task-code."),
-    trust_task_code: bool = typer.Option(False, "--trust-task-code", help="Allow the Python code that "
-                                         "--include-path task files name to run (only for directories you trust)."),
+    reference: str | None = typer.Option(
+        None, "--reference", help="Original model: KL(reference || MODEL) on --ppl."
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Write the results dict (JSON) here."),
+    report: Path | None = typer.Option(
+        None, "--report", help="Also write report.md + PNGs into this directory."
+    ),
+    include_path: list[Path] | None = typer.Option(
+        None,
+        "--include-path",
+        help="Directory of local task YAML + JSONL. Its YAML may "
+        "name Python code (lm-eval's !function), which runs: needs "
+        "--trust-task-code.",
+    ),
+    trust_task_code: bool = typer.Option(
+        False,
+        "--trust-task-code",
+        help="Allow the Python code that "
+        "--include-path task files name to run (only for directories you trust).",
+    ),
     window: int = typer.Option(512, help="Perplexity window (tokens)."),
-    stride: Optional[int] = typer.Option(None, help="Perplexity stride (tokens; default = window)."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens of --ppl."),
+    stride: int | None = typer.Option(None, help="Perplexity stride (tokens; default = window)."),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", help="Evaluate only the first N tokens of --ppl."
+    ),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
-    device: Optional[str] = typer.Option(None, help="Device map, e.g. cpu, cuda, auto."),
+    device: str | None = typer.Option(None, help="Device map, e.g. cpu, cuda, auto."),
     seed: int = typer.Option(1234, help="Seed for lm-eval sampling."),
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier --out results file and "
-                                   "--report directory written by moecompress."),
-    allow_nan: bool = typer.Option(False, "--allow-nan", help="Keep NaN or infinite metrics (stored as null) "
-                                   "instead of exiting 1."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace an earlier --out results file and --report directory written by moecompress.",
+    ),
+    allow_nan: bool = typer.Option(
+        False, "--allow-nan", help="Keep NaN or infinite metrics (stored as null) instead of exiting 1."
+    ),
 ) -> None:
     """Perplexity, next-token accuracy, KL to a reference and lm-eval tasks, with per-item results."""
-    results = evaluate(model, tasks=tasks, ppl=ppl, reference=reference, limit=limit, num_fewshot=num_fewshot,
-                       batch_size=batch_size, include_path=include_path, window=window, stride=stride,
-                       max_tokens=max_tokens, dtype=dtype, device=device, seed=seed,
-                       trust_remote_code=trust_remote_code, out=out, report=report, overwrite=overwrite,
-                       trust_task_code=trust_task_code, allow_nan=allow_nan)
+    results = evaluate(
+        model,
+        tasks=tasks,
+        ppl=ppl,
+        reference=reference,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        include_path=include_path,
+        window=window,
+        stride=stride,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        trust_remote_code=trust_remote_code,
+        out=out,
+        report=report,
+        overwrite=overwrite,
+        trust_task_code=trust_task_code,
+        allow_nan=allow_nan,
+    )
     info, metrics = results["model"], results["arms"][0]["metrics"]
     console = Console()
     table = Table(title=f"{info['name']} ({info.get('model_type')})")

@@ -35,7 +35,9 @@ def grid_arms(criteria: list[str], operators: list[str], ratios: list[float], ra
 
     unknown = [o for o in operators if o not in OPERATOR_CELLS]
     if unknown:
-        raise MoECompressError(f"Unknown operator cell '{unknown[0]}'; choose from {', '.join(OPERATOR_CELLS)}.")
+        raise MoECompressError(
+            f"Unknown operator cell '{unknown[0]}'; choose from {', '.join(OPERATOR_CELLS)}."
+        )
     cells = list(dict.fromkeys(["constant", *operators]))
     arms, pairs = [], []
     for criterion in criteria:
@@ -52,18 +54,25 @@ def grid_arms(criteria: list[str], operators: list[str], ratios: list[float], ra
 def grid_command(
     model: str = typer.Argument(..., help="Checkpoint directory, hub id, or fixture:NAME."),
     criteria: str = typer.Option("mone,reap,frequency", help="Comma-separated selection criteria."),
-    operators: str = typer.Option("reroute-keep,reroute-renorm,tilt,partial,drop,remap",
-                                  help=f"Comma-separated operator cells ({', '.join(OPERATOR_CELLS)})."),
+    operators: str = typer.Option(
+        "reroute-keep,reroute-renorm,tilt,partial,drop,remap",
+        help=f"Comma-separated operator cells ({', '.join(OPERATOR_CELLS)}).",
+    ),
     ratios: str = typer.Option("0.25,0.5", help="Comma-separated reduction ratios."),
     rank: int = typer.Option(32, help="Tilt rank (and partial-copy budget)."),
     calib: str = typer.Option("fixture-calib:64", help="Calibration data spec or stats directory."),
     ppl: str = typer.Option("fixture-heldout", help="Perplexity / KL text spec."),
-    tasks: str = typer.Option("fixture_cloze,fixture_nextword", help="lm-eval tasks (comma-separated; '' for none)."),
+    tasks: str = typer.Option(
+        "fixture_cloze,fixture_nextword", help="lm-eval tasks (comma-separated; '' for none)."
+    ),
     limit: int = typer.Option(100, help="Documents per task."),
     out: Path = typer.Option(Path("runs/grid"), help="Report directory."),
     overwrite: bool = typer.Option(False),
-    allow_nan: bool = typer.Option(False, "--allow-nan", help="Keep arms whose metrics are NaN or infinite "
-                                   "(stored as null) instead of exiting 1."),
+    allow_nan: bool = typer.Option(
+        False,
+        "--allow-nan",
+        help="Keep arms whose metrics are NaN or infinite (stored as null) instead of exiting 1.",
+    ),
 ) -> None:
     """Hold each mask fixed, run every operator and gate scale on it, report paired intervals vs constant."""
     from ..recipe import CalibrationSpec, EvalSpec, Recipe
@@ -74,9 +83,14 @@ def grid_command(
     check_range("--rank", rank, 1)
     check_range("--limit", limit, 1)
     arms, pairs = grid_arms(split_list(criteria), split_list(operators), ratio_list, rank)
-    recipe = Recipe(model=model, calibration=CalibrationSpec(data=calib),
-                    eval=EvalSpec(ppl=ppl, tasks=split_list(tasks), limit=limit, latency=False, quant_baselines=[]),
-                    arms=arms)
-    results = compare(recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs, allow_nan=allow_nan)
+    recipe = Recipe(
+        model=model,
+        calibration=CalibrationSpec(data=calib),
+        eval=EvalSpec(ppl=ppl, tasks=split_list(tasks), limit=limit, latency=False, quant_baselines=[]),
+        arms=arms,
+    )
+    results = compare(
+        recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs, allow_nan=allow_nan
+    )
     Console().print(ranking_table(results))
     Console().print(f"grid report: {out / 'report.md'}")

@@ -25,7 +25,9 @@ def inspect_command(
         return
     console = Console()
     head = Table(title=f"{info['architecture']} ({info['model_type']})", show_header=False)
-    head.add_row("layers", f"{info['num_layers']} ({len(info['moe_layers'])} MoE, {len(info['dense_layers'])} dense)")
+    head.add_row(
+        "layers", f"{info['num_layers']} ({len(info['moe_layers'])} MoE, {len(info['dense_layers'])} dense)"
+    )
     head.add_row("routed experts / layer", ", ".join(map(str, info["experts_per_layer"])))
     head.add_row("top-k", str(info["top_k"]))
     head.add_row("router", info["router_convention"])
@@ -37,7 +39,9 @@ def inspect_command(
     total = info["bytes"]["total"]
     for part in ("routed_experts", "shared_experts", "router", "rest", "total"):
         b = info["bytes"][part]
-        sizes.add_row(part.replace("_", " "), f"{info['parameters'][part]:,}", human_bytes(b), f"{100 * b / total:.1f}%")
+        sizes.add_row(
+            part.replace("_", " "), f"{info['parameters'][part]:,}", human_bytes(b), f"{100 * b / total:.1f}%"
+        )
     if "bytes_on_disk" in info:
         sizes.add_row("on disk", "", human_bytes(info["bytes_on_disk"]), "")
     console.print(sizes)

@@ -16,6 +16,19 @@ from .spec import SourceSpec, parse_spec
 from .tokenizers import char_tokenizer
 
 __all__ = [
-    "FIXTURES", "HUB_DATASETS", "CalibrationData", "HubDataset", "Resample", "SourceInfo", "SourceSpec", "TokenStream",
-    "char_tokenizer", "disjoint_resamples", "encode_documents", "load_calibration", "load_tokenizer", "parse_spec", "token_stream",
+    "FIXTURES",
+    "HUB_DATASETS",
+    "CalibrationData",
+    "HubDataset",
+    "Resample",
+    "SourceInfo",
+    "SourceSpec",
+    "TokenStream",
+    "char_tokenizer",
+    "disjoint_resamples",
+    "encode_documents",
+    "load_calibration",
+    "load_tokenizer",
+    "parse_spec",
+    "token_stream",
 ]

@@ -74,7 +74,9 @@ class CalibrationData:
         if self.input_ids.dim() != 2 or self.input_ids.shape != self.attention_mask.shape:
             raise ValueError("input_ids and attention_mask must both be [sequences, seq_len]")
         if self.num_tokens == 0:
-            raise MoECompressError(f"The calibration data '{self.spec}' holds no tokens; pass text to calibrate on.")
+            raise MoECompressError(
+                f"The calibration data '{self.spec}' holds no tokens; pass text to calibrate on."
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -101,25 +103,47 @@ class CalibrationData:
     def describe(self) -> str:
         parts = [f"{s.term} [{s.domain}]" for s in self.sources] or [self.spec]
         mode = "padded" if self.padded else "packed"
-        return (f"{' + '.join(parts)}: {self.num_sequences} x {self.seq_len} {mode}, {self.num_tokens:,} tokens, "
-                f"seed {self.seed}")
+        return (
+            f"{' + '.join(parts)}: {self.num_sequences} x {self.seq_len} {mode}, {self.num_tokens:,} tokens, "
+            f"seed {self.seed}"
+        )
 
     def to_dict(self) -> dict:
-        return {"spec": self.spec, "seq_len": self.seq_len, "seed": self.seed, "padded": self.padded,
-                "chat_template": self.chat_template, "sequences": self.num_sequences, "tokens": self.num_tokens,
-                "fingerprint": self.fingerprint(), "sources": [s.to_dict() for s in self.sources]}
+        return {
+            "spec": self.spec,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "padded": self.padded,
+            "chat_template": self.chat_template,
+            "sequences": self.num_sequences,
+            "tokens": self.num_tokens,
+            "fingerprint": self.fingerprint(),
+            "sources": [s.to_dict() for s in self.sources],
+        }
 
     @classmethod
-    def from_tokens(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    spec: str | None = None, seed: int = 0) -> CalibrationData:
+    def from_tokens(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        spec: str | None = None,
+        seed: int = 0,
+    ) -> CalibrationData:
         """Wrap ready-made token ids (no tokenizer needed); spec defaults to a content hash."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64)
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, dtype=torch.int64)
+        mask = (
+            torch.ones_like(ids)
+            if attention_mask is None
+            else torch.as_tensor(attention_mask, dtype=torch.int64)
+        )
         data = cls(ids, mask, spec or "tokens", int(ids.shape[1]), seed, bool((mask == 0).any()))
         if spec is None:
             data.spec = f"tokens:{data.fingerprint()[:16]}"
-        data.sources = [SourceInfo(data.spec, "tokens", "in-memory token ids", "unspecified", data.num_sequences,
-                                   data.num_tokens)]
+        data.sources = [
+            SourceInfo(
+                data.spec, "tokens", "in-memory token ids", "unspecified", data.num_sequences, data.num_tokens
+            )
+        ]
         return data
 
 
@@ -134,12 +158,17 @@ def encode_documents(tokenizer, docs: list[Document], chat_template: bool = Fals
         return []
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise MoECompressError("The tokenizer has no chat template; drop --chat-template for a base model or "
-                                   "pass the instruct model's tokenizer.")
+            raise MoECompressError(
+                "The tokenizer has no chat template; drop --chat-template for a base model or "
+                "pass the instruct model's tokenizer."
+            )
         texts = []
         for d in docs:
-            msgs = ([{"role": "user", "content": d}] if isinstance(d, str)
-                    else [{"role": "user", "content": d[0]}, {"role": "assistant", "content": d[1]}])
+            msgs = (
+                [{"role": "user", "content": d}]
+                if isinstance(d, str)
+                else [{"role": "user", "content": d[0]}, {"role": "assistant", "content": d[1]}]
+            )
             texts.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False))
         return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     return tokenizer([_render(d) for d in docs], add_special_tokens=True, verbose=False)["input_ids"]
@@ -166,7 +195,7 @@ class _Windows:
             return
         if self.padded:
             for s in range(0, len(ids), self.seq_len):
-                self.rows.append(ids[s:s + self.seq_len])
+                self.rows.append(ids[s : s + self.seq_len])
         else:
             self.stream.extend(ids)
             if self.eos is not None and ids[-1] != self.eos:
@@ -183,17 +212,19 @@ class _Windows:
         ids = torch.full((len(pick), self.seq_len), self.pad, dtype=torch.int64)
         mask = torch.zeros((len(pick), self.seq_len), dtype=torch.int64)
         for r, w in enumerate(pick):
-            row = self.rows[w] if self.padded else self.stream[w * self.seq_len:(w + 1) * self.seq_len]
-            ids[r, :len(row)] = torch.tensor(row, dtype=torch.int64)
-            mask[r, :len(row)] = 1
+            row = self.rows[w] if self.padded else self.stream[w * self.seq_len : (w + 1) * self.seq_len]
+            ids[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            mask[r, : len(row)] = 1
         return ids, mask
 
 
 def _source_documents(src: SourceSpec, seed: int, purpose: str) -> tuple[Iterator[Document], str, str, bool]:
     """(documents, origin, domain, streamed) of one spec term; streamed sources are read lazily."""
     if src.kind == "task":
-        raise MoECompressError(f"'{src.term}' is a calibration term (task prompts, unlabeled); to score a model on "
-                               f"the task, pass it to --tasks ({src.name}) instead of a text spec.")
+        raise MoECompressError(
+            f"'{src.term}' is a calibration term (task prompts, unlabeled); to score a model on "
+            f"the task, pass it to --tasks ({src.name}) instead of a text spec."
+        )
     if src.kind == "hub":
         info = HUB_DATASETS[src.name]
         split = src.split or (info.calib_split if purpose == "calib" else info.eval_split)
@@ -205,7 +236,9 @@ def _source_documents(src: SourceSpec, seed: int, purpose: str) -> tuple[Iterato
     if src.kind == "fixture":
         path = fixture_path(src.name)
         if not path.is_file():
-            raise MoECompressError(f"The fixture text {path} is missing; reinstall moecompress from a full clone.")
+            raise MoECompressError(
+                f"The fixture text {path} is missing; reinstall moecompress from a full clone."
+            )
         dom = fixture_domain(src.name)
         domain = FIXTURES[src.name][1] if dom is None else FIXTURE_DOMAINS[dom[0]][dom[1]][2]
         return iter(fixture_documents(src.name)), f"{src.name} ({path.name})", domain, False
@@ -223,8 +256,14 @@ def _chunks(it: Iterator[Document], n: int) -> Iterator[list[Document]]:
         yield buf
 
 
-def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, padding: bool = False,
-                     chat_template: bool = False) -> CalibrationData:
+def load_calibration(
+    spec: str,
+    tokenizer,
+    seq_len: int = 2048,
+    seed: int = 0,
+    padding: bool = False,
+    chat_template: bool = False,
+) -> CalibrationData:
     """Tokenize, pack (or pad) and select the sequences a data spec asks for.
 
     Raises one sentence for a spec that names nothing, an empty file, a hub name offline, or data
@@ -255,7 +294,8 @@ def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, p
             what = f"{want} sequences" if want is not None else "one sequence"
             raise MoECompressError(
                 f"The data '{src.term}' holds {win.tokens:,} tokens, {have} full sequence(s) of {seq_len}, fewer than "
-                f"the {what} requested; pass more text, a smaller count or a smaller --seq-len.")
+                f"the {what} requested; pass more text, a smaller count or a smaller --seq-len."
+            )
         if want is None or lazy:
             pick = list(range(want if want is not None else have))
         else:
@@ -265,8 +305,9 @@ def load_calibration(spec: str, tokenizer, seq_len: int = 2048, seed: int = 0, p
         all_ids.append(ids)
         all_mask.append(mask)
         infos.append(SourceInfo(src.term, src.kind, origin, domain, len(pick), int(mask.sum())))
-    return CalibrationData(torch.cat(all_ids), torch.cat(all_mask), spec, seq_len, seed, padding, chat_template,
-                           infos)
+    return CalibrationData(
+        torch.cat(all_ids), torch.cat(all_mask), spec, seq_len, seed, padding, chat_template, infos
+    )
 
 
 def _task_rows(src: SourceSpec, tokenizer, seq_len: int, seed: int, chat_template: bool):
@@ -279,7 +320,11 @@ def _task_rows(src: SourceSpec, tokenizer, seq_len: int, seed: int, chat_templat
     overlap = ", the split it is evaluated on" if tp.overlaps_evaluation else ""
     origin = f"lm-eval task {tp.task}, {tp.documents} of {tp.available} {tp.split} documents{overlap}"
     domain = f"{tp.task} prompts (lm-eval zero-shot rendering, unlabeled)"
-    return ids, mask, SourceInfo(src.term, "task", origin, domain, len(win), int(mask.sum()), tp.documents, tp.split)
+    return (
+        ids,
+        mask,
+        SourceInfo(src.term, "task", origin, domain, len(win), int(mask.sum()), tp.documents, tp.split),
+    )
 
 
 @dataclass
@@ -298,7 +343,9 @@ def _pool(spec: str, tokenizer, seed: int, chat_template: bool, need: int) -> li
             raise MoECompressError(f"'{src.term}' draws task documents itself; resample a text spec instead.")
         docs, _, _, lazy = _source_documents(src, seed, "calib")
         if lazy and not need:
-            raise MoECompressError(f"'{src.term}' is streamed from the hub; give the number of sequences per draw.")
+            raise MoECompressError(
+                f"'{src.term}' is streamed from the hub; give the number of sequences per draw."
+            )
         have = 0
         for group in _chunks(docs, 64):
             for ids in encode_documents(tokenizer, group, chat_template):
@@ -332,8 +379,15 @@ def max_resample_sequences(pool: list[list[int]], order: list[int], seq_len: int
     return n
 
 
-def disjoint_resamples(spec: str, tokenizer, seq_len: int, sequences: int | None, resamples: int, seed: int = 0,
-                       chat_template: bool = False) -> list[Resample]:
+def disjoint_resamples(
+    spec: str,
+    tokenizer,
+    seq_len: int,
+    sequences: int | None,
+    resamples: int,
+    seed: int = 0,
+    chat_template: bool = False,
+) -> list[Resample]:
     """`resamples` draws of `spec`, each exactly `sequences` packed windows of `seq_len` tokens, on disjoint documents.
 
     The spec's documents are shuffled with `seed` and dealt out in that order: draw r takes documents until
@@ -343,17 +397,21 @@ def disjoint_resamples(spec: str, tokenizer, seq_len: int, sequences: int | None
     many it can.
     """
     if resamples < 1 or (sequences is not None and sequences < 1):
-        raise MoECompressError(f"Resampling needs at least one sequence and one draw (got {sequences} sequences, "
-                               f"{resamples} draws).")
+        raise MoECompressError(
+            f"Resampling needs at least one sequence and one draw (got {sequences} sequences, "
+            f"{resamples} draws)."
+        )
     pool = _pool(spec, tokenizer, seed, chat_template, (sequences or 0) * seq_len * resamples)
     order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
     most = max_resample_sequences(pool, order, seq_len, resamples)
     if sequences is None:
         sequences = most
     if sequences > most or most == 0:
-        raise MoECompressError(f"The data '{spec}' is too short for {resamples} disjoint draws of {sequences} x "
-                               f"{seq_len} tokens; it fills at most {most} sequences per draw, so ask for that many "
-                               "or fewer draws.")
+        raise MoECompressError(
+            f"The data '{spec}' is too short for {resamples} disjoint draws of {sequences} x "
+            f"{seq_len} tokens; it fills at most {most} sequences per draw, so ask for that many "
+            "or fewer draws."
+        )
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
     for r, used in enumerate(_deal(pool, order, sequences * seq_len, resamples)):
@@ -361,10 +419,21 @@ def disjoint_resamples(spec: str, tokenizer, seq_len: int, sequences: int | None
         for d in used:
             win.add(pool[d])
         ids, mask = win.tensors(list(range(sequences)))
-        info = SourceInfo(f"{spec}#draw{r}", "resample", f"{spec}, draw {r} of {resamples} (seed {seed})",
-                          spec, sequences, int(mask.sum()), len(used))
-        out.append(Resample(CalibrationData(ids, mask, f"{spec}#draw{r}", seq_len, seed, False, chat_template,
-                                            [info]), sorted(used)))
+        info = SourceInfo(
+            f"{spec}#draw{r}",
+            "resample",
+            f"{spec}, draw {r} of {resamples} (seed {seed})",
+            spec,
+            sequences,
+            int(mask.sum()),
+            len(used),
+        )
+        out.append(
+            Resample(
+                CalibrationData(ids, mask, f"{spec}#draw{r}", seq_len, seed, False, chat_template, [info]),
+                sorted(used),
+            )
+        )
     return out
 
 
@@ -392,8 +461,9 @@ class TokenStream:
                 break
 
 
-def token_stream(spec: str, tokenizer, seq_len: int | None = None, seed: int = 0,
-                 chat_template: bool = False) -> TokenStream:
+def token_stream(
+    spec: str, tokenizer, seq_len: int | None = None, seed: int = 0, chat_template: bool = False
+) -> TokenStream:
     """Token stream of a spec for evaluation: hub sources default to their evaluation split
     (wikitext2 -> test, c4 -> validation, gsm8k -> test), documents in dataset order, joined with EOS.
     A term's ``:count`` keeps its first ``count * seq_len`` tokens.
@@ -403,8 +473,9 @@ def token_stream(spec: str, tokenizer, seq_len: int | None = None, seed: int = 0
     parts, infos = [], []
     for src in terms:
         if src.count is not None and seq_len is None:
-            raise MoECompressError(f"'{src.term}' asks for {src.count} windows but no window length was given; "
-                                   "pass seq_len.")
+            raise MoECompressError(
+                f"'{src.term}' asks for {src.count} windows but no window length was given; pass seq_len."
+            )
         limit = None if src.count is None else src.count * seq_len
         docs, origin, domain, _ = _source_documents(src, seed, "eval")
         stream: list[int] = []
@@ -417,8 +488,10 @@ def token_stream(spec: str, tokenizer, seq_len: int | None = None, seed: int = 0
                 break
         if limit is not None:
             if len(stream) < limit:
-                raise MoECompressError(f"The data '{src.term}' holds {len(stream):,} tokens, fewer than the "
-                                       f"{limit:,} requested; pass more text or a smaller count.")
+                raise MoECompressError(
+                    f"The data '{src.term}' holds {len(stream):,} tokens, fewer than the "
+                    f"{limit:,} requested; pass more text or a smaller count."
+                )
             stream = stream[:limit]
         if not stream:
             raise MoECompressError(f"The data '{src.term}' holds no tokens; pass a file with text.")
@@ -434,8 +507,10 @@ def load_tokenizer(source: str, tokenizer: str | None = None):
     from ..models.loading import hub_reachable
 
     name = tokenizer or source
-    refusal = (f"No tokenizer could be loaded from {name}; pass --tokenizer with a directory or hub id holding "
-               "the model's tokenizer.")
+    refusal = (
+        f"No tokenizer could be loaded from {name}; pass --tokenizer with a directory or hub id holding "
+        "the model's tokenizer."
+    )
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=not hub_reachable())
     except Exception:

@@ -34,19 +34,48 @@ class HubDataset:
 
 HUB_DATASETS: dict[str, HubDataset] = {
     # the GPTQ/SparseGPT convention: first training shard of C4 English, first validation shard for eval
-    "c4": HubDataset("allenai/c4", None, "train", "validation", "web crawl (C4, English)",
-                     data_files={"train": "en/c4-train.00000-of-01024.json.gz",
-                                 "validation": "en/c4-validation.00000-of-00008.json.gz"}, streaming=True),
-    "wikitext2": HubDataset("Salesforce/wikitext", "wikitext-2-raw-v1", "train", "test",
-                            "encyclopedic (Wikipedia, WikiText-2 raw)", whole_split=True),
-    "fineweb-edu": HubDataset("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", "train",
-                              "educational web pages (FineWeb-Edu)", streaming=True),
-    "gsm8k": HubDataset("openai/gsm8k", "main", "train", "test", "grade-school math word problems (GSM8K)",
-                        fields=("question", "answer")),
+    "c4": HubDataset(
+        "allenai/c4",
+        None,
+        "train",
+        "validation",
+        "web crawl (C4, English)",
+        data_files={
+            "train": "en/c4-train.00000-of-01024.json.gz",
+            "validation": "en/c4-validation.00000-of-00008.json.gz",
+        },
+        streaming=True,
+    ),
+    "wikitext2": HubDataset(
+        "Salesforce/wikitext",
+        "wikitext-2-raw-v1",
+        "train",
+        "test",
+        "encyclopedic (Wikipedia, WikiText-2 raw)",
+        whole_split=True,
+    ),
+    "fineweb-edu": HubDataset(
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "train",
+        "train",
+        "educational web pages (FineWeb-Edu)",
+        streaming=True,
+    ),
+    "gsm8k": HubDataset(
+        "openai/gsm8k",
+        "main",
+        "train",
+        "test",
+        "grade-school math word problems (GSM8K)",
+        fields=("question", "answer"),
+    ),
 }
 
-_FIXTURE_DOMAIN = ("English prose: CPython 3.11 docs, World English Bible, The Devil's Dictionary "
-                   "(moecompress fixture corpus)")
+_FIXTURE_DOMAIN = (
+    "English prose: CPython 3.11 docs, World English Bible, The Devil's Dictionary "
+    "(moecompress fixture corpus)"
+)
 FIXTURES: dict[str, tuple[str, str]] = {
     "fixture-calib": ("calib.txt", _FIXTURE_DOMAIN),
     "fixture-heldout": ("heldout.txt", _FIXTURE_DOMAIN),
@@ -56,12 +85,16 @@ FIXTURES: dict[str, tuple[str, str]] = {
 # the Python docs, then the Bible books, then the dictionary letters, each split keeping that order).
 # tests/test_drift_data.py checks every run's content.
 FIXTURE_DOMAINS: dict[str, dict[str, tuple[int, int, str]]] = {
-    "fixture-calib": {"technical": (0, 35, "technical documentation (CPython 3.11 docs)"),
-                      "scripture": (35, 40, "scripture (World English Bible)"),
-                      "aphorisms": (40, 43, "aphorisms (The Devil's Dictionary)")},
-    "fixture-heldout": {"technical": (0, 40, "technical documentation (CPython 3.11 docs)"),
-                        "scripture": (40, 48, "scripture (World English Bible)"),
-                        "aphorisms": (48, 51, "aphorisms (The Devil's Dictionary)")},
+    "fixture-calib": {
+        "technical": (0, 35, "technical documentation (CPython 3.11 docs)"),
+        "scripture": (35, 40, "scripture (World English Bible)"),
+        "aphorisms": (40, 43, "aphorisms (The Devil's Dictionary)"),
+    },
+    "fixture-heldout": {
+        "technical": (0, 40, "technical documentation (CPython 3.11 docs)"),
+        "scripture": (40, 48, "scripture (World English Bible)"),
+        "aphorisms": (48, 51, "aphorisms (The Devil's Dictionary)"),
+    },
 }
 
 # documents inside a .txt file are separated by two empty lines (the fixture corpus format)
@@ -113,11 +146,14 @@ def file_documents(path: str, fld: str | None) -> list[Document]:
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise MoECompressError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file.") \
-                from None
+            raise MoECompressError(
+                f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file."
+            ) from None
         except RecursionError:
-            raise MoECompressError(f"{path} nests its JSON too deeply to hold text records; pass a list of "
-                                   "{\"text\": ...} objects.") from None
+            raise MoECompressError(
+                f"{path} nests its JSON too deeply to hold text records; pass a list of "
+                '{"text": ...} objects.'
+            ) from None
         records = data if isinstance(data, list) else [data]
     else:
         for n, line in enumerate(raw.splitlines(), 1):
@@ -125,18 +161,24 @@ def file_documents(path: str, fld: str | None) -> list[Document]:
                 try:
                     records.append(json.loads(line))
                 except (json.JSONDecodeError, RecursionError):
-                    raise MoECompressError(f"Line {n} of {path} is not a JSON object; a .jsonl file holds one "
-                                           "JSON record per line.") from None
+                    raise MoECompressError(
+                        f"Line {n} of {path} is not a JSON object; a .jsonl file holds one "
+                        "JSON record per line."
+                    ) from None
     docs = []
     for rec in records:
         if not isinstance(rec, dict) or fld not in rec:
             keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
-            raise MoECompressError(f"A record of {path} has no field '{fld}' (it has: {keys}); pass "
-                                   f"{path}#<field> naming the text field.")
+            raise MoECompressError(
+                f"A record of {path} has no field '{fld}' (it has: {keys}); pass "
+                f"{path}#<field> naming the text field."
+            )
         if isinstance(rec[fld], str) and rec[fld].strip():
             docs.append(rec[fld])
     if not docs:
-        raise MoECompressError(f"The field '{fld}' of {path} holds no text; pass a file with non-empty records.")
+        raise MoECompressError(
+            f"The field '{fld}' of {path} holds no text; pass a file with non-empty records."
+        )
     return docs
 
 
@@ -149,19 +191,24 @@ def hub_documents(name: str, split: str, seed: int, shuffle: bool = True) -> Ite
 
     ds_info = HUB_DATASETS[name]
     if not hub_reachable():
-        raise MoECompressError(f"The dataset '{name}' ({ds_info.dataset_id}) comes from the HuggingFace hub, which "
-                               "is unreachable (offline); pass a local file instead, e.g. --data path/to/file.txt "
-                               "or path/to/file.jsonl#text.")
+        raise MoECompressError(
+            f"The dataset '{name}' ({ds_info.dataset_id}) comes from the HuggingFace hub, which "
+            "is unreachable (offline); pass a local file instead, e.g. --data path/to/file.txt "
+            "or path/to/file.jsonl#text."
+        )
     try:
         import datasets
     except ImportError:  # pragma: no cover - the eval extra is missing
-        raise MoECompressError("Hub datasets need the 'datasets' package; pip install 'moecompress[eval]' or pass "
-                               "a local file.") from None
+        raise MoECompressError(
+            "Hub datasets need the 'datasets' package; pip install 'moecompress[eval]' or pass a local file."
+        ) from None
     kwargs: dict = {"split": split, "streaming": ds_info.streaming}
     if ds_info.data_files:
         if split not in ds_info.data_files:
-            raise MoECompressError(f"The dataset '{name}' has no split '{split}' here; use one of "
-                                   f"{', '.join(ds_info.data_files)}.")
+            raise MoECompressError(
+                f"The dataset '{name}' has no split '{split}' here; use one of "
+                f"{', '.join(ds_info.data_files)}."
+            )
         kwargs["data_files"] = {split: ds_info.data_files[split]}
     elif ds_info.config is not None:
         kwargs["name"] = ds_info.config
@@ -169,8 +216,10 @@ def hub_documents(name: str, split: str, seed: int, shuffle: bool = True) -> Ite
         ds = datasets.load_dataset(ds_info.dataset_id, **kwargs)
     except Exception as exc:  # network errors, unknown split, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise MoECompressError(f"Could not load {ds_info.dataset_id} split '{split}' from the hub ({first}); "
-                               "check the split name or pass a local file.") from None
+        raise MoECompressError(
+            f"Could not load {ds_info.dataset_id} split '{split}' from the hub ({first}); "
+            "check the split name or pass a local file."
+        ) from None
     if ds_info.whole_split:
         # WikiText is one running text split into lines: joined as GPTQ does, one single document
         yield "\n\n".join(r["text"] for r in ds)

@@ -25,8 +25,10 @@ from typing import Literal
 from ..errors import MoECompressError
 from .sources import FIXTURES, HUB_DATASETS, fixture_domain
 
-_EXAMPLE = ("e.g. c4:128, wikitext2:64, fixture-calib:32, task:hellaswag:128, path/to/file.txt or "
-            "path/to/file.jsonl#text:64+gsm8k:64")
+_EXAMPLE = (
+    "e.g. c4:128, wikitext2:64, fixture-calib:32, task:hellaswag:128, path/to/file.txt or "
+    "path/to/file.jsonl#text:64+gsm8k:64"
+)
 _FILE_SUFFIXES = (".txt", ".jsonl", ".json")
 
 
@@ -48,23 +50,27 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
     if m:
         body, count = m.group(1), int(m.group(2))
         if count <= 0:
-            raise MoECompressError(f"The data spec '{spec}' asks for {count} sequences from '{body}'; "
-                                   "ask for at least one.")
+            raise MoECompressError(
+                f"The data spec '{spec}' asks for {count} sequences from '{body}'; ask for at least one."
+            )
     split = None
     if "@" in body and not Path(body).exists():
         body, split = body.rsplit("@", 1)
         if not split:
-            raise MoECompressError(f"The data spec term '{term}' has an empty split after '@'; write e.g. "
-                                   "wikitext2@test.")
+            raise MoECompressError(
+                f"The data spec term '{term}' has an empty split after '@'; write e.g. wikitext2@test."
+            )
     body = body.strip()
     if not body:
         raise MoECompressError(f"The data spec '{spec}' has an empty term; {_EXAMPLE}.")
     key = body.lower()
     if key.startswith("task:"):
-        name = body[len("task:"):].strip()
+        name = body[len("task:") :].strip()
         if not name:
-            raise MoECompressError(f"The data spec term '{term}' names no task; write task:NAME:COUNT, e.g. "
-                                   "task:fixture_cloze:64 or task:hellaswag:128.")
+            raise MoECompressError(
+                f"The data spec term '{term}' names no task; write task:NAME:COUNT, e.g. "
+                "task:fixture_cloze:64 or task:hellaswag:128."
+            )
         return SourceSpec(term, "task", name, None, split, count)
     if key in HUB_DATASETS:
         return SourceSpec(term, "hub", key, None, split, count)
@@ -80,21 +86,29 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
         if p.is_dir():
             raise MoECompressError(f"The data file {path} is a directory; pass a .txt or .jsonl file.")
         if p.exists() and not p.is_file():  # /dev/zero, a FIFO, a socket: reading it would never end or block
-            raise MoECompressError(f"The data file {path} is not a regular file (a device or pipe); pass a .txt or "
-                                   ".jsonl file.")
+            raise MoECompressError(
+                f"The data file {path} is not a regular file (a device or pipe); pass a .txt or .jsonl file."
+            )
         if not p.is_file():
-            raise MoECompressError(f"The data file {path} does not exist; pass an existing .txt or .jsonl file.")
+            raise MoECompressError(
+                f"The data file {path} does not exist; pass an existing .txt or .jsonl file."
+            )
         if p.suffix.lower() not in _FILE_SUFFIXES:
-            raise MoECompressError(f"{path} is neither .txt, .jsonl nor .json; pass plain text (.txt) or JSON "
-                                   "records (.jsonl#field).")
+            raise MoECompressError(
+                f"{path} is neither .txt, .jsonl nor .json; pass plain text (.txt) or JSON "
+                "records (.jsonl#field)."
+            )
         if field and p.suffix.lower() == ".txt":
-            raise MoECompressError(f"'#{field}' only applies to JSON records, but {path} is plain text; drop "
-                                   f"'#{field}'.")
-        return SourceSpec(term, "file", str(p), field or ("text" if p.suffix.lower() != ".txt" else None),
-                          split, count)
+            raise MoECompressError(
+                f"'#{field}' only applies to JSON records, but {path} is plain text; drop '#{field}'."
+            )
+        return SourceSpec(
+            term, "file", str(p), field or ("text" if p.suffix.lower() != ".txt" else None), split, count
+        )
     known = ", ".join(list(HUB_DATASETS) + list(FIXTURES))
-    raise MoECompressError(f"Unknown dataset '{body}' in data spec '{spec}'; use one of {known} or a path to a "
-                           ".txt/.jsonl file.")
+    raise MoECompressError(
+        f"Unknown dataset '{body}' in data spec '{spec}'; use one of {known} or a path to a .txt/.jsonl file."
+    )
 
 
 def parse_spec(spec: str) -> list[SourceSpec]:

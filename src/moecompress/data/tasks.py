@@ -17,10 +17,10 @@ import difflib
 import logging
 import os
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ from ..errors import MoECompressError
 
 #: Directory of the local tasks shipped next to the fixtures (fixture_cloze, fixture_nextword, and the older fixture_mc, fixture_gen).
 FIXTURE_TASKS = Path(__file__).resolve().parent.parent / "fixtures" / "tasks"
+
 
 def _as_list(x) -> list:
     if x is None:
@@ -39,7 +40,11 @@ def _as_list(x) -> list:
 
 def parse_tasks(tasks: str | Sequence[str]) -> list[str]:
     """'a,b c' or ['a', 'b'] -> ['a', 'b', 'c'] (order kept, duplicates dropped)."""
-    items = re.split(r"[,\s]+", tasks) if isinstance(tasks, str) else [t for s in tasks for t in re.split(r"[,\s]+", s)]
+    items = (
+        re.split(r"[,\s]+", tasks)
+        if isinstance(tasks, str)
+        else [t for s in tasks for t in re.split(r"[,\s]+", s)]
+    )
     out: list[str] = []
     for t in items:
         if t and t not in out:
@@ -53,8 +58,10 @@ def local_task_paths(include_path=None) -> list[Path]:
     for p in _as_list(include_path):
         p = Path(p).expanduser()
         if not p.is_dir():
-            raise MoECompressError(f"The task directory {p} does not exist; pass a directory holding lm-eval "
-                                   "task YAML files (and their JSONL data) as include_path.")
+            raise MoECompressError(
+                f"The task directory {p} does not exist; pass a directory holding lm-eval "
+                "task YAML files (and their JSONL data) as include_path."
+            )
         paths.append(p.resolve())
     return paths
 
@@ -106,8 +113,10 @@ def resolve_tasks(tasks, include_path=None, online: bool | None = None):
     """
     names = parse_tasks(tasks)
     if not names:
-        raise MoECompressError("No lm-eval task given; pass task names such as fixture_cloze,fixture_nextword "
-                               "(local) or arc_easy,hellaswag (hub).")
+        raise MoECompressError(
+            "No lm-eval task given; pass task names such as fixture_cloze,fixture_nextword "
+            "(local) or arc_easy,hellaswag (hub)."
+        )
     paths = local_task_paths(include_path)
     local = _task_manager(paths, include_defaults=False)
     missing = [t for t in names if t not in local.all_tasks]
@@ -125,13 +134,15 @@ def resolve_tasks(tasks, include_path=None, online: bool | None = None):
                 raise MoECompressError(
                     f"The lm-eval task '{t}' downloads its data from the HuggingFace hub, which is not reachable; "
                     f"run where the hub is reachable, or use a local task ({local_list}, or your own YAML + JSONL "
-                    "passed with --include-path).")
+                    "passed with --include-path)."
+                )
         t = missing[0]
         near = _close(t, list(local.all_tasks) + list(fast))
         hint = f"did you mean {', '.join(near)}? " if near else ""
         raise MoECompressError(
             f"Unknown lm-eval task '{t}': {hint}Offline only local tasks run ({local_list}, or your own YAML + "
-            "JSONL passed with --include-path).")
+            "JSONL passed with --include-path)."
+        )
     full = _task_manager(paths, include_defaults=True)
     for t in missing:
         if t not in full.all_tasks:
@@ -176,7 +187,11 @@ class TaskPrompts:
 
 
 def _split_docs(task, split: str) -> list[dict] | None:
-    has = {"train": task.has_training_docs, "validation": task.has_validation_docs, "test": task.has_test_docs}[split]
+    has = {
+        "train": task.has_training_docs,
+        "validation": task.has_validation_docs,
+        "test": task.has_test_docs,
+    }[split]
     if not has():
         return None
     get = {"train": task.training_docs, "validation": task.validation_docs, "test": task.test_docs}[split]
@@ -193,13 +208,17 @@ def load_task(name: str, include_path=None):
     """The lm-eval `Task` object of one task name (a group or tag is refused: name one of its tasks)."""
     names, manager, _ = resolve_tasks(name, include_path)
     if len(names) != 1:
-        raise MoECompressError(f"A task data term names one lm-eval task, not '{name}'; write task:NAME:COUNT.")
+        raise MoECompressError(
+            f"A task data term names one lm-eval task, not '{name}'; write task:NAME:COUNT."
+        )
     with quiet_lm_eval():  # lm-eval warns about custom datasets on every load
         loaded = manager.load(names[0])
     task = loaded["tasks"].get(names[0])
     if task is None:
-        raise MoECompressError(f"'{name}' is an lm-eval group or tag, not a task; name one of its tasks "
-                               f"({', '.join(sorted(loaded['tasks'])[:5])}) in task:NAME.")
+        raise MoECompressError(
+            f"'{name}' is an lm-eval group or tag, not a task; name one of its tasks "
+            f"({', '.join(sorted(loaded['tasks'])[:5])}) in task:NAME."
+        )
     return task
 
 
@@ -209,7 +228,9 @@ def render_prompt(task, doc: dict) -> list[str]:
     return list(ctx) if isinstance(ctx, (list, tuple)) else [ctx]
 
 
-def task_prompts(name: str, count: int, seed: int, split: str | None = None, include_path=None) -> TaskPrompts:
+def task_prompts(
+    name: str, count: int, seed: int, split: str | None = None, include_path=None
+) -> TaskPrompts:
     """`count` documents of task `name`, drawn without replacement with `seed`, rendered as unlabeled prompts.
 
     split: which documents (``train``, ``validation``, ``test``); by default the first of those the task
@@ -220,8 +241,9 @@ def task_prompts(name: str, count: int, seed: int, split: str | None = None, inc
     ev = _eval_split(task)
     if split is not None:
         if split not in SPLITS:
-            raise MoECompressError(f"The task term 'task:{name}@{split}' names an unknown split; use one of "
-                                   f"{', '.join(SPLITS)}.")
+            raise MoECompressError(
+                f"The task term 'task:{name}@{split}' names an unknown split; use one of {', '.join(SPLITS)}."
+            )
         order = [split]
     else:
         order = [s for s in SPLITS if s != ev] + ([ev] if ev else [])
@@ -230,11 +252,15 @@ def task_prompts(name: str, count: int, seed: int, split: str | None = None, inc
         if docs:
             break
     else:
-        raise MoECompressError(f"The lm-eval task '{name}' has no documents in split {' or '.join(order)}; "
-                               "name a split it has, e.g. task:NAME@test:128.")
+        raise MoECompressError(
+            f"The lm-eval task '{name}' has no documents in split {' or '.join(order)}; "
+            "name a split it has, e.g. task:NAME@test:128."
+        )
     if count > len(docs):
-        raise MoECompressError(f"The lm-eval task '{name}' has {len(docs)} documents in its {which} split, fewer "
-                               f"than the {count} requested; ask for at most {len(docs)}.")
+        raise MoECompressError(
+            f"The lm-eval task '{name}' has {len(docs)} documents in its {which} split, fewer "
+            f"than the {count} requested; ask for at most {len(docs)}."
+        )
     pick = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed))[:count].tolist()
     prompts = [p for i in pick for p in render_prompt(task, docs[i])]
     return TaskPrompts(name, which, count, len(docs), ev, prompts)

@@ -21,6 +21,12 @@ def char_tokenizer(vocab_size: int = 96):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
     tok.normalizer = normalizers.Replace(Regex(r"\s"), " ")
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token=unk, model_max_length=1 << 30)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token=unk,
+        model_max_length=1 << 30,
+    )
     return fast

@@ -16,7 +16,19 @@ from .kd import LOSSES, ExpandedMoEBlock, expanded_teacher, hidden_mse, kd_loss
 from .trainer import DistillConfig, DistillResult, distill, plot_curve
 
 __all__ = [
-    "DENSE_TARGETS", "LOSSES", "DistillConfig", "DistillResult", "ExpandedMoEBlock", "StudentTarget", "build_student",
-    "distill", "expanded_teacher", "export_dense", "hidden_mse", "kd_loss", "plot_curve", "save_student",
+    "DENSE_TARGETS",
+    "LOSSES",
+    "DistillConfig",
+    "DistillResult",
+    "ExpandedMoEBlock",
+    "StudentTarget",
+    "build_student",
+    "distill",
+    "expanded_teacher",
+    "export_dense",
+    "hidden_mse",
+    "kd_loss",
+    "plot_curve",
+    "save_student",
     "student_target",
 ]

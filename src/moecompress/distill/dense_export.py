@@ -51,9 +51,18 @@ PLAN_NAME = "dense_plan.json"
 # teacher model_type -> dense model_type with the identical attention + norm path (`FamilySpec.dense_family`;
 # the teacher's own type: the same class with every layer dense through first_k_dense_replace)
 DENSE_TARGETS = {f.model_type: f.dense_family for f in FAMILIES.values() if f.dense_family is not None}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                    "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,10 @@ def student_target(adapter: MoEAdapter, config: DenseConfig | None = None) -> St
     dense = DENSE_TARGETS.get(mt)
     if config.target == "moe":
         if dense == mt:
-            raise MoECompressError(f"A {mt} student is always written dense (every layer dense through "
-                                   "first_k_dense_replace, exact); drop --target moe.")
+            raise MoECompressError(
+                f"A {mt} student is always written dense (every layer dense through "
+                "first_k_dense_replace, exact); drop --target moe."
+            )
         return StudentTarget("moe", mt, "one-expert top-1 form requested")
     why_not = None
     if dense is None:
@@ -87,8 +98,10 @@ def student_target(adapter: MoEAdapter, config: DenseConfig | None = None) -> St
     if why_not is None:
         return StudentTarget("dense", dense, f"{dense} has the same attention and norm path as {mt}")
     if config.target == "dense":
-        raise MoECompressError(f"A dense {mt} student is not possible: {why_not}; use --target auto for the "
-                               "one-expert MoE form (exactly dense).")
+        raise MoECompressError(
+            f"A dense {mt} student is not possible: {why_not}; use --target auto for the "
+            "one-expert MoE form (exactly dense)."
+        )
     return StudentTarget("moe", mt, why_not + "; written as the same MoE class with one expert, top-1")
 
 
@@ -97,23 +110,36 @@ def _find_ffn(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(attribute, module) of a decoder layer's plain gate/up/down MLP, or None."""
     for attr in ("mlp", "block_sparse_moe", "feed_forward", "ffn"):
         m = getattr(layer, attr, None)
-        if m is not None and all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        if m is not None and all(
+            isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
+        ):
             return attr, m
     return None
 
 
 def _mlp_weights(m: nn.Module) -> ExpertWeights:
     g, u, d = m.gate_proj, m.up_proj, m.down_proj
-    return ExpertWeights(g.weight.detach().double(), u.weight.detach().double(), d.weight.detach().double(),
-                         None if g.bias is None else g.bias.detach().double(),
-                         None if u.bias is None else u.bias.detach().double(),
-                         None if d.bias is None else d.bias.detach().double())
+    return ExpertWeights(
+        g.weight.detach().double(),
+        u.weight.detach().double(),
+        d.weight.detach().double(),
+        None if g.bias is None else g.bias.detach().double(),
+        None if u.bias is None else u.bias.detach().double(),
+        None if d.bias is None else d.bias.detach().double(),
+    )
 
 
 def _config_dict(config) -> dict:
     d = config.to_dict()
-    for k in ("architectures", "model_type", "transformers_version", "_name_or_path", "auto_map", "dtype",
-              "torch_dtype"):
+    for k in (
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "auto_map",
+        "dtype",
+        "torch_dtype",
+    ):
         d.pop(k, None)
     return d
 
@@ -165,7 +191,9 @@ def _new_model(config, dtype):
     return model.eval()
 
 
-def _layer_ffns(adapter: MoEAdapter, conversion: DenseConversion, fold_shared: bool) -> dict[int, ExpertWeights]:
+def _layer_ffns(
+    adapter: MoEAdapter, conversion: DenseConversion, fold_shared: bool
+) -> dict[int, ExpertWeights]:
     """Each decoder layer's FFN as the student will hold it (MoE layers converted, dense layers as is)."""
     out: dict[int, ExpertWeights] = {}
     for i, layer in enumerate(adapter.decoder_layers):
@@ -174,10 +202,14 @@ def _layer_ffns(adapter: MoEAdapter, conversion: DenseConversion, fold_shared: b
         else:
             found = _find_ffn(layer)
             if found is None:
-                raise MoECompressError(f"Decoder layer {i} has neither routed experts nor a gate/up/down MLP; this "
-                                       "architecture cannot be converted to dense.")
+                raise MoECompressError(
+                    f"Decoder layer {i} has neither routed experts nor a gate/up/down MLP; this "
+                    "architecture cannot be converted to dense."
+                )
             if is_streamed(adapter):
-                adapter._ensure(i)  # a teacher dense layer (DeepSeek's first layers): bring it in to copy its MLP
+                adapter._ensure(
+                    i
+                )  # a teacher dense layer (DeepSeek's first layers): bring it in to copy its MLP
             out[i] = _mlp_weights(found[1])
     return out
 
@@ -197,7 +229,7 @@ def _copy_teacher(adapter: MoEAdapter, targets: dict[str, torch.Tensor]) -> None
     prefix = adapter.reader.layers_prefix + "."
     by_layer: dict[int | None, list[str]] = {}
     for key in targets:
-        i = int(key[len(prefix):].split(".")[0]) if key.startswith(prefix) else None
+        i = int(key[len(prefix) :].split(".")[0]) if key.startswith(prefix) else None
         by_layer.setdefault(i, []).append(key)
     model = adapter.model
     if None in by_layer:
@@ -225,10 +257,14 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
     adapter = teacher if isinstance(teacher, MoEAdapter) else MoEAdapter(teacher)
     target = target or student_target(adapter, conversion.config)
     if target.fold_shared != conversion.fold_shared:
-        raise MoECompressError("The conversion was made for a different student form (shared experts folded or "
-                               "not); convert again with fold_shared matching the target.")
+        raise MoECompressError(
+            "The conversion was made for a different student form (shared experts folded or "
+            "not); convert again with fold_shared matching the target."
+        )
     model = adapter.model
-    dtype = next(p.dtype for p in model.parameters())  # the streamed view's skeleton reports its compute dtype
+    dtype = next(
+        p.dtype for p in model.parameters()
+    )  # the streamed view's skeleton reports its compute dtype
     ffns = _layer_ffns(adapter, conversion, target.fold_shared)
     if target.kind == "dense":
         width = max(w.gate.shape[0] for w in ffns.values())
@@ -242,15 +278,17 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
     filled: dict[str, torch.Tensor] = {}
     from_teacher: list[str] = []  # student keys copied verbatim from the teacher tensor of the same name
     s_layers = MoEAdapter(student) if target.kind == "moe" else None
-    s_decoder = (s_layers.decoder_layers if s_layers else _student_decoder(student))
+    s_decoder = s_layers.decoder_layers if s_layers else _student_decoder(student)
     names_s = {id(m): n for n, m in student.named_modules()}
 
     for i in range(len(adapter.decoder_layers)):
         if target.kind == "dense" or i not in adapter.layers:
             found = _find_ffn(s_decoder[i])
             if found is None:
-                raise MoECompressError(f"The {target.model_type} student's layer {i} has no gate/up/down MLP; "
-                                       "cannot place the dense FFN.")
+                raise MoECompressError(
+                    f"The {target.model_type} student's layer {i} has no gate/up/down MLP; "
+                    "cannot place the dense FFN."
+                )
             w = pad_ffn(ffns[i], found[1].gate_proj.out_features)
             prefix = names_s[id(found[1])]
             for part, lin in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -281,19 +319,25 @@ def build_student(teacher, conversion: DenseConversion, target: StudentTarget | 
             missing.append(key)
             continue
         if teacher_sd[key].shape != student_sd[key].shape:
-            raise MoECompressError(f"Tensor {key} has shape {tuple(teacher_sd[key].shape)} in the teacher but "
-                                   f"{tuple(student_sd[key].shape)} in the {target.model_type} student; the attention "
-                                   "path differs — use --target moe.")
+            raise MoECompressError(
+                f"Tensor {key} has shape {tuple(teacher_sd[key].shape)} in the teacher but "
+                f"{tuple(student_sd[key].shape)} in the {target.model_type} student; the attention "
+                "path differs — use --target moe."
+            )
         filled[key] = teacher_sd[key]
         from_teacher.append(key)
         consumed.add(key)
     if missing:
-        raise MoECompressError(f"The {target.model_type} student needs {missing[0]}, which the teacher does not have; "
-                               "the attention/norm path differs — use --target moe.")
+        raise MoECompressError(
+            f"The {target.model_type} student needs {missing[0]}, which the teacher does not have; "
+            "the attention/norm path differs — use --target moe."
+        )
     leftover = [k for k in teacher_sd if k not in consumed]
     if leftover:
-        raise MoECompressError(f"The teacher's {leftover[0]} has no place in the {target.model_type} student; the "
-                               "attention/norm path differs — use --target moe.")
+        raise MoECompressError(
+            f"The teacher's {leftover[0]} has no place in the {target.model_type} student; the "
+            "attention/norm path differs — use --target moe."
+        )
     with torch.no_grad():
         copied = set(from_teacher)
         for key, t in student_sd.items():
@@ -330,18 +374,24 @@ def _verify_blocks(adapter, student, s_decoder, s_layers, ffns, conversion, targ
             act = conversion.layers[i].act
         else:
             block = _find_ffn(s_decoder[i])[1]
-            act = conversion.layers[i].act if i in adapter.layers else adapter.layers[adapter.moe_layers[0]].act
+            act = (
+                conversion.layers[i].act if i in adapter.layers else adapter.layers[adapter.moe_layers[0]].act
+            )
         got = block(h[None])
         got = (got[0] if isinstance(got, tuple) else got)[0]
         want = ffn_apply(ffns[i].map(lambda t: t.to(dtype)), h, act)
         if s_layers is not None and i in adapter.layers and s_layers.layer(i).shared is not None:
             want = want + s_layers.shared_forward(i, h)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        if not torch.allclose(got.float(), want.float(), atol=tol * max(1.0, float(want.abs().max())), rtol=tol):
-            raise MoECompressError(f"The {target.model_type} student's layer {i} does not compute the converted FFN "
-                                   f"(max difference {float((got - want).abs().max()):.3g}); this family's "
-                                   f"{'one-expert' if target.kind == 'moe' else 'dense'} form is not exact here — "
-                                   "please report it.")
+        if not torch.allclose(
+            got.float(), want.float(), atol=tol * max(1.0, float(want.abs().max())), rtol=tol
+        ):
+            raise MoECompressError(
+                f"The {target.model_type} student's layer {i} does not compute the converted FFN "
+                f"(max difference {float((got - want).abs().max()):.3g}); this family's "
+                f"{'one-expert' if target.kind == 'moe' else 'dense'} form is not exact here — "
+                "please report it."
+            )
 
 
 # ----------------------------------------------------------------------------- writing
@@ -358,8 +408,16 @@ def copy_tokenizer(source: str | Path | None, out: Path) -> list[str]:
     return copied
 
 
-def save_student(student, out: str | Path, *, plan: dict, tokenizer_source=None, overwrite: bool = False,
-                 protect=(), inputs=None) -> Path:
+def save_student(
+    student,
+    out: str | Path,
+    *,
+    plan: dict,
+    tokenizer_source=None,
+    overwrite: bool = False,
+    protect=(),
+    inputs=None,
+) -> Path:
     """Write the student atomically: safetensors weights, config, tokenizer, and the plan beside them.
 
     `protect`: what the conversion read (teacher, stats store, tokenizer), which `out` may not be, contain or
@@ -371,8 +429,16 @@ def save_student(student, out: str | Path, *, plan: dict, tokenizer_source=None,
     return Path(out)
 
 
-def load_stats(calib, model, tokenizer=None, *, seq_len: int = 256, num_sequences: int | None = None,
-               gram: bool = True, progress: bool = True) -> tuple[dict, dict]:
+def load_stats(
+    calib,
+    model,
+    tokenizer=None,
+    *,
+    seq_len: int = 256,
+    num_sequences: int | None = None,
+    gram: bool = True,
+    progress: bool = True,
+) -> tuple[dict, dict]:
     """(stats per layer, description) from a stats store directory, a {layer: {name: tensor}} mapping, or
     a calibration data spec (text file, fixture name, hub dataset) collected here with a full forward."""
     from ..methods.dense import collect_dense_stats
@@ -383,7 +449,9 @@ def load_stats(calib, model, tokenizer=None, *, seq_len: int = 256, num_sequence
     if path.is_dir():
         return _read_store(path)
     if tokenizer is None:
-        raise MoECompressError("Calibrating from text needs the model's tokenizer; pass a model directory that has one.")
+        raise MoECompressError(
+            "Calibrating from text needs the model's tokenizer; pass a model directory that has one."
+        )
     from ..data import load_calibration
 
     spec = str(calib) if num_sequences is None or ":" in str(calib) else f"{calib}:{num_sequences}"
@@ -400,17 +468,28 @@ def _read_store(path: Path) -> tuple[dict, dict]:
         _store = None
     loader = getattr(_store, "load_stats", None) if _store is not None else None
     if loader is None:
-        raise MoECompressError(f"{path} is a directory but this installation cannot read calibration stats stores yet; "
-                               "pass a calibration text (e.g. --calib fixture-calib:64) instead.")
+        raise MoECompressError(
+            f"{path} is a directory but this installation cannot read calibration stats stores yet; "
+            "pass a calibration text (e.g. --calib fixture-calib:64) instead."
+        )
     store = loader(path)
     layers = getattr(store, "layers", None)
     stats = {int(i): dict(store.layer(int(i))) for i in layers} if layers is not None else dict(store)
     return stats, {"source": str(path)}
 
 
-def export_dense(model, out: str | Path, config: DenseConfig | None = None, *, calib="fixture-calib:32",
-                 seq_len: int = 256, tokenizer_source: str | None = None, overwrite: bool = False,
-                 dtype: str = "auto", progress: bool = True) -> dict:
+def export_dense(
+    model,
+    out: str | Path,
+    config: DenseConfig | None = None,
+    *,
+    calib="fixture-calib:32",
+    seq_len: int = 256,
+    tokenizer_source: str | None = None,
+    overwrite: bool = False,
+    dtype: str = "auto",
+    progress: bool = True,
+) -> dict:
     """Convert `model` (directory, hub id or loaded model) and write the dense student to `out`.
 
     A directory or hub id is streamed (module doc): `dtype` is the arithmetic and student dtype, "auto" the
@@ -428,12 +507,24 @@ def export_dense(model, out: str | Path, config: DenseConfig | None = None, *, c
     check_output(out, overwrite, protect, kind="checkpoint:dense")
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
-        return _export_dense(model, out, config, calib=calib, seq_len=seq_len, tokenizer_source=tokenizer_source,
-                             overwrite=overwrite, dtype=dtype, progress=progress, protect=protect, inputs=inputs)
+        return _export_dense(
+            model,
+            out,
+            config,
+            calib=calib,
+            seq_len=seq_len,
+            tokenizer_source=tokenizer_source,
+            overwrite=overwrite,
+            dtype=dtype,
+            progress=progress,
+            protect=protect,
+            inputs=inputs,
+        )
 
 
-def _export_dense(model, out, config, *, calib, seq_len, tokenizer_source, overwrite, dtype, progress, protect,
-                  inputs) -> dict:
+def _export_dense(
+    model, out, config, *, calib, seq_len, tokenizer_source, overwrite, dtype, progress, protect, inputs
+) -> dict:
     config = config or DenseConfig()
     source = None
     if isinstance(model, (str, Path)):
@@ -452,19 +543,39 @@ def _export_dense(model, out, config, *, calib, seq_len, tokenizer_source, overw
         except MoECompressError:
             tokenizer = None
     target = student_target(adapter, config)
-    stats, calib_info = load_stats(calib, model, tokenizer, seq_len=seq_len,
-                                   gram=config.criterion.startswith("do-") or config.grouping == "oc",
-                                   progress=progress)
+    stats, calib_info = load_stats(
+        calib,
+        model,
+        tokenizer,
+        seq_len=seq_len,
+        gram=config.criterion.startswith("do-") or config.grouping == "oc",
+        progress=progress,
+    )
     conversion = convert(adapter, stats, config, fold_shared=target.fold_shared, progress=progress)
     student = build_student(adapter, conversion, target)
-    plan = dict(conversion.plan, teacher=source or getattr(model, "name_or_path", None), calibration=calib_info,
-                student={"kind": target.kind, "model_type": target.model_type, "class": type(student).__name__,
-                         "reason": target.reason, "intermediate_size": _width(student, target)})
-    save_student(student, out, plan=plan, tokenizer_source=tok_src, overwrite=overwrite, protect=protect,
-                 inputs=inputs)
-    summary = {"out": str(out), "student_class": type(student).__name__, "form": target.kind,
-               "model_type": target.model_type, "intermediate_size": plan["student"]["intermediate_size"],
-               "bytes": dir_bytes(out)}
+    plan = dict(
+        conversion.plan,
+        teacher=source or getattr(model, "name_or_path", None),
+        calibration=calib_info,
+        student={
+            "kind": target.kind,
+            "model_type": target.model_type,
+            "class": type(student).__name__,
+            "reason": target.reason,
+            "intermediate_size": _width(student, target),
+        },
+    )
+    save_student(
+        student, out, plan=plan, tokenizer_source=tok_src, overwrite=overwrite, protect=protect, inputs=inputs
+    )
+    summary = {
+        "out": str(out),
+        "student_class": type(student).__name__,
+        "form": target.kind,
+        "model_type": target.model_type,
+        "intermediate_size": plan["student"]["intermediate_size"],
+        "bytes": dir_bytes(out),
+    }
     if source is not None and Path(source).is_dir():
         summary["teacher_bytes"] = dir_bytes(source)
     if is_streamed(adapter):

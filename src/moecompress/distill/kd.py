@@ -31,14 +31,21 @@ Loss = Literal["forward_kl", "reverse_kl", "kl_hidden"]
 LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "kl_hidden")
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "forward_kl",
-            temperature: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mean per-token KL between teacher and student next-token distributions (module doc), float32."""
     if temperature <= 0:
         raise MoECompressError(f"Temperature {temperature} must be positive; pass e.g. --temperature 1.")
     if student_logits.shape[-1] != teacher_logits.shape[-1]:
-        raise MoECompressError(f"Teacher vocabulary ({teacher_logits.shape[-1]}) and student vocabulary "
-                               f"({student_logits.shape[-1]}) differ; distillation needs the same tokenizer.")
+        raise MoECompressError(
+            f"Teacher vocabulary ({teacher_logits.shape[-1]}) and student vocabulary "
+            f"({student_logits.shape[-1]}) differ; distillation needs the same tokenizer."
+        )
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     if kind == "reverse_kl":
@@ -55,8 +62,10 @@ def hidden_mse(student_hidden, teacher_hidden) -> torch.Tensor:
     """(1/L) Σ_l mean((h_l^S − h_l^T)²) over the decoder layers' outputs (the embeddings, index 0, skipped)."""
     s, t = list(student_hidden)[1:], list(teacher_hidden)[1:]
     if len(s) != len(t) or not s:
-        raise MoECompressError(f"The student has {len(s)} layers and the teacher {len(t)}; the hidden-state loss "
-                               "needs the same depth (use --loss forward_kl).")
+        raise MoECompressError(
+            f"The student has {len(s)} layers and the teacher {len(t)}; the hidden-state loss "
+            "needs the same depth (use --loss forward_kl)."
+        )
     return torch.stack([F.mse_loss(a.float(), b.float().to(a.device)) for a, b in zip(s, t)]).mean()
 
 
@@ -88,10 +97,14 @@ class ExpandedMoEBlock(nn.Module):
 def check_expanded_top_k(adapter: MoEAdapter, top_k: int) -> None:
     for i in adapter.moe_layers:
         spec = adapter.router_spec(i)
-        reachable = spec.num_experts if spec.n_group <= 1 else spec.topk_group * (spec.num_experts // spec.n_group)
+        reachable = (
+            spec.num_experts if spec.n_group <= 1 else spec.topk_group * (spec.num_experts // spec.n_group)
+        )
         if not spec.top_k <= top_k <= reachable:
-            raise MoECompressError(f"Expanded teacher top-k {top_k} is outside {spec.top_k}..{reachable} for layer {i} "
-                                   f"(router top-k {spec.top_k}, {reachable} experts reachable); pick a k' in that range.")
+            raise MoECompressError(
+                f"Expanded teacher top-k {top_k} is outside {spec.top_k}..{reachable} for layer {i} "
+                f"(router top-k {spec.top_k}, {reachable} experts reachable); pick a k' in that range."
+            )
 
 
 @contextlib.contextmanager

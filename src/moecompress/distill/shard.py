@@ -78,7 +78,11 @@ def shard_fsdp2(teacher: nn.Module, mesh=None, offload_policy=None) -> nn.Module
     if isinstance(teacher, FSDPModule):  # already sharded (the same teacher distilled twice in one process)
         return teacher
     teacher.eval().requires_grad_(False)
-    kwargs = {"mesh": mesh, "reshard_after_forward": True, "offload_policy": offload_policy or OffloadPolicy()}
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": True,
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
     for unit in fsdp2_units(teacher):
         fully_shard(unit, **kwargs)
     fully_shard(teacher, **kwargs)
@@ -105,11 +109,14 @@ def shard_zero3(teacher: nn.Module, ds_config: dict):
     try:
         import deepspeed
     except ImportError:
-        raise MoECompressError("The accelerate config selects DeepSpeed ZeRO-3 but deepspeed is not installed; "
-                               "`pip install deepspeed` or use configs/accelerate/fsdp2.yaml.") from None
+        raise MoECompressError(
+            "The accelerate config selects DeepSpeed ZeRO-3 but deepspeed is not installed; "
+            "`pip install deepspeed` or use configs/accelerate/fsdp2.yaml."
+        ) from None
     teacher.eval().requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=teacher, config=zero3_inference_config(ds_config,
-                                                                                   int(teacher.config.hidden_size)))
+    engine, *_ = deepspeed.initialize(
+        model=teacher, config=zero3_inference_config(ds_config, int(teacher.config.hidden_size))
+    )
     engine.eval()
     return engine
 
@@ -118,13 +125,19 @@ def place_teacher(teacher: nn.Module, accelerator, device: torch.device, expande
     """The frozen teacher laid out for the Trainer's `accelerator` (module doc); call it on every rank."""
     placement = teacher_placement(accelerator)
     if placement == "fsdp2":
-        plugin = getattr(accelerator.state, "fsdp_plugin", None)  # its offload policy applies to the teacher too
-        return shard_fsdp2(teacher, fsdp2_mesh(accelerator), plugin.cpu_offload if plugin is not None else None)
+        plugin = getattr(
+            accelerator.state, "fsdp_plugin", None
+        )  # its offload policy applies to the teacher too
+        return shard_fsdp2(
+            teacher, fsdp2_mesh(accelerator), plugin.cpu_offload if plugin is not None else None
+        )
     if placement == "zero3":
         if expanded_top_k is not None:
             # ZeRO-3 gathers a module's parameters in that module's forward hooks; the expanded teacher
             # replaces the MoE blocks by modules the engine never hooked, so their experts stay partitioned
-            raise MoECompressError("An expanded teacher (--expanded-top-k) is not supported under DeepSpeed "
-                                   "ZeRO-3; use configs/accelerate/fsdp2.yaml or drop --expanded-top-k.")
+            raise MoECompressError(
+                "An expanded teacher (--expanded-top-k) is not supported under DeepSpeed "
+                "ZeRO-3; use configs/accelerate/fsdp2.yaml or drop --expanded-top-k."
+            )
         return shard_zero3(teacher, accelerator.state.deepspeed_plugin.deepspeed_config)
     return teacher.to(device).eval().requires_grad_(False)

@@ -21,9 +21,21 @@ from ..models import MoEAdapter
 from .dense_export import load_stats, student_target
 
 
-def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS, Ks=None,
-                scalings=("uniform", "proportional"), mass_scale: bool = False, seq_len: int = 256,
-                heldout_tokens: int | None = 16384, window: int = 256, progress: bool = True) -> dict:
+def dense_sweep(
+    model,
+    calib,
+    heldout,
+    *,
+    criteria=CRITERIA,
+    groupings=GROUPINGS,
+    Ks=None,
+    scalings=("uniform", "proportional"),
+    mass_scale: bool = False,
+    seq_len: int = 256,
+    heldout_tokens: int | None = 16384,
+    window: int = 256,
+    progress: bool = True,
+) -> dict:
     """Perplexity of every configuration; returns {"rows": [...], "teacher_ppl", "top_k", "Ks", ...}.
 
     A scaling may carry "+mass" ("uniform+mass"): α_g scaled by the measured mean top-k routing mass
@@ -48,8 +60,10 @@ def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS
         base, _, extra = scl.partition("+")
         canonical(base, SCALINGS, "scaling")
         if extra not in ("", "mass"):
-            raise MoECompressError(f"Unknown scaling '{scl}'; use uniform, proportional or gate, optionally with "
-                                   "'+mass' (e.g. uniform+mass).")
+            raise MoECompressError(
+                f"Unknown scaling '{scl}'; use uniform, proportional or gate, optionally with "
+                "'+mass' (e.g. uniform+mass)."
+            )
     k = min(adapter.top_k(i) for i in adapter.moe_layers)
     E = min(adapter.num_experts(i) for i in adapter.moe_layers)
     Ks = sorted(set(Ks or [k * m for m in (1, 2, 4, 8) if k * m <= E]))
@@ -60,7 +74,9 @@ def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS
         ids = heldout.reshape(-1).long()
     else:
         if tokenizer is None:
-            raise MoECompressError("The held-out text needs the model's tokenizer; pass a model directory with one.")
+            raise MoECompressError(
+                "The held-out text needs the model's tokenizer; pass a model directory with one."
+            )
         from ..data import token_stream
 
         ids = token_stream(str(heldout), tokenizer).ids
@@ -82,18 +98,34 @@ def dense_sweep(model, calib, heldout, *, criteria=CRITERIA, groupings=GROUPINGS
             key = (crit, "-" if K == k else grp, scl, K)
             if key not in cache:
                 base, _, extra = scl.partition("+")  # "uniform+mass": α scaled by the measured top-k mass
-                cfg = DenseConfig(criterion=crit, K=K, grouping=grp, scaling=canonical(base, SCALINGS, "scaling"),
-                                  mass_scale=mass_scale or extra == "mass")
+                cfg = DenseConfig(
+                    criterion=crit,
+                    K=K,
+                    grouping=grp,
+                    scaling=canonical(base, SCALINGS, "scaling"),
+                    mass_scale=mass_scale or extra == "mass",
+                )
                 target = student_target(adapter, cfg)
                 conv = convert(adapter, stats, cfg, fold_shared=target.fold_shared, progress=False)
                 with torch.no_grad(), dense_view(adapter, conv):
                     cache[key] = ppl()
             rows.append({"criterion": crit, "grouping": grp, "scaling": scl, "K": K, "ppl": cache[key]})
             bar.advance(job)
-    return {"model": source or getattr(model, "name_or_path", None), "model_type": adapter.model_type,
-            "top_k": k, "num_experts": E, "Ks": Ks, "teacher_ppl": teacher_ppl, "rows": rows,
-            "calibration": calib_info, "heldout_tokens": int(ids.numel()), "window": window,
-            "mass_scale": mass_scale, "evaluations": len(cache) + 1, "wall_s": round(time.time() - t0, 1)}
+    return {
+        "model": source or getattr(model, "name_or_path", None),
+        "model_type": adapter.model_type,
+        "top_k": k,
+        "num_experts": E,
+        "Ks": Ks,
+        "teacher_ppl": teacher_ppl,
+        "rows": rows,
+        "calibration": calib_info,
+        "heldout_tokens": int(ids.numel()),
+        "window": window,
+        "mass_scale": mass_scale,
+        "evaluations": len(cache) + 1,
+        "wall_s": round(time.time() - t0, 1),
+    }
 
 
 def _fmt(x: float) -> str:
@@ -107,24 +139,35 @@ def sweep_markdown(result: dict) -> str:
     for r in result["rows"]:
         by.setdefault((r["criterion"], r["grouping"], r["scaling"]), {})[r["K"]] = r["ppl"]
     best = min(result["rows"], key=lambda r: r["ppl"])
-    lines = [f"Pre-distillation held-out perplexity, `{Path(str(result['model'])).name}` ({result['model_type']}, "
-             f"{result['num_experts']} experts, top-{result['top_k']}); MoE teacher: **{_fmt(result['teacher_ppl'])}**; "
-             f"{result['heldout_tokens']:,} held-out tokens, windows of {result['window']}. "
-             f"K = {result['top_k']} is pure pruning (every grouping identical). Bold: best K per row.",
-             "", "Best configuration per criterion:", "",
-             "| criterion | best grouping / scaling / K | ppl | pure pruning (K = k), best scaling |",
-             "| --- | --- | ---: | ---: |"]
+    lines = [
+        f"Pre-distillation held-out perplexity, `{Path(str(result['model'])).name}` ({result['model_type']}, "
+        f"{result['num_experts']} experts, top-{result['top_k']}); MoE teacher: **{_fmt(result['teacher_ppl'])}**; "
+        f"{result['heldout_tokens']:,} held-out tokens, windows of {result['window']}. "
+        f"K = {result['top_k']} is pure pruning (every grouping identical). Bold: best K per row.",
+        "",
+        "Best configuration per criterion:",
+        "",
+        "| criterion | best grouping / scaling / K | ppl | pure pruning (K = k), best scaling |",
+        "| --- | --- | ---: | ---: |",
+    ]
     for c in dict.fromkeys(r["criterion"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["criterion"] == c]
         b = min(rows, key=lambda r: r["ppl"])
         pure = [r["ppl"] for r in rows if r["K"] == result["top_k"]]
-        lines.append(f"| {c} | {b['grouping']} / {b['scaling']} / {b['K']} | {_fmt(b['ppl'])} | "
-                     f"{_fmt(min(pure)) if pure else '–'} |")
-    lines += ["", f"Best overall: {best['criterion']} / {best['grouping']} / {best['scaling']} / K={best['K']}: "
-              f"{_fmt(best['ppl'])} ({result['evaluations']} evaluations, {result['wall_s']} s).", "",
-              "<details><summary>All configurations</summary>", "",
-              "| criterion | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |",
-              "| --- | --- | --- | " + " | ".join("---:" for _ in Ks) + " |"]
+        lines.append(
+            f"| {c} | {b['grouping']} / {b['scaling']} / {b['K']} | {_fmt(b['ppl'])} | "
+            f"{_fmt(min(pure)) if pure else '–'} |"
+        )
+    lines += [
+        "",
+        f"Best overall: {best['criterion']} / {best['grouping']} / {best['scaling']} / K={best['K']}: "
+        f"{_fmt(best['ppl'])} ({result['evaluations']} evaluations, {result['wall_s']} s).",
+        "",
+        "<details><summary>All configurations</summary>",
+        "",
+        "| criterion | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |",
+        "| --- | --- | --- | " + " | ".join("---:" for _ in Ks) + " |",
+    ]
     for (c, g, s), vals in by.items():
         kbest = min(vals, key=vals.get)
         cells = [(f"**{_fmt(vals[K])}**" if K == kbest else _fmt(vals[K])) if K in vals else "–" for K in Ks]
@@ -146,18 +189,24 @@ def check_sweep_out(out: str | Path, overwrite: bool = False, protect=()) -> Pat
     rows = out.with_suffix(".json")
     check_path(out)
     if out.is_dir():
-        raise MoECompressError(f"--out {out} is a directory; pass a markdown file path such as dense_sweep.md.")
+        raise MoECompressError(
+            f"--out {out} is a directory; pass a markdown file path such as dense_sweep.md."
+        )
     if rows == out:
-        raise MoECompressError(f"--out {out} would be overwritten by the raw rows written beside it as .json; pass a "
-                               "markdown file path such as dense_sweep.md.")
+        raise MoECompressError(
+            f"--out {out} would be overwritten by the raw rows written beside it as .json; pass a "
+            "markdown file path such as dense_sweep.md."
+        )
     for path in (out, rows):
         check_apart(path, protect)
     existing = [p for p in (out, rows) if p.exists() or p.is_symlink()]
     if existing and not overwrite:
         raise MoECompressError(f"{existing[0]} already exists; choose another --out or pass --overwrite.")
     if existing and not _is_sweep(rows):
-        raise MoECompressError(f"{existing[0]} is not an earlier dense-sweep's output ({rows} holds no sweep rows), "
-                               "so --overwrite will not replace it; pass another --out.")
+        raise MoECompressError(
+            f"{existing[0]} is not an earlier dense-sweep's output ({rows} holds no sweep rows), "
+            "so --overwrite will not replace it; pass another --out."
+        )
     return out
 
 

@@ -60,7 +60,9 @@ class DistillConfig(BaseModel):
     eval_every: int = Field(50, ge=1)  # optimizer steps between validations
     save_every: int = Field(50, ge=1)  # optimizer steps between checkpoints
     save_limit: int = Field(2, ge=1)
-    val_fraction: float = Field(0.05, gt=0, lt=1)  # held out from the training text when no eval data is given
+    val_fraction: float = Field(
+        0.05, gt=0, lt=1
+    )  # held out from the training text when no eval data is given
     val_tokens: int | None = Field(None, ge=2)  # cap on validation tokens
     seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
     log_every: int = Field(10, ge=1)
@@ -116,7 +118,9 @@ def _trainer_class():
             return (loss, s) if return_outputs else loss
 
         @torch.no_grad()
-        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        def evaluate(
+            self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+        ) -> dict[str, float]:
             """Validation: KD objective, forward KL(teacher ‖ student) at T=1, student CE and perplexity."""
             data = eval_dataset if eval_dataset is not None else self.eval_dataset
             model = self.model_wrapped if self.model_wrapped is not None else self.model
@@ -127,7 +131,9 @@ def _trainer_class():
             bs = self.args.per_device_eval_batch_size
             hidden = self.kd.loss == "kl_hidden"
             for b in range(0, len(data), bs):
-                ids = torch.stack([data[j]["input_ids"] for j in range(b, min(b + bs, len(data)))]).to(self.args.device)
+                ids = torch.stack([data[j]["input_ids"] for j in range(b, min(b + bs, len(data)))]).to(
+                    self.args.device
+                )
                 with self.compute_loss_context_manager():
                     t = self._teacher_out(ids, hidden)
                     s = model(input_ids=ids, output_hidden_states=hidden, use_cache=False)
@@ -167,8 +173,10 @@ def _stream(data, tokenizer) -> torch.Tensor:
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], int):
         return torch.tensor(data, dtype=torch.long)
     if tokenizer is None:
-        raise MoECompressError("Distilling on a text spec needs a tokenizer; pass a student or teacher directory that "
-                               "holds one (or token ids).")
+        raise MoECompressError(
+            "Distilling on a text spec needs a tokenizer; pass a student or teacher directory that "
+            "holds one (or token ids)."
+        )
     from ..data import token_stream
 
     return token_stream(str(data), tokenizer).ids
@@ -196,7 +204,9 @@ def _teacher_ppl(trainer, data) -> float:
     ce, n = 0.0, 0
     with torch.no_grad():
         for b in range(0, len(data), 4):
-            ids = torch.stack([data[j]["input_ids"] for j in range(b, min(b + 4, len(data)))]).to(trainer.args.device)
+            ids = torch.stack([data[j]["input_ids"] for j in range(b, min(b + 4, len(data)))]).to(
+                trainer.args.device
+            )
             t = trainer._teacher_out(ids, False)
             logp = torch.log_softmax(t.logits[:, :-1].float(), -1)
             ce += float(-logp.gather(-1, ids[:, 1:, None]).mean()) * ids.numel()
@@ -251,10 +261,23 @@ def plot_curve(history: list[dict], path: Path, teacher_ppl: float | None = None
     return path
 
 
-def distill(teacher, student, data, tokens: int | None = None, out: str | os.PathLike = "distill-out", *,
-            config: DistillConfig | None = None, eval_data=None, tokenizer=None, resume: bool = True,
-            overwrite: bool = False, teacher_dtype: str = "auto", callbacks: list | None = None,
-            progress: bool = True, **overrides) -> DistillResult:
+def distill(
+    teacher,
+    student,
+    data,
+    tokens: int | None = None,
+    out: str | os.PathLike = "distill-out",
+    *,
+    config: DistillConfig | None = None,
+    eval_data=None,
+    tokenizer=None,
+    resume: bool = True,
+    overwrite: bool = False,
+    teacher_dtype: str = "auto",
+    callbacks: list | None = None,
+    progress: bool = True,
+    **overrides,
+) -> DistillResult:
     """Distil `teacher` (MoE) into `student` (dense) on `data` for `tokens` tokens; see the module doc.
 
     teacher/student: directories, hub ids or loaded models. data / eval_data: a data spec (text file,
@@ -268,7 +291,9 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     if config is None:
         config = DistillConfig(tokens=tokens, **overrides)
     elif tokens is not None or overrides:
-        config = config.model_copy(update=dict(overrides, **({"tokens": tokens} if tokens is not None else {})))
+        config = config.model_copy(
+            update=dict(overrides, **({"tokens": tokens} if tokens is not None else {}))
+        )
     from contextlib import ExitStack
 
     from ..atomic import claim, fingerprint_inputs
@@ -279,17 +304,33 @@ def distill(teacher, student, data, tokens: int | None = None, out: str | os.Pat
     protect = [p for p in (teacher, student, data, eval_data) if isinstance(p, (str, Path))]
     _check_run_dir(out, overwrite, protect)
     held = ExitStack()
-    if os.environ.get("RANK", "0") == "0":  # one lock per run: the other ranks of this run write the same --out
+    if (
+        os.environ.get("RANK", "0") == "0"
+    ):  # one lock per run: the other ranks of this run write the same --out
         held.enter_context(claim(out))
     with held:
         if final.exists() and not overwrite:  # checked again under the lock: another run may have finished it
-            raise MoECompressError(f"{final} already exists (this distillation finished); pass --overwrite to run "
-                                   "again or choose another --out.")
+            raise MoECompressError(
+                f"{final} already exists (this distillation finished); pass --overwrite to run "
+                "again or choose another --out."
+            )
         if overwrite and out.exists():
             shutil.rmtree(out)
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)  # checked before the student's rename
-        return _distill(teacher, student, data, out, config, eval_data, tokenizer, resume, teacher_dtype, callbacks,
-                        progress, inputs)
+        return _distill(
+            teacher,
+            student,
+            data,
+            out,
+            config,
+            eval_data,
+            tokenizer,
+            resume,
+            teacher_dtype,
+            callbacks,
+            progress,
+            inputs,
+        )
 
 
 def _check_run_dir(out: Path, overwrite: bool, protect) -> None:
@@ -308,20 +349,38 @@ def _check_run_dir(out: Path, overwrite: bool, protect) -> None:
             check_output(out, overwrite, protect, kind="distill-run")
         return
     if not out.is_dir():
-        raise MoECompressError(f"--out {out} is an existing file, not a directory; pass a new directory path.")
+        raise MoECompressError(
+            f"--out {out} is an existing file, not a directory; pass a new directory path."
+        )
     kind = marker_kind(out)
     if (out / MARKER).is_file() and kind in (None, "distill-run"):
         return  # a run to resume (None: a marker from before kinds were recorded)
     if kind is not None:
-        raise MoECompressError(f"--out {out} holds moecompress output of kind '{kind.split(':')[0]}', not a distill "
-                               "run; pass another --out.")
+        raise MoECompressError(
+            f"--out {out} holds moecompress output of kind '{kind.split(':')[0]}', not a distill "
+            "run; pass another --out."
+        )
     if any(out.iterdir()):
-        raise MoECompressError(f"--out {out} is a directory that distill did not write (no {MARKER} marker), so it "
-                               "will not write its run into it; pass a new or empty directory.")
+        raise MoECompressError(
+            f"--out {out} is a directory that distill did not write (no {MARKER} marker), so it "
+            "will not write its run into it; pass a new or empty directory."
+        )
 
 
-def _distill(teacher, student, data, out: Path, config, eval_data, tokenizer, resume, teacher_dtype, callbacks,
-             progress, inputs) -> DistillResult:
+def _distill(
+    teacher,
+    student,
+    data,
+    out: Path,
+    config,
+    eval_data,
+    tokenizer,
+    resume,
+    teacher_dtype,
+    callbacks,
+    progress,
+    inputs,
+) -> DistillResult:
     """`distill`'s run, once `out` is checked and claimed."""
     final, ckpt_dir = out / STUDENT_DIR, out / CKPT_DIR
     # models before TrainingArguments, so both load whole (no ZeRO-3 zero.Init, no rank-0-only FSDP loading);
@@ -353,26 +412,47 @@ def _distill(teacher, student, data, out: Path, config, eval_data, tokenizer, re
         val_ids = val_ids[: max(config.val_tokens, config.seq_len)]
     train_set, val_set = TokenBlocks(ids, config.seq_len), TokenBlocks(val_ids, config.seq_len)
     if len(train_set) == 0 or len(val_set) == 0:
-        raise MoECompressError(f"The data gives {len(train_set)} training and {len(val_set)} validation blocks of "
-                               f"{config.seq_len} tokens; pass more text or a smaller --seq-len.")
+        raise MoECompressError(
+            f"The data gives {len(train_set)} training and {len(val_set)} validation blocks of "
+            f"{config.seq_len} tokens; pass more text or a smaller --seq-len."
+        )
     import dataclasses
 
     from transformers import TrainingArguments
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    ckpt_flag = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    ckpt_flag = (
+        "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    )
     args = TrainingArguments(
         **{ckpt_flag: config.gradient_checkpointing},
-        output_dir=str(ckpt_dir), per_device_train_batch_size=config.batch_size,
-        per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
-        learning_rate=config.lr, weight_decay=config.weight_decay, warmup_steps=config.warmup,
-        lr_scheduler_type=config.scheduler, max_grad_norm=config.max_grad_norm, max_steps=1,
+        output_dir=str(ckpt_dir),
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr,
+        weight_decay=config.weight_decay,
+        warmup_steps=config.warmup,
+        lr_scheduler_type=config.scheduler,
+        max_grad_norm=config.max_grad_norm,
+        max_steps=1,
         bf16=config.bf16,
-        eval_strategy="steps", eval_steps=config.eval_every, eval_on_start=True,
-        save_strategy="steps", save_steps=config.save_every, save_total_limit=config.save_limit,
-        logging_steps=config.log_every, logging_first_step=True, report_to="none", seed=config.seed,
-        data_seed=config.seed, remove_unused_columns=False, label_names=[], dataloader_drop_last=True,
-        disable_tqdm=not progress, use_cpu=not torch.cuda.is_available(),
+        eval_strategy="steps",
+        eval_steps=config.eval_every,
+        eval_on_start=True,
+        save_strategy="steps",
+        save_steps=config.save_every,
+        save_total_limit=config.save_limit,
+        logging_steps=config.log_every,
+        logging_first_step=True,
+        report_to="none",
+        seed=config.seed,
+        data_seed=config.seed,
+        remove_unused_columns=False,
+        label_names=[],
+        dataloader_drop_last=True,
+        disable_tqdm=not progress,
+        use_cpu=not torch.cuda.is_available(),
     )
     per_step = config.batch_size * config.grad_accum * args.world_size * config.seq_len
     steps = max(1, math.ceil(config.tokens / per_step))
@@ -383,9 +463,16 @@ def _distill(teacher, student, data, out: Path, config, eval_data, tokenizer, re
     Trainer = _trainer_class()
     from transformers import default_data_collator
 
-    trainer = Trainer(model=student_model, args=args, train_dataset=train_set, eval_dataset=val_set,
-                      data_collator=default_data_collator, teacher=teacher_model, kd=config,
-                      callbacks=callbacks or [])
+    trainer = Trainer(
+        model=student_model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=val_set,
+        data_collator=default_data_collator,
+        teacher=teacher_model,
+        kd=config,
+        callbacks=callbacks or [],
+    )
     if not progress:
         from transformers.trainer_callback import PrinterCallback
 
@@ -404,11 +491,15 @@ def _distill(teacher, student, data, out: Path, config, eval_data, tokenizer, re
     tmp = out / f".{STUDENT_DIR}.tmp"
     trainer.save_model(str(tmp))  # gathers FSDP / ZeRO-3 shards; every rank must call it
     metrics: dict[str, Any] = {
-        "steps": trainer.state.global_step, "tokens": trainer.state.global_step * per_step,
-        "resumed_from": last, "wall_s": round(wall, 1), "teacher_ppl": teacher_ppl,
+        "steps": trainer.state.global_step,
+        "tokens": trainer.state.global_step * per_step,
+        "resumed_from": last,
+        "wall_s": round(wall, 1),
+        "teacher_ppl": teacher_ppl,
         "before": {k: evals[0][k] for k in ("eval_loss", "eval_kl", "eval_ppl")},
         "after": {k: evals[-1][k] for k in ("eval_loss", "eval_kl", "eval_ppl")},
-        "val_tokens": len(val_set) * config.seq_len, "train_blocks": len(train_set),
+        "val_tokens": len(val_set) * config.seq_len,
+        "train_blocks": len(train_set),
     }
     if trainer.is_world_process_zero():
         from .dense_export import PLAN_NAME, copy_tokenizer
@@ -433,12 +524,21 @@ def _distill(teacher, student, data, out: Path, config, eval_data, tokenizer, re
             shutil.rmtree(final)
         os.replace(tmp, final)
         title = f"{Path(student_src).name if student_src else 'student'} ← {Path(teacher_src).name if teacher_src else 'teacher'}"
-        curve = plot_curve(trainer.state.log_history, out / CURVE, teacher_ppl, title=f"KD {config.loss}: {title}")
-        report = {"config": config.model_dump(), "teacher": teacher_src, "student": student_src,
-                  "data": str(data) if not isinstance(data, torch.Tensor) else "token ids",
-                  "eval_data": None if eval_data is None else (str(eval_data) if not isinstance(eval_data, torch.Tensor)
-                                                               else "token ids"),
-                  "metrics": metrics, "curve": str(curve), "log_history": trainer.state.log_history}
+        curve = plot_curve(
+            trainer.state.log_history, out / CURVE, teacher_ppl, title=f"KD {config.loss}: {title}"
+        )
+        report = {
+            "config": config.model_dump(),
+            "teacher": teacher_src,
+            "student": student_src,
+            "data": str(data) if not isinstance(data, torch.Tensor) else "token ids",
+            "eval_data": None
+            if eval_data is None
+            else (str(eval_data) if not isinstance(eval_data, torch.Tensor) else "token ids"),
+            "metrics": metrics,
+            "curve": str(curve),
+            "log_history": trainer.state.log_history,
+        }
         from ..atomic import write_file
 
         write_file(out / REPORT, json.dumps(report, indent=2, default=str) + "\n")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,7 +55,9 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu", period: float = 0.002) -> tuple[Any, dict]:
+def peak_memory(
+    fn: Callable[[], Any], device: torch.device | str = "cpu", period: float = 0.002
+) -> tuple[Any, dict]:
     """Run fn(); return (its result, {"peak_bytes", "baseline_bytes", "peak_delta_bytes", "kind"})."""
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -64,7 +67,9 @@ def peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu", perio
         out = fn()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        return out, dict(kind="cuda_allocated", peak_bytes=peak, baseline_bytes=base, peak_delta_bytes=peak - base)
+        return out, dict(
+            kind="cuda_allocated", peak_bytes=peak, baseline_bytes=base, peak_delta_bytes=peak - base
+        )
     import psutil
 
     proc = psutil.Process()
@@ -89,12 +94,22 @@ def peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu", perio
 
 
 @torch.no_grad()
-def measure_latency(model, prompt_len: int = 128, new_tokens: int = 32, batch_size: int = 1, warmup: int = 1,
-                    repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+def measure_latency(
+    model,
+    prompt_len: int = 128,
+    new_tokens: int = 32,
+    batch_size: int = 1,
+    warmup: int = 1,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Median prefill and decode tokens/s of greedy generation with fixed lengths (see module doc)."""
     dev = _device(model)
-    vocab = int(model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config")
-                else model.config.vocab_size)
+    vocab = int(
+        model.config.get_text_config().vocab_size
+        if hasattr(model.config, "get_text_config")
+        else model.config.vocab_size
+    )
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).to(dev)
     mask = torch.ones_like(ids)
@@ -112,8 +127,15 @@ def measure_latency(model, prompt_len: int = 128, new_tokens: int = 32, batch_si
         model(input_ids=ids, attention_mask=mask, use_cache=True)
 
     def generate(n: int):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=pad, eos_token_id=None)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+        )
 
     for _ in range(warmup):
         prefill()
@@ -123,20 +145,37 @@ def measure_latency(model, prompt_len: int = 128, new_tokens: int = 32, batch_si
     t_all = [timed(lambda: generate(new_tokens)) for _ in range(repeats)]
     pre, one, full = statistics.median(t_pre), statistics.median(t_one), statistics.median(t_all)
     decode_t = max(full - one, 1e-9)
-    return dict(device=str(dev), batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
-                warmup=warmup, repeats=repeats, prefill_s=pre, decode_s=decode_t,
-                prefill_tok_s=batch_size * prompt_len / pre,
-                decode_tok_s=batch_size * (new_tokens - 1) / decode_t if new_tokens > 1 else None)
+    return dict(
+        device=str(dev),
+        batch_size=batch_size,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        warmup=warmup,
+        repeats=repeats,
+        prefill_s=pre,
+        decode_s=decode_t,
+        prefill_tok_s=batch_size * prompt_len / pre,
+        decode_tok_s=batch_size * (new_tokens - 1) / decode_t if new_tokens > 1 else None,
+    )
 
 
-def benchmark(model, path=None, prompt_len: int = 128, new_tokens: int = 32, batch_size: int = 1, warmup: int = 1,
-              repeats: int = 3) -> dict[str, Any]:
+def benchmark(
+    model,
+    path=None,
+    prompt_len: int = 128,
+    new_tokens: int = 32,
+    batch_size: int = 1,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> dict[str, Any]:
     """Bytes on disk (when `path`), resident parameter bytes, peak memory and latency in one dict.
 
     Fills an arm's ``bytes`` ({"disk", "resident"}), ``memory`` and ``latency`` fields.
     """
     dev = _device(model)
-    lat, mem = peak_memory(lambda: measure_latency(model, prompt_len, new_tokens, batch_size, warmup, repeats), dev)
+    lat, mem = peak_memory(
+        lambda: measure_latency(model, prompt_len, new_tokens, batch_size, warmup, repeats), dev
+    )
     out = {"bytes": {"resident": resident_bytes(model)}, "memory": mem, "latency": lat}
     if path is not None:
         out["bytes"]["disk"] = disk_bytes(path)

@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from ..data.tasks import FIXTURE_TASKS, quiet_lm_eval, local_task_paths, parse_tasks, resolve_tasks  # noqa: F401
+from ..data.tasks import FIXTURE_TASKS, local_task_paths, parse_tasks, quiet_lm_eval, resolve_tasks  # noqa: F401
 from ..errors import MoECompressError
 
 # the metric used for the "task average" and the plots when a task reports several
@@ -52,8 +52,9 @@ def _split_key(key: str) -> tuple[str, str]:
     return metric, flt or "none"
 
 
-def _task_entry(name: str, results: dict, configs: dict, hib: dict, samples: list[dict] | None,
-                n_shot) -> dict[str, Any]:
+def _task_entry(
+    name: str, results: dict, configs: dict, hib: dict, samples: list[dict] | None, n_shot
+) -> dict[str, Any]:
     """One task's aggregate metrics and per-document scores in the results-dict layout (see report.py)."""
     # lm-eval writes "N/A" for a stderr it did not compute (bootstrap_iters=0): keep numbers only
     agg_raw = {k: (None if isinstance(v, str) else _clean(v)) for k, v in results.items() if "," in k}
@@ -74,7 +75,9 @@ def _task_entry(name: str, results: dict, configs: dict, hib: dict, samples: lis
     first_key = {}
     for k in metric_names:
         first_key.setdefault(_split_key(k)[0], k)
-    primary = next((first_key[p] for p in _PRIMARY_ORDER if p in first_key), metric_names[0] if metric_names else None)
+    primary = next(
+        (first_key[p] for p in _PRIMARY_ORDER if p in first_key), metric_names[0] if metric_names else None
+    )
     items: dict[str, list] = {"ids": []}
     output_type = configs.get("output_type")
     if samples:
@@ -85,7 +88,9 @@ def _task_entry(name: str, results: dict, configs: dict, hib: dict, samples: lis
             for m in s.get("metrics", []):
                 if m in s:
                     v = s[m]
-                    rec[m if plain else f"{m},{flt}"] = _clean(float(v) if isinstance(v, (int, float, bool)) else v)
+                    rec[m if plain else f"{m},{flt}"] = _clean(
+                        float(v) if isinstance(v, (int, float, bool)) else v
+                    )
             if output_type == "generate_until":
                 resp = s.get("filtered_resps")
                 rec["response"] = resp[0] if isinstance(resp, list) and resp else resp
@@ -99,14 +104,34 @@ def _task_entry(name: str, results: dict, configs: dict, hib: dict, samples: lis
         vals = [v for v in items.get(k, []) if isinstance(v, (int, float))]
         if aggregate.get(f"{k}_stderr") is None and len(vals) > 1:
             mean = sum(vals) / len(vals)
-            aggregate[f"{k}_stderr"] = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
-    return {"output_type": output_type, "num_fewshot": n_shot, "n": len(items["ids"]), "aggregate": aggregate,
-            "higher_is_better": higher, "primary": primary, "items": items}
+            aggregate[f"{k}_stderr"] = math.sqrt(
+                sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals)
+            )
+    return {
+        "output_type": output_type,
+        "num_fewshot": n_shot,
+        "n": len(items["ids"]),
+        "aggregate": aggregate,
+        "higher_is_better": higher,
+        "primary": primary,
+        "items": items,
+    }
 
 
-def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: int | float | None = None,
-                batch_size: int | str = 1, include_path=None, *, seed: int = 1234, gen_kwargs: dict | None = None,
-                max_length: int | None = None, online: bool | None = None) -> dict[str, dict]:
+def run_lm_eval(
+    model,
+    tokenizer,
+    tasks,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    batch_size: int | str = 1,
+    include_path=None,
+    *,
+    seed: int = 1234,
+    gen_kwargs: dict | None = None,
+    max_length: int | None = None,
+    online: bool | None = None,
+) -> dict[str, dict]:
     """Evaluate an in-memory model on lm-eval tasks; return {task: entry} with per-document items.
 
     Each entry: ``output_type`` (multiple_choice | generate_until | loglikelihood | ...),
@@ -116,25 +141,40 @@ def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: 
     and ``target``). A requested group (e.g. mmlu) becomes one entry whose item ids are
     "subtask/doc_id", with the subtasks' aggregates under ``subtasks``.
     """
-    from lm_eval import simple_evaluate
     import torch
+    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     names, manager, local_only = resolve_tasks(tasks, include_path, online)
     if tokenizer is None:
-        raise MoECompressError("lm-eval needs the model's tokenizer; pass the tokenizer (a checkpoint directory "
-                               "without tokenizer files cannot be evaluated on tasks).")
+        raise MoECompressError(
+            "lm-eval needs the model's tokenizer; pass the tokenizer (a checkpoint directory "
+            "without tokenizer files cannot be evaluated on tasks)."
+        )
     # log-probabilities in float32 whatever the model's dtype (a bf16 log_softmax costs ~3 significant digits)
-    lm_kwargs = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
+    lm_kwargs = dict(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32
+    )
     if max_length is not None:
         lm_kwargs["max_length"] = max_length
     with quiet_lm_eval():
         lm = HFLM(**lm_kwargs)
     with _offline_env(local_only), quiet_lm_eval():
-        out = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, log_samples=True,
-                              task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=gen_kwargs,
-                              bootstrap_iters=0, verbosity="ERROR")
+        out = simple_evaluate(
+            model=lm,
+            tasks=names,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=True,
+            task_manager=manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            gen_kwargs=gen_kwargs,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
     if out is None:  # non-zero ranks under accelerate
         return {}
     res, cfgs, hib = out["results"], out.get("configs", {}), out.get("higher_is_better", {})
@@ -143,14 +183,23 @@ def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: 
     entries: dict[str, dict] = {}
     for name in names:
         if name in samples:
-            entries[name] = _task_entry(name, res.get(name, {}), cfgs.get(name, {}), hib.get(name, {}),
-                                        samples[name], n_shot.get(name, num_fewshot))
+            entries[name] = _task_entry(
+                name,
+                res.get(name, {}),
+                cfgs.get(name, {}),
+                hib.get(name, {}),
+                samples[name],
+                n_shot.get(name, num_fewshot),
+            )
             continue
         # a group or tag: one entry over its leaf tasks, ids prefixed with the subtask name
         leaves = [t for t in out.get("group_subtasks", {}).get(name, []) if t in samples] or [
-            t for t in samples if t not in names]
-        subs = {t: _task_entry(t, res.get(t, {}), cfgs.get(t, {}), hib.get(t, {}), samples[t], n_shot.get(t))
-                for t in leaves}
+            t for t in samples if t not in names
+        ]
+        subs = {
+            t: _task_entry(t, res.get(t, {}), cfgs.get(t, {}), hib.get(t, {}), samples[t], n_shot.get(t))
+            for t in leaves
+        }
         if not subs:
             continue
         first = next(iter(subs.values()))
@@ -163,9 +212,16 @@ def run_lm_eval(model, tokenizer, tasks, num_fewshot: int | None = None, limit: 
                     items.setdefault(k, []).extend(v)
         agg = {k: _clean(v) for k, v in res.get(name, {}).items() if "," in k}
         agg = {_split_key(k)[0]: v for k, v in agg.items()} or {
-            primary: sum(x for x in items.get(primary, []) if x is not None) / max(1, len(items["ids"]))}
-        entries[name] = {"output_type": first["output_type"], "num_fewshot": first["num_fewshot"],
-                         "n": len(items["ids"]), "aggregate": agg, "higher_is_better": first["higher_is_better"],
-                         "primary": primary, "items": items,
-                         "subtasks": {t: e["aggregate"] for t, e in subs.items()}}
+            primary: sum(x for x in items.get(primary, []) if x is not None) / max(1, len(items["ids"]))
+        }
+        entries[name] = {
+            "output_type": first["output_type"],
+            "num_fewshot": first["num_fewshot"],
+            "n": len(items["ids"]),
+            "aggregate": agg,
+            "higher_is_better": first["higher_is_better"],
+            "primary": primary,
+            "items": items,
+            "subtasks": {t: e["aggregate"] for t, e in subs.items()},
+        }
     return entries

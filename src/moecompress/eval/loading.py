@@ -17,8 +17,9 @@ to disk by accelerate, one folder per model under the run's work directory; the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -67,8 +68,14 @@ def _device_max_memory(budget: int) -> dict[Any, int]:
     return mm
 
 
-def load_for_eval(path: str | Path, dtype: str, *, max_memory: str | int | None, offload_dir: str | Path,
-                  loader: Callable[..., Any]) -> tuple[Any, dict[str, Any]]:
+def load_for_eval(
+    path: str | Path,
+    dtype: str,
+    *,
+    max_memory: str | int | None,
+    offload_dir: str | Path,
+    loader: Callable[..., Any],
+) -> tuple[Any, dict[str, Any]]:
     """(model, {"dtype", "offloaded", "bytes", "budget"}): `loader(path, dtype=..., **offload kwargs)` loads it.
 
     `loader` takes ``dtype`` and, only when offloading, ``device_map``, ``max_memory`` and
@@ -84,8 +91,13 @@ def load_for_eval(path: str | Path, dtype: str, *, max_memory: str | int | None,
     Path(offload_dir).mkdir(parents=True, exist_ok=True)
     # one folder per model: the reference stays loaded (and reads its offloaded weights) while arms load
     folder = Path(tempfile.mkdtemp(prefix=f"{Path(path).name}-", dir=offload_dir))
-    model = loader(path, dtype=dtype, device_map="auto", max_memory=_device_max_memory(budget),
-                   offload_folder=str(folder))
+    model = loader(
+        path,
+        dtype=dtype,
+        device_map="auto",
+        max_memory=_device_max_memory(budget),
+        offload_folder=str(folder),
+    )
     dm = getattr(model, "hf_device_map", None) or {}
     info["device_map"] = {str(d): sum(1 for v in dm.values() if v == d) for d in dict.fromkeys(dm.values())}
     return model, info

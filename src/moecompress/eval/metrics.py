@@ -23,8 +23,9 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -40,11 +41,15 @@ def _read_text_file(path: Path) -> str:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                raise MoECompressError(f"{path} line {n} is not JSON; a .jsonl text file needs one "
-                                       "{\"text\": ...} object per line.") from None
+                raise MoECompressError(
+                    f"{path} line {n} is not JSON; a .jsonl text file needs one "
+                    '{"text": ...} object per line.'
+                ) from None
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise MoECompressError(f"{path} line {n} has no string field 'text'; write one "
-                                       "{\"text\": ...} object per line.")
+                raise MoECompressError(
+                    f"{path} line {n} has no string field 'text'; write one "
+                    '{"text": ...} object per line.'
+                )
             texts.append(row["text"])
         return "\n\n".join(texts)
     return path.read_text(encoding="utf-8")
@@ -54,8 +59,10 @@ def load_text(spec: str | os.PathLike) -> str:
     """The text of a local .txt / .jsonl file (fallback when `moecompress.data` is not installed)."""
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise MoECompressError(f"No text file at {spec}: pass a local .txt or .jsonl file (one "
-                               "{\"text\": ...} per line) or a list of token ids.")
+        raise MoECompressError(
+            f"No text file at {spec}: pass a local .txt or .jsonl file (one "
+            '{"text": ...} per line) or a list of token ids.'
+        )
     return _read_text_file(path)
 
 
@@ -74,8 +81,10 @@ def token_stream(data, tokenizer=None, max_tokens: int | None = None) -> tuple[t
         info["source"] = "token ids"
     elif isinstance(data, (str, os.PathLike)):
         if tokenizer is None:
-            raise MoECompressError("Perplexity on a text spec needs the model's tokenizer; pass tokenizer= "
-                                   "(or give token ids instead of text).")
+            raise MoECompressError(
+                "Perplexity on a text spec needs the model's tokenizer; pass tokenizer= "
+                "(or give token ids instead of text)."
+            )
         try:
             from ..data import token_stream as spec_stream
         except ImportError:  # older checkout without the data-spec module: plain local files only
@@ -86,15 +95,20 @@ def token_stream(data, tokenizer=None, max_tokens: int | None = None) -> tuple[t
             ids = stream.ids.reshape(-1).long()
             info["domain"] = "; ".join(sorted({s.domain for s in stream.sources if s.domain}))
         else:
-            ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
+            ids = torch.tensor(
+                tokenizer(load_text(data), add_special_tokens=False)["input_ids"], dtype=torch.long
+            )
     else:
-        raise MoECompressError(f"Cannot evaluate on a {type(data).__name__}; pass a text file path or data spec, "
-                               "or a list of token ids.")
+        raise MoECompressError(
+            f"Cannot evaluate on a {type(data).__name__}; pass a text file path or data spec, "
+            "or a list of token ids."
+        )
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if ids.numel() < 2:
-        raise MoECompressError(f"The evaluation text has {ids.numel()} token(s); at least 2 are needed — give a "
-                               "longer text.")
+        raise MoECompressError(
+            f"The evaluation text has {ids.numel()} token(s); at least 2 are needed — give a longer text."
+        )
     return ids, info
 
 
@@ -107,8 +121,9 @@ def windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple
     """
     stride = window - 1 if stride is None else stride
     if window < 2 or not (1 <= stride <= window):
-        raise MoECompressError(f"Window {window} / stride {stride} is invalid; use window >= 2 and "
-                               "1 <= stride <= window.")
+        raise MoECompressError(
+            f"Window {window} / stride {stride} is invalid; use window >= 2 and 1 <= stride <= window."
+        )
     stride = min(stride, window - 1)
     out, prev_end = [], 0
     for begin in range(0, n_tokens, stride):
@@ -134,9 +149,19 @@ def _fingerprint(ids: torch.Tensor) -> str:
 
 
 @torch.no_grad()
-def evaluate_stream(model, data, tokenizer=None, *, reference=None, window: int = 512,
-                    stride: int | None = None, max_tokens: int | None = None, batch_size: int = 4,
-                    name: str | None = None, progress: bool = True) -> dict[str, Any]:
+def evaluate_stream(
+    model,
+    data,
+    tokenizer=None,
+    *,
+    reference=None,
+    window: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    batch_size: int = 4,
+    name: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Perplexity, next-token accuracy and (with `reference`) KL(reference || model) over windows.
 
     Returns a task entry of the results dict (docs/evaluation.md): ``output_type`` "perplexity",
@@ -154,7 +179,7 @@ def evaluate_stream(model, data, tokenizer=None, *, reference=None, window: int 
     groups: dict[int, list[tuple[int, int, int]]] = {}
     for w in wins:
         groups.setdefault(w[1] - w[0], []).append(w)
-    batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    batches = [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
     from rich.progress import Progress
 
     with Progress(transient=True, disable=not progress) as bar:
@@ -162,11 +187,14 @@ def evaluate_stream(model, data, tokenizer=None, *, reference=None, window: int 
         for batch in batches:
             x = torch.stack([ids[b:e] for b, e, _ in batch])
             logits = model(input_ids=x.to(dev), use_cache=False).logits
-            ref_logits = (reference(input_ids=x.to(ref_dev), use_cache=False).logits
-                          if reference is not None else None)
+            ref_logits = (
+                reference(input_ids=x.to(ref_dev), use_cache=False).logits if reference is not None else None
+            )
             if ref_logits is not None and ref_logits.shape[-1] != logits.shape[-1]:
-                raise MoECompressError(f"The reference model's vocabulary ({ref_logits.shape[-1]}) differs from the "
-                                       f"model's ({logits.shape[-1]}); KL needs the same tokenizer and vocabulary.")
+                raise MoECompressError(
+                    f"The reference model's vocabulary ({ref_logits.shape[-1]}) differs from the "
+                    f"model's ({logits.shape[-1]}); KL needs the same tokenizer and vocabulary."
+                )
             for j, (b, e, first) in enumerate(batch):
                 # logits at position p predict token p+1: scored tokens first..e-1 use positions first-1-b..e-2-b
                 sl = slice(first - 1 - b, e - 1 - b)
@@ -174,7 +202,12 @@ def evaluate_stream(model, data, tokenizer=None, *, reference=None, window: int 
                 logp = torch.log_softmax(logits[j, sl].float(), dim=-1)
                 nll = -logp.gather(-1, target[:, None]).squeeze(-1)
                 acc = (logp.argmax(-1) == target).float()
-                rec = {"id": f"{fp}:{b}", "n_tokens": e - first, "nll": nll.mean().item(), "acc": acc.mean().item()}
+                rec = {
+                    "id": f"{fp}:{b}",
+                    "n_tokens": e - first,
+                    "nll": nll.mean().item(),
+                    "acc": acc.mean().item(),
+                }
                 if ref_logits is not None:
                     logq = torch.log_softmax(ref_logits[j, sl].float().to(logp.device), dim=-1)
                     kl = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0.0)
@@ -198,11 +231,20 @@ def evaluate_stream(model, data, tokenizer=None, *, reference=None, window: int 
     items: dict[str, list] = {"ids": [r["id"] for r in recs], "n_tokens": [r["n_tokens"] for r in recs]}
     for k in metrics:
         items[k] = [r[k] for r in recs]
-    return {"output_type": "perplexity", "source": name if name is not None else info["source"],
-            **({"domain": info["domain"]} if info.get("domain") else {}),
-            "window": window, "stride": min(stride or window, window - 1), "fingerprint": fp,
-            "n": len(recs), "n_tokens": n, "aggregate": aggregate, "higher_is_better": higher, "primary": "nll",
-            "items": items}
+    return {
+        "output_type": "perplexity",
+        "source": name if name is not None else info["source"],
+        **({"domain": info["domain"]} if info.get("domain") else {}),
+        "window": window,
+        "stride": min(stride or window, window - 1),
+        "fingerprint": fp,
+        "n": len(recs),
+        "n_tokens": n,
+        "aggregate": aggregate,
+        "higher_is_better": higher,
+        "primary": "nll",
+        "items": items,
+    }
 
 
 def kl_divergence(model, reference, data, tokenizer=None, **kwargs) -> float:
@@ -220,11 +262,20 @@ def item_values(entry: dict, metric: str | None = None) -> tuple[list, list[floa
     metric = metric or entry["primary"]
     items = entry["items"]
     if metric not in items:
-        raise MoECompressError(f"The results have no per-item values for '{metric}' (available: "
-                               f"{', '.join(k for k in items if k != 'ids')}); re-run the evaluation with per-item "
-                               "logging.")
+        raise MoECompressError(
+            f"The results have no per-item values for '{metric}' (available: "
+            f"{', '.join(k for k in items if k != 'ids')}); re-run the evaluation with per-item "
+            "logging."
+        )
     return list(items["ids"]), [float(v) if v is not None else float("nan") for v in items[metric]]
 
 
-__all__: Sequence[str] = ("evaluate_stream", "item_values", "kl_divergence", "load_text", "perplexity",
-                          "token_stream", "windows")
+__all__: Sequence[str] = (
+    "evaluate_stream",
+    "item_values",
+    "kl_divergence",
+    "load_text",
+    "perplexity",
+    "token_stream",
+    "windows",
+)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..atomic import human_bytes
 from ..errors import MoECompressError
@@ -38,8 +39,14 @@ def min_replicates(m: int, alpha: float = 0.05) -> int:
     return max(1000, math.ceil(8 * m / alpha))
 
 
-def compare_arms(results: dict | Results, pairs: Sequence[tuple[str, str]] | None = None, *, B: int | None = None,
-                 seed: int = 0, alpha: float = 0.05) -> list[dict]:
+def compare_arms(
+    results: dict | Results,
+    pairs: Sequence[tuple[str, str]] | None = None,
+    *,
+    B: int | None = None,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> list[dict]:
     """Paired bootstrap of every (A, B) pair (default: each arm vs the baseline) on every shared task.
 
     Per pair: one comparison per task on its primary metric (perplexity streams: per-window mean
@@ -51,7 +58,9 @@ def compare_arms(results: dict | Results, pairs: Sequence[tuple[str, str]] | Non
     arms = {a.name: a for a in res.arms}
     if pairs is None:
         pairs = [(a.name, res.baseline) for a in res.arms if a.name != res.baseline]
-    jobs: list[tuple] = []  # (a, b, task label, {task: (ids, vals)} for A, same for B, metric, higher_is_better)
+    jobs: list[
+        tuple
+    ] = []  # (a, b, task label, {task: (ids, vals)} for A, same for B, metric, higher_is_better)
     for na, nb in pairs:
         for n in (na, nb):
             if n not in arms:
@@ -64,8 +73,17 @@ def compare_arms(results: dict | Results, pairs: Sequence[tuple[str, str]] | Non
             if metric not in ea.items or metric not in eb.items:
                 continue
             hib = ea.higher_is_better.get(metric, True)
-            jobs.append((na, nb, t, {t: (ea.items["ids"], ea.items[metric])},
-                         {t: (eb.items["ids"], eb.items[metric])}, metric, hib))
+            jobs.append(
+                (
+                    na,
+                    nb,
+                    t,
+                    {t: (ea.items["ids"], ea.items[metric])},
+                    {t: (eb.items["ids"], eb.items[metric])},
+                    metric,
+                    hib,
+                )
+            )
             if ea.output_type != "perplexity":
                 lm_tasks[t] = (metric, hib)
         if len(lm_tasks) >= 2 and len({h for _, h in lm_tasks.values()}) == 1:
@@ -75,7 +93,9 @@ def compare_arms(results: dict | Results, pairs: Sequence[tuple[str, str]] | Non
     B = B if B is not None else min_replicates(len(jobs), alpha)
     out: list[dict] = []
     for na, nb, label, ta, tb, metric, hib in jobs:
-        r = paired_bootstrap_tasks(ta, tb, metric=metric, higher_is_better=hib, B=B, seed=seed, alpha=alpha).to_dict()
+        r = paired_bootstrap_tasks(
+            ta, tb, metric=metric, higher_is_better=hib, B=B, seed=seed, alpha=alpha
+        ).to_dict()
         r.pop("per_task")
         out.append(dict(r, a=na, b=nb, task=label, **({"tasks": list(ta)} if label == AVERAGE else {})))
     apply_holm(out, alpha)
@@ -97,7 +117,8 @@ def checklist(results: dict | Results) -> list[dict]:
         items.append((True, f"router: {conv}. Gate semantics — {sem}."))
     else:
         miss = ([] if conv else ["the model's router convention"]) + (
-            [f"gate semantics of {', '.join(lacking)}"] if lacking else [])
+            [f"gate semantics of {', '.join(lacking)}"] if lacking else []
+        )
         items.append((False, f"not recorded: {' and '.join(miss)}."))
 
     # 2. fixed-mask operator comparison: two or more arms sharing a mask with different operators
@@ -107,26 +128,48 @@ def checklist(results: dict | Results) -> list[dict]:
             by_mask.setdefault(a.mask_id, set()).add(a.operator or "none")
     fixed = {m: ops for m, ops in by_mask.items() if len(ops) >= 2}
     if fixed:
-        items.append((True, "; ".join(f"mask {m[:12]}: operators {', '.join(sorted(ops))}" for m, ops in fixed.items())
-                      + "."))
+        items.append(
+            (
+                True,
+                "; ".join(f"mask {m[:12]}: operators {', '.join(sorted(ops))}" for m, ops in fixed.items())
+                + ".",
+            )
+        )
     else:
-        items.append((False, "no two arms share a retained-expert mask (mask_id) with different replacement "
-                             "operators, so operator effects are confounded with mask effects."))
+        items.append(
+            (
+                False,
+                "no two arms share a retained-expert mask (mask_id) with different replacement "
+                "operators, so operator effects are confounded with mask effects.",
+            )
+        )
 
     # 3. a generative task
     gen = sorted({t for a in res.arms for t, e in a.metrics.items() if e.output_type == "generate_until"})
-    items.append((True, f"generative task(s): {', '.join(gen)}.") if gen else
-                 (False, "no generate_until task was evaluated (e.g. fixture_gen, gsm8k); multiple-choice accuracy "
-                         "alone can hide generation collapse."))
+    items.append(
+        (True, f"generative task(s): {', '.join(gen)}.")
+        if gen
+        else (
+            False,
+            "no generate_until task was evaluated (e.g. fixture_gen, gsm8k); multiple-choice accuracy "
+            "alone can hide generation collapse.",
+        )
+    )
 
     # 4. calibration domain, source, token count
     cal = res.calibration
-    fields = {"domain": cal.domain if cal else None, "source": cal.source if cal else None,
-              "tokens": cal.tokens if cal else None}
+    fields = {
+        "domain": cal.domain if cal else None,
+        "source": cal.source if cal else None,
+        "tokens": cal.tokens if cal else None,
+    }
     missing = [k for k, v in fields.items() if v in (None, "")]
     own = [(a.name, c) for a in res.arms if (c := (a.model_extra or {}).get("calibration"))]
-    each = "".join(f"; arm {n}: domain {c.get('domain')}, source {c.get('source')} ({c.get('origin')}), "
-                   f"{c.get('tokens') or 0:,} tokens" for n, c in own)
+    each = "".join(
+        f"; arm {n}: domain {c.get('domain')}, source {c.get('source')} ({c.get('origin')}), "
+        f"{c.get('tokens') or 0:,} tokens"
+        for n, c in own
+    )
     if not missing:
         items.append((True, f"domain: {cal.domain}; source: {cal.source}; tokens: {cal.tokens:,}{each}."))
     elif own and cal is None:  # every arm calibrated on its own spec
@@ -145,9 +188,16 @@ def checklist(results: dict | Results) -> list[dict]:
             desc[-1] += f"{_human(size)})" if size is not None else "size not recorded)"
         items.append((True, "; ".join(desc) + "."))
     else:
-        items.append((False, "no evaluated pure-quantization arm (method 'quant', kind 'quant_baseline'); add "
-                             "eval.quant_baselines or an arm with method quant."))
-    return [dict(item=i + 1, title=CHECKLIST_TITLES[i], done=d, detail=det) for i, (d, det) in enumerate(items)]
+        items.append(
+            (
+                False,
+                "no evaluated pure-quantization arm (method 'quant', kind 'quant_baseline'); add "
+                "eval.quant_baselines or an arm with method quant.",
+            )
+        )
+    return [
+        dict(item=i + 1, title=CHECKLIST_TITLES[i], done=d, detail=det) for i, (d, det) in enumerate(items)
+    ]
 
 
 def checklist_markdown(items: list[dict]) -> str:
@@ -227,8 +277,12 @@ def write_results(path: Path, results: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------- ranking
-KIND_LABEL = {"original": "original", "quant_baseline": "quant ref", "compressed": "compressed",
-              "materialized": "materialized"}
+KIND_LABEL = {
+    "original": "original",
+    "quant_baseline": "quant ref",
+    "compressed": "compressed",
+    "materialized": "materialized",
+}
 
 
 def ranking_rows(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -251,9 +305,15 @@ def ranking_rows(results: dict) -> tuple[list[str], list[list[str]]]:
         b = a["bytes"].get("model") or a["bytes"].get("disk")
         kl, ppl = agg.get("kl"), agg.get("ppl")
         bpw = a.get("bits_per_weight")
-        row = [a["name"], KIND_LABEL.get(a.get("kind"), a.get("kind") or "—"), human_bytes(b) if b else "—",
-               f"{100 * b / base_b:.0f}%" if b and base_b else "—", f"{bpw:.2f}" if bpw is not None else "—",
-               f"{kl:.4f}" if kl is not None else "—", f"{ppl:.2f}" if ppl is not None else "—"]
+        row = [
+            a["name"],
+            KIND_LABEL.get(a.get("kind"), a.get("kind") or "—"),
+            human_bytes(b) if b else "—",
+            f"{100 * b / base_b:.0f}%" if b and base_b else "—",
+            f"{bpw:.2f}" if bpw is not None else "—",
+            f"{kl:.4f}" if kl is not None else "—",
+            f"{ppl:.2f}" if ppl is not None else "—",
+        ]
         for t, m in tasks:
             v = a["metrics"].get(t, {}).get("aggregate", {}).get(m)
             row.append(f"{v:.3f}" if isinstance(v, (int, float)) else "—")
@@ -265,8 +325,10 @@ def ranking_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 def ranking_markdown(results: dict) -> str:
     header, rows = ranking_rows(results)
     tasks = header[6:]
-    note = ("KL = mean KL(original ‖ arm) per token on the held-out windows; size = the plan's bytes (else bytes on "
-            "disk)" + ("; task columns: each task's primary metric" if tasks else "") + ".")
+    note = (
+        "KL = mean KL(original ‖ arm) per token on the held-out windows; size = the plan's bytes (else bytes on "
+        "disk)" + ("; task columns: each task's primary metric" if tasks else "") + "."
+    )
     return "\n".join(["# Arms ranked by KL to the original", "", _table(header, rows), "", note]) + "\n"
 
 
@@ -292,7 +354,7 @@ def _panel_value(arm: Arm, key: str) -> float | None:
 
 
 def _unit(max_bytes: float) -> tuple[float, str]:
-    for div, name in ((1024 ** 3, "GiB"), (1024 ** 2, "MiB"), (1024, "KiB")):
+    for div, name in ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
         if max_bytes >= div:
             return div, name
     return 1, "bytes"
@@ -331,23 +393,39 @@ def plot_quality_vs_bytes(res: Results, path: Path) -> Path | None:
         return None
     div, unit = _unit(max(b for _, b in sized))
     methods = list(dict.fromkeys(a.method for a, _ in sized))
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.0 * len(panels), 5.6), squeeze=False,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(7.0 * len(panels), 5.6), squeeze=False, constrained_layout=True
+    )
     for ax, (key, label, log) in zip(axes[0], panels):
         pts, names = [], []
         for a, b in sized:
             y = _panel_value(a, key)
             if a.name == res.baseline and (y is None or y <= 0):  # KL of the original is 0: a reference line
                 ax.axvline(b / div, color="black", linestyle=":", linewidth=1)
-                ax.annotate(f"{a.name} (0)", (b / div, 1), xycoords=("data", "axes fraction"), xytext=(-3, -12),
-                            textcoords="offset points", ha="right", fontsize=7)
+                ax.annotate(
+                    f"{a.name} (0)",
+                    (b / div, 1),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(-3, -12),
+                    textcoords="offset points",
+                    ha="right",
+                    fontsize=7,
+                )
                 continue
             if y is None or (log and y <= 0):
                 continue
             color, marker = _style(methods.index(a.method))
             is_base = a.name == res.baseline
-            ax.scatter(b / div, y, s=130 if is_base else 42, marker="*" if is_base else marker, color=color,
-                       edgecolor="black", linewidth=0.5, zorder=3)
+            ax.scatter(
+                b / div,
+                y,
+                s=130 if is_base else 42,
+                marker="*" if is_base else marker,
+                color=color,
+                edgecolor="black",
+                linewidth=0.5,
+                zorder=3,
+            )
             pts.append((b / div, y))
             names.append(a.name)
         front = pareto_front(pts)
@@ -371,11 +449,23 @@ def plot_quality_vs_bytes(res: Results, path: Path) -> Path | None:
         _label_points(ax, [pts[i] for i in shown], [names[i] for i in shown], [i in front for i in shown])
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], linestyle="", marker=_style(i)[1], color=_style(i)[0], markeredgecolor="black",
-                      markersize=7, label="original" if m in ("none", "original") else m)
-               for i, m in enumerate(methods)]
+    handles = [
+        Line2D(
+            [],
+            [],
+            linestyle="",
+            marker=_style(i)[1],
+            color=_style(i)[0],
+            markeredgecolor="black",
+            markersize=7,
+            label="original" if m in ("none", "original") else m,
+        )
+        for i, m in enumerate(methods)
+    ]
     handles.append(Line2D([], [], color="0.35", linestyle="--", label="Pareto frontier (bold labels)"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(6, len(handles)), fontsize=8, frameon=False)
+    fig.legend(
+        handles=handles, loc="outside lower center", ncol=min(6, len(handles)), fontsize=8, frameon=False
+    )
     fig.suptitle(f"Quality vs size — {res.model.name or res.model.model_type or 'model'}", fontsize=12)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -405,9 +495,17 @@ def _label_points(ax, pts, names, bold, fontsize: float = 6.5) -> None:
         dx, dy = choice
         x0 = px + dx * scale - (w if dx < 0 else 0)
         placed.append((x0, py + dy * scale, x0 + w, py + dy * scale + h))
-        ax.annotate(names[i], pts[i], xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
-                    ha="right" if dx < 0 else "left", va="bottom", fontweight="bold" if bold[i] else "normal",
-                    color="0.15")
+        ax.annotate(
+            names[i],
+            pts[i],
+            xytext=(dx, dy),
+            textcoords="offset points",
+            fontsize=fontsize,
+            ha="right" if dx < 0 else "left",
+            va="bottom",
+            fontweight="bold" if bold[i] else "normal",
+            color="0.15",
+        )
 
 
 def discriminating(comparisons: list[dict]) -> list[dict]:
@@ -418,10 +516,14 @@ def discriminating(comparisons: list[dict]) -> list[dict]:
 
 
 def _metric_axis_label(metric: str, baseline: str) -> str:
-    names = {"nll": "Δ mean NLL, nats/token (lower is better)", "acc": "Δ accuracy (higher is better)",
-             "acc_norm": "Δ length-normalised accuracy (higher is better)",
-             "exact_match": "Δ exact match (higher is better)", "kl": "Δ KL, nats/token (lower is better)",
-             "primary": "Δ mean primary score (higher is better)"}
+    names = {
+        "nll": "Δ mean NLL, nats/token (lower is better)",
+        "acc": "Δ accuracy (higher is better)",
+        "acc_norm": "Δ length-normalised accuracy (higher is better)",
+        "exact_match": "Δ exact match (higher is better)",
+        "kl": "Δ KL, nats/token (lower is better)",
+        "primary": "Δ mean primary score (higher is better)",
+    }
     return f"{names.get(metric, f'Δ {metric}')}, arm − {baseline}"
 
 
@@ -437,8 +539,14 @@ def plot_task_deltas(comparisons: list[dict], baseline: str, path: Path) -> Path
         return None
     tasks = list(dict.fromkeys(c["task"] for c in comparisons))
     arms = list(dict.fromkeys(c["a"] for c in comparisons))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(min(18.0, max(6.4, 3.6 * len(tasks) + 2.4)), 0.28 * len(arms) + 2.1),
-                             squeeze=False, sharey=True, constrained_layout=True)
+    fig, axes = plt.subplots(
+        1,
+        len(tasks),
+        figsize=(min(18.0, max(6.4, 3.6 * len(tasks) + 2.4)), 0.28 * len(arms) + 2.1),
+        squeeze=False,
+        sharey=True,
+        constrained_layout=True,
+    )
     for ax, task in zip(axes[0], tasks):
         sub = {c["a"]: c for c in comparisons if c["task"] == task}
         for r, arm in enumerate(arms):
@@ -446,10 +554,21 @@ def plot_task_deltas(comparisons: list[dict], baseline: str, path: Path) -> Path
             if c is None:
                 continue
             sig = c["verdict"] != "not detectably different"
-            color = "#c53030" if sig and c["delta"] * (1 if c.get("higher_is_better", True) else -1) < 0 else (
-                "#2f855a" if sig else "0.45")
-            ax.errorbar([c["delta"]], [r], xerr=[[c["delta"] - c["ci_low"]], [c["ci_high"] - c["delta"]]],
-                        fmt="o", color=color, mfc=color if sig else "white", capsize=2.5, markersize=5)
+            color = (
+                "#c53030"
+                if sig and c["delta"] * (1 if c.get("higher_is_better", True) else -1) < 0
+                else ("#2f855a" if sig else "0.45")
+            )
+            ax.errorbar(
+                [c["delta"]],
+                [r],
+                xerr=[[c["delta"] - c["ci_low"]], [c["ci_high"] - c["delta"]]],
+                fmt="o",
+                color=color,
+                mfc=color if sig else "white",
+                capsize=2.5,
+                markersize=5,
+            )
         ax.axvline(0, color="black", linewidth=0.8)
         ax.set_title(task, fontsize=9)
         metric = next(c["metric"] for c in comparisons if c["task"] == task)
@@ -458,8 +577,11 @@ def plot_task_deltas(comparisons: list[dict], baseline: str, path: Path) -> Path
     axes[0][0].set_yticks(range(len(arms)))
     axes[0][0].set_yticklabels(arms, fontsize=8)
     axes[0][0].invert_yaxis()
-    fig.suptitle(f"Paired differences vs {baseline}, 95% bootstrap interval\n"
-                 "filled: Holm-significant (red worse, green better); hollow: not detectably different", fontsize=9)
+    fig.suptitle(
+        f"Paired differences vs {baseline}, 95% bootstrap interval\n"
+        "filled: Holm-significant (red worse, green better); hollow: not detectably different",
+        fontsize=9,
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -470,8 +592,9 @@ def per_layer_cells(arm: Arm) -> dict[int, tuple[int, int, int, int]]:
     dropped) for one arm; the four add up to the layer's original routed experts."""
     out = {}
     for k, r in enumerate(arm.per_layer or []):
-        out[int(r.get("layer", k))] = tuple(int(r.get(f) or 0) for f in ("retained", "remapped", "operators",
-                                                                           "dropped"))
+        out[int(r.get("layer", k))] = tuple(
+            int(r.get(f) or 0) for f in ("retained", "remapped", "operators", "dropped")
+        )
     return out
 
 
@@ -505,8 +628,15 @@ def plot_per_layer(res: Results, path: Path) -> Path | None:
                     continue
                 kept, merged, ops, dropped = c[layer]
                 text = f"{kept}/{merged}/{dropped + ops}" + ("+op" if ops else "")
-                ax.text(j, r, text, ha="center", va="center", fontsize=7.5,
-                        color="white" if frac[r, j] < 0.55 else "black")
+                ax.text(
+                    j,
+                    r,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=7.5,
+                    color="white" if frac[r, j] < 0.55 else "black",
+                )
     ax.set_yticks(range(len(arms)))
     ax.set_yticklabels([a.name for a in arms], fontsize=8)
     step = max(1, len(layers) // 24)
@@ -521,16 +651,23 @@ def plot_per_layer(res: Results, path: Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------- report
-def render_markdown(res: Results, comparisons: list[dict], items: list[dict], plots: dict[str, Path | None],
-                    settings: dict) -> str:
+def render_markdown(
+    res: Results, comparisons: list[dict], items: list[dict], plots: dict[str, Path | None], settings: dict
+) -> str:
     base = next(a for a in res.arms if a.name == res.baseline)
     base_bytes = arm_bytes(base)
     m = res.model
     out = [f"# moecompress report — {m.name or m.path or m.model_type or 'model'}", ""]
-    out.append(f"Generated {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine-readable "
-               "results (incl. per-item scores) in `results.json`.")
+    out.append(
+        f"Generated {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine-readable "
+        "results (incl. per-item scores) in `results.json`."
+    )
     out.append("")
-    facts = [("model", m.name or m.path), ("model type", m.model_type), ("router convention", m.router_convention)]
+    facts = [
+        ("model", m.name or m.path),
+        ("model type", m.model_type),
+        ("router convention", m.router_convention),
+    ]
     for key in ("num_experts", "top_k", "moe_layers", "dtype"):
         if (m.model_extra or {}).get(key) is not None:
             facts.append((key.replace("_", " "), m.model_extra[key]))
@@ -539,8 +676,17 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
 
     cols = _task_columns(res)
     out += ["## Arms", ""]
-    header = ["arm", "method", "params", "gate semantics", "operator", "precision", "bits/weight", "size",
-              "size vs baseline"]
+    header = [
+        "arm",
+        "method",
+        "params",
+        "gate semantics",
+        "operator",
+        "precision",
+        "bits/weight",
+        "size",
+        "size vs baseline",
+    ]
     header += [f"{t} {mm}" for t, mm in cols]
     rows = []
     for a in res.arms:
@@ -548,40 +694,85 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
         rel = f"{100 * b / base_bytes:.1f}%" if b is not None and base_bytes else "—"
         params = ", ".join(f"{k}={v}" for k, v in a.params.items()) or "—"
         extra = a.model_extra or {}
-        row = [a.name + (" (baseline)" if a.name == res.baseline else ""), a.method, params,
-               a.gate_semantics or "—", a.operator or "—", extra.get("precision") or "—",
-               _fmt(extra.get("bits_per_weight"), 3), _human(b), rel]
+        row = [
+            a.name + (" (baseline)" if a.name == res.baseline else ""),
+            a.method,
+            params,
+            a.gate_semantics or "—",
+            a.operator or "—",
+            extra.get("precision") or "—",
+            _fmt(extra.get("bits_per_weight"), 3),
+            _human(b),
+            rel,
+        ]
         for t, mm in cols:
             e = a.metrics.get(t)
             row.append(_fmt(e.aggregate.get(mm)) if e else "—")
         rows.append(row)
     out += [_table(header, rows), ""]
-    out.append("Size: `bytes.model` (the plan's bytes: packed codes and scales for quantized experts), else bytes "
-               "on disk, else resident parameter bytes. Bits/weight: stored routed-expert bits (scales and operators "
-               "included) per original routed-expert weight.")
+    out.append(
+        "Size: `bytes.model` (the plan's bytes: packed codes and scales for quantized experts), else bytes "
+        "on disk, else resident parameter bytes. Bits/weight: stored routed-expert bits (scales and operators "
+        "included) per original routed-expert weight."
+    )
     out.append("")
 
     out += ["## Paired comparisons", ""]
     if comparisons:
-        out.append(f"A = arm, B = the other arm (default: the baseline `{res.baseline}`), on the same items; Δ = "
-                   f"mean(A − B) of the primary metric (perplexity streams: per-window mean NLL). Paired bootstrap, "
-                   f"B = {settings['B']} replicates, seed {settings['seed']}, {100 * (1 - settings['alpha']):.0f}% "
-                   f"percentile interval; p from the bootstrap; Holm correction over all {len(comparisons)} "
-                   "comparisons. A difference whose interval contains 0 or whose Holm-adjusted p exceeds α is "
-                   "*not detectably different* — not equal.")
+        out.append(
+            f"A = arm, B = the other arm (default: the baseline `{res.baseline}`), on the same items; Δ = "
+            f"mean(A − B) of the primary metric (perplexity streams: per-window mean NLL). Paired bootstrap, "
+            f"B = {settings['B']} replicates, seed {settings['seed']}, {100 * (1 - settings['alpha']):.0f}% "
+            f"percentile interval; p from the bootstrap; Holm correction over all {len(comparisons)} "
+            "comparisons. A difference whose interval contains 0 or whose Holm-adjusted p exceeds α is "
+            "*not detectably different* — not equal."
+        )
         out.append("")
-        rows = [[c["a"], c["b"], c["task"], c["metric"], c["n"], _fmt(c["mean_a"]), _fmt(c["mean_b"]),
-                 _fmt(c["delta"]), f"[{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}]", _fmt(c["p"]),
-                 _fmt(c["p_adjusted"]), c["verdict"]] for c in comparisons]
-        out.append(_table(["A", "B", "task", "metric", "items", "A mean", "B mean", "Δ (A−B)", "interval", "p",
-                           "p (Holm)", "verdict"], rows))
+        rows = [
+            [
+                c["a"],
+                c["b"],
+                c["task"],
+                c["metric"],
+                c["n"],
+                _fmt(c["mean_a"]),
+                _fmt(c["mean_b"]),
+                _fmt(c["delta"]),
+                f"[{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}]",
+                _fmt(c["p"]),
+                _fmt(c["p_adjusted"]),
+                c["verdict"],
+            ]
+            for c in comparisons
+        ]
+        out.append(
+            _table(
+                [
+                    "A",
+                    "B",
+                    "task",
+                    "metric",
+                    "items",
+                    "A mean",
+                    "B mean",
+                    "Δ (A−B)",
+                    "interval",
+                    "p",
+                    "p (Holm)",
+                    "verdict",
+                ],
+                rows,
+            )
+        )
         m, nb = len(comparisons), settings["B"]
         if nb is not None and 2 * m / (nb + 1) > settings["alpha"]:
             out.append("")
-            out.append(f"**Warning:** with B = {nb} replicates the smallest bootstrap p is 2/(B+1) = "
-                       f"{2 / (nb + 1):.4f}, "
-                       f"so after Holm over {m} comparisons no difference can reach α = {settings['alpha']}; re-run "
-                       f"with B ≥ {min_replicates(m, settings['alpha'])}.")
+            out.append(
+                f"**Warning:** with B = {nb} replicates the smallest bootstrap p is 2/(B+1) = "
+                f"{2 / (nb + 1):.4f}, "
+                f"so after Holm over {m} comparisons no difference can reach α = {settings['alpha']}; re-run "
+                f"with B ≥ {min_replicates(m, settings['alpha'])}."
+            )
     else:
         out.append("No comparisons: fewer than two arms share per-item results.")
     out.append("")
@@ -591,18 +782,40 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
         rows = []
         for a in res.arms:
             mem, lat = a.memory or {}, a.latency or {}
-            rows.append([a.name, _human(a.bytes.disk), _human(a.bytes.resident), _human(mem.get("peak_bytes")),
-                         _human(mem.get("peak_delta_bytes")), _fmt(lat.get("prefill_tok_s"), 1),
-                         _fmt(lat.get("decode_tok_s"), 1)])
-        out.append(_table(["arm", "on disk", "resident params", "peak memory", "peak − before", "prefill tok/s",
-                           "decode tok/s"], rows))
+            rows.append(
+                [
+                    a.name,
+                    _human(a.bytes.disk),
+                    _human(a.bytes.resident),
+                    _human(mem.get("peak_bytes")),
+                    _human(mem.get("peak_delta_bytes")),
+                    _fmt(lat.get("prefill_tok_s"), 1),
+                    _fmt(lat.get("decode_tok_s"), 1),
+                ]
+            )
+        out.append(
+            _table(
+                [
+                    "arm",
+                    "on disk",
+                    "resident params",
+                    "peak memory",
+                    "peak − before",
+                    "prefill tok/s",
+                    "decode tok/s",
+                ],
+                rows,
+            )
+        )
         lat0 = next((a.latency for a in res.arms if a.latency), None)
         if lat0:
             out.append("")
-            out.append(f"Latency: greedy generation, batch {lat0.get('batch_size')}, prompt {lat0.get('prompt_len')} "
-                       f"tokens, {lat0.get('new_tokens')} new tokens, median of {lat0.get('repeats')} runs after "
-                       f"{lat0.get('warmup')} warm-up on {lat0.get('device')}. Peak memory: "
-                       f"{(next((a.memory for a in res.arms if a.memory), {}) or {}).get('kind', '—')}.")
+            out.append(
+                f"Latency: greedy generation, batch {lat0.get('batch_size')}, prompt {lat0.get('prompt_len')} "
+                f"tokens, {lat0.get('new_tokens')} new tokens, median of {lat0.get('repeats')} runs after "
+                f"{lat0.get('warmup')} warm-up on {lat0.get('device')}. Peak memory: "
+                f"{(next((a.memory for a in res.arms if a.memory), {}) or {}).get('kind', '—')}."
+            )
         out.append("")
 
     quant = [a for a in res.arms if a.kind == "quant_baseline"]
@@ -611,12 +824,21 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
         rows = []
         for a in quant:
             extra = a.model_extra or {}
-            rows.append([a.name, a.params.get("quant"), a.params.get("algo", "gptq"),
-                         _fmt(extra.get("bits_per_weight"), 3), _human(arm_bytes(a))])
+            rows.append(
+                [
+                    a.name,
+                    a.params.get("quant"),
+                    a.params.get("algo", "gptq"),
+                    _fmt(extra.get("bits_per_weight"), 3),
+                    _human(arm_bytes(a)),
+                ]
+            )
         out.append(_table(["arm", "spec", "algorithm", "bits/weight", "size"], rows))
         out.append("")
-        out.append("Pure quantization of every routed expert (method `quant`: no structural change), exported and "
-                   "loaded back like every other arm; docs/quantization.md states the grid.")
+        out.append(
+            "Pure quantization of every routed expert (method `quant`: no structural change), exported and "
+            "loaded back like every other arm; docs/quantization.md states the grid."
+        )
         out.append("")
 
     per_layer = [a for a in res.arms if a.per_layer]
@@ -626,15 +848,23 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
         rows = []
         for a in per_layer:
             by = {int(r.get("layer", k)): r for k, r in enumerate(a.per_layer)}
-            rows.append([a.name] + [
-                f"{by[i].get('retained', '—')}/{by[i].get('experts', '—')}"
-                + (f" (+{by[i]['remapped']} remapped)" if by[i].get("remapped") else "")
-                + (f" (+{by[i]['operators']} operators)" if by[i].get("operators") else "") if i in by else "—"
-                for i in layers])
+            rows.append(
+                [a.name]
+                + [
+                    f"{by[i].get('retained', '—')}/{by[i].get('experts', '—')}"
+                    + (f" (+{by[i]['remapped']} remapped)" if by[i].get("remapped") else "")
+                    + (f" (+{by[i]['operators']} operators)" if by[i].get("operators") else "")
+                    if i in by
+                    else "—"
+                    for i in layers
+                ]
+            )
         out.append(_table(["arm"] + [f"layer {i}" for i in layers], rows))
         out.append("")
-        out.append("Cells: slots still served by their own expert / original routed experts (+ slots served by "
-                   "another stored expert or by a replacement operator).")
+        out.append(
+            "Cells: slots still served by their own expert / original routed experts (+ slots served by "
+            "another stored expert or by a replacement operator)."
+        )
         out.append("")
 
     if res.calibration is not None:
@@ -645,26 +875,43 @@ def render_markdown(res: Results, comparisons: list[dict], items: list[dict], pl
     own = [(a.name, c) for a in res.arms if (c := (a.model_extra or {}).get("calibration"))]
     if own:
         out += ["Arms with their own calibration (every arm is scored on the same items):", ""]
-        out.append(_table(["arm", "domain", "source", "tokens"],
-                          [(n, c.get("domain"), c.get("source"), f"{c.get('tokens') or 0:,}") for n, c in own]))
+        out.append(
+            _table(
+                ["arm", "domain", "source", "tokens"],
+                [(n, c.get("domain"), c.get("source"), f"{c.get('tokens') or 0:,}") for n, c in own],
+            )
+        )
         out.append("")
 
     shown = [(k, p) for k, p in plots.items() if p is not None]
     if shown:
         out += ["## Plots", ""]
-        titles = {"quality_vs_bytes": "Quality vs size", "task_deltas": "Per-task paired differences",
-                  "per_layer": "Routed experts per layer"}
+        titles = {
+            "quality_vs_bytes": "Quality vs size",
+            "task_deltas": "Per-task paired differences",
+            "per_layer": "Routed experts per layer",
+        }
         for k, p in shown:
             out += [f"![{titles.get(k, k)}]({p.name})", ""]
         if plots.get("task_deltas") is None and comparisons:
-            out += ["No per-task plot: on no task does any paired interval exclude 0 (see the table above).", ""]
+            out += [
+                "No per-task plot: on no task does any paired interval exclude 0 (see the table above).",
+                "",
+            ]
     if res.notes:
         out += ["## Notes", ""] + [f"- {n}" for n in res.notes] + [""]
     return "\n".join(out)
 
 
-def write_report(results: dict, out_dir, *, B: int | None = None, seed: int | None = None,
-                 alpha: float | None = None, pairs: Sequence[tuple[str, str]] | None = None) -> Path:
+def write_report(
+    results: dict,
+    out_dir,
+    *,
+    B: int | None = None,
+    seed: int | None = None,
+    alpha: float | None = None,
+    pairs: Sequence[tuple[str, str]] | None = None,
+) -> Path:
     """Write report.md, results.json and the PNG plots into `out_dir`; return the report path.
 
     Comparisons are computed (each arm vs the baseline, or `pairs`) unless `results["comparisons"]`
@@ -679,15 +926,25 @@ def write_report(results: dict, out_dir, *, B: int | None = None, seed: int | No
     out.mkdir(parents=True, exist_ok=True)
     comparisons = results.get("comparisons")
     if comparisons is None:
-        comparisons = compare_arms(res, pairs, B=settings["B"], seed=settings["seed"], alpha=settings["alpha"])
+        comparisons = compare_arms(
+            res, pairs, B=settings["B"], seed=settings["seed"], alpha=settings["alpha"]
+        )
     if comparisons:
         settings["B"] = comparisons[0]["B"]
     items = checklist(res)
-    plots = {"quality_vs_bytes": plot_quality_vs_bytes(res, out / "quality_vs_bytes.png"),
-             "task_deltas": plot_task_deltas(discriminating(comparisons), res.baseline, out / "task_deltas.png"),
-             "per_layer": plot_per_layer(res, out / "per_layer_experts.png")}
-    full = dict(results, schema=results.get("schema", SCHEMA), baseline=res.baseline, settings=settings,
-                comparisons=comparisons, checklist=items)
+    plots = {
+        "quality_vs_bytes": plot_quality_vs_bytes(res, out / "quality_vs_bytes.png"),
+        "task_deltas": plot_task_deltas(discriminating(comparisons), res.baseline, out / "task_deltas.png"),
+        "per_layer": plot_per_layer(res, out / "per_layer_experts.png"),
+    }
+    full = dict(
+        results,
+        schema=results.get("schema", SCHEMA),
+        baseline=res.baseline,
+        settings=settings,
+        comparisons=comparisons,
+        checklist=items,
+    )
     _write_atomic(out / "results.json", json.dumps(_json_safe(full), indent=1, ensure_ascii=False) + "\n")
     _write_atomic(out / "ranking.md", ranking_markdown(full))
     report = out / "report.md"

@@ -18,12 +18,14 @@ def model_info(model, path=None, name: str | None = None) -> dict[str, Any]:
     """results["model"]: type, router convention, MoE layers, experts, top-k, dtype and bytes."""
     from .bench import disk_bytes, resident_bytes
 
-    info: dict[str, Any] = {"name": name or (Path(str(path)).name if path else type(model).__name__),
-                            "path": str(path) if path else None,
-                            "model_type": getattr(model.config, "model_type", None),
-                            "architecture": type(model).__name__,
-                            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                            "bytes": {"resident": resident_bytes(model)}}
+    info: dict[str, Any] = {
+        "name": name or (Path(str(path)).name if path else type(model).__name__),
+        "path": str(path) if path else None,
+        "model_type": getattr(model.config, "model_type", None),
+        "architecture": type(model).__name__,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "bytes": {"resident": resident_bytes(model)},
+    }
     if path is not None and Path(str(path)).exists():
         info["bytes"]["disk"] = disk_bytes(path)
     try:
@@ -31,18 +33,35 @@ def model_info(model, path=None, name: str | None = None) -> dict[str, Any]:
 
         ad = MoEAdapter(model)
         first = ad.moe_layers[0]
-        info.update(router_convention=ad.router_spec(first).describe(), moe_layers=ad.moe_layers,
-                    num_experts=ad.num_experts(first), top_k=ad.top_k(first),
-                    router=ad.router_spec(first).to_dict())
+        info.update(
+            router_convention=ad.router_spec(first).describe(),
+            moe_layers=ad.moe_layers,
+            num_experts=ad.num_experts(first),
+            top_k=ad.top_k(first),
+            router=ad.router_spec(first).to_dict(),
+        )
     except MoECompressError:
         info["router_convention"] = "dense (no routed experts)"
     return info
 
 
-def evaluate_model(model, tokenizer=None, *, tasks=None, ppl=None, reference=None, limit=None,
-                   num_fewshot: int | None = None, batch_size: int | str = 1, include_path=None,
-                   window: int = 512, stride: int | None = None, max_tokens: int | None = None, seed: int = 1234,
-                   progress: bool = True) -> dict[str, dict]:
+def evaluate_model(
+    model,
+    tokenizer=None,
+    *,
+    tasks=None,
+    ppl=None,
+    reference=None,
+    limit=None,
+    num_fewshot: int | None = None,
+    batch_size: int | str = 1,
+    include_path=None,
+    window: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    seed: int = 1234,
+    progress: bool = True,
+) -> dict[str, dict]:
     """{task: entry} for an arm: a perplexity stream ("ppl:<name>", with KL when `reference`) + lm-eval tasks.
 
     Every arm of a comparison must be evaluated with the same `ppl`, `window`, `stride`,
@@ -52,17 +71,37 @@ def evaluate_model(model, tokenizer=None, *, tasks=None, ppl=None, reference=Non
     from .metrics import evaluate_stream
 
     if reference is not None and ppl is None:
-        raise MoECompressError("KL to a reference model is measured on a text stream; pass a perplexity text "
-                               "(--ppl FILE) together with the reference.")
+        raise MoECompressError(
+            "KL to a reference model is measured on a text stream; pass a perplexity text "
+            "(--ppl FILE) together with the reference."
+        )
     metrics: dict[str, dict] = {}
     if ppl is not None:
         bs = batch_size if isinstance(batch_size, int) else 1
-        metrics[ppl_task_name(ppl)] = evaluate_stream(model, ppl, tokenizer, reference=reference, window=window,
-                                                      stride=stride, max_tokens=max_tokens, batch_size=bs,
-                                                      progress=progress)
+        metrics[ppl_task_name(ppl)] = evaluate_stream(
+            model,
+            ppl,
+            tokenizer,
+            reference=reference,
+            window=window,
+            stride=stride,
+            max_tokens=max_tokens,
+            batch_size=bs,
+            progress=progress,
+        )
     if tasks:
-        metrics.update(run_lm_eval(model, tokenizer, tasks, num_fewshot=num_fewshot, limit=limit,
-                                   batch_size=batch_size, include_path=include_path, seed=seed))
+        metrics.update(
+            run_lm_eval(
+                model,
+                tokenizer,
+                tasks,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                batch_size=batch_size,
+                include_path=include_path,
+                seed=seed,
+            )
+        )
     return metrics
 
 
@@ -70,8 +109,12 @@ def non_finite(metrics: dict[str, dict]) -> list[str]:
     """'task metric=value' for every NaN or infinite aggregate of an arm's metrics (standard errors aside)."""
     import math
 
-    return [f"{task} {k}={v}" for task, entry in metrics.items() for k, v in entry.get("aggregate", {}).items()
-            if isinstance(v, float) and not k.endswith("_stderr") and not math.isfinite(v)]
+    return [
+        f"{task} {k}={v}"
+        for task, entry in metrics.items()
+        for k, v in entry.get("aggregate", {}).items()
+        if isinstance(v, float) and not k.endswith("_stderr") and not math.isfinite(v)
+    ]
 
 
 def check_finite(arm: str, metrics: dict[str, dict], allow_nan: bool = False) -> None:
@@ -81,9 +124,11 @@ def check_finite(arm: str, metrics: dict[str, dict], allow_nan: bool = False) ->
     perplexity and KL are then NaN and the results JSON stores null, which read as a success before."""
     bad = non_finite(metrics)
     if bad and not allow_nan:
-        raise NonFiniteMetrics(f"Arm '{arm}' evaluated to non-finite metrics ({', '.join(bad[:3])}): its weights, "
-                               "router or scales produce NaN or infinite values; check that checkpoint, or pass "
-                               "--allow-nan to keep these results.")
+        raise NonFiniteMetrics(
+            f"Arm '{arm}' evaluated to non-finite metrics ({', '.join(bad[:3])}): its weights, "
+            "router or scales produce NaN or infinite values; check that checkpoint, or pass "
+            "--allow-nan to keep these results."
+        )
 
 
 def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
@@ -106,7 +151,11 @@ def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
         for e, slot in enumerate(lp.slots):
             if isinstance(slot, int):
                 s = stored.get(slot)
-                own = s is not None and s.construction == "copy" and [tuple(x) for x in s.sources] == [(lp.layer, e)]
+                own = (
+                    s is not None
+                    and s.construction == "copy"
+                    and [tuple(x) for x in s.sources] == [(lp.layer, e)]
+                )
                 if own:
                     ret += 1
                     retained_all.append((lp.layer, e))
@@ -122,19 +171,42 @@ def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
         if rem:
             ops_used.add("remap")
         gates.append(lp.gate)
-        rows.append(dict(layer=lp.layer, experts=len(lp.slots), stored=len(sc.stored), retained=ret, remapped=rem,
-                         operators=ops, dropped=drop, gate=lp.gate))
+        rows.append(
+            dict(
+                layer=lp.layer,
+                experts=len(lp.slots),
+                stored=len(sc.stored),
+                retained=ret,
+                remapped=rem,
+                operators=ops,
+                dropped=drop,
+                gate=lp.gate,
+            )
+        )
     mask = hashlib.sha256(json.dumps(sorted(retained_all)).encode()).hexdigest()[:16]
-    specs = sorted({"16-bit" if s.quant is None else s.quant.name() for sc in plan.scopes for s in sc.stored
-                    if s.packing is None} | {s.packing for sc in plan.scopes for s in sc.stored if s.packing})
-    return {"gate_semantics": "/".join(sorted(set(gates))) or None,
-            "operator": " + ".join(sorted(ops_used)) or None, "mask_id": mask, "per_layer": rows,
-            "method": plan.method, "params": dict(plan.params), "precision": " + ".join(specs) + _tensor_precisions(plan),
-            "bits_per_weight": routed_bits_per_weight(plan, tensors)}
+    specs = sorted(
+        {
+            "16-bit" if s.quant is None else s.quant.name()
+            for sc in plan.scopes
+            for s in sc.stored
+            if s.packing is None
+        }
+        | {s.packing for sc in plan.scopes for s in sc.stored if s.packing}
+    )
+    return {
+        "gate_semantics": "/".join(sorted(set(gates))) or None,
+        "operator": " + ".join(sorted(ops_used)) or None,
+        "mask_id": mask,
+        "per_layer": rows,
+        "method": plan.method,
+        "params": dict(plan.params),
+        "precision": " + ".join(specs) + _tensor_precisions(plan),
+        "bits_per_weight": routed_bits_per_weight(plan, tensors),
+    }
 
 
 def _tensor_precisions(plan) -> str:
-    """"; attention w4g32, embeddings w8c" for the non-expert classes the plan quantizes (issue 30), else ""."""
+    """ "; attention w4g32, embeddings w8c" for the non-expert classes the plan quantizes (issue 30), else ""."""
     found = sorted({(tq.kind, tq.quant.name()) for tq in plan.tensor_quant.values()})
     return "; " + ", ".join(f"{kind} {spec}" for kind, spec in found) if found else ""
 

@@ -68,8 +68,10 @@ class TaskEntry(_Open):
             if len(v) != len(ids):
                 raise ValueError(f"items['{k}'] has {len(v)} values for {len(ids)} ids")
         if self.primary is None:
-            self.primary = next((k for k in self.higher_is_better), next(
-                (k for k in self.aggregate if not k.endswith("_stderr")), None))
+            self.primary = next(
+                (k for k in self.higher_is_better),
+                next((k for k in self.aggregate if not k.endswith("_stderr")), None),
+            )
         return self
 
 
@@ -145,8 +147,10 @@ def validate_results(results: dict) -> Results:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "results"
-        raise MoECompressError(f"The results dict is invalid at '{where}': {err['msg']}; fix that field "
-                               "(schema in docs/evaluation.md).") from None
+        raise MoECompressError(
+            f"The results dict is invalid at '{where}': {err['msg']}; fix that field "
+            "(schema in docs/evaluation.md)."
+        ) from None
 
 
 def arm_bytes(arm: Arm) -> int | None:

@@ -26,8 +26,8 @@ Verdict: "A better" / "B better" only when the interval excludes 0 *and* the (Ho
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -60,21 +60,25 @@ class PairedResult:
         return asdict(self)
 
 
-def verdict(delta: float, ci_low: float, ci_high: float, p: float, alpha: float, higher_is_better: bool) -> str:
-    """"A better" / "B better" when the interval excludes 0 and p <= alpha, else "not detectably different"."""
+def verdict(
+    delta: float, ci_low: float, ci_high: float, p: float, alpha: float, higher_is_better: bool
+) -> str:
+    """ "A better" / "B better" when the interval excludes 0 and p <= alpha, else "not detectably different"."""
     if p > alpha or ci_low <= 0.0 <= ci_high:
         return NOT_DIFFERENT
     a_higher = delta > 0
     return A_BETTER if a_higher == higher_is_better else B_BETTER
 
 
-def align(ids_a: Sequence, a: Sequence[float], ids_b: Sequence, b: Sequence[float],
-          what: str = "the two arms") -> tuple[list, np.ndarray, np.ndarray]:
+def align(
+    ids_a: Sequence, a: Sequence[float], ids_b: Sequence, b: Sequence[float], what: str = "the two arms"
+) -> tuple[list, np.ndarray, np.ndarray]:
     """Pair per-item values by item id; refuse arms that were not evaluated on the same items."""
     ids_a, ids_b = [str(i) for i in ids_a], [str(i) for i in ids_b]
     if len(ids_a) != len(a) or len(ids_b) != len(b):
-        raise MoECompressError(f"The per-item ids and values of {what} have different lengths; pass one value "
-                               "per item id.")
+        raise MoECompressError(
+            f"The per-item ids and values of {what} have different lengths; pass one value per item id."
+        )
     if len(set(ids_a)) != len(ids_a) or len(set(ids_b)) != len(ids_b):
         raise MoECompressError(f"Item ids of {what} repeat; pass one value per distinct item.")
     sa, sb = set(ids_a), set(ids_b)
@@ -83,15 +87,18 @@ def align(ids_a: Sequence, a: Sequence[float], ids_b: Sequence, b: Sequence[floa
         raise MoECompressError(
             f"Cannot pair {what}: they were not evaluated on the same items ({len(sa - sb)} only in A, e.g. "
             f"{only_a}; {len(sb - sa)} only in B, e.g. {only_b}); evaluate both on the same data, limit and task "
-            "versions.")
+            "versions."
+        )
     if not ids_a:
         raise MoECompressError(f"Cannot pair {what}: there are no items; evaluate on at least one item.")
     pos = {i: k for k, i in enumerate(ids_b)}
     order = [pos[i] for i in ids_a]
     va, vb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)[order]
     if np.isnan(va).any() or np.isnan(vb).any():
-        raise MoECompressError(f"Some per-item values of {what} are missing (NaN); re-run the evaluation so every "
-                               "item has a score.")
+        raise MoECompressError(
+            f"Some per-item values of {what} are missing (NaN); re-run the evaluation so every "
+            "item has a score."
+        )
     return ids_a, va, vb
 
 
@@ -102,7 +109,7 @@ def _draw_means(rng: np.random.Generator, d: np.ndarray, B: int, chunk: int = 25
     rows = max(1, min(B, (chunk * 4096) // max(n, 1)))
     for s in range(0, B, rows):
         idx = rng.integers(0, n, size=(min(rows, B - s), n))
-        out[s:s + idx.shape[0]] = d[idx].mean(axis=1)
+        out[s : s + idx.shape[0]] = d[idx].mean(axis=1)
     return out
 
 
@@ -114,16 +121,40 @@ def _interval_p(boot: np.ndarray, alpha: float) -> tuple[float, float, float]:
     return float(lo), float(hi), p
 
 
-def paired_bootstrap(ids_a, a, ids_b, b, *, metric: str = "value", higher_is_better: bool = True,
-                     B: int = 1000, seed: int = 0, alpha: float = 0.05) -> PairedResult:
+def paired_bootstrap(
+    ids_a,
+    a,
+    ids_b,
+    b,
+    *,
+    metric: str = "value",
+    higher_is_better: bool = True,
+    B: int = 1000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> PairedResult:
     """Paired bootstrap of mean(A - B) over the items both arms share (see module doc)."""
-    return paired_bootstrap_tasks({"task": (ids_a, a)}, {"task": (ids_b, b)}, metric=metric,
-                                  higher_is_better=higher_is_better, B=B, seed=seed, alpha=alpha)
+    return paired_bootstrap_tasks(
+        {"task": (ids_a, a)},
+        {"task": (ids_b, b)},
+        metric=metric,
+        higher_is_better=higher_is_better,
+        B=B,
+        seed=seed,
+        alpha=alpha,
+    )
 
 
-def paired_bootstrap_tasks(arm_a: Mapping[str, tuple], arm_b: Mapping[str, tuple], *, metric: str = "value",
-                           higher_is_better: bool | Mapping[str, bool] = True, B: int = 1000, seed: int = 0,
-                           alpha: float = 0.05) -> PairedResult:
+def paired_bootstrap_tasks(
+    arm_a: Mapping[str, tuple],
+    arm_b: Mapping[str, tuple],
+    *,
+    metric: str = "value",
+    higher_is_better: bool | Mapping[str, bool] = True,
+    B: int = 1000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> PairedResult:
     """Joint paired bootstrap over tasks: per-task results in ``per_task`` and the task average on top.
 
     `arm_a` / `arm_b`: {task: (ids, values)}; both arms need the same tasks and, per task, the same
@@ -131,16 +162,24 @@ def paired_bootstrap_tasks(arm_a: Mapping[str, tuple], arm_b: Mapping[str, tuple
     so mixed directions are refused.
     """
     if set(arm_a) != set(arm_b):
-        raise MoECompressError(f"Cannot pair the arms: task sets differ ({sorted(set(arm_a) ^ set(arm_b))} in only "
-                               "one); evaluate both arms on the same tasks.")
+        raise MoECompressError(
+            f"Cannot pair the arms: task sets differ ({sorted(set(arm_a) ^ set(arm_b))} in only "
+            "one); evaluate both arms on the same tasks."
+        )
     if B < 1:
-        raise MoECompressError(f"B={B} bootstrap replicates is too few; use B >= 1 (1000 or more for reports).")
+        raise MoECompressError(
+            f"B={B} bootstrap replicates is too few; use B >= 1 (1000 or more for reports)."
+        )
     if not 0 < alpha < 1:
         raise MoECompressError(f"alpha={alpha} is outside (0, 1); use e.g. 0.05.")
-    hib = {t: (higher_is_better[t] if isinstance(higher_is_better, Mapping) else higher_is_better) for t in arm_a}
+    hib = {
+        t: (higher_is_better[t] if isinstance(higher_is_better, Mapping) else higher_is_better) for t in arm_a
+    }
     if len(set(hib.values())) > 1:
-        raise MoECompressError("Cannot average tasks whose metrics point in opposite directions (higher vs lower is "
-                               "better); compare them separately.")
+        raise MoECompressError(
+            "Cannot average tasks whose metrics point in opposite directions (higher vs lower is "
+            "better); compare them separately."
+        )
     rng = np.random.default_rng(seed)
     boots, per_task, means_a, means_b = [], {}, [], []
     for t in arm_a:  # order as given: it fixes the random draws
@@ -149,9 +188,18 @@ def paired_bootstrap_tasks(arm_a: Mapping[str, tuple], arm_b: Mapping[str, tuple
         boot = _draw_means(rng, d, B)
         lo, hi, p = _interval_p(boot, alpha)
         delta = float(d.mean())
-        per_task[t] = dict(metric=metric, n=int(d.size), mean_a=float(va.mean()), mean_b=float(vb.mean()),
-                           delta=delta, ci_low=lo, ci_high=hi, p=p, higher_is_better=hib[t],
-                           verdict=verdict(delta, lo, hi, p, alpha, hib[t]))
+        per_task[t] = dict(
+            metric=metric,
+            n=int(d.size),
+            mean_a=float(va.mean()),
+            mean_b=float(vb.mean()),
+            delta=delta,
+            ci_low=lo,
+            ci_high=hi,
+            p=p,
+            higher_is_better=hib[t],
+            verdict=verdict(delta, lo, hi, p, alpha, hib[t]),
+        )
         boots.append(boot)
         means_a.append(float(va.mean()))
         means_b.append(float(vb.mean()))
@@ -159,10 +207,22 @@ def paired_bootstrap_tasks(arm_a: Mapping[str, tuple], arm_b: Mapping[str, tuple
     lo, hi, p = _interval_p(avg, alpha)
     delta = float(np.mean([per_task[t]["delta"] for t in per_task]))
     h = next(iter(hib.values()))
-    res = PairedResult(metric=metric, n=sum(v["n"] for v in per_task.values()), mean_a=float(np.mean(means_a)),
-                       mean_b=float(np.mean(means_b)), delta=delta, ci_low=lo, ci_high=hi, p=p, higher_is_better=h,
-                       alpha=alpha, B=B, seed=seed, verdict=verdict(delta, lo, hi, p, alpha, h),
-                       per_task=per_task if len(per_task) > 1 or "task" not in per_task else {})
+    res = PairedResult(
+        metric=metric,
+        n=sum(v["n"] for v in per_task.values()),
+        mean_a=float(np.mean(means_a)),
+        mean_b=float(np.mean(means_b)),
+        delta=delta,
+        ci_low=lo,
+        ci_high=hi,
+        p=p,
+        higher_is_better=h,
+        alpha=alpha,
+        B=B,
+        seed=seed,
+        verdict=verdict(delta, lo, hi, p, alpha, h),
+        per_task=per_task if len(per_task) > 1 or "task" not in per_task else {},
+    )
     return res
 
 

@@ -31,9 +31,18 @@ from .source import open_source
 from .writer import ShardWriter
 
 MARKER_FILE = "moecompress.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 class ExportResult(BaseModel):
@@ -47,9 +56,13 @@ class ExportResult(BaseModel):
     original_bytes: int  # the source's weights (its safetensors files, or its tensors when in memory)
     logical_bytes: int  # plan.logical_bytes(): stored experts + operators + everything else
     shards: list[str]
-    routed_bytes: int = 0  # what replaces the routed experts, as written (plan.logical_bytes, padding included)
+    routed_bytes: int = (
+        0  # what replaces the routed experts, as written (plan.logical_bytes, padding included)
+    )
     original_routed_bytes: int = 0  # the original's routed experts, at its on-disk dtype
-    other_bytes: int = 0  # every other tensor, as the plan stores it (quantized non-expert weights: packed bytes)
+    other_bytes: int = (
+        0  # every other tensor, as the plan stores it (quantized non-expert weights: packed bytes)
+    )
     original_other_bytes: int = 0  # every other tensor of the original, at its on-disk dtypes
 
     @property
@@ -60,23 +73,35 @@ class ExportResult(BaseModel):
         label = " (evaluation only: full size, NOT compressed)" if self.evaluation_only else ""
         routed = ""
         if self.original_routed_bytes and not self.evaluation_only:
-            routed = (f"; routed experts {_human(self.routed_bytes)} vs {_human(self.original_routed_bytes)} "
-                      f"({100 * self.routed_bytes / self.original_routed_bytes:.1f}%)")
+            routed = (
+                f"; routed experts {_human(self.routed_bytes)} vs {_human(self.original_routed_bytes)} "
+                f"({100 * self.routed_bytes / self.original_routed_bytes:.1f}%)"
+            )
         other = ""
-        if self.other_bytes != self.original_other_bytes and self.original_other_bytes and not self.evaluation_only:
-            other = (f"; other tensors {_human(self.other_bytes)} vs {_human(self.original_other_bytes)} "
-                     f"({100 * self.other_bytes / self.original_other_bytes:.1f}%)")
-        return (f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
-                f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)"
-                f"{routed}{other}")
-
+        if (
+            self.other_bytes != self.original_other_bytes
+            and self.original_other_bytes
+            and not self.evaluation_only
+        ):
+            other = (
+                f"; other tensors {_human(self.other_bytes)} vs {_human(self.original_other_bytes)} "
+                f"({100 * self.other_bytes / self.original_other_bytes:.1f}%)"
+            )
+        return (
+            f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
+            f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)"
+            f"{routed}{other}"
+        )
 
 
 def _weights_bytes(directory: Path) -> int:
     from .imatrix import IMATRIX_FILE
 
-    return sum(p.stat().st_size for p in directory.iterdir()
-               if p.suffix in (".safetensors", ".gguf") and p.name != IMATRIX_FILE)
+    return sum(
+        p.stat().st_size
+        for p in directory.iterdir()
+        if p.suffix in (".safetensors", ".gguf") and p.name != IMATRIX_FILE
+    )
 
 
 def _write_recipe(tmp: Path, recipe) -> None:
@@ -114,8 +139,12 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
             source.free_layer(i)
             continue
         layer = adapter.layer(i)
-        if fmt.tensors and f"{router_tensor_prefix(i)}.weight" in fmt.tensors:  # merged router rows (M-SMoE/HC-SMoE)
-            rel = merged_router_state(plan, fmt.tensors, i, rel, child_name(adapter.decoder_layers[i], layer.router) + ".")
+        if (
+            fmt.tensors and f"{router_tensor_prefix(i)}.weight" in fmt.tensors
+        ):  # merged router rows (M-SMoE/HC-SMoE)
+            rel = merged_router_state(
+                plan, fmt.tensors, i, rel, child_name(adapter.decoder_layers[i], layer.router) + "."
+            )
         fmt.remember(i, layer)
         exp_rel = fmt.expert_names[i][0] + "."
         writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))
@@ -131,14 +160,20 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
         if cross and complete:
             source.free_layer(i)  # so the whole layer is not held while the scope is stacked
         if complete:
-            def src(l, e, layer=layer):
+
+            def src(l, e, layer=layer, cross=cross):
                 return buffered[(l, e)] if cross else layer.storage.read(e)
 
             # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
-            weights = [None if s.packing is not None or s.quant is not None else
-                       _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
-                       for s in sc.stored]
-            for key in [k for k in buffered if k[0] in sc.layers]:  # merged sources go before the scope is stacked
+            weights = [
+                None
+                if s.packing is not None or s.quant is not None
+                else _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
+                for s in sc.stored
+            ]
+            for key in [
+                k for k in buffered if k[0] in sc.layers
+            ]:  # merged sources go before the scope is stacked
                 del buffered[key]
             writer.add_all(fmt.scope(sc, weights))
             del weights
@@ -149,10 +184,20 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
     writer.add_all(fmt.other(source.other_state()))
 
 
-def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format: str = "compact",
-           tensors: Mapping[str, torch.Tensor] | None = None, recipe=None, overwrite: bool = False,
-           max_shard_size: int | str = "5GB", quiet: bool = False, protect=(),
-           inputs=None, extras=None) -> ExportResult:
+def export(
+    model_or_path,
+    plan: CompressionPlan,
+    out: str | os.PathLike,
+    format: str = "compact",
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    recipe=None,
+    overwrite: bool = False,
+    max_shard_size: int | str = "5GB",
+    quiet: bool = False,
+    protect=(),
+    inputs=None,
+    extras=None,
+) -> ExportResult:
     """Write `plan` applied to `model_or_path` (an original model, or its checkpoint directory) to `out`.
 
     format: ``compact`` (any plan without packed experts; read with `moecompress.load`), ``packed``
@@ -173,7 +218,9 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     fmt = fmt_class(plan, tensors, source)
     fmt.check()
     protect = [*protect, source.source_dir]
-    with atomic_dir(out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}", inputs=inputs) as tmp:
+    with atomic_dir(
+        out, overwrite=overwrite, protect=protect, kind=f"checkpoint:{format}", inputs=inputs
+    ) as tmp:
         writer = ShardWriter(tmp, max_shard_size)
         _stream(source, plan, fmt, writer, quiet)
         own = fmt.write_files(tmp)  # a format that writes its own file (gguf) names it; else the shards
@@ -196,11 +243,18 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
                 gen.save_pretrained(tmp)
             except Exception:  # a generation config that does not validate is not worth failing an export
                 pass
-        marker = {"format": format, "evaluation_only": fmt.evaluation_only, "moecompress_version": __version__,
-                  "plan_schema_version": plan.schema_version, "model_type": plan.model.model_type,
-                  "layout": runtime_layout(fmt.expert_names[min(fmt.expert_names)][2])}
+        marker = {
+            "format": format,
+            "evaluation_only": fmt.evaluation_only,
+            "moecompress_version": __version__,
+            "plan_schema_version": plan.schema_version,
+            "model_type": plan.model.model_type,
+            "layout": runtime_layout(fmt.expert_names[min(fmt.expert_names)][2]),
+        }
         if fmt.evaluation_only:
-            marker["note"] = "every original slot is filled: full size, for evaluation only, never a compressed model"
+            marker["note"] = (
+                "every original slot is filled: full size, for evaluation only, never a compressed model"
+            )
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
         if extras is not None:
             extras(tmp)
@@ -209,11 +263,20 @@ def export(model_or_path, plan: CompressionPlan, out: str | os.PathLike, format:
     logical = plan.logical_bytes(tensors)
     written = plan.logical_bytes(tensors, accounting="stored" if fmt.runtime_tensors else "logical")
     original = _weights_bytes(source.source_dir) if source.source_dir is not None else 0
-    result = ExportResult(format=format, path=str(out), evaluation_only=fmt.evaluation_only, bytes_on_disk=total,
-                          weight_bytes=weight_bytes, original_bytes=original or logical.original,
-                          logical_bytes=logical.total, shards=shards, routed_bytes=written.routed,
-                          original_routed_bytes=written.original_routed, other_bytes=written.other,
-                          original_other_bytes=plan.model.other_bytes)
+    result = ExportResult(
+        format=format,
+        path=str(out),
+        evaluation_only=fmt.evaluation_only,
+        bytes_on_disk=total,
+        weight_bytes=weight_bytes,
+        original_bytes=original or logical.original,
+        logical_bytes=logical.total,
+        shards=shards,
+        routed_bytes=written.routed,
+        original_routed_bytes=written.original_routed,
+        other_bytes=written.other,
+        original_other_bytes=plan.model.other_bytes,
+    )
     # the summary line is the caller's to print (`compress` prints it once, on stdout); printing it here too
     # put it on stdout and stderr both
     return result

@@ -40,16 +40,18 @@ def quantization_config(spec: QuantSpec | None, modules: dict[str, QuantSpec] | 
     for s, names in by_spec.values():
         groups[f"group_{len(groups)}"] = QuantizationScheme(targets=names, weights=s.quantization_args())
     ignore = [] if "lm_head" in (modules or {}) else ["lm_head"]
-    qc = QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
-                            ignore=ignore)
+    qc = QuantizationConfig(
+        config_groups=groups, format="pack-quantized", quantization_status="compressed", ignore=ignore
+    )
     data = qc.model_dump(mode="json")
     data["quant_method"] = "compressed-tensors"
     data.setdefault("version", ct_version)
     return data
 
 
-def per_expert_quantized(dense_named: dict[str, torch.Tensor], packed: list[dict[str, dict[str, torch.Tensor]]],
-                         where: str) -> dict[str, torch.Tensor]:
+def per_expert_quantized(
+    dense_named: dict[str, torch.Tensor], packed: list[dict[str, dict[str, torch.Tensor]]], where: str
+) -> dict[str, torch.Tensor]:
     """Swap the per-expert dense weights that `save_pretrained` would write for their packed tensors.
 
     dense_named: the layer's experts in on-disk naming (``...experts.E.gate_proj.weight`` ...);
@@ -60,8 +62,10 @@ def per_expert_quantized(dense_named: dict[str, torch.Tensor], packed: list[dict
         m = _PER_EXPERT.match(name)
         if m is None:
             if name.endswith("_proj") or ".experts." in name and not name.endswith("bias"):
-                raise MoECompressError(f"The {where} family stores its experts fused on disk ('{name}'), which the "
-                                       "compressed-tensors format cannot hold quantized; use --format compact.")
+                raise MoECompressError(
+                    f"The {where} family stores its experts fused on disk ('{name}'), which the "
+                    "compressed-tensors format cannot hold quantized; use --format compact."
+                )
             out[name] = t
             continue
         for key, value in packed[int(m["e"])][m["part"]].items():

@@ -41,7 +41,9 @@ def child_name(parent, child) -> str:
     for name, mod in parent.named_modules():
         if mod is child:
             return name
-    raise MoECompressError("Cannot locate a MoE submodule by name; this architecture is not supported by the exporters.")
+    raise MoECompressError(
+        "Cannot locate a MoE submodule by name; this architecture is not supported by the exporters."
+    )
 
 
 def _revert(model, tensors: dict) -> dict:
@@ -62,7 +64,9 @@ class Format:
     # writes the runtime's own tensors: base_config.json instead of config.json (plain from_pretrained must not
     # load it with random experts), and its bytes are counted as stored (padding included)
     runtime_tensors = False
-    load = staticmethod(load_transformers)  # (directory, device_map, dtype, max_memory, offload_folder) -> model
+    load = staticmethod(
+        load_transformers
+    )  # (directory, device_map, dtype, max_memory, offload_folder) -> model
 
     @classmethod
     def reason(cls, plan: CompressionPlan) -> str | None:
@@ -75,8 +79,10 @@ class Format:
         why = cls.reason(plan)
         if why is None:
             return None
-        return (f"The '{cls.name}' format cannot express this plan ({why}); export it with "
-                f"format='{auto_format(plan)}' instead.")
+        return (
+            f"The '{cls.name}' format cannot express this plan ({why}); export it with "
+            f"format='{auto_format(plan)}' instead."
+        )
 
     def __init__(self, plan: CompressionPlan, tensors, source):
         self.plan, self.tensors, self.source = plan, tensors or {}, source
@@ -96,8 +102,12 @@ class Format:
 
     def remember(self, i: int, layer: MoELayer) -> None:
         decoder = self.adapter.decoder_layers[i]
-        self.expert_names[i] = (child_name(decoder, layer.storage.module), child_name(decoder, layer.block), layer,
-                                layer.storage.read(0).gate.dtype)
+        self.expert_names[i] = (
+            child_name(decoder, layer.storage.module),
+            child_name(decoder, layer.block),
+            layer,
+            layer.storage.read(0).gate.dtype,
+        )
 
     def full(self, i: int, rel: dict) -> dict:
         return {f"{self.prefix}.{i}.{k}": v for k, v in rel.items()}
@@ -162,16 +172,22 @@ def _tensor_quant_problem(plan: CompressionPlan) -> str | None:
     if plan.tensor_quant and None in plan.quant_specs():
         # measured (transformers 5.24, compressed-tensors 0.20.1): with a quantization_config, the loader finds
         # no tensors for unquantized fused experts ("Concatenate on tensors destined for ...gate_up_proj")
-        return ("it quantizes non-expert weights but keeps routed experts unquantized, which transformers' "
-                "compressed-tensors loader cannot read: quantize the experts too, e.g. with --quant w4c")
+        return (
+            "it quantizes non-expert weights but keeps routed experts unquantized, which transformers' "
+            "compressed-tensors loader cannot read: quantize the experts too, e.g. with --quant w4c"
+        )
     for name, tq in plan.tensor_quant.items():
         if tq.kind == "embeddings":
-            return ("it quantizes the embeddings, and compressed-tensors stores quantized Linear layers only "
-                    "(keep the embeddings out of the quantization or use the compact format)")
+            return (
+                "it quantizes the embeddings, and compressed-tensors stores quantized Linear layers only "
+                "(keep the embeddings out of the quantization or use the compact format)"
+            )
         group = tq.quant.group_size
         if group is not None and tq.shape[1] % group:
-            return (f"its quantization group {group} leaves a shorter last group on {name} (input dimension "
-                    f"{tq.shape[1]}), which compressed-tensors cannot load")
+            return (
+                f"its quantization group {group} leaves a shorter last group on {name} (input dimension "
+                f"{tq.shape[1]}), which compressed-tensors cannot load"
+            )
     return None
 
 
@@ -194,13 +210,17 @@ class HFFormat(Format):
         if spec is not None:
             family = FAMILIES.get(plan.model.model_type)
             if family is not None and not family.hf_quantized:
-                return (f"compressed-tensors cannot hold the {plan.model.model_type} family's experts quantized: its "
-                        "checkpoints do not store them as per-expert gate/up/down_proj weights")
+                return (
+                    f"compressed-tensors cannot hold the {plan.model.model_type} family's experts quantized: its "
+                    "checkpoints do not store them as per-expert gate/up/down_proj weights"
+                )
             if spec.group_size is not None:
                 dims = {plan.model.hidden_size} | {li.intermediate_size for li in plan.model.layers}
                 if any(d % spec.group_size for d in dims):
-                    return (f"its quantization group {spec.group_size} leaves a shorter last group on input "
-                            f"dimensions {sorted(dims)}, which compressed-tensors cannot load")
+                    return (
+                        f"its quantization group {spec.group_size} leaves a shorter last group on input "
+                        f"dimensions {sorted(dims)}, which compressed-tensors cannot load"
+                    )
         counts = set()
         for lp in plan.layers:
             sc = plan.scope(lp.scope)
@@ -218,8 +238,10 @@ class HFFormat(Format):
                 return f"layer {lp.layer} stores an expert of a different width"
             if li.n_group > 1:
                 size = li.num_experts // li.n_group
-                per_group = {sum(1 for e in range(g * size, (g + 1) * size) if lp.slots[e] != "drop")
-                             for g in range(li.n_group)}
+                per_group = {
+                    sum(1 for e in range(g * size, (g + 1) * size) if lp.slots[e] != "drop")
+                    for g in range(li.n_group)
+                }
                 if len(per_group) != 1:
                     return f"layer {lp.layer} keeps unequal numbers of experts per router group"
             counts.add(len(ids))
@@ -229,7 +251,9 @@ class HFFormat(Format):
 
     def check(self) -> None:
         super().check()
-        self.kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in self.plan.layers}
+        self.kept = {
+            lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in self.plan.layers
+        }
         self.k = len(next(iter(self.kept.values())))
         config = copy.deepcopy(self.source.config)
         for key in expert_count_keys(config):
@@ -239,8 +263,9 @@ class HFFormat(Format):
         if self.quant is not None or self.plan.tensor_quant:
             from .ct import quantization_config
 
-            config.quantization_config = quantization_config(self.quant, {
-                n.removesuffix(".weight"): tq.quant for n, tq in self.plan.tensor_quant.items()})
+            config.quantization_config = quantization_config(
+                self.quant, {n.removesuffix(".weight"): tq.quant for n, tq in self.plan.tensor_quant.items()}
+            )
         self.config = config
 
     def output_config(self):
@@ -270,11 +295,24 @@ class HFFormat(Format):
         from .ct import per_expert_quantized
 
         stored = [sc.stored[lp.slots[e]] for e in self.kept[i]]
-        ordered = [_complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
-                   for s, layer in ((s, self.expert_names[i][2]) for s in stored)]
-        packed = [{part: {k.rsplit(".", 1)[1]: v for k, v in self.tensors.items()
-                          if k.startswith(f"{s.tensor}.{part}.")} for part in ("gate", "up", "down")} for s in stored]
-        return per_expert_quantized(self.finalize(self.expert_tensors(i, ordered)), packed, self.plan.model.model_type)
+        ordered = [
+            _complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
+            for s, layer in ((s, self.expert_names[i][2]) for s in stored)
+        ]
+        packed = [
+            {
+                part: {
+                    k.rsplit(".", 1)[1]: v
+                    for k, v in self.tensors.items()
+                    if k.startswith(f"{s.tensor}.{part}.")
+                }
+                for part in ("gate", "up", "down")
+            }
+            for s in stored
+        ]
+        return per_expert_quantized(
+            self.finalize(self.expert_tensors(i, ordered)), packed, self.plan.model.model_type
+        )
 
 
 class MaterializedFormat(Format):
@@ -287,19 +325,25 @@ class MaterializedFormat(Format):
         for lp in plan.layers:
             sc = plan.scope(lp.scope)
             if lp.operators():
-                return (f"layer {lp.layer} has replacement operators",
-                        f"The 'materialized' format cannot express the replacement operators of layer {lp.layer}; "
-                        "evaluate it with format='compact' or in memory (apply_plan).")
+                return (
+                    f"layer {lp.layer} has replacement operators",
+                    f"The 'materialized' format cannot express the replacement operators of layer {lp.layer}; "
+                    "evaluate it with format='compact' or in memory (apply_plan).",
+                )
             if lp.dropped() and lp.gate in ("renorm", "keep"):
-                return (f"it keeps the original router, so it cannot delete or mask the dropped slots of layer "
-                        f"{lp.layer} (gate '{lp.gate}')",
-                        f"The 'materialized' format keeps the original router, so it cannot delete or mask the "
-                        f"dropped slots of layer {lp.layer} (gate '{lp.gate}'); use format='hf' or 'compact'.")
+                return (
+                    f"it keeps the original router, so it cannot delete or mask the dropped slots of layer "
+                    f"{lp.layer} (gate '{lp.gate}')",
+                    f"The 'materialized' format keeps the original router, so it cannot delete or mask the "
+                    f"dropped slots of layer {lp.layer} (gate '{lp.gate}'); use format='hf' or 'compact'.",
+                )
             width = plan.model.layer(lp.layer).intermediate_size
             if any(plan.stored_width(sc, s) != width for s in sc.stored):
-                return (f"layer {lp.layer} stores experts of another width",
-                        f"The 'materialized' format needs stored experts of the original width in layer "
-                        f"{lp.layer}; use format='compact'.")
+                return (
+                    f"layer {lp.layer} stores experts of another width",
+                    f"The 'materialized' format needs stored experts of the original width in layer "
+                    f"{lp.layer}; use format='compact'.",
+                )
         return None
 
     @classmethod
@@ -318,18 +362,29 @@ class MaterializedFormat(Format):
     def scope(self, sc, weights):
         out = {}
         _, _, layer, dtype = self.expert_names[sc.layers[0]]
-        weights = [_complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
-                   if s.quant is not None else w for s, w in zip(sc.stored, weights)]
+        weights = [
+            _complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
+            if s.quant is not None
+            else w
+            for s, w in zip(sc.stored, weights)
+        ]
         members = {}
         for s in sc.stored:  # packed merges: one decoded reconstruction per member (source)
             if s.packing is not None:
                 from ..runtime.build import _complete_bias
                 from ..runtime.packed import packed_member_weights
 
-                members[s.id] = {tuple(src): _complete_bias(w, runtime_layout(layer)) for src, w in zip(
-                    s.sources, packed_member_weights(self.plan, sc, s, self.tensors, layer.act, dtype))}
-        ref = next(w for w in weights if w is not None) if any(w is not None for w in weights) else \
-            next(iter(next(iter(members.values())).values()))
+                members[s.id] = {
+                    tuple(src): _complete_bias(w, runtime_layout(layer))
+                    for src, w in zip(
+                        s.sources, packed_member_weights(self.plan, sc, s, self.tensors, layer.act, dtype)
+                    )
+                }
+        ref = (
+            next(w for w in weights if w is not None)
+            if any(w is not None for w in weights)
+            else next(iter(next(iter(members.values())).values()))
+        )
         for i in sc.layers:
             lp = self.plan.layer(i)
             zero = ref.map(torch.zeros_like)
@@ -411,7 +466,9 @@ class GGUFFormat(Format):
     def scope(self, sc, weights):
         (i,) = sc.layers
         kept = [self.plan.layer(i).slots[e] for e in self.file.kept[i]]
-        self.file.experts(i, [sc.stored[s] for s in kept], [weights[s] for s in kept], self.expert_names[i][3])
+        self.file.experts(
+            i, [sc.stored[s] for s in kept], [weights[s] for s in kept], self.expert_names[i][3]
+        )
         return {}
 
     def other(self, state):
@@ -422,8 +479,9 @@ class GGUFFormat(Format):
         return [self.file.write(directory)]
 
 
-FORMATS: dict[str, type[Format]] = {f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat,
-                                                        GGUFFormat)}
+FORMATS: dict[str, type[Format]] = {
+    f.name: f for f in (HFFormat, CompactFormat, PackedFormat, MaterializedFormat, GGUFFormat)
+}
 # `auto`: the first of these that holds the plan — a vanilla checkpoint when the family's config can express it,
 # else the runtime's compact tensors, else (PuzzleMoE packed merges) the packed ones
 AUTO_ORDER = ("hf", "compact", "packed")

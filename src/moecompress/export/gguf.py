@@ -42,7 +42,9 @@ class Arch:
     """What llama.cpp's graph for one architecture computes, where the GGUF cannot say otherwise."""
 
     arch: str  # gguf.MODEL_ARCH member
-    renormalises: bool  # its build_moe_ffn call renormalises the top-k weights (norm_w, hard-coded per architecture)
+    renormalises: (
+        bool  # its build_moe_ffn call renormalises the top-k weights (norm_w, hard-coded per architecture)
+    )
     output_required: bool  # it needs output.weight (no fallback to token_embd for a tied head)
     expert_width_key: bool  # the expert width goes in expert_feed_forward_length (else feed_forward_length)
     rope_permuted: bool = False  # q/k rows permuted to GGML's rope layout, as the converter's LlamaModel does
@@ -53,13 +55,20 @@ ARCHES = {
     "olmoe": Arch("OLMOE", renormalises=False, output_required=True, expert_width_key=False),
     "qwen3_moe": Arch("QWEN3MOE", renormalises=True, output_required=False, expert_width_key=True),
     "qwen2_moe": Arch("QWEN2MOE", renormalises=False, output_required=True, expert_width_key=True),
-    "mixtral": Arch("LLAMA", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True),
-    "granitemoe": Arch("GRANITE_MOE", renormalises=True, output_required=False, expert_width_key=False,
-                       rope_permuted=True),
+    "mixtral": Arch(
+        "LLAMA", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True
+    ),
+    "granitemoe": Arch(
+        "GRANITE_MOE", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True
+    ),
 }
 # Granite's multipliers, as its converter names them in the GGUF (llama.cpp requires the logit scale)
-_SCALES = (("attention_multiplier", "add_attention_scale"), ("embedding_multiplier", "add_embedding_scale"),
-           ("residual_multiplier", "add_residual_scale"), ("logits_scaling", "add_logit_scale"))
+_SCALES = (
+    ("attention_multiplier", "add_attention_scale"),
+    ("embedding_multiplier", "add_embedding_scale"),
+    ("residual_multiplier", "add_residual_scale"),
+    ("logits_scaling", "add_logit_scale"),
+)
 BLOCK = 32  # Q8_0 / Q4_0: 32 weights a block, one fp16 scale
 
 
@@ -83,8 +92,10 @@ def reason(plan: CompressionPlan) -> str | None:
         return "it stores packed element-wise merges"
     for name, tq in plan.tensor_quant.items():
         if exact_type(tq.quant) is None:
-            return (f"its {tq.kind} weight '{name}' is {tq.quant.name()}, which matches no GGUF type exactly: only "
-                    "symmetric w8g32 and w4g32 do, as Q8_0 and Q4_0")
+            return (
+                f"its {tq.kind} weight '{name}' is {tq.quant.name()}, which matches no GGUF type exactly: only "
+                "symmetric w8g32 and w4g32 do, as Q8_0 and Q4_0"
+            )
         if tq.shape[1] % BLOCK:
             return f"its {tq.kind} weight '{name}' is {tq.shape[1]} wide, not a multiple of the {BLOCK}-weight block"
     if len(plan.layers) != info.num_hidden_layers:
@@ -93,9 +104,11 @@ def reason(plan: CompressionPlan) -> str | None:
     for lp in sorted(plan.layers, key=lambda x: x.layer):
         sc, li = plan.scope(lp.scope), info.layer(lp.layer)
         if li.keep_equals_renorm != arch.renormalises:
-            return (f"layer {lp.layer}'s router {'does not renormalise' if arch.renormalises else 'renormalises'} "
-                    f"its top-k weights and llama.cpp's {arch.arch.lower()} always "
-                    f"{'does' if arch.renormalises else 'does not'}")
+            return (
+                f"layer {lp.layer}'s router {'does not renormalise' if arch.renormalises else 'renormalises'} "
+                f"its top-k weights and llama.cpp's {arch.arch.lower()} always "
+                f"{'does' if arch.renormalises else 'does not'}"
+            )
         if sc.layers != [lp.layer]:
             return f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
         if lp.operators():
@@ -115,8 +128,10 @@ def reason(plan: CompressionPlan) -> str | None:
             return f"layer {lp.layer}'s experts have different precisions, and one GGUF tensor holds them all"
         (spec,) = specs
         if exact_type(spec) is None:
-            return (f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32 and w4g32 do, as "
-                    "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet")
+            return (
+                f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32 and w4g32 do, as "
+                "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet"
+            )
         if spec is not None and (info.hidden_size % BLOCK or li.intermediate_size % BLOCK):
             return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q4_0 block"
         if len(ids) < li.top_k:
@@ -131,8 +146,10 @@ def reason(plan: CompressionPlan) -> str | None:
 
 
 def load_gguf(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
-    raise MoECompressError(f"{d} holds a GGUF file for llama.cpp (llama-cli -m {d / GGUF_FILE}), which moecompress "
-                           "does not load; evaluate the plan in Python with format='compact' or apply_plan.")
+    raise MoECompressError(
+        f"{d} holds a GGUF file for llama.cpp (llama-cli -m {d / GGUF_FILE}), which moecompress "
+        "does not load; evaluate the plan in Python with format='compact' or apply_plan."
+    )
 
 
 # ----------------------------------------------------------------------------- tensor encodings
@@ -162,15 +179,17 @@ def encode_quantized(q: QuantizedTensor) -> tuple[np.ndarray, str, int]:
         qs = blocks.view(torch.uint8)
     else:
         nib = (blocks + 8).to(torch.uint8)
-        qs = nib[..., : BLOCK // 2] | (nib[..., BLOCK // 2:] << 4)
+        qs = nib[..., : BLOCK // 2] | (nib[..., BLOCK // 2 :] << 4)
     data = torch.cat([d, qs], dim=-1).reshape(*lead, out, -1)
     return data.numpy(), kind, inexact
 
 
 # ----------------------------------------------------------------------------- tokenizer
 # Hugging Face's Split regex of the Qwen2/Qwen3 tokenizers: llama.cpp's "qwen2" pre-tokenizer
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-                r"|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 def pre_tokenizer(tok: dict) -> str | None:
@@ -179,12 +198,21 @@ def pre_tokenizer(tok: dict) -> str | None:
     A byte-level BPE splitting with GPT-2's regex (ByteLevel, use_regex, no prefix space) is llama.cpp's ``gpt-2``
     (the same regex as its ``olmo``); the Qwen2/Qwen3 Split regex is ``qwen2``."""
     pre = tok.get("pre_tokenizer") or {}
-    if (pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
-            and tok.get("normalizer") is None):
+    if (
+        pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and tok.get("normalizer") is None
+    ):
         return "gpt-2"
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern", {}).get("Regex") == _QWEN2_SPLIT
-            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
+    if (
+        len(parts) == 2
+        and parts[0].get("type") == "Split"
+        and parts[0].get("pattern", {}).get("Regex") == _QWEN2_SPLIT
+        and parts[1].get("type") == "ByteLevel"
+        and not parts[1].get("use_regex", True)
+    ):
         return "qwen2"
     return None
 
@@ -195,14 +223,18 @@ def add_tokenizer(w, directory: Path | None, vocab_size: int) -> None:
 
     path = directory / "tokenizer.json" if directory is not None else None
     if path is None or not path.is_file():
-        raise MoECompressError("A GGUF export needs the model's tokenizer.json; export from the checkpoint "
-                               "directory that holds it.")
+        raise MoECompressError(
+            "A GGUF export needs the model's tokenizer.json; export from the checkpoint "
+            "directory that holds it."
+        )
     tok = json.loads(path.read_text())
     model, pre = tok.get("model", {}), pre_tokenizer(tok)
     if model.get("type") != "BPE" or pre is None:
-        raise MoECompressError(f"{path} is not a byte-level BPE tokenizer with a pre-tokenizer this GGUF writer can "
-                               "name for llama.cpp; export with format='hf' and convert with llama.cpp's "
-                               "convert_hf_to_gguf.py.")
+        raise MoECompressError(
+            f"{path} is not a byte-level BPE tokenizer with a pre-tokenizer this GGUF writer can "
+            "name for llama.cpp; export with format='hf' and convert with llama.cpp's "
+            "convert_hf_to_gguf.py."
+        )
     names = {i: t for t, i in model["vocab"].items()}
     added = {a["id"]: a for a in tok.get("added_tokens", [])}
     tokens, types = [], []
@@ -230,7 +262,9 @@ def add_tokenizer(w, directory: Path | None, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------- the file
 def _rows(t, fn):
     """`fn` (a function of a tensor's rows) applied to a float tensor, or to a quantized one's codes and scales."""
-    return QuantizedTensor(fn(t.codes), fn(t.scale), None, t.spec) if isinstance(t, QuantizedTensor) else fn(t)
+    return (
+        QuantizedTensor(fn(t.codes), fn(t.scale), None, t.spec) if isinstance(t, QuantizedTensor) else fn(t)
+    )
 
 
 def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -251,17 +285,28 @@ class GGUFFile:
         cfg, info = self.config, plan.model
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         if rope.get("rope_type", "default") != "default":
-            raise MoECompressError(f"This model's rope type '{rope.get('rope_type')}' is not written by this GGUF "
-                                   "writer; export with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
+            raise MoECompressError(
+                f"This model's rope type '{rope.get('rope_type')}' is not written by this GGUF "
+                "writer; export with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py."
+            )
         if getattr(cfg, "clip_qkv", None) is not None:  # llama.cpp's olmoe graph never clamps q/k/v
-            raise MoECompressError("This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
-                                   f"{self.arch.arch.lower()} does not; export it with format='hf' instead.")
+            raise MoECompressError(
+                "This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
+                f"{self.arch.arch.lower()} does not; export it with format='hf' instead."
+            )
         self.names = gguf.get_tensor_name_map(arch, info.num_hidden_layers)
-        self.kept = {lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers}
+        self.kept = {
+            lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers
+        }
         self.gate_inp = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]
-        self.exps = {part: gguf.TENSOR_NAMES[t] for part, t in (
-            ("gate", gguf.MODEL_TENSOR.FFN_GATE_EXP), ("up", gguf.MODEL_TENSOR.FFN_UP_EXP),
-            ("down", gguf.MODEL_TENSOR.FFN_DOWN_EXP))}
+        self.exps = {
+            part: gguf.TENSOR_NAMES[t]
+            for part, t in (
+                ("gate", gguf.MODEL_TENSOR.FFN_GATE_EXP),
+                ("up", gguf.MODEL_TENSOR.FFN_UP_EXP),
+                ("down", gguf.MODEL_TENSOR.FFN_DOWN_EXP),
+            )
+        }
         self.inexact = 0
         self.written: set[str] = set()
 
@@ -294,9 +339,14 @@ class GGUFFile:
         w.add_expert_used_count(li.top_k)
         specs = plan.quant_specs()  # the file type names the experts' type when they all have one
         kind = exact_type(next(iter(specs))) if len(specs) == 1 else None
-        w.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(
-            kind, {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16}.get(
-                info.dtype, gguf.LlamaFileType.ALL_F32)))
+        w.add_file_type(
+            {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(
+                kind,
+                {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16}.get(
+                    info.dtype, gguf.LlamaFileType.ALL_F32
+                ),
+            )
+        )
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_tokenizer(w, source.source_dir, cfg.vocab_size)
 
@@ -314,7 +364,12 @@ class GGUFFile:
             return
         t = t.detach().cpu().contiguous()
         kind = name.split(".")[-2]
-        if t.ndim <= 1 or kind.endswith("_norm") or not name.endswith(".weight") or kind.startswith(self.gate_inp):
+        if (
+            t.ndim <= 1
+            or kind.endswith("_norm")
+            or not name.endswith(".weight")
+            or kind.startswith(self.gate_inp)
+        ):
             self.w.add_tensor(name, t.float().numpy())
         elif t.dtype == torch.bfloat16:
             self.w.add_tensor(name, t.view(torch.uint8).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
@@ -333,10 +388,16 @@ class GGUFFile:
         for name, t in sorted(state.items()):
             gname = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
             if gname is None:
-                raise MoECompressError(f"Tensor '{name}' has no llama.cpp name for {self.arch.arch.lower()}; export "
-                                       "with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py.")
-            if name in self.plan.tensor_quant:  # a quantized non-expert weight: its codes, rows moved alike below
-                t = QuantizedTensor.from_packed(packed_of(self.tensors, name), self.plan.tensor_quant[name].quant)
+                raise MoECompressError(
+                    f"Tensor '{name}' has no llama.cpp name for {self.arch.arch.lower()}; export "
+                    "with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py."
+                )
+            if (
+                name in self.plan.tensor_quant
+            ):  # a quantized non-expert weight: its codes, rows moved alike below
+                t = QuantizedTensor.from_packed(
+                    packed_of(self.tensors, name), self.plan.tensor_quant[name].quant
+                )
             if layer is not None and gname.split(".")[-2] == self.gate_inp:
                 t = _rows(t, lambda x: x.index_select(0, torch.tensor(self.kept[layer], device=x.device)))
             if gname.split(".")[-2] == self.gate_inp + "_shexp" and torch.is_tensor(t):
@@ -361,17 +422,33 @@ class GGUFFile:
             if spec is None:
                 self._put(name, torch.stack([getattr(w, part).to(dtype) for w in weights]))
                 continue
-            qs = [QuantizedTensor.from_packed({k.rsplit(".", 1)[1]: v for k, v in self.tensors.items()
-                                               if k.startswith(f"{s.tensor}.{part}.")}, spec) for s in stored]
-            self._put(name, QuantizedTensor(torch.stack([x.codes for x in qs]), torch.stack([x.scale for x in qs]),
-                                            None, spec))
+            qs = [
+                QuantizedTensor.from_packed(
+                    {
+                        k.rsplit(".", 1)[1]: v
+                        for k, v in self.tensors.items()
+                        if k.startswith(f"{s.tensor}.{part}.")
+                    },
+                    spec,
+                )
+                for s in stored
+            ]
+            self._put(
+                name,
+                QuantizedTensor(
+                    torch.stack([x.codes for x in qs]), torch.stack([x.scale for x in qs]), None, spec
+                ),
+            )
 
     def write(self, directory: Path) -> str:
         """The file itself (header, metadata, tensor infos, then the spooled tensors); returns its name."""
         if self.inexact:
             self.w.add_uint64("moecompress.inexact_fp16_scales", self.inexact)
-            warnings.warn(f"{self.inexact} group scales lie below fp16's exact range (2^-17) and were rounded in the "
-                          "GGUF's Q8_0/Q4_0 blocks.", stacklevel=2)
+            warnings.warn(
+                f"{self.inexact} group scales lie below fp16's exact range (2^-17) and were rounded in the "
+                "GGUF's Q8_0/Q4_0 blocks.",
+                stacklevel=2,
+            )
         path = Path(directory) / GGUF_FILE
         self.w.write_header_to_file(path)
         self.w.write_kv_data_to_file()
@@ -385,5 +462,3 @@ def tensor_bytes(path: str | Path) -> int:
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-
-

@@ -36,9 +36,14 @@ def expert_entries(plan: CompressionPlan, stats) -> dict[str, tuple[np.ndarray, 
     import gguf
 
     stats.require(*EXPERT_STATS, method="an importance matrix")
-    names = {part: gguf.TENSOR_NAMES[t] for part, t in (
-        ("gate", gguf.MODEL_TENSOR.FFN_GATE_EXP), ("up", gguf.MODEL_TENSOR.FFN_UP_EXP),
-        ("down", gguf.MODEL_TENSOR.FFN_DOWN_EXP))}
+    names = {
+        part: gguf.TENSOR_NAMES[t]
+        for part, t in (
+            ("gate", gguf.MODEL_TENSOR.FFN_GATE_EXP),
+            ("up", gguf.MODEL_TENSOR.FFN_UP_EXP),
+            ("down", gguf.MODEL_TENSOR.FFN_DOWN_EXP),
+        )
+    }
     out = {}
     for lp in sorted(plan.layers, key=lambda x: x.layer):
         kept = [e for e, t in enumerate(lp.slots) if isinstance(t, int)]
@@ -51,7 +56,9 @@ def expert_entries(plan: CompressionPlan, stats) -> dict[str, tuple[np.ndarray, 
     return out
 
 
-def linear_entries(diag: dict[str, torch.Tensor], tokens: int, name_map) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def linear_entries(
+    diag: dict[str, torch.Tensor], tokens: int, name_map
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """llama.cpp name -> (in_sum2 [1, n_in], counts [1]) from checkpoint weight name -> diag(H) (Σ_t x_t,j²)."""
     out = {}
     for name, d in diag.items():
@@ -61,14 +68,21 @@ def linear_entries(diag: dict[str, torch.Tensor], tokens: int, name_map) -> dict
     return out
 
 
-def write_imatrix(path: str | Path, entries: dict[str, tuple[np.ndarray, np.ndarray]], datasets: list[str],
-                  chunk_size: int, chunk_count: int) -> Path:
+def write_imatrix(
+    path: str | Path,
+    entries: dict[str, tuple[np.ndarray, np.ndarray]],
+    datasets: list[str],
+    chunk_size: int,
+    chunk_count: int,
+) -> Path:
     """The imatrix GGUF file, as `llama-imatrix` writes it (module doc)."""
     import gguf
 
     if not entries:
-        raise MoECompressError("No weight has calibration statistics for an importance matrix; calibrate with "
-                               f"--stats {','.join(EXPERT_STATS)}.")
+        raise MoECompressError(
+            "No weight has calibration statistics for an importance matrix; calibrate with "
+            f"--stats {','.join(EXPERT_STATS)}."
+        )
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch="imatrix", use_temp_file=False)
     w.add_type("imatrix")

@@ -29,10 +29,14 @@ def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=No
         name = read_json(marker_file, "moecompress marker").get("format")
         fmt = FORMATS.get(name) if isinstance(name, str) else None
         if fmt is None:
-            raise MoECompressError(f"{marker_file} names format '{name}', which this moecompress cannot read; "
-                                   "upgrade moecompress or re-export.")
+            raise MoECompressError(
+                f"{marker_file} names format '{name}', which this moecompress cannot read; "
+                "upgrade moecompress or re-export."
+            )
         return fmt.load(d, device_map, dtype, max_memory, offload_folder)
     if not (d / "config.json").is_file():
-        raise MoECompressError(f"{path} is neither a moecompress export nor a HuggingFace checkpoint (no "
-                               f"{MARKER_FILE} or config.json); pass the directory an export wrote.")
+        raise MoECompressError(
+            f"{path} is neither a moecompress export nor a HuggingFace checkpoint (no "
+            f"{MARKER_FILE} or config.json); pass the directory an export wrote."
+        )
     return load_transformers(d, device_map, dtype, max_memory, offload_folder)

@@ -19,8 +19,12 @@ from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import CompressedMoEBlock, build_ops, empty_scope
 from .writer import INDEX_FILE
 
-SCOPE_PREFIX = "moecompress.scopes."  # a scope's stored experts in a runtime checkpoint: SCOPE_PREFIX + <scope id>.
-BASE_CONFIG_FILE = "base_config.json"  # a runtime checkpoint's config, not config.json (see `Format.runtime_tensors`)
+SCOPE_PREFIX = (
+    "moecompress.scopes."  # a scope's stored experts in a runtime checkpoint: SCOPE_PREFIX + <scope id>.
+)
+BASE_CONFIG_FILE = (
+    "base_config.json"  # a runtime checkpoint's config, not config.json (see `Format.runtime_tensors`)
+)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -41,7 +45,9 @@ def _shards(d: Path) -> list[Path]:
     files = [d / n for n in names]
     for f in files:
         if not f.is_file():
-            raise MoECompressError(f"{d} lacks the weights file {f.name}: the checkpoint is incomplete; re-export it.")
+            raise MoECompressError(
+                f"{d} lacks the weights file {f.name}: the checkpoint is incomplete; re-export it."
+            )
     return files
 
 
@@ -60,14 +66,18 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, where: Path) -> No
         _check_shape(slot[attr], t, name, where)
         slot[attr] = nn.Parameter(t, requires_grad=False) if slot is mod._parameters else t
     else:
-        raise MoECompressError(f"{where} holds tensor '{name}', which this model does not have: the file is foreign "
-                               "or belongs to another plan; re-export the checkpoint.")
+        raise MoECompressError(
+            f"{where} holds tensor '{name}', which this model does not have: the file is foreign "
+            "or belongs to another plan; re-export the checkpoint."
+        )
 
 
 def _check_shape(ref: torch.Tensor, t: torch.Tensor, name: str, where: Path) -> None:
     if tuple(ref.shape) != tuple(t.shape):
-        raise MoECompressError(f"{where} holds '{name}' with shape {tuple(t.shape)} but its plan implies "
-                               f"{tuple(ref.shape)}: the weights and plan.json do not belong together; re-export.")
+        raise MoECompressError(
+            f"{where} holds '{name}' with shape {tuple(t.shape)} but its plan implies "
+            f"{tuple(ref.shape)}: the weights and plan.json do not belong together; re-export."
+        )
 
 
 def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
@@ -79,12 +89,16 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if not (d / BASE_CONFIG_FILE).is_file() or not (d / PLAN_FILE).is_file():
-        raise MoECompressError(f"{d} is marked compact but lacks {BASE_CONFIG_FILE} or {PLAN_FILE}: the checkpoint "
-                               "is incomplete; re-export it.")
+        raise MoECompressError(
+            f"{d} is marked compact but lacks {BASE_CONFIG_FILE} or {PLAN_FILE}: the checkpoint "
+            "is incomplete; re-export it."
+        )
     cfg = read_json(d / BASE_CONFIG_FILE, "base config")
     if cfg.get("model_type") not in CONFIG_MAPPING:
-        raise MoECompressError(f"{d / BASE_CONFIG_FILE} names model_type '{cfg.get('model_type')}', which the installed "
-                               "transformers does not know; upgrade transformers.")
+        raise MoECompressError(
+            f"{d / BASE_CONFIG_FILE} names model_type '{cfg.get('model_type')}', which the installed "
+            "transformers does not know; upgrade transformers."
+        )
     config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
     plan = CompressionPlan.from_json((d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE))
     file_dtype = getattr(torch, plan.model.dtype)
@@ -120,27 +134,35 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
                         continue
                     # PuzzleMoE packed words and quantized scales stay exactly as stored
                     packed = (".merged." in key or "_weight_" in key) and key.startswith(SCOPE_PREFIX)
-                    if want is not None and t.is_floating_point() and not packed:  # packed tensors stay as stored
+                    if (
+                        want is not None and t.is_floating_point() and not packed
+                    ):  # packed tensors stay as stored
                         t = t.to(want)
                     if key.startswith(SCOPE_PREFIX):
-                        rest = key[len(SCOPE_PREFIX):]
+                        rest = key[len(SCOPE_PREFIX) :]
                         sid = max((s for s in scopes if rest.startswith(s + ".")), key=len, default=None)
                         if sid is None:
-                            raise MoECompressError(f"{shard} holds tensor '{key}' for a scope the plan does not "
-                                                   "define: the file is foreign or belongs to another plan; re-export.")
-                        _set_tensor(scopes[sid], rest[len(sid) + 1:], t, shard)
+                            raise MoECompressError(
+                                f"{shard} holds tensor '{key}' for a scope the plan does not "
+                                "define: the file is foreign or belongs to another plan; re-export."
+                            )
+                        _set_tensor(scopes[sid], rest[len(sid) + 1 :], t, shard)
                     else:
                         _set_tensor(model, key, t, shard)
         except MoECompressError:
             raise
         except Exception as exc:  # safetensors reports truncation / bad headers with its own error types
-            raise MoECompressError(f"{shard} is corrupted ({type(exc).__name__}); re-export the checkpoint.") from None
+            raise MoECompressError(
+                f"{shard} is corrupted ({type(exc).__name__}); re-export the checkpoint."
+            ) from None
     for name in plan.tensor_quant:  # dequantized into the module's weight (runtime.tensor_quant)
         _set_tensor(model, name, _dequantized_weight(plan, held, name, model, d), d)
     model.tie_weights()
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p is not None and p.is_meta:
-            raise MoECompressError(f"{d} lacks tensor '{name}': the checkpoint is incomplete or corrupted; re-export it.")
+            raise MoECompressError(
+                f"{d} lacks tensor '{name}': the checkpoint is incomplete or corrupted; re-export it."
+            )
     _check_quantized_slots(scopes.values(), d)
     if single:
         model.to(device)
@@ -148,8 +170,15 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
         from accelerate import dispatch_model, infer_auto_device_map
 
         # the weights were read into memory above; dispatch moves what exceeds max_memory to disk
-        dm = device_map if isinstance(device_map, dict) else infer_auto_device_map(
-            model, max_memory=max_memory, no_split_module_classes=getattr(model, "_no_split_modules", None))
+        dm = (
+            device_map
+            if isinstance(device_map, dict)
+            else infer_auto_device_map(
+                model,
+                max_memory=max_memory,
+                no_split_module_classes=getattr(model, "_no_split_modules", None),
+            )
+        )
         model = dispatch_model(model, device_map=dm, offload_dir=offload_folder)
         model.hf_device_map = dm
     gen_file = d / "generation_config.json"
@@ -173,13 +202,19 @@ def _dequantized_weight(plan, held: dict, name: str, model: nn.Module, d: Path) 
 
     tq = plan.tensor_quant[name]
     found = packed_of(held, name)
-    need = {"weight_packed", "weight_scale", "weight_shape"} | (set() if tq.quant.symmetric else {"weight_zero_point"})
+    need = {"weight_packed", "weight_scale", "weight_shape"} | (
+        set() if tq.quant.symmetric else {"weight_zero_point"}
+    )
     if not need <= set(found):
-        raise MoECompressError(f"{d} lacks the quantized tensors of '{name}': the checkpoint is incomplete or "
-                               "corrupted; re-export it.")
+        raise MoECompressError(
+            f"{d} lacks the quantized tensors of '{name}': the checkpoint is incomplete or "
+            "corrupted; re-export it."
+        )
     if tuple(check_packed(found, tq.quant, f"The quantized weight '{name}' in {d}")) != tuple(tq.shape):
-        raise MoECompressError(f"{d} holds '{name}' quantized with another shape than its plan's {tuple(tq.shape)}: "
-                               "the weights and plan.json do not belong together; re-export.")
+        raise MoECompressError(
+            f"{d} holds '{name}' quantized with another shape than its plan's {tuple(tq.shape)}: "
+            "the weights and plan.json do not belong together; re-export."
+        )
     ref = model.get_parameter(name)
     return dequantized(plan, held, name, ref.dtype)
 
@@ -194,16 +229,28 @@ def _check_quantized_slots(scopes, d: Path) -> None:
         for m in scope.modules():
             if isinstance(m, StoredExpertSlot) and m.spec is not None:
                 for part in PARTS:
-                    check_packed({s: getattr(m, f"{part}_{s}") for s in ("weight_packed", "weight_scale",
-                                                                          "weight_shape")},
-                                 m.spec, f"The {part} projection of a stored expert in {d}")
+                    check_packed(
+                        {
+                            s: getattr(m, f"{part}_{s}")
+                            for s in ("weight_packed", "weight_scale", "weight_shape")
+                        },
+                        m.spec,
+                        f"The {part} projection of a stored expert in {d}",
+                    )
 
 
 def load_transformers(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
     """A vanilla checkpoint (`hf`, `materialized`, or any HF checkpoint) with plain transformers; the plan,
     when present, is attached as ``model._moecompress_plan``."""
-    model = load_model(str(d), dtype=dtype or "auto", device_map=device_map, max_memory=max_memory,
-                       offload_folder=offload_folder)
+    model = load_model(
+        str(d),
+        dtype=dtype or "auto",
+        device_map=device_map,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
+    )
     if (d / PLAN_FILE).is_file():
-        model._moecompress_plan = CompressionPlan.from_json((d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE))
+        model._moecompress_plan = CompressionPlan.from_json(
+            (d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE)
+        )
     return model

@@ -24,8 +24,10 @@ def layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
     for name, mod in model.named_modules():
         if mod is layers:
             return name
-    raise MoECompressError("Cannot locate the decoder layers in the model's state dict; this architecture is "
-                           "not supported by the exporters.")
+    raise MoECompressError(
+        "Cannot locate the decoder layers in the model's state dict; this architecture is "
+        "not supported by the exporters."
+    )
 
 
 def _untied(model: nn.Module, state: dict) -> dict:
@@ -46,8 +48,10 @@ class ModelSource:
         from ..runtime import CompressedMoEBlock
 
         if any(isinstance(m, CompressedMoEBlock) for m in model.modules()):
-            raise MoECompressError("This model already runs a compression plan; export from the original model "
-                                   "(or its checkpoint directory) with the plan instead.")
+            raise MoECompressError(
+                "This model already runs a compression plan; export from the original model "
+                "(or its checkpoint directory) with the plan instead."
+            )
         self.model = model
         self.config = model.config
         self.adapter = MoEAdapter(model)

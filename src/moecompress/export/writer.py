@@ -28,11 +28,15 @@ INDEX_FILE = "model.safetensors.index.json"
 class ShardWriter:
     """Append tensors to numbered shards in `directory`; `close()` finalises files and the index."""
 
-    def __init__(self, directory: str | os.PathLike, max_shard_bytes: int | str = "5GB", prefix: str = "model"):
+    def __init__(
+        self, directory: str | os.PathLike, max_shard_bytes: int | str = "5GB", prefix: str = "model"
+    ):
         self.dir = Path(directory)
         self.max = parse_size(max_shard_bytes)
         self.prefix = prefix
-        self.shards: list[dict] = []  # {"data": path, "entries": {name: (dtype, shape, start, end)}, "size": n}
+        self.shards: list[
+            dict
+        ] = []  # {"data": path, "entries": {name: (dtype, shape, start, end)}, "size": n}
         self._file = None
         self._names: set[str] = set()
 
@@ -43,10 +47,14 @@ class ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._names:
-            raise MoECompressError(f"Tensor '{name}' was written twice; this is a bug in the exporter, please report it.")
+            raise MoECompressError(
+                f"Tensor '{name}' was written twice; this is a bug in the exporter, please report it."
+            )
         tag = dtype_tag(tensor.dtype)
         if tag is None:
-            raise MoECompressError(f"Tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot store.")
+            raise MoECompressError(
+                f"Tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot store."
+            )
         self._names.add(name)
         t = tensor.detach().to("cpu").contiguous()
         nbytes = t.numel() * t.element_size()
@@ -77,8 +85,11 @@ class ShardWriter:
             self._open()
             self._close_data()
         n = len(self.shards)
-        names = ([f"{self.prefix}.safetensors"] if n == 1 else
-                 [f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        names = (
+            [f"{self.prefix}.safetensors"]
+            if n == 1
+            else [f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         weight_map, total = {}, 0
         for shard, fname in zip(self.shards, names):
             with open(self.dir / fname, "wb") as out, open(shard["data"], "rb") as data:

@@ -71,8 +71,10 @@ def parse_budget(value) -> tuple[float | None, int | None]:
     ``B``, ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000) or binary ``KiB``, ``MiB``, ``GiB``, ``TiB``
     (powers of 1024), case-insensitive, e.g. ``"4GB"``, ``"500MB"``, ``"1.5GiB"``.
     """
-    bad = (f"Budget '{value}' is not a fraction in (0, 1] or a size such as 4GB, 500MB or 1.5GiB; "
-           "pass e.g. --budget 0.5 or --budget 500MB.")
+    bad = (
+        f"Budget '{value}' is not a fraction in (0, 1] or a size such as 4GB, 500MB or 1.5GiB; "
+        "pass e.g. --budget 0.5 or --budget 500MB."
+    )
     if isinstance(value, bool):
         raise MoECompressError(bad)
     if isinstance(value, (int, float)):
@@ -105,52 +107,95 @@ class AutoConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    budget: float | None = Field(0.5, gt=0.0, le=1.0, description="bytes kept, as a fraction of the original's "
-                                 "as stored on disk (of the whole file's weights, or of the routed experts': "
-                                 "budget_scope); a size string ('4GB', '500MiB') sets budget_bytes")
-    budget_bytes: int | None = Field(None, gt=0, description="absolute budget at the checkpoint's dtypes: the whole "
-                                     "file's weights, or the routed experts' (stored experts + operators) with "
-                                     "budget_scope routed; overrides budget")
+    budget: float | None = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="bytes kept, as a fraction of the original's "
+        "as stored on disk (of the whole file's weights, or of the routed experts': "
+        "budget_scope); a size string ('4GB', '500MiB') sets budget_bytes",
+    )
+    budget_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="absolute budget at the checkpoint's dtypes: the whole "
+        "file's weights, or the routed experts' (stored experts + operators) with "
+        "budget_scope routed; overrides budget",
+    )
     budget_scope: Literal["whole", "routed"] = Field(
-        "whole", description="whole: the budget counts every weight of the file, and auto also chooses a precision "
+        "whole",
+        description="whole: the budget counts every weight of the file, and auto also chooses a precision "
         "for the non-expert weights (tensor_classes); routed: it counts the routed experts only, every other "
-        "tensor stays as it is")
+        "tensor stays as it is",
+    )
     target: Literal["moecompress", "llama.cpp", "vllm", "transformers"] = Field(
-        "moecompress", description="the runtime the plan must run in: moecompress (everything); llama.cpp (one "
-        "expert count in every layer, one Q8_0 / Q4_0 / 16-bit type per layer tensor: auto_target.py)")
+        "moecompress",
+        description="the runtime the plan must run in: moecompress (everything); llama.cpp (one "
+        "expert count in every layer, one Q8_0 / Q4_0 / 16-bit type per layer tensor: auto_target.py)",
+    )
     tensor_classes: list[str] | None = Field(
-        None, description="non-expert classes auto may quantize with budget_scope whole (attention, shared, "
-        "dense_mlp, embeddings, lm_head; never the router); None: every one the model has, []: none")
-    candidates: list[CandidateName] = Field(default_factory=lambda: list(ALL_CANDIDATES),
-                                            description="representations a removed slot may take (keep is implicit)")
-    ranks: list[int] = Field(default_factory=lambda: [8, 32], description="tilt ranks (and partial-copy budgets)")
-    gates: list[Literal["renorm", "keep"]] = Field(default_factory=lambda: ["renorm", "keep"],
-                                                   description="gate scales a reroute-style layer may use")
-    fit: Literal["weighted", "unweighted"] = Field("weighted", description="gate²-weighted operator fits, or "
-                                                   "exactly the prune method's operators")
+        None,
+        description="non-expert classes auto may quantize with budget_scope whole (attention, shared, "
+        "dense_mlp, embeddings, lm_head; never the router); None: every one the model has, []: none",
+    )
+    candidates: list[CandidateName] = Field(
+        default_factory=lambda: list(ALL_CANDIDATES),
+        description="representations a removed slot may take (keep is implicit)",
+    )
+    ranks: list[int] = Field(
+        default_factory=lambda: [8, 32], description="tilt ranks (and partial-copy budgets)"
+    )
+    gates: list[Literal["renorm", "keep"]] = Field(
+        default_factory=lambda: ["renorm", "keep"], description="gate scales a reroute-style layer may use"
+    )
+    fit: Literal["weighted", "unweighted"] = Field(
+        "weighted", description="gate²-weighted operator fits, or exactly the prune method's operators"
+    )
     ridge: float = Field(1e-3, ge=0.0, description="scale-free ridge of the tilt fits")
-    cross_fit: bool = Field(True, description="score fitted operators out of sample: fit on one half of the "
-                                              "calibration batches, score on the other (weighted fits)")
-    accounting: Literal["stored", "logical"] = Field("stored", description="bytes as the compact checkpoint "
-                                                     "stores them (padding included) or the plan's logical bytes")
+    cross_fit: bool = Field(
+        True,
+        description="score fitted operators out of sample: fit on one half of the "
+        "calibration batches, score on the other (weighted fits)",
+    )
+    accounting: Literal["stored", "logical"] = Field(
+        "stored",
+        description="bytes as the compact checkpoint "
+        "stores them (padding included) or the plan's logical bytes",
+    )
     sensitivity: Literal["kind", "probe", "noise", "uniform"] = Field(
-        "kind", description="KL per unit of estimated error: kind = per layer and representation (probe of the "
+        "kind",
+        description="KL per unit of estimated error: kind = per layer and representation (probe of the "
         "layer compressed with that representation alone at the budget ratio); probe = per layer (the layer's own "
-        "frontier state at the budget ratio); noise = per layer, Gaussian noise of known energy; uniform = 1")
-    sensitivity_sequences: int = Field(8, ge=1, description="calibration sequences for sensitivity/measurement")
+        "frontier state at the budget ratio); noise = per layer, Gaussian noise of known energy; uniform = 1",
+    )
+    sensitivity_sequences: int = Field(
+        8, ge=1, description="calibration sequences for sensitivity/measurement"
+    )
     sensitivity_seq_len: int = Field(128, ge=8)
-    noise: float = Field(0.05, gt=0.0, description="sensitivity noise energy relative to the layer's output energy")
+    noise: float = Field(
+        0.05, gt=0.0, description="sensitivity noise energy relative to the layer's output energy"
+    )
     measure: bool = Field(True, description="measure each layer's KL and the whole plan's (a few forwards)")
-    pair_partners: int | None = Field(None, ge=1, description="nearest experts tried as PuzzleMoE partners "
-                                                           "(None: every other expert up to 32 experts, else 8)")
-    bits: list[Literal[16, 8, 4, 3, 2]] = Field(default_factory=lambda: list(ALL_BITS),
-                                                description="bit widths a kept expert may take (16 = unquantized, "
-                                                "the checkpoint's dtype); [16] is structure only")
-    quant_group: Literal[32, 64, 128] | None = Field(128, description="quantization group along the input "
-                                                     "dimension (None: per output channel)")
+    pair_partners: int | None = Field(
+        None,
+        ge=1,
+        description="nearest experts tried as PuzzleMoE partners "
+        "(None: every other expert up to 32 experts, else 8)",
+    )
+    bits: list[Literal[16, 8, 4, 3, 2]] = Field(
+        default_factory=lambda: list(ALL_BITS),
+        description="bit widths a kept expert may take (16 = unquantized, "
+        "the checkpoint's dtype); [16] is structure only",
+    )
+    quant_group: Literal[32, 64, 128] | None = Field(
+        128, description="quantization group along the input dimension (None: per output channel)"
+    )
     quant_algo: Literal["gptq", "rtn"] = Field("gptq", description="how quantized keeps choose their codes")
-    quant_weighting: Literal["gate2", "uniform"] = Field("gate2", description="GPTQ Hessians: gate²-weighted "
-                                                         "(the objective the estimator scores) or every routed token")
+    quant_weighting: Literal["gate2", "uniform"] = Field(
+        "gate2",
+        description="GPTQ Hessians: gate²-weighted "
+        "(the objective the estimator scores) or every routed token",
+    )
     seed: int = 0
 
     @model_validator(mode="before")
@@ -165,7 +210,9 @@ class AutoConfig(BaseModel):
             fraction, nbytes = parse_budget(data["budget"])
             if nbytes is not None:
                 if data.get("budget_bytes") is not None:
-                    raise MoECompressError("Give the auto budget once: a size in budget or budget_bytes, not both.")
+                    raise MoECompressError(
+                        "Give the auto budget once: a size in budget or budget_bytes, not both."
+                    )
                 data = {**data, "budget": None, "budget_bytes": nbytes}
             else:
                 data = {**data, "budget": fraction}
@@ -178,11 +225,15 @@ class AutoConfig(BaseModel):
         if "reroute" in self.candidates and not self.gates:
             raise ValueError("reroute needs at least one gate")
         if self.budget_scope == "routed" and self.tensor_classes:
-            raise ValueError("tensor_classes need budget_scope whole: a routed budget counts the routed experts only, "
-                             "so it has no bytes to give other tensors")
+            raise ValueError(
+                "tensor_classes need budget_scope whole: a routed budget counts the routed experts only, "
+                "so it has no bytes to give other tensors"
+            )
         if 16 not in self.bits:
-            raise ValueError("bits must include 16 (every layer starts from its unquantized experts); "
-                             "e.g. bits: [16, 4, 2]")
+            raise ValueError(
+                "bits must include 16 (every layer starts from its unquantized experts); "
+                "e.g. bits: [16, 4, 2]"
+            )
         return self
 
     @property
@@ -197,8 +248,14 @@ def needs_stats(config: AutoConfig) -> list[str]:
     if "tilt" in c:
         names |= {"auto_g2_x", "auto_g2_xx", "auto_g2_xy"}
         if config.fit == "unweighted":
-            names |= {"moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment",
-                      "cross_moment"}
+            names |= {
+                "moment_experts",
+                "moment_count",
+                "moment_in_mean",
+                "moment_out_mean",
+                "input_moment",
+                "cross_moment",
+            }
     if "constant" in c and config.fit == "unweighted":
         names.add("out_mean")
     if "partial" in c:
@@ -233,7 +290,9 @@ class LayerProblem:
     remap: torch.Tensor | None  # [E, E] remap losses (slot, prototype) or None
     stored: bool  # padded (compact) accounting
     pairs: list = field(default_factory=list)  # PuzzleMoE packed-pair candidates (auto_estimate.PairRef)
-    remap_scale: float | None = None  # per-kind sensitivity applied to remap losses (raw errors stay in `remap`)
+    remap_scale: float | None = (
+        None  # per-kind sensitivity applied to remap losses (raw errors stay in `remap`)
+    )
 
     def routable_ok(self, routable: list[bool]) -> bool:
         """The plan's own routing check for keep/renorm layers (plan._check_routing)."""
@@ -241,9 +300,9 @@ class LayerProblem:
             return False
         if self.n_group > 1:
             size = self.num_experts // self.n_group
-            counts = sorted(sum(routable[g * size:(g + 1) * size]) for g in range(self.n_group))
+            counts = sorted(sum(routable[g * size : (g + 1) * size]) for g in range(self.n_group))
             live = [c for c in counts if c >= (2 if self.group_score == "top2_sum" else 1)]
-            if sum(live[:self.topk_group]) < self.top_k:
+            if sum(live[: self.topk_group]) < self.top_k:
                 return False
             if self.group_score == "top2_sum" and 1 in counts:
                 return False
@@ -254,7 +313,9 @@ class LayerProblem:
         if not self.stored:
             return keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind != "keep")
         # quantized keeps are stored at their own width, unpadded (QuantizedStoredExperts)
-        total = keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind in ("constant", "pair", "quant"))
+        total = keep * self.expert_bytes + sum(
+            c.bytes for c in choice if c.kind in ("constant", "pair", "quant")
+        )
         tilts = [c.param for c in choice if c.kind == "tilt"]
         if tilts:
             total += len(tilts) * (2 * self.h * max(tilts) + self.h) * self.el
@@ -329,10 +390,28 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
         for ref in prob.pairs:
             i, j = ref.members
             sc = 1.0 if ref.scale is None else ref.scale
-            pair_moves.append((i, j, Candidate("pair", ref.losses[0] * sc, j, ref.nbytes // 2, op=ref,
-                                               raw=None if ref.scale is None else ref.losses[0]),
-                               Candidate("pair", ref.losses[1] * sc, i, ref.nbytes - ref.nbytes // 2, op=ref,
-                                         raw=None if ref.scale is None else ref.losses[1])))
+            pair_moves.append(
+                (
+                    i,
+                    j,
+                    Candidate(
+                        "pair",
+                        ref.losses[0] * sc,
+                        j,
+                        ref.nbytes // 2,
+                        op=ref,
+                        raw=None if ref.scale is None else ref.losses[0],
+                    ),
+                    Candidate(
+                        "pair",
+                        ref.losses[1] * sc,
+                        i,
+                        ref.nbytes - ref.nbytes // 2,
+                        op=ref,
+                        raw=None if ref.scale is None else ref.losses[1],
+                    ),
+                )
+            )
 
     while True:
         kept = [i for i in range(e_all) if state[i].kind in STORED_KINDS]
@@ -341,7 +420,9 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
         for e in range(e_all):
             if state[e].kind == "pair":
                 continue  # a packed pair is final for both of its slots
-            alts = [c for c in opts[e] if c.kind not in ("keep", "remap", "pair")]  # upgrades never save bytes
+            alts = [
+                c for c in opts[e] if c.kind not in ("keep", "remap", "pair")
+            ]  # upgrades never save bytes
             if any(c.kind == "remap" for c in opts[e]):
                 r = _remap_to(prob, e, kept)
                 if r is not None:
@@ -350,8 +431,11 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
                 if alt.kind == state[e].kind and alt.param == state[e].param:
                     continue
                 moves.append(((e, j), {e: alt}))
-        pm = [((i, len(opts[i]) + k), {i: ci, j: cj}) for k, (i, j, ci, cj) in enumerate(pair_moves)
-              if state[i].kind in STORED_KINDS and state[j].kind in STORED_KINDS]
+        pm = [
+            ((i, len(opts[i]) + k), {i: ci, j: cj})
+            for k, (i, j, ci, cj) in enumerate(pair_moves)
+            if state[i].kind in STORED_KINDS and state[j].kind in STORED_KINDS
+        ]
         moves = pm if pairs_first and pm else moves + pm
         for key_tail, move in moves:
             new = change(state, move)
@@ -359,8 +443,11 @@ def layer_frontier(prob: LayerProblem, mode: str, pairs_first: bool = False) -> 
             if new is None and reroute_mode and alt.kind == "reroute" and prob.n_group > 1:
                 # group-limited routers: reroute e's whole router group at once
                 g0 = (e // group) * group
-                grp = {s: next(c for c in opts[s] if c.kind == "reroute")
-                       for s in range(g0, g0 + group) if state[s].kind not in ("reroute", "pair")}
+                grp = {
+                    s: next(c for c in opts[s] if c.kind == "reroute")
+                    for s in range(g0, g0 + group)
+                    if state[s].kind not in ("reroute", "pair")
+                }
                 new = change(state, grp)
             if new is None:
                 continue
@@ -392,8 +479,16 @@ def _dtype_and_el(adapter, info: ModelInfo, layer: int):
     return adapter.expert_dtype(layer), info.element_size
 
 
-def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, stored: bool,
-                  keep_codes: bool = True, slots: set[int] | None = None) -> tuple[LayerProblem, LayerMoments]:
+def layer_problem(
+    config: AutoConfig,
+    adapter,
+    stats,
+    info: ModelInfo,
+    layer: int,
+    stored: bool,
+    keep_codes: bool = True,
+    slots: set[int] | None = None,
+) -> tuple[LayerProblem, LayerMoments]:
     """Per-slot candidates of one layer, fitted and scored from the statistics (keep_codes=False: quantized
     keeps carry their estimate, not their codes; see `restore`). slots: fit the operators of these slots only
     (the others keep only "keep"; `restore` rebuilds a few chosen slots)."""
@@ -402,8 +497,21 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
     h = adapter.hidden_size
     dtype, el = _dtype_and_el(adapter, info, layer)
     cands = set(config.candidates)
-    quant = aq.quant_candidates(adapter, stats, m, config.bits, config.quant_group, config.quant_algo,
-                                config.quant_weighting, el, keep_codes=keep_codes) if config.quant_bits else None
+    quant = (
+        aq.quant_candidates(
+            adapter,
+            stats,
+            m,
+            config.bits,
+            config.quant_group,
+            config.quant_algo,
+            config.quant_weighting,
+            el,
+            keep_codes=keep_codes,
+        )
+        if config.quant_bits
+        else None
+    )
     options: list[list[Candidate]] = []
     for e in range(li.num_experts):
         slot = [Candidate("keep", 0.0, 0, li.bytes_per_expert)]
@@ -421,7 +529,9 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
             slot.append(est.constant_candidate(m, stats, e, config.fit, el, h, dtype, config.cross_fit))
         for r in sorted(set(config.ranks)):
             if "tilt" in cands:
-                c = est.tilt_candidate(m, stats, e, r, config.fit, config.ridge, el, h, dtype, config.cross_fit)
+                c = est.tilt_candidate(
+                    m, stats, e, r, config.fit, config.ridge, el, h, dtype, config.cross_fit
+                )
                 if c is not None:
                     slot.append(c)
             if "partial" in cands:
@@ -436,8 +546,21 @@ def layer_problem(config: AutoConfig, adapter, stats, info: ModelInfo, layer: in
     partners = config.pair_partners or (li.num_experts - 1 if li.num_experts <= 32 else 8)
     pairs = est.pair_options(adapter, stats, m, partners) if "pair" in cands else []
     pairs = [p for p in pairs if p.nbytes < 2 * li.bytes_per_expert]
-    prob = LayerProblem(layer, li.num_experts, li.top_k, li.n_group, li.topk_group, li.group_score,
-                        li.bytes_per_expert, h, el, options, remap, stored, pairs)
+    prob = LayerProblem(
+        layer,
+        li.num_experts,
+        li.top_k,
+        li.n_group,
+        li.topk_group,
+        li.group_score,
+        li.bytes_per_expert,
+        h,
+        el,
+        options,
+        remap,
+        stored,
+        pairs,
+    )
     return prob, m
 
 
@@ -449,7 +572,10 @@ def _mode_options(prob: LayerProblem, gate: str) -> LayerProblem:
 
 def layer_modes(config: AutoConfig, li) -> list[str]:
     modes = []
-    if set(config.candidates) & {"drop", "constant", "tilt", "partial", "pair"} or "reroute" not in config.candidates:
+    if (
+        set(config.candidates) & {"drop", "constant", "tilt", "partial", "pair"}
+        or "reroute" not in config.candidates
+    ):
         modes.append("replace")
     if "reroute" in config.candidates:
         gates = list(dict.fromkeys(config.gates))
@@ -476,8 +602,13 @@ def probe_point(front: list[LayerPoint], target_bytes: float) -> LayerPoint | No
 
 
 # ----------------------------------------------------------------------------- plan
-def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str = "auto",
-                     params: dict | None = None, source=None) -> tuple[CompressionPlan, dict[str, torch.Tensor]]:
+def plan_from_points(
+    info: ModelInfo,
+    chosen: dict[int, LayerPoint],
+    method: str = "auto",
+    params: dict | None = None,
+    source=None,
+) -> tuple[CompressionPlan, dict[str, torch.Tensor]]:
     """The plan of one state per layer. Quantized keeps are written by `quantize_plan` from the codes the
     estimator computed; source(layer, expert) -> ExpertWeights (their biases) is needed only for them."""
     scopes, layers, tensors = [], [], {}
@@ -486,8 +617,13 @@ def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str
         pt = chosen[li.layer]
         sid = f"layer{li.layer}"
         # stored experts in order of their smallest original expert: kept copies and packed pairs
-        entries = sorted({(e,) if c.kind in STORED_KINDS else tuple(sorted((e, c.param)))
-                          for e, c in enumerate(pt.choice) if c.kind in (*STORED_KINDS, "pair")})
+        entries = sorted(
+            {
+                (e,) if c.kind in STORED_KINDS else tuple(sorted((e, c.param)))
+                for e, c in enumerate(pt.choice)
+                if c.kind in (*STORED_KINDS, "pair")
+            }
+        )
         kept = [e for e, c in enumerate(pt.choice) if c.kind in STORED_KINDS]
         pos = {}
         stored = []
@@ -525,7 +661,9 @@ def plan_from_points(info: ModelInfo, chosen: dict[int, LayerPoint], method: str
         from .quantize import QuantConfig, quantize_plan
 
         if source is None:
-            raise RuntimeError("plan_from_points: quantized keeps need the model's experts (source); this is a bug.")
+            raise RuntimeError(
+                "plan_from_points: quantized keeps need the model's experts (source); this is a bug."
+            )
         plan, tensors = quantize_plan(plan, tensors, source, QuantConfig(), None, specs=specs, done=done)
     return plan, tensors
 
@@ -564,7 +702,9 @@ class AutoSetup:
     ids_note: str | None
     ref: torch.Tensor | None  # the original's log-probs on ids
     kind_sens: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> kind -> s_{l,k}
-    uniform: dict[int, dict[int, int]] = field(default_factory=dict)  # bits -> layer -> bytes of pure quantization
+    uniform: dict[int, dict[int, int]] = field(
+        default_factory=dict
+    )  # bits -> layer -> bytes of pure quantization
 
 
 def min_loss_matching(pairs: list) -> list:
@@ -619,12 +759,18 @@ def uniform_points(prob: LayerProblem) -> list[LayerPoint]:
     return out
 
 
-def uniform_bits_check(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budget: int,
-                       chosen: dict[int, int], uniform: dict[int, dict[int, int]]) -> dict[int, int]:
+def uniform_bits_check(
+    fronts: dict[int, list[LayerPoint]],
+    scale: dict[int, float],
+    budget: int,
+    chosen: dict[int, int],
+    uniform: dict[int, dict[int, int]],
+) -> dict[int, int]:
     """The allocation, or — when one is cheaper in scaled loss within the budget — for a bit width b whose
     uniform quantization fits, each layer's least-loss front state within its uniform-b bytes. The
     knapsack heuristic is near-optimal, this makes "never worse than uniform GPTQ" hold by construction
     (in estimated loss)."""
+
     def total(idx):
         return sum(fronts[l][k].loss * scale[l] for l, k in idx.items())
 
@@ -653,12 +799,20 @@ def kinds_of(prob: LayerProblem) -> list[str]:
 def restrict(prob: LayerProblem, kind: str) -> tuple[LayerProblem, str]:
     """The layer's problem with only `kind` besides keep, and the mode it runs in."""
     opts = [[slot[0]] + [c for c in slot[1:] if c.kind_key == kind] for slot in prob.options]
-    sub = LayerProblem(**{**prob.__dict__, "options": opts, "remap": prob.remap if kind == "remap" else None,
-                          "pairs": min_loss_matching(prob.pairs) if kind == "pair" else []})
+    sub = LayerProblem(
+        **{
+            **prob.__dict__,
+            "options": opts,
+            "remap": prob.remap if kind == "remap" else None,
+            "pairs": min_loss_matching(prob.pairs) if kind == "pair" else [],
+        }
+    )
     return sub, (kind if kind.startswith("reroute") else "replace")
 
 
-def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_tensors: bool = False) -> AutoSetup:
+def prepare(
+    config: AutoConfig, adapter, stats, progress: bool = False, keep_tensors: bool = False
+) -> AutoSetup:
     """Candidates and frontiers of every layer, and the sensitivities (a few forward passes).
 
     One layer at a time: its candidates, its sensitivity probes (the layer compressed alone), its front; then
@@ -674,8 +828,9 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
     layers = adapter.moe_layers
     ids, ids_note, ref = None, None, None
     if config.sensitivity != "uniform" or config.measure:
-        ids, ids_note = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
-                                            config.seed)
+        ids, ids_note = est.calibration_ids(
+            stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len, config.seed
+        )
         ref = est._logprobs(adapter.model, ids)
     noise = {i: 1.0 for i in layers}
     if config.sensitivity != "uniform":
@@ -685,8 +840,13 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
     fronts, moments, problems = {}, {}, {}
     probes: dict[int, tuple[int, float, float]] = {}
     kind_sens: dict[int, dict[str, float]] = {}
-    for i, layer_stats in track(each_layer(stats, layers, adapter), total=len(layers), description="auto: candidates",
-                                disable=not progress, transient=True):
+    for i, layer_stats in track(
+        each_layer(stats, layers, adapter),
+        total=len(layers),
+        description="auto: candidates",
+        disable=not progress,
+        transient=True,
+    ):
         prob, m = layer_problem(config, adapter, layer_stats, info, i, stored, keep_codes=keep_tensors)
         target = ratio * prob.expert_bytes * prob.num_experts
 
@@ -718,7 +878,9 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
                 raw[i] = max(kl, 0.0) / pt.loss
         if not keep_tensors:
             shed(prob)
-            m = LayerMoments(i, m.w, m.s_y, m.s_yy, sample=m.sample)  # the token sample is read again at the end
+            m = LayerMoments(
+                i, m.w, m.s_y, m.s_yy, sample=m.sample
+            )  # the token sample is read again at the end
         moments[i], problems[i] = m, prob
         del m, layer_stats
     sens = {i: _sig(raw[i], 4) for i in layers}
@@ -728,8 +890,21 @@ def prepare(config: AutoConfig, adapter, stats, progress: bool = False, keep_ten
             state = uniform_state(problems[i], b)
             if state is not None:
                 uniform.setdefault(b, {})[i] = problems[i].bytes_of(state)
-    return AutoSetup(info, budget, problems, moments, fronts, sens, {i: _sig(v, 4) for i, v in noise.items()},
-                     probes, ids, ids_note, ref, kind_sens, uniform)
+    return AutoSetup(
+        info,
+        budget,
+        problems,
+        moments,
+        fronts,
+        sens,
+        {i: _sig(v, 4) for i, v in noise.items()},
+        probes,
+        ids,
+        ids_note,
+        ref,
+        kind_sens,
+        uniform,
+    )
 
 
 REBUILT_KINDS = frozenset({"constant", "tilt", "partial", "quant"})  # candidates whose tensors `shed` drops
@@ -764,8 +939,12 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
     rebuilt: dict[tuple[int, str, int], Candidate] = {}
     ops = {point.choice[e].kind for e in todo} - {"quant"}
     if ops:  # operator fits: the layer's problem with only those kinds and no quantized keeps
-        sub = config.model_copy(update={"candidates": [k for k in config.candidates if k in ops], "bits": [16]})
-        prob, _ = layer_problem(sub, adapter, stats, info, layer, config.accounting == "stored", slots=set(todo))
+        sub = config.model_copy(
+            update={"candidates": [k for k in config.candidates if k in ops], "bits": [16]}
+        )
+        prob, _ = layer_problem(
+            sub, adapter, stats, info, layer, config.accounting == "stored", slots=set(todo)
+        )
         rebuilt |= {(e, c.kind, c.param): c for e in todo for c in prob.options[e]}
     quant = [e for e in todo if point.choice[e].kind == "quant"]
     if quant:
@@ -773,22 +952,36 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
         widths = sorted({point.choice[e].param for e in quant}, reverse=True)
         for b in widths:
             ids = [e for e in quant if point.choice[e].param == b]
-            got = aq.quant_candidates(adapter, stats, m, [b], config.quant_group, config.quant_algo,
-                                      config.quant_weighting, info.element_size, experts=ids)
+            got = aq.quant_candidates(
+                adapter,
+                stats,
+                m,
+                [b],
+                config.quant_group,
+                config.quant_algo,
+                config.quant_weighting,
+                info.element_size,
+                experts=ids,
+            )
             rebuilt |= {(e, "quant", b): got[e][0] for e in ids}
     choice = list(point.choice)
     for e in todo:
         c = point.choice[e]
         new = rebuilt.get((e, c.kind, c.param))
         if new is None or new.error != c.error:
-            raise RuntimeError(f"auto: layer {layer} slot {e}'s {c.label} came out differently when rebuilt; "
-                               "this is a bug, please report it.")
-        choice[e] = Candidate(c.kind, c.loss, c.param, c.bytes, op=new.op, gate=c.gate, tensors=new.tensors, raw=c.raw)
+            raise RuntimeError(
+                f"auto: layer {layer} slot {e}'s {c.label} came out differently when rebuilt; "
+                "this is a bug, please report it."
+            )
+        choice[e] = Candidate(
+            c.kind, c.loss, c.param, c.bytes, op=new.op, gate=c.gate, tensors=new.tensors, raw=c.raw
+        )
     return LayerPoint(point.mode, choice, point.bytes, point.loss)
 
 
-def plan_layer_by_layer(config: AutoConfig, adapter, stats, info: ModelInfo, chosen: dict[int, LayerPoint],
-                        on_layer=None) -> tuple[CompressionPlan, object]:
+def plan_layer_by_layer(
+    config: AutoConfig, adapter, stats, info: ModelInfo, chosen: dict[int, LayerPoint], on_layer=None
+) -> tuple[CompressionPlan, object]:
     """`plan_from_points` of the chosen states, built one layer at a time: each layer's state is restored, its
     part of the plan made and its tensors put in the method's tensor store (on disk for a streamed view).
     on_layer(i, part, part_tensors), if given, runs while layer i's part is still in memory (and a streamed
@@ -823,8 +1016,9 @@ def _apply_kind_scale(prob: LayerProblem, scale: dict[str, float]) -> None:
         ref.scale = scale["pair"]
 
 
-def measure_states(adapter, info: ModelInfo, states: dict[int, LayerPoint], ids: torch.Tensor,
-                   ref: torch.Tensor) -> float:
+def measure_states(
+    adapter, info: ModelInfo, states: dict[int, LayerPoint], ids: torch.Tensor, ref: torch.Tensor
+) -> float:
     """KL(original ‖ model with `states` in their layers, every other layer untouched) on `ids`."""
     chosen = {li.layer: states.get(li.layer) or keep_point_of(li) for li in info.layers}
     plan, tensors = plan_from_points(info, chosen, source=lambda l, e: adapter.layer(l).storage.read(e))
@@ -836,13 +1030,27 @@ def _identity(config: AutoConfig, adapter, info: ModelInfo, budget: int):
     """Everything fits: keep every expert (a zero-loss removal is still a change to the model)."""
     plan = CompressionPlan.identity(adapter.model, method="auto")
     params = config.model_dump()
-    params["auto"] = dict(budget_scope=config.budget_scope, budget_bytes=budget, routed_bytes=info.expert_bytes,
-                          original_routed_bytes=info.expert_bytes, whole_bytes=info.expert_bytes + info.other_bytes,
-                          original_whole_bytes=info.expert_bytes + info.other_bytes, accounting=config.accounting,
-                          est_kl=0.0,
-                          layers=[dict(layer=i, gate="renorm", choices={"keep": adapter.num_experts(i)},
-                                       routed_bytes=info.layer(i).bytes_per_expert * adapter.num_experts(i),
-                                       est_error=0.0, est_kl=0.0) for i in adapter.moe_layers])
+    params["auto"] = dict(
+        budget_scope=config.budget_scope,
+        budget_bytes=budget,
+        routed_bytes=info.expert_bytes,
+        original_routed_bytes=info.expert_bytes,
+        whole_bytes=info.expert_bytes + info.other_bytes,
+        original_whole_bytes=info.expert_bytes + info.other_bytes,
+        accounting=config.accounting,
+        est_kl=0.0,
+        layers=[
+            dict(
+                layer=i,
+                gate="renorm",
+                choices={"keep": adapter.num_experts(i)},
+                routed_bytes=info.layer(i).bytes_per_expert * adapter.num_experts(i),
+                est_error=0.0,
+                est_kl=0.0,
+            )
+            for i in adapter.moe_layers
+        ],
+    )
     return plan.model_copy(update={"params": params}), {}
 
 
@@ -854,17 +1062,31 @@ def _whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup):
 
     ids, ref = setup.ids, setup.ref
     if ids is None:  # sensitivity uniform, measure off: the Hessians and class probes still need tokens
-        ids, _ = est.calibration_ids(stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len,
-                                     config.seed)
+        ids, _ = est.calibration_ids(
+            stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len, config.seed
+        )
         ref = est._logprobs(adapter.model, ids)
     classes = chosen_classes(adapter, config.tensor_classes)
-    return WholeFile.price(adapter, stats, setup.info, classes, config.quant_bits, config.quant_group,
-                           config.quant_algo, ids, ref)
+    return WholeFile.price(
+        adapter,
+        stats,
+        setup.info,
+        classes,
+        config.quant_bits,
+        config.quant_group,
+        config.quant_algo,
+        ids,
+        ref,
+    )
 
 
 def _allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dict[int, int]]:
     """(fronts of every item, the chosen index of each): MoE layers and, for a whole-file budget, tensors."""
-    fronts, scale, uniform = dict(setup.fronts), dict(setup.sens), {b: dict(v) for b, v in setup.uniform.items()}
+    fronts, scale, uniform = (
+        dict(setup.fronts),
+        dict(setup.sens),
+        {b: dict(v) for b, v in setup.uniform.items()},
+    )
     budget = setup.budget
     if config.target == "llama.cpp":
         from .auto_target import allocate_for_target
@@ -881,10 +1103,12 @@ def _allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, di
         budget -= whole.fixed
         minimum = sum(f[0].bytes for f in fronts.values())
         if minimum > budget:
-            raise MoECompressError(f"The budget of {setup.budget} bytes is below the smallest whole file auto can "
-                                   f"reach ({minimum + whole.fixed}: every expert layer keeps what its router "
-                                   "needs, every weight at the lowest width tried, norms and routers as they "
-                                   "are); raise the budget or add lower widths to bits.")
+            raise MoECompressError(
+                f"The budget of {setup.budget} bytes is below the smallest whole file auto can "
+                f"reach ({minimum + whole.fixed}: every expert layer keeps what its router "
+                "needs, every weight at the lowest width tried, norms and routers as they "
+                "are); raise the budget or add lower widths to bits."
+            )
     chosen = allocate(fronts, scale, budget)
     return fronts, uniform_bits_check(fronts, scale, budget, chosen, uniform)
 
@@ -894,8 +1118,10 @@ def build_auto(config: AutoConfig, context: MethodContext):
     """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the module doc."""
     adapter, stats = context.adapter, context.stats
     if stats is None:
-        raise MoECompressError("The auto method needs calibration statistics; run moecompress calibrate "
-                               "--for-method auto first (or pass --calib SPEC).")
+        raise MoECompressError(
+            "The auto method needs calibration statistics; run moecompress calibrate "
+            "--for-method auto first (or pass --calib SPEC)."
+        )
     stats.require(*needs_stats(config), method="auto")
     info = ModelInfo.from_model(adapter)
     budget = routed_budget(config, info)
@@ -912,7 +1138,9 @@ def build_auto(config: AutoConfig, context: MethodContext):
         # here, not after the plan: the layer is still lent and its tensors in memory (read back from the
         # store, every layer's were mapped in again on the streamed view)
         if any(c.kind != "keep" for c in chosen[i].choice) and setup.moments[i].sample is not None:
-            sample_error[i] = _sig(est.sample_layer_error(adapter, part, part_tensors, i, setup.moments[i].sample))
+            sample_error[i] = _sig(
+                est.sample_layer_error(adapter, part, part_tensors, i, setup.moments[i].sample)
+            )
 
     plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen, on_layer=measure_sample)
     if whole is not None and (specs := whole.specs(fronts, chosen_idx)):
@@ -936,8 +1164,10 @@ def _installed(adapter, plan: CompressionPlan, tensors, layers):
     """The plan's MoE `layers` and its quantized non-expert weights in the model, for a measurement."""
     from .auto_tensors import dequantized_weights, weights_installed
 
-    with est.plan_installed(adapter, plan, tensors, layers), \
-            weights_installed(adapter, dequantized_weights(plan, tensors)):
+    with (
+        est.plan_installed(adapter, plan, tensors, layers),
+        weights_installed(adapter, dequantized_weights(plan, tensors)),
+    ):
         yield
 
 
@@ -955,10 +1185,17 @@ def _summary(config: AutoConfig, adapter, setup: AutoSetup, plan, tensors, chose
             if c.kind in STORED_KINDS:
                 key = str(c.param if c.kind == "quant" else 16)
                 bits[key] = bits.get(key, 0) + 1
-        row = dict(layer=i, gate=plan.layer(i).gate, choices=dict(sorted(hist.items())),
-                   bits=dict(sorted(bits.items(), key=lambda kv: -int(kv[0]))), routed_bytes=pt.bytes,
-                   est_error=_sig(sum(c.error for c in pt.choice)), sensitivity=sens[i],
-                   noise_sensitivity=setup.noise_sens[i], est_kl=_sig(pt.loss * sens[i]))
+        row = dict(
+            layer=i,
+            gate=plan.layer(i).gate,
+            choices=dict(sorted(hist.items())),
+            bits=dict(sorted(bits.items(), key=lambda kv: -int(kv[0]))),
+            routed_bytes=pt.bytes,
+            est_error=_sig(sum(c.error for c in pt.choice)),
+            sensitivity=sens[i],
+            noise_sensitivity=setup.noise_sens[i],
+            est_kl=_sig(pt.loss * sens[i]),
+        )
         if i in setup.kind_sens:
             row["kind_sensitivity"] = setup.kind_sens[i]
         if i in setup.probes:
@@ -973,12 +1210,21 @@ def _summary(config: AutoConfig, adapter, setup: AutoSetup, plan, tensors, chose
     routed = plan.logical_bytes(tensors, accounting=config.accounting).routed
     solver = sum(chosen[i].bytes for i in adapter.moe_layers)
     if routed != solver or (config.budget_scope == "routed" and routed > setup.budget):
-        raise RuntimeError(f"auto: the solver counted {solver} routed bytes, the plan holds {routed} (budget "
-                           f"{setup.budget}); this is a bug, please report it.")
-    return dict(budget_scope=config.budget_scope, budget_bytes=setup.budget, routed_bytes=routed, dtype=info.dtype,
-                original_routed_bytes=info.expert_bytes, accounting=config.accounting,
-                est_kl=_sig(sum(chosen[i].loss * sens[i] for i in adapter.moe_layers)),
-                sensitivity_data=setup.ids_note, layers=table)
+        raise RuntimeError(
+            f"auto: the solver counted {solver} routed bytes, the plan holds {routed} (budget "
+            f"{setup.budget}); this is a bug, please report it."
+        )
+    return dict(
+        budget_scope=config.budget_scope,
+        budget_bytes=setup.budget,
+        routed_bytes=routed,
+        dtype=info.dtype,
+        original_routed_bytes=info.expert_bytes,
+        accounting=config.accounting,
+        est_kl=_sig(sum(chosen[i].loss * sens[i] for i in adapter.moe_layers)),
+        sensitivity_data=setup.ids_note,
+        layers=table,
+    )
 
 
 def _whole_summary(summary: dict, whole, fronts, chosen_idx, plan, tensors, budget: int) -> None:
@@ -988,11 +1234,17 @@ def _whole_summary(summary: dict, whole, fronts, chosen_idx, plan, tensors, budg
     total = plan.logical_bytes(tensors, accounting=summary["accounting"]).total
     solver = whole.fixed + sum(fronts[k][i].bytes for k, i in chosen_idx.items())
     if total != solver or total > budget:
-        raise RuntimeError(f"auto: the solver counted {solver} bytes for the whole file, the plan holds {total} "
-                           f"(budget {budget}); this is a bug, please report it.")
+        raise RuntimeError(
+            f"auto: the solver counted {solver} bytes for the whole file, the plan holds {total} "
+            f"(budget {budget}); this is a bug, please report it."
+        )
     tensor_kl = sum(fronts[k][i].loss for k, i in chosen_idx.items() if k >= KEY_OFFSET)
-    summary.update(whole_bytes=total, original_whole_bytes=plan.model.expert_bytes + plan.model.other_bytes,
-                   est_kl=_sig(summary["est_kl"] + tensor_kl), tensors=whole.table(fronts, chosen_idx))
+    summary.update(
+        whole_bytes=total,
+        original_whole_bytes=plan.model.expert_bytes + plan.model.other_bytes,
+        est_kl=_sig(summary["est_kl"] + tensor_kl),
+        tensors=whole.table(fronts, chosen_idx),
+    )
 
 
 # the view: a layer as stored and one float32 layer, the embeddings and head (sensitivity probes and measured KL
@@ -1000,8 +1252,15 @@ def _whole_summary(summary: dict, whole, fronts, chosen_idx, plan, tensors, budg
 # the restore pass on it; measured KL (measure=True) still reads each layer again after the plan. The stored
 # layer was set against the run before that change (counting the lent layer as free came out just below its
 # peak, BENCHMARKS.md "Streaming compress"), and stays until a run after it is compared.
-register_method("auto", AutoConfig, build_auto, needs_stats, family="auto", streamed_stats=True,
-                view_use=lambda config: ViewUse(stored=1.0, compute=1.0, forwards=True))
+register_method(
+    "auto",
+    AutoConfig,
+    build_auto,
+    needs_stats,
+    family="auto",
+    streamed_stats=True,
+    view_use=lambda config: ViewUse(stored=1.0, compute=1.0, forwards=True),
+)
 
 
 def _register_stats():

@@ -88,18 +88,32 @@ class LayerMoments:
     sample: torch.Tensor | None = None  # [S, H] float32
     fold1: LayerMoments | None = None  # the moment sums over fold 1 only (same 1/N scale)
     _folds: tuple | None = field(default=None, repr=False, compare=False)  # `folds()`, made once
-    _basis: tuple | None = field(default=None, repr=False, compare=False)  # ((slot, ridge), TiltBasis) of one slot
+    _basis: tuple | None = field(
+        default=None, repr=False, compare=False
+    )  # ((slot, ridge), TiltBasis) of one slot
 
     _MOMENTS = ("w", "s_y", "s_yy", "s_x", "s_xx", "s_xy", "s_a", "s_aa")
-    _NAMES = ("auto_g2", "auto_g2_y", "auto_g2_yy", "auto_g2_x", "auto_g2_xx", "auto_g2_xy", "auto_g2_a", "auto_g2_aa")
+    _NAMES = (
+        "auto_g2",
+        "auto_g2_y",
+        "auto_g2_yy",
+        "auto_g2_x",
+        "auto_g2_xx",
+        "auto_g2_xy",
+        "auto_g2_a",
+        "auto_g2_aa",
+    )
 
     @classmethod
     def load(cls, stats, layer: int) -> LayerMoments:
         def get(name):
             if not stats.has(name):
                 return None
-            return Rows(stats, layer, name) if name.removesuffix("_f1") in SQUARE_MOMENTS else \
-                stats.get(layer, name).double()
+            return (
+                Rows(stats, layer, name)
+                if name.removesuffix("_f1") in SQUARE_MOMENTS
+                else stats.get(layer, name).double()
+            )
 
         m = cls(layer, *(get(n) for n in cls._NAMES), get("auto_remap"))
         for gate in ("keep", "renorm"):
@@ -117,8 +131,13 @@ class LayerMoments:
         if self.fold1 is None:
             return None
         if self._folds is None:
-            f0 = LayerMoments(self.layer, *(None if getattr(self, k) is None else getattr(self, k) -
-                                            getattr(self.fold1, k) for k in self._MOMENTS))
+            f0 = LayerMoments(
+                self.layer,
+                *(
+                    None if getattr(self, k) is None else getattr(self, k) - getattr(self.fold1, k)
+                    for k in self._MOMENTS
+                ),
+            )
             self._folds = (f0, self.fold1)
         return self._folds
 
@@ -158,8 +177,14 @@ def constant_loss(m: LayerMoments, e: int, c: torch.Tensor) -> float:
 def affine_loss(m: LayerMoments, e: int, b: torch.Tensor, mat: torch.Tensor) -> float:
     """L for f̂(x) = b + M x (M [H_out, H_in])."""
     b, mat = b.double(), mat.double()
-    val = (m.s_yy[e] - 2 * b @ m.s_y[e] - 2 * torch.trace(mat @ m.s_xy[e]) + m.w[e] * (b @ b)
-           + 2 * b @ (mat @ m.s_x[e]) + torch.trace(mat @ m.s_xx[e] @ mat.T))
+    val = (
+        m.s_yy[e]
+        - 2 * b @ m.s_y[e]
+        - 2 * torch.trace(mat @ m.s_xy[e])
+        + m.w[e] * (b @ b)
+        + 2 * b @ (mat @ m.s_x[e])
+        + torch.trace(mat @ m.s_xx[e] @ mat.T)
+    )
     return max(float(val), 0.0)
 
 
@@ -170,18 +195,26 @@ def low_rank_affine_loss(m: LayerMoments, e: int, b: torch.Tensor, u: torch.Tens
     b, u, v = b.double(), u.double(), v.double()
     vt_xy = v.T @ m.s_xy[e]  # [r, H_out]
     vt_xx_v = v.T @ m.s_xx[e] @ v  # [r, r]
-    val = (m.s_yy[e] - 2 * b @ m.s_y[e] - 2 * torch.trace(vt_xy @ u) + m.w[e] * (b @ b)
-           + 2 * b @ (u @ (v.T @ m.s_x[e])) + torch.trace((u.T @ u) @ vt_xx_v))
+    val = (
+        m.s_yy[e]
+        - 2 * b @ m.s_y[e]
+        - 2 * torch.trace(vt_xy @ u)
+        + m.w[e] * (b @ b)
+        + 2 * b @ (u @ (v.T @ m.s_x[e]))
+        + torch.trace((u.T @ u) @ vt_xx_v)
+    )
     return max(float(val), 0.0)
 
 
-def partial_loss(m: LayerMoments, e: int, down: torch.Tensor, kept: torch.Tensor, bias: torch.Tensor) -> float:
+def partial_loss(
+    m: LayerMoments, e: int, down: torch.Tensor, kept: torch.Tensor, bias: torch.Tensor
+) -> float:
     """L for a partial copy keeping neurons `kept` of expert e (down [H, I]) plus output bias."""
     rest = torch.ones(down.shape[1], dtype=torch.bool)
     rest[kept] = False
     d = down.double()[:, rest]
     b = bias.double()
-    val = (torch.trace(d @ m.s_aa[e][rest][:, rest] @ d.T) - 2 * b @ (d @ m.s_a[e][rest]) + m.w[e] * (b @ b))
+    val = torch.trace(d @ m.s_aa[e][rest][:, rest] @ d.T) - 2 * b @ (d @ m.s_a[e][rest]) + m.w[e] * (b @ b)
     return max(float(val), 0.0)
 
 
@@ -242,8 +275,9 @@ def _weighted_constant(m: LayerMoments, e: int) -> torch.Tensor:
     return m.s_y[e] / w if w > 0 else torch.zeros_like(m.s_y[e])
 
 
-def constant_candidate(m: LayerMoments, stats, e: int, fit: Fit, el: int, h: int, dtype,
-                       cross_fit: bool = False) -> Candidate:
+def constant_candidate(
+    m: LayerMoments, stats, e: int, fit: Fit, el: int, h: int, dtype, cross_fit: bool = False
+) -> Candidate:
     c = _weighted_constant(m, e) if fit == "weighted" else stats.get(m.layer, "out_mean")[e].double()
     key = _key(m.layer, e)
     value = c.to(dtype)
@@ -266,8 +300,18 @@ def _tilt_loss(m: LayerMoments, e: int, tilt) -> float:
     return low_rank_affine_loss(m, e, tilt.b, tilt.B, tilt.A.T)
 
 
-def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: float, el: int, h: int,
-                   dtype, cross_fit: bool = False) -> Candidate | None:
+def tilt_candidate(
+    m: LayerMoments,
+    stats,
+    e: int,
+    rank: int,
+    fit: Fit,
+    ridge: float,
+    el: int,
+    h: int,
+    dtype,
+    cross_fit: bool = False,
+) -> Candidate | None:
     """Rank-r tilt of slot e (None when it would not be a tilt: no tokens reached the expert)."""
     rank = min(rank, h)
     if fit == "weighted":
@@ -279,8 +323,15 @@ def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: f
         s = sel.index(e)
         n = float(stats.get(m.layer, "moment_count")[s])
         mom = lambda name: stats.get_row(m.layer, name, s).double() * n  # means -> sums
-        tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
-                        rank=rank, ridge=ridge)
+        tilt = fit_tilt(
+            n,
+            mom("moment_in_mean"),
+            mom("moment_out_mean"),
+            mom("input_moment"),
+            mom("cross_moment"),
+            rank=rank,
+            ridge=ridge,
+        )
     if tilt.rank == 0:
         return None
     key = _key(m.layer, e)
@@ -288,8 +339,14 @@ def tilt_candidate(m: LayerMoments, stats, e: int, rank: int, fit: Fit, ridge: f
     loss = low_rank_affine_loss(m, e, b, u, v)
     if cross_fit and fit == "weighted" and m.fold1 is not None:
         loss = _cross_fitted(m, e, lambda f, e_: _weighted_tilt(f, e_, rank, ridge), _tilt_loss)
-    return Candidate("tilt", loss, tilt.rank, (2 * h * tilt.rank + h) * el, op=TiltOp(rank=tilt.rank, tensor=key),
-                     tensors={f"{key}.U": u, f"{key}.V": v, f"{key}.bias": b})
+    return Candidate(
+        "tilt",
+        loss,
+        tilt.rank,
+        (2 * h * tilt.rank + h) * el,
+        op=TiltOp(rank=tilt.rank, tensor=key),
+        tensors={f"{key}.U": u, f"{key}.V": v, f"{key}.bias": b},
+    )
 
 
 def _weighted_partial(m: LayerMoments, e: int, down: torch.Tensor, width: int):
@@ -304,8 +361,18 @@ def _weighted_partial(m: LayerMoments, e: int, down: torch.Tensor, width: int):
     return neurons, down.double()[:, rest] @ mean[rest]
 
 
-def partial_candidate(m: LayerMoments, stats, adapter, e: int, rank: int, fit: Fit, el: int, h: int,
-                      dtype, cross_fit: bool = False) -> Candidate | None:
+def partial_candidate(
+    m: LayerMoments,
+    stats,
+    adapter,
+    e: int,
+    rank: int,
+    fit: Fit,
+    el: int,
+    h: int,
+    dtype,
+    cross_fit: bool = False,
+) -> Candidate | None:
     """Partial copy of slot e at the parameter budget of a rank-r tilt (None for biased experts)."""
     w = adapter.get_expert(m.layer, e)
     if w.has_bias:
@@ -320,14 +387,28 @@ def partial_candidate(m: LayerMoments, stats, adapter, e: int, rank: int, fit: F
         bias = partial_copy_bias(stats.get(m.layer, "mid_mean")[e].double() * count, count, w.down, neurons)
     key = _key(m.layer, e)
     bias = bias.to(dtype)
-    tensors = {f"{key}.gate": w.gate[neurons].to(dtype), f"{key}.up": w.up[neurons].to(dtype),
-               f"{key}.down": w.down[:, neurons].to(dtype), f"{key}.bias": bias}
+    tensors = {
+        f"{key}.gate": w.gate[neurons].to(dtype),
+        f"{key}.up": w.up[neurons].to(dtype),
+        f"{key}.down": w.down[:, neurons].to(dtype),
+        f"{key}.bias": bias,
+    }
     loss = partial_loss(m, e, w.down, neurons, bias)
     if cross_fit and fit == "weighted" and m.fold1 is not None:
-        loss = _cross_fitted(m, e, lambda f, e_: _weighted_partial(f, e_, w.down, width),
-                             lambda f, e_, nb: partial_loss(f, e_, w.down, nb[0], nb[1]))
-    return Candidate("partial", loss, width, (3 * width * h + h) * el,
-                     op=PartialOp(source=(m.layer, e), width=width, tensor=key), tensors=tensors)
+        loss = _cross_fitted(
+            m,
+            e,
+            lambda f, e_: _weighted_partial(f, e_, w.down, width),
+            lambda f, e_, nb: partial_loss(f, e_, w.down, nb[0], nb[1]),
+        )
+    return Candidate(
+        "partial",
+        loss,
+        width,
+        (3 * width * h + h) * el,
+        op=PartialOp(source=(m.layer, e), width=width, tensor=key),
+        tensors=tensors,
+    )
 
 
 @dataclass
@@ -368,8 +449,10 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
 
     layer = m.layer
     if m.sample is None:
-        raise MoECompressError("Pair candidates are estimated on a token sample; re-run calibration with the "
-                               "'auto_sample' statistic (--for-method auto).")
+        raise MoECompressError(
+            "Pair candidates are estimated on a token sample; re-run calibration with the "
+            "'auto_sample' statistic (--for-method auto)."
+        )
     e_all = adapter.num_experts(layer)
     if pairs is None:  # `pairwise_distance` of the layer, read one projection at a time
         dist = scope_distance(lambda name: [adapter.expert_part_at_rest(layer, name)])
@@ -387,8 +470,11 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
         routed = {}
         for e in range(e_all):
             tok, slot = torch.where(r.index == e)
-            routed[e] = (tok, r.weight[tok, slot].double().square(),
-                         adapter.expert_forward(layer, e, x[tok]).double() if len(tok) else None)
+            routed[e] = (
+                tok,
+                r.weight[tok, slot].double().square(),
+                adapter.expert_forward(layer, e, x[tok]).double() if len(tok) else None,
+            )
         # after the forwards: on a streamed view this evicts the computed layer, so it is not held beside these
         experts = UpcastExperts(adapter.experts_at_rest(layer), dtype, e_all)  # one expert upcast per read
         out = []
@@ -401,8 +487,9 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
             for e, yhat in zip((i, j), ys):
                 tok, g2, y = routed[e]
                 losses.append(0.0 if y is None else float(g2 @ (y - yhat.double()).square().sum(-1)) / n)
-            out.append(PairRef(layer, (i, j), int(c.nbytes), (losses[0], losses[1]), dict(norms=norms),
-                               adapter))
+            out.append(
+                PairRef(layer, (i, j), int(c.nbytes), (losses[0], losses[1]), dict(norms=norms), adapter)
+            )
     return out
 
 
@@ -422,7 +509,10 @@ def calibration_ids(stats, adapter, sequences: int, seq_len: int, seed: int = 0)
     vocab = int(adapter.model.config.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (sequences, seq_len), generator=gen)
-    return ids, f"random token ids ({sequences} x {seq_len}, seed {seed}): calibration spec '{spec}' not reloadable"
+    return (
+        ids,
+        f"random token ids ({sequences} x {seq_len}, seed {seed}): calibration spec '{spec}' not reloadable",
+    )
 
 
 # ----------------------------------------------------------------------------- KL measurements
@@ -438,7 +528,7 @@ def _logprobs(model, ids: torch.Tensor, batch: int = 4) -> torch.Tensor:
     device = input_device(model)
     with torch.no_grad():
         for s in range(0, len(ids), batch):
-            logits = model(ids[s:s + batch].to(device)).logits
+            logits = model(ids[s : s + batch].to(device)).logits
             out.append(torch.log_softmax(logits.double(), -1).cpu())
     return torch.cat(out)
 
@@ -452,6 +542,7 @@ def kl_to(ref: torch.Tensor, model, ids: torch.Tensor) -> float:
 @contextlib.contextmanager
 def perturbed(adapter, layer: int, fn):
     """Temporarily replace layer `layer`'s MoE output o by fn(o) (a forward hook on its block)."""
+
     def hook(module, args, output):
         if isinstance(output, tuple):
             return (fn(output[0]),) + tuple(output[1:])
@@ -473,6 +564,7 @@ def output_energy(adapter, ids: torch.Tensor) -> dict[int, float]:
             acc[i][0] += float(o.double().square().sum())
             acc[i][1] += o.numel() // o.shape[-1]
             return o
+
         return fn
 
     with contextlib.ExitStack() as stack:
@@ -482,8 +574,9 @@ def output_energy(adapter, ids: torch.Tensor) -> dict[int, float]:
     return {i: a / max(n, 1) for i, (a, n) in acc.items()}
 
 
-def layer_sensitivity(adapter, ids: torch.Tensor, rel: float = 0.05, seeds: int = 2,
-                      ref: torch.Tensor | None = None) -> dict[int, float]:
+def layer_sensitivity(
+    adapter, ids: torch.Tensor, rel: float = 0.05, seeds: int = 2, ref: torch.Tensor | None = None
+) -> dict[int, float]:
     """s_l = KL(original ‖ noisy) / ε_l for isotropic Gaussian noise of mean per-token energy ε_l added to
     layer l's MoE output (ε_l = rel × mean ‖output‖²), averaged over `seeds` noise draws.
 

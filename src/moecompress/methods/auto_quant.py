@@ -73,9 +73,19 @@ def _quantize(w: torch.Tensor, hf, spec: QuantSpec) -> QuantizedTensor:
     return gptq(w, None, spec, hf) if spec.algo == "gptq" else rtn(w, spec)
 
 
-def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: int | None, algo: str,
-                     weighting: str, el: int, experts: list[int] | None = None, keep_codes: bool = True,
-                     chunk: int = 8) -> list[list[Candidate]]:
+def quant_candidates(
+    adapter,
+    stats,
+    m: LayerMoments,
+    bits: list[int],
+    group: int | None,
+    algo: str,
+    weighting: str,
+    el: int,
+    experts: list[int] | None = None,
+    keep_codes: bool = True,
+    chunk: int = 8,
+) -> list[list[Candidate]]:
     """Per slot of layer m.layer, one ``Candidate("quant", loss, bits, bytes, op=QuantKeep)`` per bit width < 16
     (ordered by decreasing bits); `experts` and the others of their chunks only (None: every slot; the others get
     no candidates).
@@ -108,25 +118,36 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
         for e in todo:
             tok, slot = torch.where(r.index == e)
             xe = x[tok]
-            a = expert_intermediate(adapter.get_expert(layer, e).map(lambda t: t.float()), xe, act) if len(tok) else None
+            a = (
+                expert_intermediate(adapter.get_expert(layer, e).map(lambda t: t.float()), xe, act)
+                if len(tok)
+                else None
+            )
             routed[e] = (xe, r.weight[tok, slot].double().square(), a)
         w = adapter.experts_at_rest(layer)  # the stored precision; each chunk upcast on its own
         i_dim, h = w.gate.shape[1:]
         for lo in range(0, len(todo), chunk):
-            ids = todo[lo:lo + chunk]
+            ids = todo[lo : lo + chunk]
             gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
             biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
             h_mid = stats.get_rows(layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
             f_in = f_mid = None
-            if algo == "gptq":  # one factorisation per Hessian for gate, up and every width (damping is shared)
+            if (
+                algo == "gptq"
+            ):  # one factorisation per Hessian for gate, up and every width (damping is shared)
                 spec = quant_spec(widths[0], group, algo)
                 f_in = factor(stats.get_rows(layer, hin_name, ids), spec)
                 f_mid = factor(stats.get_rows(layer, hmid_name, ids), spec)
             for b in widths:
                 spec = quant_spec(b, group, algo)
-                q = {"gate": _quantize(gate, f_in, spec), "up": _quantize(up, f_in, spec),
-                     "down": _quantize(down, f_mid, spec)}
-                deq = {k: v.dequantize(torch.float32) for k, v in q.items()}  # bf16 grid values, exact in float32
+                q = {
+                    "gate": _quantize(gate, f_in, spec),
+                    "up": _quantize(up, f_in, spec),
+                    "down": _quantize(down, f_mid, spec),
+                }
+                deq = {
+                    k: v.dequantize(torch.float32) for k, v in q.items()
+                }  # bf16 grid values, exact in float32
                 d_down = down.double() - deq["down"].double()  # [C, H, I]
                 down_part = ((d_down @ h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert
                 nbytes = expert_quant_bytes(spec, i_dim, h, w.gate_bias is not None, el)
@@ -134,16 +155,29 @@ def quant_candidates(adapter, stats, m: LayerMoments, bits: list[int], group: in
                     xe, g2, a = routed[e]
                     gu = 0.0
                     if a is not None:
-                        we = ExpertWeights(deq["gate"][k], deq["up"][k], deq["down"][k],
-                                           *(None if t is None else t[k] for t in biases))
+                        we = ExpertWeights(
+                            deq["gate"][k],
+                            deq["up"][k],
+                            deq["down"][k],
+                            *(None if t is None else t[k] for t in biases),
+                        )
                         diff = F.linear(a - expert_intermediate(we, xe, act), deq["down"][k]).double()
                         gu = float(g2 @ diff.square().sum(-1)) / s_n
                     loss = max(float(down_part[k]), 0.0) + gu
                     op = None
                     if keep_codes:
-                        op = QuantKeep(spec, {n: QuantizedTensor(v.codes[k].clone(), v.scale[k].clone(),
-                                                                 None if v.zero is None else v.zero[k].clone(), spec)
-                                              for n, v in q.items()})
+                        op = QuantKeep(
+                            spec,
+                            {
+                                n: QuantizedTensor(
+                                    v.codes[k].clone(),
+                                    v.scale[k].clone(),
+                                    None if v.zero is None else v.zero[k].clone(),
+                                    spec,
+                                )
+                                for n, v in q.items()
+                            },
+                        )
                     out[e].append(Candidate("quant", loss, b, nbytes, op=op))
                 del q, deq, d_down
     return out

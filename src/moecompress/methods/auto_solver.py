@@ -62,17 +62,27 @@ def allocate(fronts: dict[int, list[LayerPoint]], scale: dict[int, float], budge
     single-layer upgrades and two-layer exchanges that lower the total within the budget.
     """
     layers = sorted(fronts)
-    bad = next((l for l in layers if not math.isfinite(scale[l]) or any(not math.isfinite(p.loss) for p in fronts[l])),
-               None)
+    bad = next(
+        (
+            l
+            for l in layers
+            if not math.isfinite(scale[l]) or any(not math.isfinite(p.loss) for p in fronts[l])
+        ),
+        None,
+    )
     if bad is not None:  # NaN gains would never settle the exchange loop below
         # auto computes in float32, so NaN weights (not a dtype) are the usual cause: say so first
-        raise MoECompressError(f"auto estimated a non-finite loss or sensitivity for layer {bad}: the checkpoint's "
-                               "weights or its statistics hold NaN or infinite values; check the checkpoint (a "
-                               "16-bit calibration that overflowed is redone with calibrate --dtype float32).")
+        raise MoECompressError(
+            f"auto estimated a non-finite loss or sensitivity for layer {bad}: the checkpoint's "
+            "weights or its statistics hold NaN or infinite values; check the checkpoint (a "
+            "16-bit calibration that overflowed is redone with calibrate --dtype float32)."
+        )
     minimum = sum(fronts[l][0].bytes for l in layers)
     if minimum > budget:
-        raise MoECompressError(f"The budget of {budget} routed-expert bytes is below the smallest reachable "
-                               f"({minimum}: every layer keeps what its router needs); raise the budget.")
+        raise MoECompressError(
+            f"The budget of {budget} routed-expert bytes is below the smallest reachable "
+            f"({minimum}: every layer keeps what its router needs); raise the budget."
+        )
     hulls = {l: _hull(fronts[l], scale[l]) for l in layers}
     pos = {l: len(hulls[l]) - 1 for l in layers}  # position on the hull; starts at the largest state
     cur = {l: hulls[l][pos[l]] for l in layers}

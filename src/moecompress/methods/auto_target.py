@@ -35,8 +35,10 @@ def target_defaults(data: dict) -> dict:
     if target not in TARGETS:
         raise MoECompressError(f"Target '{target}' is not known; use {', '.join(TARGETS)}.")
     if target != "llama.cpp":
-        raise MoECompressError(f"auto --target {target} is not implemented yet (issue 31): use --target llama.cpp "
-                               "or moecompress, and check the plan with --format hf.")
+        raise MoECompressError(
+            f"auto --target {target} is not implemented yet (issue 31): use --target llama.cpp "
+            "or moecompress, and check the plan with --format hf."
+        )
     out = dict(data)
     for key, allowed in LLAMA_CPP.items():
         given = out.get(key)
@@ -45,9 +47,11 @@ def target_defaults(data: dict) -> dict:
             continue
         ok = set(given) <= set(allowed) if isinstance(allowed, list) else given == allowed
         if not ok:
-            raise MoECompressError(f"auto --target llama.cpp cannot use {key}={given}: llama.cpp runs {key} "
-                                   f"{allowed} only (one GGUF type per layer tensor: Q8_0 / Q4_0 from group-32 "
-                                   "codes); leave it out.")
+            raise MoECompressError(
+                f"auto --target llama.cpp cannot use {key}={given}: llama.cpp runs {key} "
+                f"{allowed} only (one GGUF type per layer tensor: Q8_0 / Q4_0 from group-32 "
+                "codes); leave it out."
+            )
     return out
 
 
@@ -65,12 +69,16 @@ def layer_states(prob, k: int, widths: list[int]):
     from .auto_solver import LayerPoint, pareto
 
     e = prob.num_experts
-    reroute = [next((c for c in slot if c.kind == "reroute" and c.gate == "renorm"), None) for slot in prob.options]
+    reroute = [
+        next((c for c in slot if c.kind == "reroute" and c.gate == "renorm"), None) for slot in prob.options
+    ]
     if k < e and any(c is None for c in reroute):
-        raise MoECompressError(f"auto --target llama.cpp found no reroute estimate in layer {prob.layer}; calibrate "
-                               "with --for-method auto.")
+        raise MoECompressError(
+            f"auto --target llama.cpp found no reroute estimate in layer {prob.layer}; calibrate "
+            "with --for-method auto."
+        )
     order = sorted(range(e), key=lambda s: (reroute[s].loss if reroute[s] is not None else 0.0, s))
-    dropped = set(order[:e - k])
+    dropped = set(order[: e - k])
     points = []
     for b in widths:
         choice = []
@@ -106,6 +114,8 @@ def allocate_for_target(config, setup, extra_fronts: dict, budget: int):
         if best is None or cost < best[0] * (1 - 1e-12):
             best = (cost, fronts, chosen, k)
     if best is None:
-        raise MoECompressError(f"The budget of {budget} bytes is below the smallest plan llama.cpp can run (every "
-                               "layer at the largest top-k, 4 bits); raise the budget.")
+        raise MoECompressError(
+            f"The budget of {budget} bytes is below the smallest plan llama.cpp can run (every "
+            "layer at the largest top-k, 4 bits); raise the budget."
+        )
     return best[1], best[2], best[3]

@@ -42,7 +42,9 @@ from .tensor_quant import ROUTER_MIN_BITS, _layer_of, _layers_prefix, _read, hes
 
 # classes auto may give a precision; the router keeps its dtype (ROUTER_MIN_BITS is above every width auto tries)
 AUTO_CLASSES = tuple(c for c in QUANTIZABLE if c != "router")
-PROBE_BITS = 4  # the width the class sensitivities are measured at (the nearest width auto tries, if not this)
+PROBE_BITS = (
+    4  # the width the class sensitivities are measured at (the nearest width auto tries, if not this)
+)
 
 
 @dataclass
@@ -91,15 +93,20 @@ def chosen_classes(adapter, classes: list[str] | None) -> list[str]:
         return [c for c in AUTO_CLASSES if c in present]
     for c in classes:
         if c == "router":
-            raise MoECompressError(f"auto does not quantize the router: router weights keep at least "
-                                   f"{ROUTER_MIN_BITS} bits (docs/quantization.md, 'Non-expert tensors'); remove "
-                                   "'router' from tensor_classes.")
+            raise MoECompressError(
+                f"auto does not quantize the router: router weights keep at least "
+                f"{ROUTER_MIN_BITS} bits (docs/quantization.md, 'Non-expert tensors'); remove "
+                "'router' from tensor_classes."
+            )
         if c not in AUTO_CLASSES:
-            raise MoECompressError(f"'{c}' is not a tensor class auto can give a precision; use "
-                                   f"{', '.join(AUTO_CLASSES)}.")
+            raise MoECompressError(
+                f"'{c}' is not a tensor class auto can give a precision; use {', '.join(AUTO_CLASSES)}."
+            )
         if c not in present:
-            raise MoECompressError(f"This {adapter.model_type} model has no {c} weights (its classes: "
-                                   f"{', '.join(sorted(present))}); remove '{c}' from tensor_classes.")
+            raise MoECompressError(
+                f"This {adapter.model_type} model has no {c} weights (its classes: "
+                f"{', '.join(sorted(present))}); remove '{c}' from tensor_classes."
+            )
     return list(classes)
 
 
@@ -123,10 +130,13 @@ def _in_memory_hessians(adapter, names: list[str], ids: torch.Tensor) -> Iterato
         def fn(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).double()
             acc[name] = acc[name] + x.T @ x if name in acc else x.T @ x
+
         return fn
 
-    handles = [adapter.model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(hook(n))
-               for n in names]
+    handles = [
+        adapter.model.get_submodule(n.removesuffix(".weight")).register_forward_pre_hook(hook(n))
+        for n in names
+    ]
     try:
         _logprobs(adapter.model, ids)
     finally:
@@ -156,8 +166,16 @@ def _embedding_loss(w: torch.Tensor, w_hat: torch.Tensor, counts: torch.Tensor) 
     return float((counts.double() * d).sum())
 
 
-def tensor_items(adapter, stats, classes: list[str], bits: list[int], group: int | None, algo: str,
-                 ids: torch.Tensor, disk: dict[str, tuple[str, int]] | None) -> list[TensorItem]:
+def tensor_items(
+    adapter,
+    stats,
+    classes: list[str],
+    bits: list[int],
+    group: int | None,
+    algo: str,
+    ids: torch.Tensor,
+    disk: dict[str, tuple[str, int]] | None,
+) -> list[TensorItem]:
     """Every quantizable tensor of `classes` with its options and their raw objectives (one Hessian pass; each
     layer's Hessians dropped once its tensors are priced). `disk`: name -> (dtype, bytes) on disk, if known."""
     cls_of, shapes = tensor_classes(adapter), tensor_shapes(adapter)
@@ -180,11 +198,15 @@ def tensor_items(adapter, stats, classes: list[str], bits: list[int], group: int
         for b in bits:
             spec = spec_for(it.cls, b, group, algo)
             if h is None or it.cls == "embeddings" or not bool(h.diagonal().gt(0).any()):
-                spec = spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+                spec = (
+                    spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+                )
                 q = rtn(w, spec)
             else:
                 q = gptq(w, h, spec)
-            it.options.append(TensorOption(spec, spec.tensor_bytes(*it.shape), _objective(it, w, q, h, counts)))
+            it.options.append(
+                TensorOption(spec, spec.tensor_bytes(*it.shape), _objective(it, w, q, h, counts))
+            )
         it.probe_raw = _objective(it, w, rtn(w, probe_spec), h, counts)
         done.add(name)
 
@@ -199,7 +221,7 @@ def tensor_items(adapter, stats, classes: list[str], bits: list[int], group: int
             price(n, w, hs.get(n))
         del hs
     rest = [n for n in names if n not in done]  # the embeddings, and weights no token reached
-    for n, w in (_read(adapter, rest).items() if rest else ()):
+    for n, w in _read(adapter, rest).items() if rest else ():
         price(n, w, None)
     return [items[n] for n in names]
 
@@ -216,14 +238,17 @@ def _objective(it: TensorItem, w: torch.Tensor, q, h: torch.Tensor | None, count
 def weights_installed(adapter, weights: dict[str, torch.Tensor]):
     """Temporarily compute every module of `weights` (weight name -> replacement) with its replacement: forward
     hooks recompute the output, so it works on the streamed view too (where a layer's weights are re-read)."""
+
     def linear(w):
         def fn(module, args, output):
             return F.linear(args[0], w.to(args[0].dtype), module.bias)
+
         return fn
 
     def embedding(w):
         def fn(module, args, output):
             return F.embedding(args[0], w.to(output.dtype), module.padding_idx)
+
         return fn
 
     handles = []
@@ -238,8 +263,9 @@ def weights_installed(adapter, weights: dict[str, torch.Tensor]):
             h.remove()
 
 
-def class_sensitivity(adapter, items: list[TensorItem], bits: list[int], group: int | None, ids: torch.Tensor,
-                      ref: torch.Tensor) -> dict[str, float]:
+def class_sensitivity(
+    adapter, items: list[TensorItem], bits: list[int], group: int | None, ids: torch.Tensor, ref: torch.Tensor
+) -> dict[str, float]:
     """s_c (module doc) for every class of `items`: the class rounded to the probe width in every layer, KL on
     `ids`, over Σ L_W(probe). A class whose probe moves nothing measurable takes the median of the others (1.0
     when none is measurable)."""
@@ -251,8 +277,10 @@ def class_sensitivity(adapter, items: list[TensorItem], bits: list[int], group: 
         mine = [it for it in items if it.cls == cls]
         raw = sum(it.probe_raw for it in mine)
         spec = spec_for(cls, probe, group, "rtn")
-        weights = {n: rtn(w.float(), spec).dequantize(torch.float32)
-                   for n, w in _read(adapter, [it.name for it in mine]).items()}
+        weights = {
+            n: rtn(w.float(), spec).dequantize(torch.float32)
+            for n, w in _read(adapter, [it.name for it in mine]).items()
+        }
         with weights_installed(adapter, weights):
             kl = kl_to(ref, adapter.model, ids)
         del weights
@@ -268,7 +296,10 @@ def scale_items(items: list[TensorItem], sens: dict[str, float]) -> None:
             o.loss = sens[it.cls] * o.raw
 
 
-EDGE_CLASSES = ("embeddings", "lm_head")  # pure whole-model GPTQ keeps these at 8 bits (`tensor_quant.EDGE_SPEC`)
+EDGE_CLASSES = (
+    "embeddings",
+    "lm_head",
+)  # pure whole-model GPTQ keeps these at 8 bits (`tensor_quant.EDGE_SPEC`)
 KEY_OFFSET = 1 << 20  # allocation keys of tensor items: after every MoE layer index
 
 
@@ -292,8 +323,18 @@ class WholeFile:
     ids: torch.Tensor  # the token ids the in-memory Hessians and the class probes ran on
 
     @classmethod
-    def price(cls, adapter, stats, info, classes: list[str], bits: list[int], group: int | None, algo: str,
-              ids: torch.Tensor, ref: torch.Tensor) -> WholeFile:
+    def price(
+        cls,
+        adapter,
+        stats,
+        info,
+        classes: list[str],
+        bits: list[int],
+        group: int | None,
+        algo: str,
+        ids: torch.Tensor,
+        ref: torch.Tensor,
+    ) -> WholeFile:
         from .tensor_quant import on_disk_dtypes
 
         disk = on_disk_dtypes(info)
@@ -326,8 +367,11 @@ class WholeFile:
 
     def specs(self, fronts: dict[int, list[TensorPoint]], chosen: dict[int, int]) -> dict[str, QuantSpec]:
         """name -> spec of every item the allocation quantizes."""
-        return {self.items[k - KEY_OFFSET].name: fronts[k][i].option.spec for k, i in chosen.items()
-                if k >= KEY_OFFSET and fronts[k][i].option.spec is not None}
+        return {
+            self.items[k - KEY_OFFSET].name: fronts[k][i].option.spec
+            for k, i in chosen.items()
+            if k >= KEY_OFFSET and fronts[k][i].option.spec is not None
+        }
 
     def table(self, fronts: dict[int, list[TensorPoint]], chosen: dict[int, int]) -> list[dict]:
         """Per class: how many tensors at which width, their bytes, estimated KL and sensitivity."""
@@ -336,8 +380,12 @@ class WholeFile:
             if k < KEY_OFFSET:
                 continue
             it, o = self.items[k - KEY_OFFSET], fronts[k][i].option
-            row = rows.setdefault(it.cls, dict(cls=it.cls, bits={}, bytes=0, original_bytes=0, est_kl=0.0,
-                                                 sensitivity=self.sens[it.cls]))
+            row = rows.setdefault(
+                it.cls,
+                dict(
+                    cls=it.cls, bits={}, bytes=0, original_bytes=0, est_kl=0.0, sensitivity=self.sens[it.cls]
+                ),
+            )
             row["bits"][str(o.bits)] = row["bits"].get(str(o.bits), 0) + 1
             row["bytes"] += o.bytes
             row["original_bytes"] += it.options[0].bytes

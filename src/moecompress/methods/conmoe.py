@@ -52,9 +52,11 @@ Fusion = Literal["none", "average", "arcee"]
 def scopes(moe_layers: list[int], scope_size: int) -> list[list[int]]:
     """Consecutive groups of `scope_size` MoE layers (the last one may be shorter)."""
     if scope_size < 1:
-        raise MoECompressError(f"scope_size must be at least 1 (got {scope_size}); use 1 for layer-local consolidation.")
+        raise MoECompressError(
+            f"scope_size must be at least 1 (got {scope_size}); use 1 for layer-local consolidation."
+        )
     layers = sorted(moe_layers)
-    return [layers[i:i + scope_size] for i in range(0, len(layers), scope_size)]
+    return [layers[i : i + scope_size] for i in range(0, len(layers), scope_size)]
 
 
 def scope_budget(pool_size: int, ratio: float) -> int:
@@ -94,8 +96,13 @@ class ScopeScores:
     score: torch.Tensor  # the selection score actually used (s_e for "conmoe")
 
 
-def prototype_scores(a: torch.Tensor, distance: torch.Tensor, kind: ScoreKind = "conmoe",
-                     usage: torch.Tensor | None = None, eps: float = 1e-8) -> ScopeScores:
+def prototype_scores(
+    a: torch.Tensor,
+    distance: torch.Tensor,
+    kind: ScoreKind = "conmoe",
+    usage: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> ScopeScores:
     """ā, b̄ and the selection score: s_e = ā_e·b̄_e ("conmoe"), c_e ("usage"), ā_e ("reap"), b̄_e ("distance")."""
     a = a.double()
     b = replaceability(distance)
@@ -104,7 +111,9 @@ def prototype_scores(a: torch.Tensor, distance: torch.Tensor, kind: ScoreKind = 
         s = a_bar * b_bar
     elif kind == "usage":
         if usage is None:
-            raise MoECompressError("The 'usage' selection needs expert selection counts; calibrate with counts.")
+            raise MoECompressError(
+                "The 'usage' selection needs expert selection counts; calibrate with counts."
+            )
         s = usage.double()
     elif kind == "reap":
         s = a_bar
@@ -121,8 +130,13 @@ def _order(scores: ScopeScores, candidates: list[int]) -> list[int]:
     return sorted(candidates, key=lambda i: (-float(s[i]), -float(a[i]), -float(b[i]), i))
 
 
-def select_prototypes(scores: ScopeScores, k: int, layer_of: list[int] | None = None,
-                      selection: Selection = "adaptive", ratio: float | None = None) -> list[int]:
+def select_prototypes(
+    scores: ScopeScores,
+    k: int,
+    layer_of: list[int] | None = None,
+    selection: Selection = "adaptive",
+    ratio: float | None = None,
+) -> list[int]:
     """P_G as sorted scope positions.
 
     adaptive: the top-K of the whole scope. fixed_k: each layer l keeps its own top round((1 − ρ)E_l)
@@ -184,15 +198,25 @@ class ScopeConsolidation:
         return out
 
 
-def consolidate_scope(layers: list[int], num_experts: list[int], distance: torch.Tensor, a: torch.Tensor,
-                      ratio: float, usage: torch.Tensor | None = None, score: ScoreKind = "conmoe",
-                      selection: Selection = "adaptive", eps: float = 1e-8) -> ScopeConsolidation:
+def consolidate_scope(
+    layers: list[int],
+    num_experts: list[int],
+    distance: torch.Tensor,
+    a: torch.Tensor,
+    ratio: float,
+    usage: torch.Tensor | None = None,
+    score: ScoreKind = "conmoe",
+    selection: Selection = "adaptive",
+    eps: float = 1e-8,
+) -> ScopeConsolidation:
     """ConMoE on one scope from plain tensors: distance [N, N] and a [N] over the scope's experts in
     (layer, expert) order, with `num_experts[j]` experts for `layers[j]`."""
     members = [(layer, e) for layer, n in zip(layers, num_experts) for e in range(n)]
     n = len(members)
     if distance.shape != (n, n) or a.shape[0] != n:
-        raise MoECompressError(f"Scope {layers} has {n} experts but the distance/contribution tensors do not match.")
+        raise MoECompressError(
+            f"Scope {layers} has {n} experts but the distance/contribution tensors do not match."
+        )
     k = scope_budget(n, ratio)
     sc = prototype_scores(a, distance, score, usage, eps)
     layer_of = [m[0] for m in members]
@@ -201,7 +225,9 @@ def consolidate_scope(layers: list[int], num_experts: list[int], distance: torch
     return ScopeConsolidation(list(layers), members, len(protos), sc, protos, assignment, distance)
 
 
-_DIRECT_LIMIT = 1 << 24  # elements per projection below which the whole scope goes through one cdist (128 MB float64)
+_DIRECT_LIMIT = (
+    1 << 24
+)  # elements per projection below which the whole scope goes through one cdist (128 MB float64)
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -217,6 +243,7 @@ def scope_distance(expert_stacks, eps: float = 1e-8, chunk: int = 16) -> torch.T
     if callable(expert_stacks):
         part = expert_stacks
     else:
+
         def part(name: str) -> list[torch.Tensor]:
             return [getattr(st, name) for st in expert_stacks]
 
@@ -224,8 +251,9 @@ def scope_distance(expert_stacks, eps: float = 1e-8, chunk: int = 16) -> torch.T
     for name in PROJECTIONS:
         tensors = part(name)
         if len({tuple(t.shape[1:]) for t in tensors}) > 1:
-            raise MoECompressError("Layers in one consolidation scope have experts of different shapes; "
-                                   "use scope_size 1.")
+            raise MoECompressError(
+                "Layers in one consolidation scope have experts of different shapes; use scope_size 1."
+            )
         if total is None:
             sizes = [t.shape[0] for t in tensors]
             n = sum(sizes)
@@ -246,8 +274,9 @@ def scope_distance(expert_stacks, eps: float = 1e-8, chunk: int = 16) -> torch.T
     return d
 
 
-def _add_blockwise(total: torch.Tensor, flats: list[torch.Tensor], owner: list[tuple[int, int]], eps: float,
-                   chunk: int) -> None:
+def _add_blockwise(
+    total: torch.Tensor, flats: list[torch.Tensor], owner: list[tuple[int, int]], eps: float, chunk: int
+) -> None:
     """total += one projection's distance term, `chunk` × `chunk` blocks at a time (rows upcast per block)."""
     n = len(owner)
 
@@ -259,10 +288,10 @@ def _add_blockwise(total: torch.Tensor, flats: list[torch.Tensor], owner: list[t
         a = rows(i, min(n, i + chunk))
         for j in range(i, n, chunk):
             b = a if j == i else rows(j, min(n, j + chunk))
-            term = 2 * torch.cdist(a, b) / (norms[i:i + chunk, None] + norms[None, j:j + chunk] + 2 * eps)
-            total[i:i + chunk, j:j + chunk] += term
+            term = 2 * torch.cdist(a, b) / (norms[i : i + chunk, None] + norms[None, j : j + chunk] + 2 * eps)
+            total[i : i + chunk, j : j + chunk] += term
             if j != i:
-                total[j:j + chunk, i:i + chunk] += term.T
+                total[j : j + chunk, i : i + chunk] += term.T
 
 
 def stack_scope(expert_stacks: list) -> object:
@@ -272,7 +301,9 @@ def stack_scope(expert_stacks: list) -> object:
     names = expert_stacks[0].tensors().keys()
     shapes = {tuple(s.gate.shape[1:]) for s in expert_stacks}
     if len(shapes) > 1:
-        raise MoECompressError("Layers in one consolidation scope have experts of different shapes; use scope_size 1.")
+        raise MoECompressError(
+            "Layers in one consolidation scope have experts of different shapes; use scope_size 1."
+        )
     return ExpertWeights(**{k: torch.cat([getattr(s, k).detach() for s in expert_stacks]) for k in names})
 
 
@@ -284,9 +315,15 @@ class ConMoEConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ratio: float = Field(0.5, ge=0.0, lt=1.0, description="routed-expert reduction ρ; K = max(1, round((1−ρ)|E_G|))")
-    scope_size: int = Field(4, ge=1, description="consecutive MoE layers sharing a prototype pool (1 = layer-local)")
-    selection: Selection = Field("adaptive", description="adaptive: top-K over the scope; fixed_k: equal per layer")
+    ratio: float = Field(
+        0.5, ge=0.0, lt=1.0, description="routed-expert reduction ρ; K = max(1, round((1−ρ)|E_G|))"
+    )
+    scope_size: int = Field(
+        4, ge=1, description="consecutive MoE layers sharing a prototype pool (1 = layer-local)"
+    )
+    selection: Selection = Field(
+        "adaptive", description="adaptive: top-K over the scope; fixed_k: equal per layer"
+    )
     score: ScoreKind = Field("conmoe", description="conmoe (ā·b̄), usage (c_e), reap (ā), distance (b̄)")
     fusion: Fusion = Field("none", description="post-hoc diagnostic: none, average (routing-weighted), arcee")
     eps: float = Field(1e-8, gt=0.0)
@@ -317,8 +354,9 @@ def scope_id(layers: list[int]) -> str:
     return f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}"
 
 
-def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
-                progress: bool = False) -> list[ScopeConsolidation]:
+def consolidate(
+    adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig, progress: bool = False
+) -> list[ScopeConsolidation]:
     """ConMoE on every scope of a model: prototypes and the map (no plan yet)."""
     out = []
     groups = scopes(adapter.moe_layers, config.scope_size)
@@ -329,16 +367,35 @@ def consolidate(adapter: MoEAdapter, stats: StatsView, config: ConMoEConfig,
         items = track(groups, description="ConMoE scopes", transient=True)
     for group in items:
         # one projection of the scope at a time, at the stored precision (distances are float64 either way)
-        d = scope_distance(lambda name, group=group: [adapter.expert_part_at_rest(i, name) for i in group], config.eps)
+        d = scope_distance(
+            lambda name, group=group: [adapter.expert_part_at_rest(i, name) for i in group], config.eps
+        )
         a = expert_scores(stats, CONTRIBUTION, group)
         usage = expert_scores(stats, USAGE, group) if config.score == "usage" else None
-        out.append(consolidate_scope(group, [adapter.num_experts(i) for i in group], d, a, config.ratio, usage,
-                                     config.score, config.selection, config.eps))
+        out.append(
+            consolidate_scope(
+                group,
+                [adapter.num_experts(i) for i in group],
+                d,
+                a,
+                config.ratio,
+                usage,
+                config.score,
+                config.selection,
+                config.eps,
+            )
+        )
     return out
 
 
-def conmoe_plan(info, results: list[ScopeConsolidation], config: ConMoEConfig, adapter=None, stats=None,
-                method: str = "conmoe"):
+def conmoe_plan(
+    info,
+    results: list[ScopeConsolidation],
+    config: ConMoEConfig,
+    adapter=None,
+    stats=None,
+    method: str = "conmoe",
+):
     """The CompressionPlan (+ tensors) of a consolidation: per scope the prototypes stored once (copies),
     every slot mapped to its prototype, gate `aggregate`. With fusion, each prototype is rebuilt from its
     cluster: "average" as a weighted merge (routing-mass weights), "arcee" with supplied tensors."""
@@ -363,20 +420,33 @@ def conmoe_plan(info, results: list[ScopeConsolidation], config: ConMoEConfig, a
                 stored.append(StoredExpert(id=j, sources=[res.members[p]]))
             elif config.fusion == "average":
                 w = normalised_weights(mass[members])
-                stored.append(StoredExpert(id=j, sources=[res.members[m] for m in members],
-                                           construction="weighted_merge", weights=[float(x) for x in w]))
+                stored.append(
+                    StoredExpert(
+                        id=j,
+                        sources=[res.members[m] for m in members],
+                        construction="weighted_merge",
+                        weights=[float(x) for x in w],
+                    )
+                )
             else:
                 prefix = f"{sid}.fused{j}"
                 fused = arcee_fuse_cluster(stack, p, members, mass)
                 for name, t in fused.tensors().items():
                     tensors[f"{prefix}.{name}"] = t.detach().contiguous().clone()
-                stored.append(StoredExpert(id=j, sources=[res.members[m] for m in members],
-                                           construction="weighted_merge", tensor=prefix))
+                stored.append(
+                    StoredExpert(
+                        id=j,
+                        sources=[res.members[m] for m in members],
+                        construction="weighted_merge",
+                        tensor=prefix,
+                    )
+                )
         scope_list.append(Scope(id=sid, layers=list(res.layers), stored=stored))
         for layer, slots in res.slot_map().items():
             layer_list.append(LayerPlan(layer=layer, scope=sid, gate="aggregate", slots=slots))
-    plan = CompressionPlan(model=info, scopes=scope_list, layers=layer_list, method=method,
-                           params=config.model_dump(mode="json"))
+    plan = CompressionPlan(
+        model=info, scopes=scope_list, layers=layer_list, method=method, params=config.model_dump(mode="json")
+    )
     return plan, tensors
 
 
@@ -407,13 +477,13 @@ def _variant(name: str, **defaults):
 
 
 VARIANTS: dict[str, dict] = {
-    "conmoe": {},                                  # adaptive, s = ā·b̄, scope 4
-    "conmoe-local": {"scope_size": 1},             # layer-local consolidation
-    "conmoe-fixed-k": {"selection": "fixed_k"},    # cross-layer pool, equal prototypes per layer
-    "conmoe-usage": {"score": "usage"},            # selection ablations
+    "conmoe": {},  # adaptive, s = ā·b̄, scope 4
+    "conmoe-local": {"scope_size": 1},  # layer-local consolidation
+    "conmoe-fixed-k": {"selection": "fixed_k"},  # cross-layer pool, equal prototypes per layer
+    "conmoe-usage": {"score": "usage"},  # selection ablations
     "conmoe-reap": {"score": "reap"},
     "conmoe-distance": {"score": "distance"},
-    "conmoe-average": {"fusion": "average"},       # post-hoc fusion diagnostics
+    "conmoe-average": {"fusion": "average"},  # post-hoc fusion diagnostics
     "conmoe-arcee": {"fusion": "arcee"},
 }
 
@@ -430,8 +500,14 @@ def _register() -> None:
 
     for name, defaults in VARIANTS.items():
         cls = ConMoEConfig if not defaults else _variant(name, **defaults)
-        register_method(name, cls, lambda cfg, ctx, _n=name: build_conmoe(cfg, ctx, method=_n), needs_stats,
-                        family="consolidate", view_use=view_use)
+        register_method(
+            name,
+            cls,
+            lambda cfg, ctx, _n=name: build_conmoe(cfg, ctx, method=_n),
+            needs_stats,
+            family="consolidate",
+            view_use=view_use,
+        )
     from .needs import register_method_stats  # `moecompress calibrate --for-method conmoe-…`
 
     for name in VARIANTS:  # one store serves every variant and fusion

@@ -69,8 +69,9 @@ class MappingStats:
         try:
             return self.mapping[layer][name]
         except KeyError:
-            raise MoECompressError(f"The statistics lack '{name}' for layer {layer}; re-run calibration for this "
-                                   "method.") from None
+            raise MoECompressError(
+                f"The statistics lack '{name}' for layer {layer}; re-run calibration for this method."
+            ) from None
 
     def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
         return self.mapping[layer]
@@ -124,7 +125,9 @@ def stats_view(stats) -> StatsView | None:
 def stat(stats: StatsView | Mapping | None, layer: int, name: str) -> torch.Tensor:
     """One statistic of one layer from a StatsView or a {layer: {name: tensor}} mapping."""
     if stats is None:
-        raise MoECompressError(f"This method needs calibration statistics ('{name}'); run moecompress calibrate first.")
+        raise MoECompressError(
+            f"This method needs calibration statistics ('{name}'); run moecompress calibrate first."
+        )
     return stats_view(stats).get(layer, name)
 
 
@@ -148,4 +151,3 @@ class MethodContext:
     @property
     def model(self) -> torch.nn.Module:
         return self.adapter.model
-

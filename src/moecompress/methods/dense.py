@@ -59,13 +59,31 @@ Scaling = Literal["uniform", "proportional", "gate"]
 CRITERIA: tuple[str, ...] = ("frequency", "pp", "ps", "cp", "acp", "do-cp", "do-acp")
 # each criterion's entry in the one criteria registry (scoring/registry.py); ACP and DO-ACP are evaluated on the
 # store's means ("dense-acp"), which rounds differently from prune's ACP in the last bits
-CRITERION_ENTRY: dict[str, str] = {"frequency": "frequency", "pp": "pp", "ps": "ps", "cp": "cp", "acp": "dense-acp",
-                                   "do-cp": "do-cp", "do-acp": "dense-do-acp"}
+CRITERION_ENTRY: dict[str, str] = {
+    "frequency": "frequency",
+    "pp": "pp",
+    "ps": "ps",
+    "cp": "cp",
+    "acp": "dense-acp",
+    "do-cp": "do-cp",
+    "do-acp": "dense-do-acp",
+}
 GROUPINGS: tuple[str, ...] = ("rr", "wc", "rc", "ab", "oc")
 SCALINGS: tuple[str, ...] = ("uniform", "proportional", "gate")
-_ALIASES = {"sf": "frequency", "freq": "frequency", "do_cp": "do-cp", "docp": "do-cp", "do_acp": "do-acp",
-            "doacp": "do-acp", "round-robin": "rr", "anchor": "ab", "weight": "wc", "router": "rc", "output": "oc",
-            "prop": "proportional"}
+_ALIASES = {
+    "sf": "frequency",
+    "freq": "frequency",
+    "do_cp": "do-cp",
+    "docp": "do-cp",
+    "do_acp": "do-acp",
+    "doacp": "do-acp",
+    "round-robin": "rr",
+    "anchor": "ab",
+    "weight": "wc",
+    "router": "rc",
+    "output": "oc",
+    "prop": "proportional",
+}
 
 Stats = Mapping[int, Mapping[str, torch.Tensor]]
 
@@ -79,9 +97,15 @@ class DenseConfig(BaseModel):
     K: int | None = Field(None, ge=1, description="experts kept per layer before grouping (default: top-k)")
     grouping: Grouping = "rr"
     scaling: Scaling = "uniform"
-    mass_scale: bool = False  # scale α by the measured mean top-k routing mass instead of routed_scaling_factor
-    shared_gate: Literal["fold", "exact"] = "fold"  # Qwen2-MoE: fold mean sigmoid gate (dense) or keep (1-expert MoE)
-    target: Literal["auto", "dense", "moe"] = "auto"  # student class: dense family, or same MoE class with 1 expert
+    mass_scale: bool = (
+        False  # scale α by the measured mean top-k routing mass instead of routed_scaling_factor
+    )
+    shared_gate: Literal["fold", "exact"] = (
+        "fold"  # Qwen2-MoE: fold mean sigmoid gate (dense) or keep (1-expert MoE)
+    )
+    target: Literal["auto", "dense", "moe"] = (
+        "auto"  # student class: dense family, or same MoE class with 1 expert
+    )
 
 
 def canonical(name: str, allowed: tuple[str, ...], what: str) -> str:
@@ -109,8 +133,10 @@ def needs_stats(config: DenseConfig | None = None) -> list[str]:
 def _get(stats: Mapping[str, torch.Tensor], name: str, layer: int | None = None) -> torch.Tensor:
     if name not in stats:
         where = f" for layer {layer}" if layer is not None else ""
-        raise MoECompressError(f"The calibration statistics lack '{name}'{where}; recalibrate with the dense method's "
-                               f"statistics ({', '.join(needs_stats())}) or pass a calibration text to --calib.")
+        raise MoECompressError(
+            f"The calibration statistics lack '{name}'{where}; recalibrate with the dense method's "
+            f"statistics ({', '.join(needs_stats())}) or pass a calibration text to --calib."
+        )
     return torch.as_tensor(stats[name]).double()
 
 
@@ -126,13 +152,16 @@ def _by_score(scores: torch.Tensor) -> list[int]:
     return sorted(range(len(scores)), key=lambda e: (-float(scores[e]), e))
 
 
-def select_experts(stats: Mapping[str, torch.Tensor], criterion: str, K: int, layer: int | None = None) -> list[int]:
+def select_experts(
+    stats: Mapping[str, torch.Tensor], criterion: str, K: int, layer: int | None = None
+) -> list[int]:
     """The K kept experts in rank order (best first; greedy selection order for DO-*)."""
     criterion = canonical(criterion, CRITERIA, "criterion")
     s = importance(stats, criterion, layer)
     if not 1 <= K <= len(s):
-        raise MoECompressError(f"K={K} is outside 1..{len(s)} (the layer's experts); pass a K between top-k and "
-                               f"{len(s)}.")
+        raise MoECompressError(
+            f"K={K} is outside 1..{len(s)} (the layer's experts); pass a K between top-k and {len(s)}."
+        )
     if get_criterion(CRITERION_ENTRY[criterion]).doptimal:
         return greedy_doptimal(doptimal_kernel(s, _get(stats, "gram", layer)), K)
     return _by_score(s)[:K]
@@ -179,8 +208,15 @@ def output_distance(gram: torch.Tensor) -> torch.Tensor:
     return 1.0 - rho
 
 
-def group_experts(selected: list[int], k: int, grouping: str, *, experts: ExpertWeights | None = None,
-                  router: torch.Tensor | None = None, gram: torch.Tensor | None = None) -> list[list[int]]:
+def group_experts(
+    selected: list[int],
+    k: int,
+    grouping: str,
+    *,
+    experts: ExpertWeights | None = None,
+    router: torch.Tensor | None = None,
+    gram: torch.Tensor | None = None,
+) -> list[list[int]]:
     """Partition the ranked selection into k groups of expert ids.
 
     `selected` is in rank order (best first). `experts` is the layer's stack (WC), `router` its router
@@ -190,7 +226,9 @@ def group_experts(selected: list[int], k: int, grouping: str, *, experts: Expert
     grouping = canonical(grouping, GROUPINGS, "grouping")
     K = len(selected)
     if k > K:
-        raise MoECompressError(f"Cannot form {k} groups (the router's top-k) from K={K} experts; pass K >= {k}.")
+        raise MoECompressError(
+            f"Cannot form {k} groups (the router's top-k) from K={K} experts; pass K >= {k}."
+        )
     rank = {e: r for r, e in enumerate(selected)}
     if K == k:
         return [[e] for e in selected]
@@ -210,7 +248,9 @@ def group_experts(selected: list[int], k: int, grouping: str, *, experts: Expert
         if grouping == "wc":
             if experts is None:
                 raise MoECompressError("Weight clustering needs the expert weights; pass the model.")
-            flat = torch.cat([t.detach()[idx].reshape(K, -1).double() for t in (experts.gate, experts.up, experts.down)], 1)
+            flat = torch.cat(
+                [t.detach()[idx].reshape(K, -1).double() for t in (experts.gate, experts.up, experts.down)], 1
+            )
             dist = _cosine_distance(flat)
         elif grouping == "rc":
             if router is None:
@@ -218,8 +258,10 @@ def group_experts(selected: list[int], k: int, grouping: str, *, experts: Expert
             dist = _cosine_distance(router.detach()[idx])
         else:  # oc
             if gram is None:
-                raise MoECompressError("Output clustering needs the expert-output Gram matrix (stat 'gram'); "
-                                       "calibrate with all-experts statistics or pass a calibration text to --calib.")
+                raise MoECompressError(
+                    "Output clustering needs the expert-output Gram matrix (stat 'gram'); "
+                    "calibrate with all-experts statistics or pass a calibration text to --calib."
+                )
             dist = output_distance(gram)[idx][:, idx]
         groups = [[selected[r] for r in c] for c in average_linkage(dist, k)]
     groups = [sorted(g, key=rank.__getitem__) for g in groups]
@@ -248,8 +290,15 @@ def merge_group(experts: ExpertWeights, members: list[int], weights: list[float]
     return experts.map(avg)
 
 
-def group_alphas(groups: list[list[int]], scores: torch.Tensor, scaling: str, *, rho: float = 1.0,
-                 gate_mean: torch.Tensor | None = None, weights: list[list[float]] | None = None) -> list[float]:
+def group_alphas(
+    groups: list[list[int]],
+    scores: torch.Tensor,
+    scaling: str,
+    *,
+    rho: float = 1.0,
+    gate_mean: torch.Tensor | None = None,
+    weights: list[list[float]] | None = None,
+) -> list[float]:
     """α_g per group: uniform ρ/k, proportional ρ·(Σ_{G_g} s)/(Σ_S s), or gate Σ_{G_g} w_e ḡ_e (module doc)."""
     scaling = canonical(scaling, SCALINGS, "scaling")
     k = len(groups)
@@ -262,7 +311,9 @@ def group_alphas(groups: list[list[int]], scores: torch.Tensor, scaling: str, *,
             return [rho / k] * k
         return [rho * s / total for s in sums]
     if gate_mean is None:
-        raise MoECompressError("Gate scaling needs each expert's mean gate weight (stats 'routing_mass' and 'counts').")
+        raise MoECompressError(
+            "Gate scaling needs each expert's mean gate weight (stats 'routing_mass' and 'counts')."
+        )
     weights = weights or [merge_weights(g, scores) for g in groups]
     return [float(sum(w * float(gate_mean[e]) for e, w in zip(g, ws))) for g, ws in zip(groups, weights)]
 
@@ -282,14 +333,20 @@ def concat_ffn(parts: list[ExpertWeights], alphas: list[float]) -> ExpertWeights
 
 def append_ffn(a: ExpertWeights, b: ExpertWeights, scale: float = 1.0) -> ExpertWeights:
     """a followed by b's neurons (b's down scaled by `scale`); a missing bias counts as zeros."""
-    out = ExpertWeights(torch.cat([a.gate, b.gate.to(a.gate)], 0), torch.cat([a.up, b.up.to(a.up)], 0),
-                        torch.cat([a.down, scale * b.down.to(a.down)], 1))
+    out = ExpertWeights(
+        torch.cat([a.gate, b.gate.to(a.gate)], 0),
+        torch.cat([a.up, b.up.to(a.up)], 0),
+        torch.cat([a.down, scale * b.down.to(a.down)], 1),
+    )
     if a.has_bias or b.has_bias:
+
         def bias(w: ExpertWeights, name: str, n: int) -> torch.Tensor:
             t = getattr(w, name)
             return torch.zeros(n, dtype=a.gate.dtype) if t is None else t.to(a.gate.dtype)
 
-        out.gate_bias = torch.cat([bias(a, "gate_bias", a.gate.shape[0]), bias(b, "gate_bias", b.gate.shape[0])])
+        out.gate_bias = torch.cat(
+            [bias(a, "gate_bias", a.gate.shape[0]), bias(b, "gate_bias", b.gate.shape[0])]
+        )
         out.up_bias = torch.cat([bias(a, "up_bias", a.up.shape[0]), bias(b, "up_bias", b.up.shape[0])])
         out.down_bias = bias(a, "down_bias", a.down.shape[0]) + scale * bias(b, "down_bias", b.down.shape[0])
     return out
@@ -303,8 +360,14 @@ def pad_ffn(w: ExpertWeights, width: int) -> ExpertWeights:
     if extra == 0:
         return w
     z = lambda *s: torch.zeros(*s, dtype=w.gate.dtype)
-    out = ExpertWeights(torch.cat([w.gate, z(extra, w.gate.shape[1])]), torch.cat([w.up, z(extra, w.up.shape[1])]),
-                        torch.cat([w.down, z(w.down.shape[0], extra)], 1), w.gate_bias, w.up_bias, w.down_bias)
+    out = ExpertWeights(
+        torch.cat([w.gate, z(extra, w.gate.shape[1])]),
+        torch.cat([w.up, z(extra, w.up.shape[1])]),
+        torch.cat([w.down, z(w.down.shape[0], extra)], 1),
+        w.gate_bias,
+        w.up_bias,
+        w.down_bias,
+    )
     if w.gate_bias is not None:
         out.gate_bias = torch.cat([w.gate_bias, z(extra)])
         out.up_bias = torch.cat([w.up_bias, z(extra)])
@@ -356,24 +419,37 @@ def _shared_weights(adapter: MoEAdapter, i: int) -> ExpertWeights | None:
         return None
     lin = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(m, nn.Linear) for m in lin):
-        raise MoECompressError(f"The shared expert of layer {i} is not a gate/up/down MLP; this family's shared "
-                               "experts cannot be folded into a dense FFN yet.")
+        raise MoECompressError(
+            f"The shared expert of layer {i} is not a gate/up/down MLP; this family's shared "
+            "experts cannot be folded into a dense FFN yet."
+        )
     g, u, d = lin
-    return ExpertWeights(g.weight.detach().double(), u.weight.detach().double(), d.weight.detach().double(),
-                         None if g.bias is None else g.bias.detach().double(),
-                         None if u.bias is None else u.bias.detach().double(),
-                         None if d.bias is None else d.bias.detach().double())
+    return ExpertWeights(
+        g.weight.detach().double(),
+        u.weight.detach().double(),
+        d.weight.detach().double(),
+        None if g.bias is None else g.bias.detach().double(),
+        None if u.bias is None else u.bias.detach().double(),
+        None if d.bias is None else d.bias.detach().double(),
+    )
 
 
-def convert_layer(adapter: MoEAdapter, i: int, stats: Mapping[str, torch.Tensor], config: DenseConfig,
-                  fold_shared: bool = True) -> DenseLayer:
+def convert_layer(
+    adapter: MoEAdapter,
+    i: int,
+    stats: Mapping[str, torch.Tensor],
+    config: DenseConfig,
+    fold_shared: bool = True,
+) -> DenseLayer:
     """Score → top-K → k groups → merge → scale → concatenate for MoE layer i (module doc)."""
     spec = adapter.router_spec(i)
     k, E = spec.top_k, spec.num_experts
     K = config.K or k
     if K < k:
-        raise MoECompressError(f"K={K} is smaller than the router's top-k={k} in layer {i}; pass K >= {k} "
-                               "(K = top-k is pure pruning).")
+        raise MoECompressError(
+            f"K={K} is smaller than the router's top-k={k} in layer {i}; pass K >= {k} "
+            "(K = top-k is pure pruning)."
+        )
     if K > E:
         raise MoECompressError(f"K={K} exceeds the {E} experts of layer {i}; pass K <= {E}.")
     scores = importance(stats, config.criterion, i)
@@ -400,25 +476,49 @@ def convert_layer(adapter: MoEAdapter, i: int, stats: Mapping[str, torch.Tensor]
         if "shared_gate_mean" not in stats:
             raise MoECompressError(
                 f"Folding layer {i}'s sigmoid-gated shared expert into a dense FFN needs its mean gate (stat "
-                "'shared_gate_mean'); pass a calibration text to --calib, or use --shared-gate exact (one-expert MoE).")
+                "'shared_gate_mean'); pass a calibration text to --calib, or use --shared-gate exact (one-expert MoE)."
+            )
         shared_scale = float(torch.as_tensor(stats["shared_gate_mean"]).double().reshape(-1)[0])
     plan = {
-        "layer": i, "num_experts": E, "top_k": k, "K": K, "router": spec.describe(),
+        "layer": i,
+        "num_experts": E,
+        "top_k": k,
+        "K": K,
+        "router": spec.describe(),
         "scores": [round(float(x), 8) for x in scores],
         "selected": selected,
-        "groups": [{"experts": g, "merge_weights": [round(x, 8) for x in w], "alpha": round(a, 8),
-                    "rows": [j * width, (j + 1) * width]} for j, (g, w, a) in enumerate(zip(groups, weights, alphas))],
-        "alpha_base": round(rho, 8), "mean_topk_mass": round(mean_mass, 8),
+        "groups": [
+            {
+                "experts": g,
+                "merge_weights": [round(x, 8) for x in w],
+                "alpha": round(a, 8),
+                "rows": [j * width, (j + 1) * width],
+            }
+            for j, (g, w, a) in enumerate(zip(groups, weights, alphas))
+        ],
+        "alpha_base": round(rho, 8),
+        "mean_topk_mass": round(mean_mass, 8),
         "routed_width": k * width,
-        "shared": None if shared is None else {
-            "width": int(shared.gate.shape[0]), "gated": shared_gate,
-            "folded": bool(fold_shared), "scale": round(shared_scale, 8) if fold_shared else None},
+        "shared": None
+        if shared is None
+        else {
+            "width": int(shared.gate.shape[0]),
+            "gated": shared_gate,
+            "folded": bool(fold_shared),
+            "scale": round(shared_scale, 8) if fold_shared else None,
+        },
     }
     return DenseLayer(i, routed, shared, shared_scale, adapter.layer(i).act, plan)
 
 
-def convert(model_or_adapter, stats: Stats, config: DenseConfig | None = None, *, fold_shared: bool = True,
-            progress: bool = True) -> DenseConversion:
+def convert(
+    model_or_adapter,
+    stats: Stats,
+    config: DenseConfig | None = None,
+    *,
+    fold_shared: bool = True,
+    progress: bool = True,
+) -> DenseConversion:
     """Convert every MoE layer of a loaded model (see module doc); stats maps layer -> {name: tensor}."""
     config = config or DenseConfig()
     adapter = model_or_adapter if isinstance(model_or_adapter, MoEAdapter) else MoEAdapter(model_or_adapter)
@@ -429,12 +529,19 @@ def convert(model_or_adapter, stats: Stats, config: DenseConfig | None = None, *
         job = bar.add_task("dense conversion", total=len(adapter.moe_layers))
         for i in adapter.moe_layers:
             if i not in stats:
-                raise MoECompressError(f"The calibration statistics have no entry for MoE layer {i}; they were made "
-                                       "for another model — recalibrate this one.")
+                raise MoECompressError(
+                    f"The calibration statistics have no entry for MoE layer {i}; they were made "
+                    "for another model — recalibrate this one."
+                )
             layers[i] = convert_layer(adapter, i, stats[i], config, fold_shared)
             bar.advance(job)
-    plan = {"method": "dense", "params": config.model_dump(), "model_type": adapter.model_type,
-            "fold_shared": fold_shared, "layers": [layers[i].plan for i in sorted(layers)]}
+    plan = {
+        "method": "dense",
+        "params": config.model_dump(),
+        "model_type": adapter.model_type,
+        "fold_shared": fold_shared,
+        "layers": [layers[i].plan for i in sorted(layers)],
+    }
     return DenseConversion(config, layers, plan, fold_shared)
 
 
@@ -453,8 +560,14 @@ class DenseFFN(nn.Module):
 
     def weights(self) -> ExpertWeights:
         b = self.has_bias
-        return ExpertWeights(self.gate, self.up, self.down, self.gate_bias if b else None,
-                             self.up_bias if b else None, self.down_bias if b else None)
+        return ExpertWeights(
+            self.gate,
+            self.up,
+            self.down,
+            self.gate_bias if b else None,
+            self.up_bias if b else None,
+            self.down_bias if b else None,
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         out = ffn_apply(self.weights(), hidden_states, self.act)
@@ -502,8 +615,9 @@ class _WithShared(nn.Module):
 
 # ----------------------------------------------------------------------------- statistics without a store
 @torch.no_grad()
-def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gram: bool = True,
-                        progress: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+def collect_dense_stats(
+    model, input_ids: torch.Tensor, batch_size: int = 8, gram: bool = True, progress: bool = True
+) -> dict[int, dict[str, torch.Tensor]]:
     """The statistics of the module doc from a full forward over packed sequences input_ids [B, T].
 
     Float64 sums over every token (packed text, no padding). `gram` runs every expert on every token
@@ -522,8 +636,13 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
             h = args[0] if args else kwargs["hidden_states"]
             x = h.reshape(-1, h.shape[-1])
             r = adapter.route(i, x)
-            s = sums.setdefault(i, {n: torch.zeros(E, dtype=torch.float64) for n in
-                                    ("counts", "routing_mass", "prob", "prob_sel", "out_sq")})
+            s = sums.setdefault(
+                i,
+                {
+                    n: torch.zeros(E, dtype=torch.float64)
+                    for n in ("counts", "routing_mass", "prob", "prob_sel", "out_sq")
+                },
+            )
             s.setdefault("tokens", torch.zeros((), dtype=torch.float64))
             idx = r.index.reshape(-1)
             s["tokens"] += x.shape[0]
@@ -546,8 +665,10 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
                 s["gram"] = s.get("gram", torch.zeros(E, E, dtype=torch.float64)) + f @ f.T
             gate = adapter.layer(i).shared_gate
             if gate is not None:
-                s["shared_gate"] = s.get("shared_gate", torch.zeros((), dtype=torch.float64)) + \
-                    torch.sigmoid(gate(x).double()).sum()
+                s["shared_gate"] = (
+                    s.get("shared_gate", torch.zeros((), dtype=torch.float64))
+                    + torch.sigmoid(gate(x).double()).sum()
+                )
 
         return hook
 
@@ -561,7 +682,7 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
         with Progress(transient=True, disable=not progress) as bar:
             job = bar.add_task("dense statistics", total=input_ids.shape[0])
             for b in range(0, input_ids.shape[0], batch_size):
-                model(input_ids=input_ids[b:b + batch_size].to(dev), use_cache=False)
+                model(input_ids=input_ids[b : b + batch_size].to(dev), use_cache=False)
                 bar.advance(job, min(batch_size, input_ids.shape[0] - b))
     finally:
         for h in handles:
@@ -570,9 +691,14 @@ def collect_dense_stats(model, input_ids: torch.Tensor, batch_size: int = 8, gra
     for i, s in sums.items():
         n = s["tokens"].clamp_min(1)
         c = s["counts"]
-        d = {"counts": c.long(), "tokens": s["tokens"].long(), "routing_mass": s["routing_mass"], "pp": s["prob"] / n,
-             "cp": torch.where(c > 0, s["prob_sel"] / c.clamp_min(1), torch.zeros_like(c)),
-             "out_norm_sq_mean": torch.where(c > 0, s["out_sq"] / c.clamp_min(1), torch.zeros_like(c))}
+        d = {
+            "counts": c.long(),
+            "tokens": s["tokens"].long(),
+            "routing_mass": s["routing_mass"],
+            "pp": s["prob"] / n,
+            "cp": torch.where(c > 0, s["prob_sel"] / c.clamp_min(1), torch.zeros_like(c)),
+            "out_norm_sq_mean": torch.where(c > 0, s["out_sq"] / c.clamp_min(1), torch.zeros_like(c)),
+        }
         if "gram" in s:
             d["gram"] = s["gram"] / n
         if "shared_gate" in s:
@@ -586,8 +712,10 @@ def stats_mapping(stats: StatsView | Stats | None) -> Stats:
     """{layer: {name: tensor}} from a `StatsView` (a calibration `StatsStore`: ``.layers`` / ``.layer(i)``) or a
     mapping (as it is, also when wrapped in `MappingStats`)."""
     if stats is None:
-        raise MoECompressError("The dense method needs calibration statistics; run moecompress calibrate "
-                               "--for-method dense first (or pass --calib SPEC).")
+        raise MoECompressError(
+            "The dense method needs calibration statistics; run moecompress calibrate "
+            "--for-method dense first (or pass --calib SPEC)."
+        )
     if isinstance(stats, Mapping):
         return stats
     if isinstance(stats, MappingStats):
@@ -607,7 +735,6 @@ def build(config: DenseConfig, context: MethodContext):
     `moecompress.distill.dense_export.export_dense`).
     """
     from ..plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
-
     from .streamed import plan_tensor_store
 
     adapter = context.adapter
@@ -619,8 +746,10 @@ def build(config: DenseConfig, context: MethodContext):
         # one layer at a time, as `convert` does it, but its float64 FFN is dropped once its plan tensors are made
         # (converting every layer first held all of them at once)
         if i not in stats:
-            raise MoECompressError(f"The calibration statistics have no entry for MoE layer {i}; they were made "
-                                   "for another model — recalibrate this one.")
+            raise MoECompressError(
+                f"The calibration statistics have no entry for MoE layer {i}; they were made "
+                "for another model — recalibrate this one."
+            )
         dl = convert_layer(adapter, i, stats[i], config, False)
         lp = dl.plan
         layer_plans.append(lp)
@@ -628,15 +757,32 @@ def build(config: DenseConfig, context: MethodContext):
         ffn = dl.routed
         mass = lp["mean_topk_mass"] if lp["mean_topk_mass"] > 0 else 1.0
         key = f"dense.{i}"
-        tensors.update({f"{key}.{name}": (t / mass if name in ("down", "down_bias") else t).to(dtype)
-                        for name, t in ffn.tensors().items()})
+        tensors.update(
+            {
+                f"{key}.{name}": (t / mass if name in ("down", "down_bias") else t).to(dtype)
+                for name, t in ffn.tensors().items()
+            }
+        )
         width = int(ffn.gate.shape[0])
         del dl, ffn
         sources = [(i, e) for g in lp["groups"] for e in g["experts"]]
         weights = [g["alpha"] for g in lp["groups"]] if lp["K"] == lp["top_k"] else None
-        scopes.append(Scope(id=f"layer{i}", layers=[i], stored=[StoredExpert(
-            id=0, sources=sources, construction="dense_group", weights=weights, tensor=key,
-            intermediate_size=width)]))
+        scopes.append(
+            Scope(
+                id=f"layer{i}",
+                layers=[i],
+                stored=[
+                    StoredExpert(
+                        id=0,
+                        sources=sources,
+                        construction="dense_group",
+                        weights=weights,
+                        tensor=key,
+                        intermediate_size=width,
+                    )
+                ],
+            )
+        )
         layers.append(LayerPlan(layer=i, scope=f"layer{i}", gate="aggregate", slots=[0] * lp["num_experts"]))
     params = dict(config.model_dump(), layers=layer_plans)
     return CompressionPlan(model=info, scopes=scopes, layers=layers, method="dense", params=params), tensors

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
 from ..models import ExpertWeights
@@ -82,9 +83,15 @@ def groups_from_labels(labels: list[int]) -> list[list[int]]:
     return sorted(out.values(), key=lambda g: g[0])
 
 
-def merge_router_rows(groups: list[list[int]], weights: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None, correction: torch.Tensor | None = None):
+def merge_router_rows(
+    groups: list[list[int]],
+    weights: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
+):
     """Router of the merged layer: row g = Σ_{e∈g} w̃_e r_e (same for bias and score-correction bias)."""
+
     def merge(t):
         if t is None:
             return None
@@ -206,8 +213,13 @@ def _scipy_clusters(distance: torch.Tensor, k: int, linkage: Linkage) -> list[in
     return [first[lab] for lab in raw]
 
 
-def hierarchical_clusters(features: torch.Tensor, k: int, linkage: Linkage = "average",
-                          metric: Metric = "euclidean", backend: Literal["auto", "scipy", "torch"] = "auto") -> list[list[int]]:
+def hierarchical_clusters(
+    features: torch.Tensor,
+    k: int,
+    linkage: Linkage = "average",
+    metric: Metric = "euclidean",
+    backend: Literal["auto", "scipy", "torch"] = "auto",
+) -> list[list[int]]:
     """HC-SMoE's clustering of experts by their mean outputs ([E, H]) into k groups (ordered by smallest
     member). scipy's linkage is used when installed (backend auto), else the built-in implementation."""
     if linkage not in ("average", "single", "complete"):
@@ -252,8 +264,9 @@ def arcee_fusion(base: torch.Tensor, other: torch.Tensor, eps: float = 1e-8) -> 
     return (b + mask * (o - b)).to(base.dtype)
 
 
-def arcee_fuse_cluster(stack: ExpertWeights, prototype: int, members: list[int],
-                       weights: torch.Tensor | None = None) -> ExpertWeights:
+def arcee_fuse_cluster(
+    stack: ExpertWeights, prototype: int, members: list[int], weights: torch.Tensor | None = None
+) -> ExpertWeights:
     """Fuse every other cluster member into the prototype with `arcee_fusion`, one at a time
     (descending routing weight, then index). A singleton cluster returns the prototype unchanged."""
     others = [m for m in members if m != prototype]
@@ -262,12 +275,19 @@ def arcee_fuse_cluster(stack: ExpertWeights, prototype: int, members: list[int],
     fused = select(stack, [prototype]).map(lambda t: t[0].clone())
     for m in others:
         nxt = select(stack, [m]).map(lambda t: t[0])
-        fused = ExpertWeights(**{name: arcee_fusion(t, getattr(nxt, name)) for name, t in fused.tensors().items()})
+        fused = ExpertWeights(
+            **{name: arcee_fusion(t, getattr(nxt, name)) for name, t in fused.tensors().items()}
+        )
     return fused
 
 
-def fuse_cluster(stack: ExpertWeights, prototype: int, members: list[int], weights: torch.Tensor,
-                 kind: Literal["average", "arcee"]) -> ExpertWeights:
+def fuse_cluster(
+    stack: ExpertWeights,
+    prototype: int,
+    members: list[int],
+    weights: torch.Tensor,
+    kind: Literal["average", "arcee"],
+) -> ExpertWeights:
     """A fusion diagnostic for one prototype-centred cluster (indices into `stack`)."""
     if kind == "average":
         return weighted_average(select(stack, members), weights[members])
@@ -278,8 +298,6 @@ def fuse_cluster(stack: ExpertWeights, prototype: int, members: list[int], weigh
 
 # ----------------------------------------------------------------------------- methods: config -> plan
 
-from pydantic import BaseModel, ConfigDict, Field
-
 RouterMode = Literal["aggregate", "merge"]
 
 
@@ -288,9 +306,14 @@ class MSMoEConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ratio: float = Field(0.5, ge=0.0, lt=1.0, description="routed-expert reduction; K = round((1−ρ)E) per layer")
-    router: RouterMode = Field("aggregate", description="aggregate: keep the router, sum gates (compact export); "
-                                                        "merge: merge router rows too (standard checkpoint)")
+    ratio: float = Field(
+        0.5, ge=0.0, lt=1.0, description="routed-expert reduction; K = round((1−ρ)E) per layer"
+    )
+    router: RouterMode = Field(
+        "aggregate",
+        description="aggregate: keep the router, sum gates (compact export); "
+        "merge: merge router rows too (standard checkpoint)",
+    )
 
 
 class HCSMoEConfig(BaseModel):
@@ -298,15 +321,26 @@ class HCSMoEConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ratio: float = Field(0.5, ge=0.0, lt=1.0, description="routed-expert reduction; K = round((1−ρ)E) per layer")
+    ratio: float = Field(
+        0.5, ge=0.0, lt=1.0, description="routed-expert reduction; K = round((1−ρ)E) per layer"
+    )
     linkage: Linkage = Field("average", description="average (default), single or complete linkage")
     metric: Metric = Field("euclidean", description="distance between mean outputs: euclidean or cosine")
-    router: RouterMode = Field("aggregate", description="aggregate (compact export) or merge (standard checkpoint)")
+    router: RouterMode = Field(
+        "aggregate", description="aggregate (compact export) or merge (standard checkpoint)"
+    )
     backend: Literal["auto", "scipy", "torch"] = Field("auto", description="clustering implementation")
 
 
-def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, torch.Tensor], router: RouterMode,
-                adapter=None, method: str = "merge", params: dict | None = None):
+def merged_plan(
+    info,
+    groups: dict[int, list[list[int]]],
+    weights: dict[int, torch.Tensor],
+    router: RouterMode,
+    adapter=None,
+    method: str = "merge",
+    params: dict | None = None,
+):
     """Plan (+ tensors) of per-layer merges: group g of layer l is stored expert g (a copy when alone, else a
     weighted merge with the normalised weights).
 
@@ -327,8 +361,14 @@ def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, tor
             if len(g) == 1:
                 stored.append(StoredExpert(id=j, sources=[(li.layer, g[0])]))
             else:
-                stored.append(StoredExpert(id=j, sources=[(li.layer, e) for e in g], construction="weighted_merge",
-                                           weights=[float(x) for x in normalised_weights(w[g])]))
+                stored.append(
+                    StoredExpert(
+                        id=j,
+                        sources=[(li.layer, e) for e in g],
+                        construction="weighted_merge",
+                        weights=[float(x) for x in normalised_weights(w[g])],
+                    )
+                )
         scopes.append(Scope(id=sid, layers=[li.layer], stored=stored))
         slots: list = [0] * li.num_experts
         for j, g in enumerate(gs):
@@ -338,19 +378,30 @@ def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, tor
             layers.append(LayerPlan(layer=li.layer, scope=sid, gate="aggregate", slots=slots))
             continue
         if li.n_group > 1:
-            raise MoECompressError(f"Layer {li.layer} uses group-limited routing, which merged router rows cannot "
-                                   "keep; use router: aggregate.")
+            raise MoECompressError(
+                f"Layer {li.layer} uses group-limited routing, which merged router rows cannot "
+                "keep; use router: aggregate."
+            )
         if len(gs) < li.top_k:
-            raise MoECompressError(f"Merging layer {li.layer} into {len(gs)} experts leaves fewer than top-{li.top_k}; "
-                                   "use a smaller ratio or router: aggregate.")
+            raise MoECompressError(
+                f"Merging layer {li.layer} into {len(gs)} experts leaves fewer than top-{li.top_k}; "
+                "use a smaller ratio or router: aggregate."
+            )
         firsts = {g[0]: j for j, g in enumerate(gs)}
-        layers.append(LayerPlan(layer=li.layer, scope=sid, gate="renorm",
-                                slots=[firsts.get(e, "drop") for e in range(li.num_experts)]))
+        layers.append(
+            LayerPlan(
+                layer=li.layer,
+                scope=sid,
+                gate="renorm",
+                slots=[firsts.get(e, "drop") for e in range(li.num_experts)],
+            )
+        )
         if adapter is None:
             raise MoECompressError("Merging router rows needs the model's routers; pass the adapter.")
         rw, rb, rc = adapter.router_params(li.layer)
-        mw, mb, mc = merge_router_rows(gs, w, rw.detach(), None if rb is None else rb.detach(),
-                                       None if rc is None else rc.detach())
+        mw, mb, mc = merge_router_rows(
+            gs, w, rw.detach(), None if rb is None else rb.detach(), None if rc is None else rc.detach()
+        )
         prefix = router_tensor_prefix(li.layer)
         tensors[f"{prefix}.weight"] = mw
         if mb is not None:
@@ -362,12 +413,11 @@ def merged_plan(info, groups: dict[int, list[list[int]]], weights: dict[int, tor
     return plan, tensors
 
 
-
-
 def build_msmoe(config: MSMoEConfig, context: MethodContext, method: str = "m-smoe"):
     """Registry entry: M-SMoE plan (+ tensors) from counts and router-logit correlations."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
+
     adapter, stats = context.adapter, context.stats
     groups, weights = {}, {}
     for i in adapter.moe_layers:
@@ -375,30 +425,54 @@ def build_msmoe(config: MSMoEConfig, context: MethodContext, method: str = "m-sm
         sim = stat(stats, i, "router_logit_corr").double()
         groups[i] = msmoe_groups(usage, sim, num_kept(adapter.num_experts(i), config.ratio))
         weights[i] = usage
-    return merged_plan(ModelInfo.from_model(adapter), groups, weights, config.router, adapter, method,
-                       config.model_dump(mode="json"))
+    return merged_plan(
+        ModelInfo.from_model(adapter),
+        groups,
+        weights,
+        config.router,
+        adapter,
+        method,
+        config.model_dump(mode="json"),
+    )
 
 
 def build_hcsmoe(config: HCSMoEConfig, context: MethodContext, method: str = "hc-smoe"):
     """Registry entry: HC-SMoE plan (+ tensors) from all-token mean outputs and counts."""
     from ..plan import ModelInfo
     from ..scoring.budget import num_kept
+
     adapter, stats = context.adapter, context.stats
     groups, weights = {}, {}
     for i in adapter.moe_layers:
         feats = stat(stats, i, "out_mean_all").double()
-        groups[i] = hierarchical_clusters(feats, num_kept(adapter.num_experts(i), config.ratio), config.linkage,
-                                          config.metric, config.backend)
+        groups[i] = hierarchical_clusters(
+            feats,
+            num_kept(adapter.num_experts(i), config.ratio),
+            config.linkage,
+            config.metric,
+            config.backend,
+        )
         weights[i] = stat(stats, i, "counts").double()
-    return merged_plan(ModelInfo.from_model(adapter), groups, weights, config.router, adapter, method,
-                       config.model_dump(mode="json"))
+    return merged_plan(
+        ModelInfo.from_model(adapter),
+        groups,
+        weights,
+        config.router,
+        adapter,
+        method,
+        config.model_dump(mode="json"),
+    )
 
 
 def _register() -> None:
     from .registry import register_method
 
-    register_method("m-smoe", MSMoEConfig, build_msmoe, ["counts", "tokens", "router_logit_corr"], family="merge")
-    register_method("hc-smoe", HCSMoEConfig, build_hcsmoe, ["counts", "tokens", "out_mean_all"], family="merge")
+    register_method(
+        "m-smoe", MSMoEConfig, build_msmoe, ["counts", "tokens", "router_logit_corr"], family="merge"
+    )
+    register_method(
+        "hc-smoe", HCSMoEConfig, build_hcsmoe, ["counts", "tokens", "out_mean_all"], family="merge"
+    )
 
 
 _register()

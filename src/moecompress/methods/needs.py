@@ -16,8 +16,17 @@ from ..errors import MoECompressError
 
 # Methods whose needs are not declared by a method module; criteria register below in _builtin().
 _METHOD_STATS: dict[str, tuple[str, ...]] = {
-    "tilt": ("counts", "tokens", "out_mean", "input_moment", "cross_moment", "moment_experts", "moment_count",
-             "moment_in_mean", "moment_out_mean"),
+    "tilt": (
+        "counts",
+        "tokens",
+        "out_mean",
+        "input_moment",
+        "cross_moment",
+        "moment_experts",
+        "moment_count",
+        "moment_in_mean",
+        "moment_out_mean",
+    ),
     "m-smoe": ("counts", "tokens", "routing_mass", "router_logit_corr"),
     "hc-smoe": ("counts", "tokens", "out_mean_all", "gram"),
     "puzzlemoe": ("counts", "tokens", "in_channel_norm", "mid_channel_norm"),
@@ -51,8 +60,10 @@ def stats_for_method(method: str) -> tuple[str, ...]:
     try:
         return _METHOD_STATS[method]
     except KeyError:
-        raise MoECompressError(f"Unknown method '{method}' for --for-method; known: {', '.join(sorted(_METHOD_STATS))} "
-                               "(or pass --stats names).") from None
+        raise MoECompressError(
+            f"Unknown method '{method}' for --for-method; known: {', '.join(sorted(_METHOD_STATS))} "
+            "(or pass --stats names)."
+        ) from None
 
 
 def known_methods() -> list[str]:
@@ -67,6 +78,6 @@ def stats_to_gather(stats=None, for_method=None) -> list[str] | None:
         stats = [s.strip() for s in stats.split(",") if s.strip()]
     names += list(stats or [])
     if for_method:
-        for m in ([for_method] if isinstance(for_method, str) else for_method):
+        for m in [for_method] if isinstance(for_method, str) else for_method:
             names += list(stats_for_method(m))
     return names or None

@@ -30,8 +30,15 @@ class Tilt:
         return self.b.to(x.dtype) + (x @ self.A.T.to(x.dtype)) @ self.B.T.to(x.dtype)
 
 
-def fit_tilt(n: float, sum_x: torch.Tensor, sum_y: torch.Tensor, sum_xx: torch.Tensor, sum_xy: torch.Tensor,
-             rank: int, ridge: float = 1e-3) -> Tilt:
+def fit_tilt(
+    n: float,
+    sum_x: torch.Tensor,
+    sum_y: torch.Tensor,
+    sum_xx: torch.Tensor,
+    sum_xy: torch.Tensor,
+    rank: int,
+    ridge: float = 1e-3,
+) -> Tilt:
     """Reduced-rank ridge regression of y on x (Mukherjee & Zhu 2011), closed form.
 
     With centred covariances S_xx, S_xy and λ = ridge · tr(S_xx)/H (scale-free ridge):
@@ -55,8 +62,14 @@ class TiltBasis:
     evecs: torch.Tensor | None = None
 
 
-def tilt_basis(n: float, sum_x: torch.Tensor, sum_y: torch.Tensor, sum_xx: torch.Tensor, sum_xy: torch.Tensor,
-               ridge: float = 1e-3) -> TiltBasis:
+def tilt_basis(
+    n: float,
+    sum_x: torch.Tensor,
+    sum_y: torch.Tensor,
+    sum_xx: torch.Tensor,
+    sum_xy: torch.Tensor,
+    ridge: float = 1e-3,
+) -> TiltBasis:
     sum_x, sum_y = sum_x.double(), sum_y.double()
     if n <= 0:
         return TiltBasis(n, sum_x, sum_y)
@@ -75,10 +88,16 @@ def tilt_of_rank(basis: TiltBasis, rank: int) -> Tilt:
     """`fit_tilt`'s rank-r tilt from its `TiltBasis`."""
     if basis.n <= 0:
         zeros = torch.zeros(0, basis.mu_x.shape[0], dtype=torch.float64)
-        return Tilt(zeros, torch.zeros(basis.mu_y.shape[0], 0, dtype=torch.float64), torch.zeros_like(basis.mu_y))
+        return Tilt(
+            zeros, torch.zeros(basis.mu_y.shape[0], 0, dtype=torch.float64), torch.zeros_like(basis.mu_y)
+        )
     mu_x, mu_y = basis.mu_x, basis.mu_y
     if rank == 0:
-        return Tilt(torch.zeros(0, len(mu_x), dtype=torch.float64), torch.zeros(len(mu_y), 0, dtype=torch.float64), mu_y)
+        return Tilt(
+            torch.zeros(0, len(mu_x), dtype=torch.float64),
+            torch.zeros(len(mu_y), 0, dtype=torch.float64),
+            mu_y,
+        )
     v = basis.evecs[:, :rank]
     a = (basis.w @ v).T  # [r, H_in]
     b = mu_y - v @ (a @ mu_x)
@@ -101,8 +120,13 @@ def partial_copy_size(rank: int, hidden: int, out: int | None = None) -> int:
     return (rank * (hidden + out)) // (3 * hidden)
 
 
-def partial_copy_bias(inter_sum: torch.Tensor, count: float, down: torch.Tensor, kept: torch.Tensor,
-                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
+def partial_copy_bias(
+    inter_sum: torch.Tensor,
+    count: float,
+    down: torch.Tensor,
+    kept: torch.Tensor,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Bias holding the mean output of the neurons left out: down[:, rest] · E[a_rest] (+ down bias)."""
     rest = torch.ones(down.shape[1], dtype=torch.bool)
     rest[kept] = False

@@ -28,8 +28,18 @@ from .registry import WEIGHTLESS, ViewUse, register_method
 OperatorName = Literal["reroute", "drop", "constant", "tilt", "partial", "remap"]
 
 OPERATOR_STATS: dict[str, list[str]] = {
-    "reroute": [], "drop": [], "remap": [], "constant": ["out_mean"],
-    "tilt": ["moment_experts", "moment_count", "moment_in_mean", "moment_out_mean", "input_moment", "cross_moment"],
+    "reroute": [],
+    "drop": [],
+    "remap": [],
+    "constant": ["out_mean"],
+    "tilt": [
+        "moment_experts",
+        "moment_count",
+        "moment_in_mean",
+        "moment_out_mean",
+        "input_moment",
+        "cross_moment",
+    ],
     "partial": ["mid_channel_norm", "mid_mean"],
 }
 
@@ -39,20 +49,28 @@ class PruneConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    criterion: str = Field("reap", description="selection criterion (higher score = kept): any criterion of the "
-                           "registry (scoring/registry.py) under its own name")
+    criterion: str = Field(
+        "reap",
+        description="selection criterion (higher score = kept): any criterion of the "
+        "registry (scoring/registry.py) under its own name",
+    )
     ratio: float = Field(0.5, ge=0.0, lt=1.0, description="fraction of routed experts removed")
     allocation: Literal["uniform", "nonuniform"] = Field(
-        "uniform", description="the removed experts spread over layers: uniform = the same ratio in every layer, "
-        "nonuniform = one global ranking (called `budget` before issue 34: --budget is auto's byte budget)")
+        "uniform",
+        description="the removed experts spread over layers: uniform = the same ratio in every layer, "
+        "nonuniform = one global ranking (called `budget` before issue 34: --budget is auto's byte budget)",
+    )
     operator: OperatorName = Field("reroute", description="what a removed slot computes")
     gate: Literal["keep", "renorm"] = Field("keep", description="gate scale when rerouting")
     remap: Literal["nearest", "functional"] = Field(
-        "nearest", description="remap target: nearest by parameter distance, or functional (best output match "
-        "among the 4 nearest, accepted only when two calibration folds agree, else nearest)")
+        "nearest",
+        description="remap target: nearest by parameter distance, or functional (best output match "
+        "among the 4 nearest, accepted only when two calibration folds agree, else nearest)",
+    )
     # the upper bound refuses absurd ranks (1e35) before any compute; build_prune refuses ranks above the hidden size
-    rank: int = Field(32, ge=0, le=2**16, description="tilt rank (0 = MoNE's constant); also sets the partial-copy "
-                      "budget")
+    rank: int = Field(
+        32, ge=0, le=2**16, description="tilt rank (0 = MoNE's constant); also sets the partial-copy budget"
+    )
     ridge: float = Field(1e-3, ge=0.0, allow_inf_nan=False, description="scale-free ridge of the tilt fit")
     protect_super_experts: bool = Field(True, description="never prune experts with extreme output norms")
     seed: int = Field(0, ge=0, le=2**32 - 1)
@@ -62,8 +80,10 @@ class PruneConfig(BaseModel):
     def _no_budget(cls, data):
         # --budget means one thing, auto's byte budget (issue 34); prune's old field of that name is `allocation`
         if isinstance(data, dict) and "budget" in data:
-            raise ValueError("prune takes no budget (--budget is auto's byte budget); set how removals spread over "
-                             "layers with allocation: uniform or nonuniform, and how many with ratio")
+            raise ValueError(
+                "prune takes no budget (--budget is auto's byte budget); set how removals spread over "
+                "layers with allocation: uniform or nonuniform, and how many with ratio"
+            )
         return data
 
     @field_validator("criterion")
@@ -77,8 +97,12 @@ class PruneConfig(BaseModel):
 
 def needs_stats(config: PruneConfig) -> list[str]:
     functional = {"remap_error"} if config.operator == "remap" and config.remap == "functional" else set()
-    return sorted(set(get_criterion(config.criterion).stats) | set(OPERATOR_STATS[config.operator]) | functional
-                  | ({"out_norm_sq_mean"} if config.protect_super_experts else set()))
+    return sorted(
+        set(get_criterion(config.criterion).stats)
+        | set(OPERATOR_STATS[config.operator])
+        | functional
+        | ({"out_norm_sq_mean"} if config.protect_super_experts else set())
+    )
 
 
 def _get(stats: StatsView, layer: int, name: str) -> torch.Tensor:
@@ -89,17 +113,23 @@ def _inputs(stats: StatsView, layer: int, adapter: MoEAdapter | None) -> LayerIn
     """The layer's statistics, and its experts' weights for a data-free criterion."""
     if adapter is None:
         return LayerInputs(lambda name: _get(stats, layer, name))
-    return LayerInputs(lambda name: _get(stats, layer, name), lambda e: adapter.get_expert(layer, e),
-                       adapter.num_experts(layer))
+    return LayerInputs(
+        lambda name: _get(stats, layer, name),
+        lambda e: adapter.get_expert(layer, e),
+        adapter.num_experts(layer),
+    )
 
 
-def layer_scores(criterion: str, stats: StatsView, layer: int, seed: int = 0,
-                 adapter: MoEAdapter | None = None) -> torch.Tensor:
+def layer_scores(
+    criterion: str, stats: StatsView, layer: int, seed: int = 0, adapter: MoEAdapter | None = None
+) -> torch.Tensor:
     """Score [E] of every expert of `layer` under `criterion` (scoring/registry.py, scoring/criteria.py equations);
     `adapter` gives a data-free criterion the experts' weights."""
     entry = get_criterion(criterion)
     if entry.doptimal:
-        raise MoECompressError(f"Criterion '{criterion}' has no per-expert score; use it through select_experts.")
+        raise MoECompressError(
+            f"Criterion '{criterion}' has no per-expert score; use it through select_experts."
+        )
     return entry.score(_inputs(stats, layer, adapter), layer, seed)
 
 
@@ -108,11 +138,14 @@ def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -
     protected = {}
     if config.protect_super_experts:
         for i in adapter.moe_layers:
-            protected[i] = C.super_experts(_get(stats, i, "out_norm_sq_mean") * _get(stats, i, "counts"),
-                                           _get(stats, i, "counts"))
+            protected[i] = C.super_experts(
+                _get(stats, i, "out_norm_sq_mean") * _get(stats, i, "counts"), _get(stats, i, "counts")
+            )
     if get_criterion(config.criterion).doptimal:
         if config.allocation != "uniform":
-            raise MoECompressError("D-optimal selection chooses a set per layer; use allocation 'uniform' with it.")
+            raise MoECompressError(
+                "D-optimal selection chooses a set per layer; use allocation 'uniform' with it."
+            )
         keep = {}
         for i in adapter.moe_layers:
             counts = _get(stats, i, "counts")
@@ -129,7 +162,9 @@ def select_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -
     out = {}
     for i in adapter.moe_layers:
         spec = adapter.router_spec(i)
-        out[i] = uniform_keep(scores[i], config.ratio, spec.top_k, protected.get(i), spec.n_group, spec.topk_group)
+        out[i] = uniform_keep(
+            scores[i], config.ratio, spec.top_k, protected.get(i), spec.n_group, spec.topk_group
+        )
     return out
 
 
@@ -146,57 +181,97 @@ def _with_protected(kept: list[int], protected: torch.Tensor | None, scores: tor
 
 def _check_feasible(adapter, layer: int, kept: list[int], ratio: float) -> None:
     if len(kept) < adapter.top_k(layer):
-        raise MoECompressError(f"Ratio {ratio} keeps {len(kept)} experts in layer {layer}, fewer than top-k="
-                               f"{adapter.top_k(layer)}; use a smaller ratio.")
+        raise MoECompressError(
+            f"Ratio {ratio} keeps {len(kept)} experts in layer {layer}, fewer than top-k="
+            f"{adapter.top_k(layer)}; use a smaller ratio."
+        )
 
 
 # ----------------------------------------------------------------------------- operators
-def _operator_for(config: PruneConfig, adapter, stats, layer: int, e: int, kept: list[int],
-                  tensors: dict[str, torch.Tensor], dtype: torch.dtype, distance: torch.Tensor | None):
+def _operator_for(
+    config: PruneConfig,
+    adapter,
+    stats,
+    layer: int,
+    e: int,
+    kept: list[int],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    distance: torch.Tensor | None,
+):
     """The slot target replacing pruned expert e of `layer`, adding any parameters to `tensors`."""
     key = f"layer{layer}.expert{e}"
     if config.operator == "drop":
         return "drop"
     if config.operator == "remap":
-        return kept.index(remap_target(e, kept, distance,
-                                       stats.get(layer, "remap_error") if config.remap == "functional" else None))
+        return kept.index(
+            remap_target(
+                e, kept, distance, stats.get(layer, "remap_error") if config.remap == "functional" else None
+            )
+        )
     if config.operator == "constant" or (config.operator == "tilt" and config.rank == 0):
         tensors[f"{key}.value"] = _get(stats, layer, "out_mean")[e].to(dtype)
         return ConstantOp(tensor=key)
     if config.operator == "tilt":
         sel = stats.get(layer, "moment_experts").tolist()
         if e not in sel:
-            raise MoECompressError(f"The stats store has no input/output moments for expert {e} of layer {layer}; "
-                                   "re-run calibration with --for-method tilt.")
+            raise MoECompressError(
+                f"The stats store has no input/output moments for expert {e} of layer {layer}; "
+                "re-run calibration with --for-method tilt."
+            )
         s = sel.index(e)
         n = float(stats.get(layer, "moment_count")[s])
         # one expert's rows only: the [S, H, H] moments of a layer are never read whole
         mom = lambda name: stats.get_row(layer, name, s).double() * n  # noqa: E731  means -> sums
-        tilt = fit_tilt(n, mom("moment_in_mean"), mom("moment_out_mean"), mom("input_moment"), mom("cross_moment"),
-                        rank=min(config.rank, adapter.hidden_size), ridge=config.ridge)
+        tilt = fit_tilt(
+            n,
+            mom("moment_in_mean"),
+            mom("moment_out_mean"),
+            mom("input_moment"),
+            mom("cross_moment"),
+            rank=min(config.rank, adapter.hidden_size),
+            ridge=config.ridge,
+        )
         if tilt.rank == 0:  # an expert no token reached: its constant is 0
             tensors[f"{key}.value"] = tilt.b.to(dtype)
             return ConstantOp(tensor=key)
-        tensors.update({f"{key}.U": tilt.B.to(dtype), f"{key}.V": tilt.A.T.contiguous().to(dtype),
-                        f"{key}.bias": tilt.b.to(dtype)})
+        tensors.update(
+            {
+                f"{key}.U": tilt.B.to(dtype),
+                f"{key}.V": tilt.A.T.contiguous().to(dtype),
+                f"{key}.bias": tilt.b.to(dtype),
+            }
+        )
         return TiltOp(rank=tilt.rank, tensor=key)
     # partial copy: the highest-energy neurons of the expert plus a bias for the rest
     w = adapter.get_expert(layer, e)
     if w.has_bias:
-        raise MoECompressError("Partial copies of experts with biases (GPT-OSS) are not supported; use tilt instead.")
+        raise MoECompressError(
+            "Partial copies of experts with biases (GPT-OSS) are not supported; use tilt instead."
+        )
     count = float(stats.get(layer, "counts")[e])
     width = max(1, min(partial_copy_size(config.rank, adapter.hidden_size), w.down.shape[1]))
     energy = neuron_energy(_get(stats, layer, "mid_channel_norm")[e].square(), count, w.down)
     neurons = torch.tensor(sorted(rank(energy)[:width]))
     mid_sum = _get(stats, layer, "mid_mean")[e] * count
-    tensors.update({f"{key}.gate": w.gate[neurons].to(dtype), f"{key}.up": w.up[neurons].to(dtype),
-                    f"{key}.down": w.down[:, neurons].to(dtype),
-                    f"{key}.bias": partial_copy_bias(mid_sum, count, w.down, neurons).to(dtype)})
+    tensors.update(
+        {
+            f"{key}.gate": w.gate[neurons].to(dtype),
+            f"{key}.up": w.up[neurons].to(dtype),
+            f"{key}.down": w.down[:, neurons].to(dtype),
+            f"{key}.bias": partial_copy_bias(mid_sum, count, w.down, neurons).to(dtype),
+        }
+    )
     return PartialOp(source=(layer, e), width=width, tensor=key)
 
 
-def remap_target(e: int, kept: list[int], distance: torch.Tensor, fold_error: torch.Tensor | None = None,
-                 candidates: int = 4) -> int:
+def remap_target(
+    e: int,
+    kept: list[int],
+    distance: torch.Tensor,
+    fold_error: torch.Tensor | None = None,
+    candidates: int = 4,
+) -> int:
     """The retained expert a removed slot e maps to.
 
     nearest: argmin over kept p of the normalised parameter distance d(e, p). functional (fold_error
@@ -215,13 +290,16 @@ def build_prune(config: PruneConfig, context: MethodContext):
     """CompressionPlan (+ operator tensors) for `config` on the context's model and stats."""
     adapter, stats = context.adapter, context.stats
     if stats is None and needs_stats(config):  # a data-free criterion with reroute reads no statistics
-        raise MoECompressError("Pruning needs calibration statistics; run moecompress calibrate first "
-                               "(or pass --calib SPEC).")
+        raise MoECompressError(
+            "Pruning needs calibration statistics; run moecompress calibrate first (or pass --calib SPEC)."
+        )
     if config.operator in ("tilt", "partial") and config.rank > adapter.hidden_size:
         # it used to be clamped silently to the hidden size: an operator larger than the expert it replaces
-        raise MoECompressError(f"Rank {config.rank} (--rank or params.rank) exceeds the model's hidden size "
-                               f"{adapter.hidden_size}, the largest a {config.operator} can use; lower it (a rank near "
-                               "the hidden size already costs more than the expert it replaces).")
+        raise MoECompressError(
+            f"Rank {config.rank} (--rank or params.rank) exceeds the model's hidden size "
+            f"{adapter.hidden_size}, the largest a {config.operator} can use; lower it (a rank near "
+            "the hidden size already costs more than the expert it replaces)."
+        )
     keep = select_experts(config, adapter, stats)
     info = ModelInfo.from_model(adapter)
     params = config.model_dump()
@@ -235,17 +313,25 @@ def build_prune(config: PruneConfig, context: MethodContext):
         distance = pairwise_distance(adapter.experts(i)) if config.operator == "remap" else None
         slots = []
         for e in range(adapter.num_experts(i)):
-            slots.append(kept.index(e) if e in kept else
-                         _operator_for(config, adapter, stats, i, e, kept, tensors, dtype, distance))
+            slots.append(
+                kept.index(e)
+                if e in kept
+                else _operator_for(config, adapter, stats, i, e, kept, tensors, dtype, distance)
+            )
         sid = f"layer{i}"
-        scopes.append(Scope(id=sid, layers=[i], stored=[StoredExpert(id=j, sources=[(i, e)])
-                                                         for j, e in enumerate(kept)]))
+        scopes.append(
+            Scope(
+                id=sid, layers=[i], stored=[StoredExpert(id=j, sources=[(i, e)]) for j, e in enumerate(kept)]
+            )
+        )
         gate = "aggregate" if config.operator == "remap" else "replace"
         layers.append(LayerPlan(layer=i, scope=sid, gate=gate, slots=slots))
     return CompressionPlan(model=info, scopes=scopes, layers=layers, method="prune", params=params), tensors
 
 
-def tilt_moment_experts(config: PruneConfig, adapter: MoEAdapter, stats: StatsView) -> dict[int, list[int]] | None:
+def tilt_moment_experts(
+    config: PruneConfig, adapter: MoEAdapter, stats: StatsView
+) -> dict[int, list[int]] | None:
     """The experts whose input/cross moments a tilt build reads: the ones `select_experts` removes (None: the
     config reads no moments). Their [S, H, H] moments are the largest statistics there are (two H x H per
     expert), so `compress` gathers them for these experts only, in a second pass (pipeline.calibrate_for)."""
@@ -261,13 +347,22 @@ def view_use(config: PruneConfig) -> ViewUse:
     stored."""
     if config.operator == "remap":
         return ViewUse(stored=1.0, compute=1.0)
-    if config.operator == "partial" or get_criterion(config.criterion).weights:  # one layer's experts at a time
+    if (
+        config.operator == "partial" or get_criterion(config.criterion).weights
+    ):  # one layer's experts at a time
         return ViewUse(stored=1.0, compute=0.0)
     return WEIGHTLESS
 
 
-register_method("prune", PruneConfig, build_prune, needs_stats, family="prune", moment_experts=tilt_moment_experts,
-                view_use=view_use)
+register_method(
+    "prune",
+    PruneConfig,
+    build_prune,
+    needs_stats,
+    family="prune",
+    moment_experts=tilt_moment_experts,
+    view_use=view_use,
+)
 
 
 def _register_stats() -> None:

@@ -59,20 +59,32 @@ class PuzzleConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ratio: float = Field(0.5, ge=0.0, lt=1.0, description="fraction of routed experts removed: 0.25 / 0.5 (pairs), "
-                                                          "0.667 (groups of 3), 0.75 (groups of 4)")
+    ratio: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="fraction of routed experts removed: 0.25 / 0.5 (pairs), "
+        "0.667 (groups of 3), 0.75 (groups of 4)",
+    )
     group_size: int | None = Field(None, ge=2, le=8, description="experts per merge (None: from the ratio)")
     tau: float = Field(0.4, ge=0.0, le=1.0, description="similarity threshold of the dual mask")
-    pairing: Literal["random", "evolve"] = Field("random", description="seeded random grouping or genetic search")
+    pairing: Literal["random", "evolve"] = Field(
+        "random", description="seeded random grouping or genetic search"
+    )
     population: int = Field(16, ge=1, description="evolve: population size")
     generations: int = Field(20, ge=0, description="evolve: generations")
-    quant_bits: Literal[3, 4] | None = Field(None, description="group-quantize W_merged of pairs to 3 or 4 bits")
+    quant_bits: Literal[3, 4] | None = Field(
+        None, description="group-quantize W_merged of pairs to 3 or 4 bits"
+    )
     quant_group: int = Field(128, ge=1, description="input channels per quantization scale")
     underflow: Literal["nearest", "clamp", "flush"] = Field(
-        "nearest", description="bf16 exponent clamp at 112: values below 2^-15 go to the nearer of 0 / 2^-15, "
-                               "up to 2^-15, or to 0")
+        "nearest",
+        description="bf16 exponent clamp at 112: values below 2^-15 go to the nearer of 0 / 2^-15, "
+        "up to 2^-15, or to 0",
+    )
     saliency: Literal["activation", "weight"] = Field(
-        "activation", description="|W|·‖X‖₂ from calibration (paper), or |W| alone (no statistics needed)")
+        "activation", description="|W|·‖X‖₂ from calibration (paper), or |W| alone (no statistics needed)"
+    )
     seed: int = 0
 
 
@@ -83,12 +95,16 @@ def needs_stats(config: PuzzleConfig) -> list[str]:
 def group_layout(num_experts: int, ratio: float, group_size: int | None = None) -> tuple[int, int]:
     """(experts per group G, number of groups n) that remove about `ratio` of `num_experts` experts."""
     if not 0.0 <= ratio < 1.0:
-        raise MoECompressError(f"The compression ratio {ratio} is outside [0, 1); use 0.25, 0.5, 0.667 or 0.75.")
+        raise MoECompressError(
+            f"The compression ratio {ratio} is outside [0, 1); use 0.25, 0.5, 0.667 or 0.75."
+        )
     g = group_size or (2 if ratio <= 0.5 + 1e-9 else max(3, round(1.0 / (1.0 - ratio))))
     n = min(round(ratio * num_experts / (g - 1)), num_experts // g)
     if ratio > 0 and n == 0:
-        raise MoECompressError(f"Ratio {ratio} merges no experts of a layer with {num_experts} experts in groups of "
-                               f"{g}; use a larger ratio.")
+        raise MoECompressError(
+            f"Ratio {ratio} merges no experts of a layer with {num_experts} experts in groups of "
+            f"{g}; use a larger ratio."
+        )
     return g, n
 
 
@@ -148,8 +164,14 @@ class MergeCandidate:
         return {f"{prefix}.{k}": v for k, v in self.module.state_dict().items()}
 
     def stored_expert(self, id: int, prefix: str) -> StoredExpert:
-        return StoredExpert(id=id, sources=[(self.layer, e) for e in self.members], construction="elementwise_merge",
-                            tensor=prefix, packing=self.packing, nbytes=self.nbytes)
+        return StoredExpert(
+            id=id,
+            sources=[(self.layer, e) for e in self.members],
+            construction="elementwise_merge",
+            tensor=prefix,
+            packing=self.packing,
+            nbytes=self.nbytes,
+        )
 
     def decode(self, dtype: torch.dtype = torch.float32) -> list[ExpertWeights]:
         """Dense reconstruction of every member (documented orientation)."""
@@ -180,9 +202,19 @@ class UpcastExperts(Mapping):
         return self.num_experts
 
 
-def merge_candidate(adapter, layer: int, members: Sequence[int], *, norms: Sequence[InputNorms] | None = None,
-                    stats=None, tau: float = 0.4, quant_bits: int | None = None, quant_group: int = 128,
-                    underflow: str = "nearest", experts: Mapping[int, ExpertWeights] | None = None) -> MergeCandidate:
+def merge_candidate(
+    adapter,
+    layer: int,
+    members: Sequence[int],
+    *,
+    norms: Sequence[InputNorms] | None = None,
+    stats=None,
+    tau: float = 0.4,
+    quant_bits: int | None = None,
+    quant_group: int = 128,
+    underflow: str = "nearest",
+    experts: Mapping[int, ExpertWeights] | None = None,
+) -> MergeCandidate:
     """Merge experts `members` of `layer` (2 -> packed pair, ≥ 3 -> explicit group) and estimate its error.
 
     Norms come from `norms` (per expert of the layer), else from `stats` (in/mid_channel_norm), else
@@ -202,22 +234,26 @@ def merge_candidate(adapter, layer: int, members: Sequence[int], *, norms: Seque
     with torch.no_grad():
         if len(members) == 2:
             merge = merge_expert_pair(ws[0], ws[1], ns[0], ns[1], tau)
-            module = PackedPairExperts.from_merge(merge, act, quant_bits=quant_bits, group_size=quant_group,
-                                                  underflow=underflow)
+            module = PackedPairExperts.from_merge(
+                merge, act, quant_bits=quant_bits, group_size=quant_group, underflow=underflow
+            )
             stats_ = {k: v for k, v in merge.gate_up.stats().items()}
             if quant_bits is None:
                 clamp = clamp_report([merge.gate_up.w_merged, merge.down.w_merged], underflow)
         else:
             merged = merge_expert_group(ws, ns, tau)
-            biases = [None if not w.has_bias else ExpertWeights(gate=w.gate_bias, up=w.up_bias, down=w.down_bias)
-                      for w in ws]
+            biases = [
+                None if not w.has_bias else ExpertWeights(gate=w.gate_bias, up=w.up_bias, down=w.down_bias)
+                for w in ws
+            ]
             module = GroupMergedExperts.from_merge(merged, act, biases)
             stats_ = {"merged_fraction": float(merged["gate_up"].masks.all(0).float().mean())}
         recs = module.decode(torch.float32)
         errs = [weighted_error(w, r, n) for w, r, n in zip(ws, recs, ns)]
     total, ref = sum(e for e, _ in errs), sum(r for _, r in errs)
-    return MergeCandidate(layer, members, code, module, total, total / ref if ref else 0.0, [e for e, _ in errs],
-                          stats_, clamp)
+    return MergeCandidate(
+        layer, members, code, module, total, total / ref if ref else 0.0, [e for e, _ in errs], stats_, clamp
+    )
 
 
 def pair_candidate(adapter, layer: int, i: int, j: int, **kwargs) -> MergeCandidate:
@@ -229,9 +265,14 @@ def merge_prefix(layer: int, k: int) -> str:
     return f"layer{layer}.merge{k}"
 
 
-def layer_with_merges(layer: int, num_experts: int, merges: Sequence[MergeCandidate], gate: str = "replace",
-                      scope_id: str | None = None,
-                      prefix: Callable[[int, int], str] = merge_prefix) -> tuple[Scope, LayerPlan, dict]:
+def layer_with_merges(
+    layer: int,
+    num_experts: int,
+    merges: Sequence[MergeCandidate],
+    gate: str = "replace",
+    scope_id: str | None = None,
+    prefix: Callable[[int, int], str] = merge_prefix,
+) -> tuple[Scope, LayerPlan, dict]:
     """A layer's scope + slot map: every merge one packed stored expert, every other expert a copy.
 
     Stored ids follow the smallest original expert of each entry; a member's slot maps to its merge.
@@ -243,7 +284,9 @@ def layer_with_merges(layer: int, num_experts: int, merges: Sequence[MergeCandid
             raise MoECompressError(f"Merge {list(c.members)} belongs to layer {c.layer}, not {layer}.")
         for e in c.members:
             if e in owner:
-                raise MoECompressError(f"Expert {e} of layer {layer} is in two merges; merges must be disjoint.")
+                raise MoECompressError(
+                    f"Expert {e} of layer {layer} is in two merges; merges must be disjoint."
+                )
             owner[e] = k
     stored, slots, tensors, seen = [], [0] * num_experts, {}, {}
     for e in range(num_experts):
@@ -259,15 +302,20 @@ def layer_with_merges(layer: int, num_experts: int, merges: Sequence[MergeCandid
             tensors.update(merges[k].tensors(p))
         slots[e] = seen[k]
     sid = scope_id or f"layer{layer}"
-    return Scope(id=sid, layers=[layer], stored=stored), LayerPlan(layer=layer, scope=sid, gate=gate, slots=slots), \
-        tensors
+    return (
+        Scope(id=sid, layers=[layer], stored=stored),
+        LayerPlan(layer=layer, scope=sid, gate=gate, slots=slots),
+        tensors,
+    )
 
 
 def _layer_seed(seed: int, layer: int) -> int:
     return seed * 1_000_003 + layer  # a different random grouping in every layer, reproducible
 
 
-def choose_groups(config: PuzzleConfig, adapter, layer: int, norms, experts) -> tuple[list[tuple[int, ...]], dict]:
+def choose_groups(
+    config: PuzzleConfig, adapter, layer: int, norms, experts
+) -> tuple[list[tuple[int, ...]], dict]:
     """The layer's groups (random or evolved on the weighted-error proxy) and search info."""
     e_count = adapter.num_experts(layer)
     g, n = group_layout(e_count, config.ratio, config.group_size)
@@ -280,16 +328,34 @@ def choose_groups(config: PuzzleConfig, adapter, layer: int, norms, experts) -> 
 
     def cost(group: tuple[int, ...]) -> float:
         if group not in cache:
-            cache[group] = merge_candidate(adapter, layer, group, norms=norms, tau=config.tau,
-                                           quant_bits=config.quant_bits, quant_group=config.quant_group,
-                                           underflow=config.underflow, experts=experts).est_error
+            cache[group] = merge_candidate(
+                adapter,
+                layer,
+                group,
+                norms=norms,
+                tau=config.tau,
+                quant_bits=config.quant_bits,
+                quant_group=config.quant_group,
+                underflow=config.underflow,
+                experts=experts,
+            ).est_error
         return cache[group]
 
-    res = evolve_grouping(e_count, lambda groups: sum(cost(tuple(x)) for x in groups), group_size=g, num_groups=n,
-                          population=config.population, generations=config.generations, seed=seed)
+    res = evolve_grouping(
+        e_count,
+        lambda groups: sum(cost(tuple(x)) for x in groups),
+        group_size=g,
+        num_groups=n,
+        population=config.population,
+        generations=config.generations,
+        seed=seed,
+    )
     random_loss = sum(cost(tuple(x)) for x in random_grouping(e_count, g, n, seed))
-    return [tuple(x) for x in res.groups], {"proxy_loss": res.loss, "random_proxy_loss": random_loss,
-                                            "evaluations": res.evaluations}
+    return [tuple(x) for x in res.groups], {
+        "proxy_loss": res.loss,
+        "random_proxy_loss": random_loss,
+        "evaluations": res.evaluations,
+    }
 
 
 def build_puzzle(config: PuzzleConfig, context: MethodContext):
@@ -297,8 +363,10 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
     adapter, stats = context.adapter, context.stats
     if config.saliency == "activation":
         if stats is None:
-            raise MoECompressError("PuzzleMoE weighs saliency by calibration activations; run moecompress calibrate "
-                                   "--for-method puzzlemoe first (or pass --calib SPEC, or saliency=weight).")
+            raise MoECompressError(
+                "PuzzleMoE weighs saliency by calibration activations; run moecompress calibrate "
+                "--for-method puzzlemoe first (or pass --calib SPEC, or saliency=weight)."
+            )
         stats.require(*STATS, method="puzzlemoe")
     info = ModelInfo.from_model(adapter)
     layers_iter = adapter.moe_layers
@@ -309,7 +377,9 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
     from .streamed import plan_tensor_store
 
     scopes, layer_plans = [], []
-    tensors = plan_tensor_store(adapter)  # streamed view: on disk layer by layer, not every layer's merges in memory
+    tensors = plan_tensor_store(
+        adapter
+    )  # streamed view: on disk layer by layer, not every layer's merges in memory
     summary: dict = {"layers": [], "clamp": ClampReport()}
     removed = total = 0
     for i in layers_iter:
@@ -318,9 +388,20 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         # held at rest (a streamed view: the checkpoint's bf16, and the layer evicted), upcast per read
         experts = UpcastExperts(adapter.experts_at_rest(i), adapter.expert_dtype(i), e_count)
         groups, search = choose_groups(config, adapter, i, norms, experts)
-        cands = [merge_candidate(adapter, i, grp, norms=norms, tau=config.tau, quant_bits=config.quant_bits,
-                                 quant_group=config.quant_group, underflow=config.underflow, experts=experts)
-                 for grp in groups]
+        cands = [
+            merge_candidate(
+                adapter,
+                i,
+                grp,
+                norms=norms,
+                tau=config.tau,
+                quant_bits=config.quant_bits,
+                quant_group=config.quant_group,
+                underflow=config.underflow,
+                experts=experts,
+            )
+            for grp in groups
+        ]
         sc, lp, t = layer_with_merges(i, e_count, cands)
         scopes.append(sc)
         layer_plans.append(lp)
@@ -329,10 +410,13 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         total += e_count
         for c in cands:
             summary["clamp"] = summary["clamp"] + c.clamp
-        row = dict(layer=i, groups=[list(c.members) for c in cands],
-                   est_error=_r(sum(c.est_error for c in cands)),
-                   rel_error=[_r(c.rel_error) for c in cands],
-                   merged_fraction=[_r(c.stats.get("merged_fraction", float("nan"))) for c in cands])
+        row = dict(
+            layer=i,
+            groups=[list(c.members) for c in cands],
+            est_error=_r(sum(c.est_error for c in cands)),
+            rel_error=[_r(c.rel_error) for c in cands],
+            merged_fraction=[_r(c.stats.get("merged_fraction", float("nan"))) for c in cands],
+        )
         row.update({k: _r(v) if isinstance(v, float) else v for k, v in search.items()})
         summary["layers"].append(row)
         del experts
@@ -353,6 +437,12 @@ def _r(x: float, digits: int = 6) -> float:
 # the view: the layer as stored, plus every pair's merge of the layer (float32 members, merged weights, masks
 # and codes) at once; the default's two float32 layers came out below the measured peak (BENCHMARKS.md,
 # "Streaming compress")
-register_method("puzzlemoe", PuzzleConfig, build_puzzle, needs_stats, family="elementwise",
-                view_use=lambda config: ViewUse(stored=1.0, compute=2.5))
+register_method(
+    "puzzlemoe",
+    PuzzleConfig,
+    build_puzzle,
+    needs_stats,
+    family="elementwise",
+    view_use=lambda config: ViewUse(stored=1.0, compute=2.5),
+)
 register_method_stats("puzzlemoe", STATS)

@@ -46,22 +46,40 @@ class QuantConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    quant: str | None = Field("w4g128", description="bits, group size and symmetry: w{2,3,4,8}g{32,64,128} or w{b}c "
-                              "(per channel); an 'a' suffix makes it asymmetric; null leaves the routed experts as "
-                              "they are (only `classes` are quantized)")
-    algo: Literal["gptq", "rtn"] = Field("gptq", description="GPTQ from calibration Hessians, or round-to-nearest")
+    quant: str | None = Field(
+        "w4g128",
+        description="bits, group size and symmetry: w{2,3,4,8}g{32,64,128} or w{b}c "
+        "(per channel); an 'a' suffix makes it asymmetric; null leaves the routed experts as "
+        "they are (only `classes` are quantized)",
+    )
+    algo: Literal["gptq", "rtn"] = Field(
+        "gptq", description="GPTQ from calibration Hessians, or round-to-nearest"
+    )
     weighting: Weighting = Field("uniform", description="GPTQ Hessian: every routed token, or gate²-weighted")
-    actorder: bool = Field(True, description="GPTQ columns in order of descending Hessian diagonal, each keeping its "
-                           "group's parameters (llm-compressor's actorder='static', its default); ignored by rtn")
-    damp: float = Field(0.01, gt=0, description="GPTQ dampening: damp · mean(diag H) added to diag H "
-                        "(llm-compressor's dampening_frac, same default)")
+    actorder: bool = Field(
+        True,
+        description="GPTQ columns in order of descending Hessian diagonal, each keeping its "
+        "group's parameters (llm-compressor's actorder='static', its default); ignored by rtn",
+    )
+    damp: float = Field(
+        0.01,
+        gt=0,
+        description="GPTQ dampening: damp · mean(diag H) added to diag H "
+        "(llm-compressor's dampening_frac, same default)",
+    )
     # non-expert tensors (issue 30; methods/tensor_quant.py): None = untouched, and left out of plan.json's params
-    classes: dict[str, str] | None = Field(None, description="a spec per non-expert tensor class (attention, "
-                                           "shared, dense_mlp, embeddings, lm_head, router); GPTQ or RTN as algo says, "
-                                           "the embeddings always RTN")
-    scope: Literal["experts", "all"] | None = Field(None, description="all: the experts' spec for attention, "
-                                                    "shared experts and dense MLPs too, w8c for embeddings and "
-                                                    "lm_head, the router untouched; `classes` override it")
+    classes: dict[str, str] | None = Field(
+        None,
+        description="a spec per non-expert tensor class (attention, "
+        "shared, dense_mlp, embeddings, lm_head, router); GPTQ or RTN as algo says, "
+        "the embeddings always RTN",
+    )
+    scope: Literal["experts", "all"] | None = Field(
+        None,
+        description="all: the experts' spec for attention, "
+        "shared experts and dense MLPs too, w8c for embeddings and "
+        "lm_head, the router untouched; `classes` override it",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -88,8 +106,13 @@ class QuantConfig(BaseModel):
     def _parsed(self):
         """The routed experts' spec, parsed once with this setting's algorithm and GPTQ options (one sentence on a
         bad spec): `spec()` returns this object."""
-        self._spec = None if self.quant is None else QuantSpec.parse(
-            self.quant, algo=self.algo, actorder=self.actorder and self.algo == "gptq", damp=self.damp)
+        self._spec = (
+            None
+            if self.quant is None
+            else QuantSpec.parse(
+                self.quant, algo=self.algo, actorder=self.actorder and self.algo == "gptq", damp=self.damp
+            )
+        )
         return self
 
     @field_validator("classes")
@@ -99,8 +122,10 @@ class QuantConfig(BaseModel):
 
         for name, text in (v or {}).items():
             if name not in QUANTIZABLE:
-                raise MoECompressError(f"'{name}' is not a tensor class that takes a precision; use "
-                                       f"{', '.join(QUANTIZABLE)} (and 'experts' for the routed experts).")
+                raise MoECompressError(
+                    f"'{name}' is not a tensor class that takes a precision; use "
+                    f"{', '.join(QUANTIZABLE)} (and 'experts' for the routed experts)."
+                )
             QuantSpec.parse(text)
         return v
 
@@ -119,8 +144,10 @@ class QuantConfig(BaseModel):
 
     def spec(self) -> QuantSpec:
         if self.quant is None:
-            raise MoECompressError("This quantization setting leaves the routed experts as they are; give 'quant' "
-                                   "(or 'experts') a spec such as w4g128 to quantize them.")
+            raise MoECompressError(
+                "This quantization setting leaves the routed experts as they are; give 'quant' "
+                "(or 'experts') a spec such as w4g128 to quantize them."
+            )
         return self._spec
 
 
@@ -128,7 +155,9 @@ def quant_stats(config: QuantConfig | None) -> list[str]:
     """Statistics quantization reads: the per-expert Hessians for GPTQ, nothing for round-to-nearest."""
     if config is None or config.algo == "rtn":
         return []
-    if config.quant is None:  # GPTQ of non-expert classes only: their pass re-reads the data the store records
+    if (
+        config.quant is None
+    ):  # GPTQ of non-expert classes only: their pass re-reads the data the store records
         return ["tokens"] if config.has_tensor_classes() else []
     return ["counts", "tokens", *_HESSIANS[config.weighting]]
 
@@ -180,17 +209,30 @@ def _quantize_batched(jobs):
     for (shape, spec), idx in groups.items():
         step = max(1, _BATCH_ELEMENTS // (shape[0] * shape[1]))
         for c in range(0, len(idx), step):
-            chunk = idx[c:c + step]
+            chunk = idx[c : c + step]
             q = gptq(torch.stack([jobs[i][2] for i in chunk]), torch.stack([jobs[i][3] for i in chunk]), spec)
             for k, i in enumerate(chunk):
-                yield i, QuantizedTensor(codes=q.codes[k], scale=q.scale[k],
-                                         zero=None if q.zero is None else q.zero[k], spec=spec)
+                yield (
+                    i,
+                    QuantizedTensor(
+                        codes=q.codes[k],
+                        scale=q.scale[k],
+                        zero=None if q.zero is None else q.zero[k],
+                        spec=spec,
+                    ),
+                )
 
 
-def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, config: QuantConfig,
-                  stats=None, progress: bool = False, specs: Mapping[tuple[str, int], QuantSpec] | None = None,
-                  done: Mapping[tuple[str, int], Mapping[str, QuantizedTensor]] | None = None,
-                  ) -> tuple[CompressionPlan, PlanTensors]:
+def quantize_plan(
+    plan: CompressionPlan,
+    tensors: PlanTensors | None,
+    source,
+    config: QuantConfig,
+    stats=None,
+    progress: bool = False,
+    specs: Mapping[tuple[str, int], QuantSpec] | None = None,
+    done: Mapping[tuple[str, int], Mapping[str, QuantizedTensor]] | None = None,
+) -> tuple[CompressionPlan, PlanTensors]:
     """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
 
     source(layer, expert) -> ExpertWeights of the original model (as for `stored_weights`).
@@ -203,17 +245,27 @@ def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, co
 
     spec = config.spec()
     algos = {spec.algo} if specs is None else {s.algo for s in specs.values()}
-    if "gptq" in algos and stats is None and not (specs is not None and done is not None and set(specs) <= set(done)):
-        raise MoECompressError("GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
-                               "or use --quant-algo rtn.")
+    if (
+        "gptq" in algos
+        and stats is None
+        and not (specs is not None and done is not None and set(specs) <= set(done))
+    ):
+        raise MoECompressError(
+            "GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
+            "or use --quant-algo rtn."
+        )
     h_in_name, h_mid_name = _HESSIANS[config.weighting]
     done = done or {}
     if stats is not None and "gptq" in algos:
         stats.require(h_in_name, h_mid_name, method="quant")
     plan = plan.model_copy(deep=True)
     out = dict(tensors or {})
-    todo = [(sc, s) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None
-            and (specs is None or (sc.id, s.id) in specs)]
+    todo = [
+        (sc, s)
+        for sc in plan.scopes
+        for s in sc.stored
+        if s.packing is None and s.quant is None and (specs is None or (sc.id, s.id) in specs)
+    ]
     done = done or {}
     by_scope: dict[str, list] = {}
     for sc, s in todo:
@@ -222,8 +274,12 @@ def quantize_plan(plan: CompressionPlan, tensors: PlanTensors | None, source, co
     # then quantize same-shape matrices of a projection together, so GPTQ's column loop runs once per
     # batch instead of once per expert (most of its Python overhead; the batched result equals per-matrix
     # runs, tests/test_quant_core.py). Memory stays bounded by one scope's weights and Hessians.
-    for items in track(list(by_scope.values()), description=f"quantize {spec.name()} ({spec.algo})",
-                       disable=not progress, transient=True):
+    for items in track(
+        list(by_scope.values()),
+        description=f"quantize {spec.name()} ({spec.algo})",
+        disable=not progress,
+        transient=True,
+    ):
         slots_of = _slots_of(plan, items[0][0])
         jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None, QuantSpec]] = []
         for sc, s in items:
@@ -263,8 +319,9 @@ def build_quant(config: QuantConfig, ctx: MethodContext):
     layer's Hessians exist only while its experts are quantized, so no per-expert H×H statistic is stored, as
     llm-compressor quantizes a layer while its Hessians are in memory. The codes equal those from a store."""
     plan, tensors = _quantize_experts(config, ctx)
-    return quantize_tensors(plan, tensors, ctx.adapter, config.class_specs(ctx.adapter),
-                            hessian_source(ctx.adapter, ctx.stats))
+    return quantize_tensors(
+        plan, tensors, ctx.adapter, config.class_specs(ctx.adapter), hessian_source(ctx.adapter, ctx.stats)
+    )
 
 
 def _quantize_experts(config: QuantConfig, ctx: MethodContext):
@@ -278,12 +335,19 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
     from rich.progress import track
 
     spec, tensors, layers = config.spec(), {}, ctx.adapter.moe_layers
-    for i, stats in track(each_layer(ctx.stats, layers, ctx.adapter), total=len(layers), transient=True,
-                          description=f"quantize {spec.name()} (gptq)", disable=not ctx.progress):
+    for i, stats in track(
+        each_layer(ctx.stats, layers, ctx.adapter),
+        total=len(layers),
+        transient=True,
+        description=f"quantize {spec.name()} (gptq)",
+        disable=not ctx.progress,
+    ):
         sc = plan.scope_of(i)
         specs = {(sc.id, s.id): spec for s in sc.stored}
         plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs)
-        if isinstance(stats, LayerStats) and stats.sequential:  # later layers calibrate on these quantized ones
+        if (
+            isinstance(stats, LayerStats) and stats.sequential
+        ):  # later layers calibrate on these quantized ones
             done = plan.scope_of(i)  # quantize_plan returned a new plan: its scope holds the codes
             for s in done.stored:
                 stats.replace_expert(s.sources[0][1], stored_weights(plan, done, s, source, tensors))
@@ -291,5 +355,12 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
     return plan, tensors
 
 
-register_method("quant", QuantConfig, build_quant, quant_stats, family="quant", streamed_stats=True,
-                streamed_whole_layer=True)
+register_method(
+    "quant",
+    QuantConfig,
+    build_quant,
+    quant_stats,
+    family="quant",
+    streamed_stats=True,
+    streamed_whole_layer=True,
+)

@@ -9,15 +9,18 @@ from their criteria's entries in `scoring.registry`), so one calibration can ser
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from ..errors import MoECompressError
 from .context import MethodContext
 
-Build = Callable[[BaseModel, MethodContext], tuple[Any, dict]]  # (config, context) -> (CompressionPlan, tensors)
+Build = Callable[
+    [BaseModel, MethodContext], tuple[Any, dict]
+]  # (config, context) -> (CompressionPlan, tensors)
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,28 @@ class MethodEntry:
 METHODS: dict[str, MethodEntry] = {}
 
 
-def register_method(name: str, config_cls: type[BaseModel], build: Build,
-                    needs_stats: Callable[[BaseModel], list[str]] | list[str] = (), family: str = "",
-                    moment_experts=None, streamed_stats: bool = False,
-                    view_use: Callable[[BaseModel], ViewUse] | None = None, streamed_whole_layer: bool = False) -> None:
-    METHODS[name] = MethodEntry(name, config_cls, build, list(needs_stats) if not callable(needs_stats)
-                                else needs_stats, family, moment_experts, streamed_stats, streamed_whole_layer,
-                                view_use)
+def register_method(
+    name: str,
+    config_cls: type[BaseModel],
+    build: Build,
+    needs_stats: Callable[[BaseModel], list[str]] | list[str] = (),
+    family: str = "",
+    moment_experts=None,
+    streamed_stats: bool = False,
+    view_use: Callable[[BaseModel], ViewUse] | None = None,
+    streamed_whole_layer: bool = False,
+) -> None:
+    METHODS[name] = MethodEntry(
+        name,
+        config_cls,
+        build,
+        list(needs_stats) if not callable(needs_stats) else needs_stats,
+        family,
+        moment_experts,
+        streamed_stats,
+        streamed_whole_layer,
+        view_use,
+    )
 
 
 def get_method(name: str) -> MethodEntry:
@@ -81,7 +99,9 @@ def get_method(name: str) -> MethodEntry:
         return METHODS[name]
     except KeyError:
         close = difflib.get_close_matches(name, METHODS, n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else f"known methods: {', '.join(sorted(METHODS))}."
+        hint = (
+            f"did you mean {', '.join(close)}?" if close else f"known methods: {', '.join(sorted(METHODS))}."
+        )
         raise MoECompressError(f"Unknown method '{name}'; {hint}") from None
 
 
@@ -97,7 +117,9 @@ def parse_config(name: str, params: dict | BaseModel | None) -> BaseModel:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "params"
-        raise MoECompressError(f"Recipe field '{loc}' for method '{name}' is invalid: {err['msg']}.") from None
+        raise MoECompressError(
+            f"Recipe field '{loc}' for method '{name}' is invalid: {err['msg']}."
+        ) from None
 
 
 def _load_builtin_methods() -> None:

@@ -46,7 +46,7 @@ from ..models.storage import ExpertStorage, ExpertWeights
 class _StreamedStorage(ExpertStorage):
     """An `ExpertStorage` over a meta module whose reads first bring the layer in (float copies out)."""
 
-    view: "StreamedAdapter | None" = None
+    view: StreamedAdapter | None = None
     index: int = -1
 
     def read_all(self) -> ExpertWeights:
@@ -62,8 +62,10 @@ class _StreamedStorage(ExpertStorage):
     def write(self, e: int, w: ExpertWeights) -> None:
         from ..errors import MoECompressError
 
-        raise MoECompressError("The streamed checkpoint view is read-only; a method must return its changes as "
-                               "plan tensors, not write them into the model.")
+        raise MoECompressError(
+            "The streamed checkpoint view is read-only; a method must return its changes as "
+            "plan tensors, not write them into the model."
+        )
 
 
 class StreamedAdapter(MoEAdapter):
@@ -76,7 +78,9 @@ class StreamedAdapter(MoEAdapter):
 
         self.reader = reader or CheckpointReader(str(path))
         self.compute_dtype = compute_dtype
-        with DEFAULT_DTYPE_LOCK:  # the default dtype is process-wide: one thread at a time sets and restores it
+        with (
+            DEFAULT_DTYPE_LOCK
+        ):  # the default dtype is process-wide: one thread at a time sets and restores it
             prev = torch.get_default_dtype()
             torch.set_default_dtype(compute_dtype)  # meta parameters report the dtype the methods compute in
             try:
@@ -89,14 +93,16 @@ class StreamedAdapter(MoEAdapter):
         prefix = self.reader.layers_prefix
         # native name -> (module, leaf) of the ORIGINAL modules, so loading and freeing never depends on what a
         # method installed in the layer meanwhile (auto's CompressedMoEBlock, dense's FFN)
-        self._slots: dict[int, dict[str, tuple[nn.Module, str]]] = {i: {} for i in range(len(self.decoder_layers))}
+        self._slots: dict[int, dict[str, tuple[nn.Module, str]]] = {
+            i: {} for i in range(len(self.decoder_layers))
+        }
         # what a layer's meta tensors report, resident or not: the compute dtype (a skeleton built from a bf16
         # config is bf16 whatever the default dtype), never the dtype of the last at-rest read
         self._meta_dtype: dict[str, torch.dtype] = {}
         for mname, module in model.named_modules():
             if not mname.startswith(prefix + "."):
                 continue
-            i = int(mname[len(prefix) + 1:].split(".")[0])
+            i = int(mname[len(prefix) + 1 :].split(".")[0])
             for leaf in list(module._parameters) + list(module._buffers):
                 self._slots[i][f"{mname}.{leaf}"] = (module, leaf)
                 t = getattr(module, leaf)
@@ -104,7 +110,9 @@ class StreamedAdapter(MoEAdapter):
                     self._meta_dtype[f"{mname}.{leaf}"] = compute_dtype if t.is_floating_point() else t.dtype
         for i in self._slots:
             self._free(i, meta_too=True)
-        self._expert_names: dict[int, set[str]] = {i: set() for i in self._slots}  # the routed experts' tensors
+        self._expert_names: dict[int, set[str]] = {
+            i: set() for i in self._slots
+        }  # the routed experts' tensors
         for i, layer in self.layers.items():
             s = layer.storage
             layer.storage = _StreamedStorage(s.module, s.layout, s.names, view=self, index=i)
@@ -112,7 +120,9 @@ class StreamedAdapter(MoEAdapter):
             self._expert_names[i] = {n for n, (m, _) in self._slots[i].items() if m in mods}
         self.resident: int | None = None
         self._at_rest = False  # the resident layer is as stored (experts_at_rest), not in the compute dtype
-        self._stored_dtype: dict[int, torch.dtype | None] = {}  # layer -> its one on-disk float dtype (None: mixed)
+        self._stored_dtype: dict[
+            int, torch.dtype | None
+        ] = {}  # layer -> its one on-disk float dtype (None: mixed)
         self.layer_loads: dict[int, int] = {}
         self.layer_lends: dict[int, int] = {}  # layer -> times made resident from a lent layer (`lend`)
         self._lent: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -133,8 +143,15 @@ class StreamedAdapter(MoEAdapter):
     def _install(self, i: int, at_rest: bool) -> None:
         """Read layer i tensor by tensor, casting each as it arrives (the layer is never held twice: one native
         tensor at the checkpoint's precision is the only transient); see `_place`."""
-        self._place(i, (item for native in self.reader._by_layer.get(i, [])
-                        for item in self.reader._state([native]).items()), at_rest)
+        self._place(
+            i,
+            (
+                item
+                for native in self.reader._by_layer.get(i, [])
+                for item in self.reader._state([native]).items()
+            ),
+            at_rest,
+        )
 
     def _place(self, i: int, named, at_rest: bool) -> None:
         """Put each (native name, tensor) of `named` into layer i's modules in the compute dtype; `at_rest`: the
@@ -166,7 +183,8 @@ class StreamedAdapter(MoEAdapter):
         when they are not all of that layer's tensors."""
         names = [n for n, (m, leaf) in self._slots[i].items() if getattr(m, leaf) is not None]
         if Path(checkpoint).resolve() != Path(self.reader.path).resolve() or any(
-                n not in tensors or tensors[n].is_meta for n in names):
+            n not in tensors or tensors[n].is_meta for n in names
+        ):
             return False
         self.unlend()
         self._lent = (i, {n: tensors[n].detach() for n in names})
@@ -248,8 +266,11 @@ class StreamedAdapter(MoEAdapter):
         layer = self.layer(i)
         self._ensure_any(i)
         r = layer.router
-        return (self._out(r.weight), self._out(getattr(r, "bias", None)),
-                self._out(getattr(r, "e_score_correction_bias", None)))
+        return (
+            self._out(r.weight),
+            self._out(getattr(r, "bias", None)),
+            self._out(getattr(r, "e_score_correction_bias", None)),
+        )
 
     def get_expert(self, i: int, e: int) -> ExpertWeights:
         return self.layer(i).storage.read(e)
@@ -309,6 +330,6 @@ class SpilledTensors(Mapping):
         return len(self._file)
 
 
-def plan_tensor_store(adapter) -> "SpilledTensors | dict":
+def plan_tensor_store(adapter) -> SpilledTensors | dict:
     """Where a method collects its plan tensors: on disk for the streamed view (`SpilledTensors`), else a dict."""
     return SpilledTensors() if is_streamed(adapter) else {}

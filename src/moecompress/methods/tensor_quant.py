@@ -34,8 +34,13 @@ EDGE_SPEC = "w8c"
 ROUTER_MIN_BITS = 8
 
 
-def resolve_class_specs(adapter, classes: dict[str, str] | None, scope: str | None, expert_spec: str | None,
-                        gptq: dict | None = None) -> dict[str, QuantSpec]:
+def resolve_class_specs(
+    adapter,
+    classes: dict[str, str] | None,
+    scope: str | None,
+    expert_spec: str | None,
+    gptq: dict | None = None,
+) -> dict[str, QuantSpec]:
     """class -> spec for this model, from explicit `classes` over `scope`'s defaults: GPTQ with the options
     `gptq` (``{actorder, damp}``) when given, else round-to-nearest; the embeddings are always round-to-nearest
     (an embedding's input is a one-hot token: it has no Hessian to weigh its columns with).
@@ -54,22 +59,34 @@ def resolve_class_specs(adapter, classes: dict[str, str] | None, scope: str | No
                 chosen[cls] = EDGE_SPEC
     for cls, text in (classes or {}).items():
         if cls not in QUANTIZABLE:
-            raise MoECompressError(f"'{cls}' is not a tensor class that takes a precision; use "
-                                   f"{', '.join(QUANTIZABLE)} (and 'experts' for the routed experts).")
+            raise MoECompressError(
+                f"'{cls}' is not a tensor class that takes a precision; use "
+                f"{', '.join(QUANTIZABLE)} (and 'experts' for the routed experts)."
+            )
         if cls not in present:
             if cls == "lm_head" and "embeddings" in present and _tied(adapter):
-                raise MoECompressError("This model's lm_head is tied to its embeddings (one tensor); give its "
-                                       "precision under 'embeddings' instead of 'lm_head'.")
-            raise MoECompressError(f"This {adapter.model_type} model has no {cls} weights to quantize (its classes: "
-                                   f"{', '.join(sorted(present))}); remove '{cls}' from the quantization setting.")
+                raise MoECompressError(
+                    "This model's lm_head is tied to its embeddings (one tensor); give its "
+                    "precision under 'embeddings' instead of 'lm_head'."
+                )
+            raise MoECompressError(
+                f"This {adapter.model_type} model has no {cls} weights to quantize (its classes: "
+                f"{', '.join(sorted(present))}); remove '{cls}' from the quantization setting."
+            )
         chosen[cls] = text
-    specs = {cls: QuantSpec.parse(text, algo="rtn") if gptq is None or cls == "embeddings"
-             else QuantSpec.parse(text, algo="gptq", **gptq) for cls, text in chosen.items()}
+    specs = {
+        cls: QuantSpec.parse(text, algo="rtn")
+        if gptq is None or cls == "embeddings"
+        else QuantSpec.parse(text, algo="gptq", **gptq)
+        for cls, text in chosen.items()
+    }
     router = specs.get("router")
     if router is not None and router.bits < ROUTER_MIN_BITS:
-        raise MoECompressError(f"The router cannot take {router.name()}: router weights keep at least "
-                               f"{ROUTER_MIN_BITS} bits (docs/quantization.md, 'Non-expert tensors'); use w8c or "
-                               "leave the router out.")
+        raise MoECompressError(
+            f"The router cannot take {router.name()}: router weights keep at least "
+            f"{ROUTER_MIN_BITS} bits (docs/quantization.md, 'Non-expert tensors'); use w8c or "
+            "leave the router out."
+        )
     return specs
 
 
@@ -107,8 +124,9 @@ def _read(adapter, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: adapter.model.get_parameter(n).detach() for n in names}
 
 
-def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter, specs: dict[str, QuantSpec],
-                     hessians=None) -> tuple[CompressionPlan, PlanTensors]:
+def quantize_tensors(
+    plan: CompressionPlan, tensors: PlanTensors | None, adapter, specs: dict[str, QuantSpec], hessians=None
+) -> tuple[CompressionPlan, PlanTensors]:
     """(plan, tensors) with every quantizable tensor `specs` names — by class, or by tensor name (auto's
     per-tensor choices; a name wins over its class) — quantized and recorded in ``plan.tensor_quant``; the rest
     untouched. Bytes follow at once (`plan.logical_bytes`).
@@ -131,8 +149,10 @@ def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter
         by_layer.setdefault(_layer_of(n, prefix), []).append(n)
     want = [n for n in names if spec_of[n].algo == "gptq"]
     if want and hessians is None:
-        raise MoECompressError("GPTQ of non-expert weights needs calibration Hessians; pass --calib (a stats directory "
-                               "or a data spec) or use --quant-algo rtn.")
+        raise MoECompressError(
+            "GPTQ of non-expert weights needs calibration Hessians; pass --calib (a stats directory "
+            "or a data spec) or use --quant-algo rtn."
+        )
     passes = iter(hessians(want)) if want else iter(())
     held: tuple[int | None, dict] = (-2, {})
     for layer in sorted(by_layer, key=lambda i: (i < 0, i)):  # decoder layers in order, then the rest
@@ -146,17 +166,23 @@ def quantize_tensors(plan: CompressionPlan, tensors: PlanTensors | None, adapter
             if spec.algo == "gptq" and h is not None and bool(h.diagonal().gt(0).any()):
                 q = gptq(w.float(), h, spec)
             else:
-                spec = spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+                spec = (
+                    spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+                )
                 q = rtn(w.float(), spec)
             base = quant_tensor_prefix(name)
             out.update({f"{base}.{k}": v for k, v in q.packed().items()})
-            dtype = disk[name][0] if disk is not None and name in disk else str(w.dtype).removeprefix("torch.")
+            dtype = (
+                disk[name][0] if disk is not None and name in disk else str(w.dtype).removeprefix("torch.")
+            )
             entries[name] = TensorQuant(kind=cls, shape=tuple(w.shape), dtype=dtype, quant=spec)
         held = (held[0], {}) if held[0] == key else held  # this layer's Hessians are done with
     for _ in passes:  # let the pass finish (it frees its last layer and its activation cache)
         pass
     plan = plan.model_copy(update={"tensor_quant": dict(sorted(entries.items()))})
-    plan = CompressionPlan.model_validate(plan.model_dump())  # validated as a whole, as a loaded plan would be
+    plan = CompressionPlan.model_validate(
+        plan.model_dump()
+    )  # validated as a whole, as a loaded plan would be
     plan.check_tensors(out)
     return plan, out
 

@@ -66,8 +66,10 @@ def _find_router(block: nn.Module, num_experts: int, attrs: tuple[str, ...]) -> 
 def _router_top_k(router: nn.Module, config) -> int:
     k = getattr(router, "top_k", None) or getattr(config, "num_experts_per_tok", None)
     if not k:
-        raise MoECompressError("The model's config does not say how many experts each token uses "
-                               "(num_experts_per_tok); fix config.json and retry.")
+        raise MoECompressError(
+            "The model's config does not say how many experts each token uses "
+            "(num_experts_per_tok); fix config.json and retry."
+        )
     return int(k)
 
 
@@ -76,12 +78,14 @@ def _fallback_candidates(config, router: nn.Module, e: int, k: int) -> list[Rout
     n_group = int(getattr(config, "n_group", None) or 1)
     topk_group = int(getattr(config, "topk_group", None) or 1)
     base = RouterSpec(
-        num_experts=e, top_k=k,
+        num_experts=e,
+        top_k=k,
         scoring="sigmoid" if getattr(config, "scoring_func", "softmax") == "sigmoid" else "softmax",
         norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
         has_bias=getattr(router, "bias", None) is not None,
         has_correction_bias=getattr(router, "e_score_correction_bias", None) is not None,
-        n_group=n_group, topk_group=topk_group,
+        n_group=n_group,
+        topk_group=topk_group,
         group_score="top2_sum" if getattr(router, "e_score_correction_bias", None) is not None else "max",
         routed_scaling_factor=float(getattr(config, "routed_scaling_factor", None) or 1.0),
     )
@@ -90,8 +94,15 @@ def _fallback_candidates(config, router: nn.Module, e: int, k: int) -> list[Rout
         for norm in (False, True):
             for before in (False, True):
                 for eps in (0.0, 1e-20):
-                    out.append(replace(base, scoring=scoring, norm_topk_prob=norm, topk_before_softmax=before,
-                                       norm_eps=eps))
+                    out.append(
+                        replace(
+                            base,
+                            scoring=scoring,
+                            norm_topk_prob=norm,
+                            topk_before_softmax=before,
+                            norm_eps=eps,
+                        )
+                    )
     return out
 
 
@@ -166,18 +177,32 @@ class MoEAdapter:
                 continue
             k = _router_top_k(router, self.config)
             if not 1 <= k <= e:  # torch.topk would fail deep inside the first forward
-                raise MoECompressError(f"Layer {i} of the model routes each token to {k} experts but has only {e} "
-                                       "(num_experts_per_tok exceeds the expert count); fix config.json.")
+                raise MoECompressError(
+                    f"Layer {i} of the model routes each token to {k} experts but has only {e} "
+                    "(num_experts_per_tok exceeds the expert count); fix config.json."
+                )
             if fam is not None:
                 spec, verified = fam.router_spec(self.config, e, k), True
             else:
                 spec, verified = self._infer_router(router, e, k)
             shared_names = (fam.shared_attr,) if fam and fam.shared_attr else (() if fam else _SHARED_ATTRS)
-            shared = next((getattr(block, n) for n in shared_names if getattr(block, n, None) is not None), None)
+            shared = next(
+                (getattr(block, n) for n in shared_names if getattr(block, n, None) is not None), None
+            )
             gate_name = fam.shared_gate_attr if fam else "shared_expert_gate"
             shared_gate = getattr(block, gate_name, None) if gate_name else None
-            return MoELayer(i, attr, block, router, storage, spec, storage.activation(self.config), shared,
-                            shared_gate, verified)
+            return MoELayer(
+                i,
+                attr,
+                block,
+                router,
+                storage,
+                spec,
+                storage.activation(self.config),
+                shared,
+                shared_gate,
+                verified,
+            )
         return None
 
     def _infer_router(self, router: nn.Module, e: int, k: int) -> tuple[RouterSpec, bool]:
@@ -231,7 +256,9 @@ class MoEAdapter:
         try:
             return self.layers[i]
         except KeyError:
-            raise MoECompressError(f"Layer {i} has no routed experts; MoE layers are {self.moe_layers}.") from None
+            raise MoECompressError(
+                f"Layer {i} has no routed experts; MoE layers are {self.moe_layers}."
+            ) from None
 
     def router_spec(self, i: int) -> RouterSpec:
         return self.layer(i).spec

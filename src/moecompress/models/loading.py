@@ -11,8 +11,15 @@ import torch
 
 from ..errors import MoECompressError
 
-_DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(name: str | torch.dtype):
@@ -33,8 +40,10 @@ def resolve_fixture(source: str | os.PathLike) -> str:
     root = Path(__file__).resolve().parent.parent / "fixtures"
     names = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
     if name not in names:
-        raise MoECompressError(f"Unknown fixture '{name}'; the shipped fixtures are {', '.join(names) or 'missing'}"
-                               " (use a full clone of moecompress if none are listed).")
+        raise MoECompressError(
+            f"Unknown fixture '{name}'; the shipped fixtures are {', '.join(names) or 'missing'}"
+            " (use a full clone of moecompress if none are listed)."
+        )
     return str(root / name)
 
 
@@ -47,11 +56,15 @@ def resolve_source(source: str | os.PathLike) -> str:
             raise MoECompressError(f"{source} has no config.json: pass a HuggingFace checkpoint directory.")
         return str(p)
     if p.exists():
-        raise MoECompressError(f"{source} is a file, not a checkpoint directory: pass the directory holding "
-                               "config.json and the safetensors weights.")
+        raise MoECompressError(
+            f"{source} is a file, not a checkpoint directory: pass the directory holding "
+            "config.json and the safetensors weights."
+        )
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise MoECompressError(f"No model directory at {source}: pass an existing local checkpoint directory "
-                               "or a hub id such as Qwen/Qwen3-30B-A3B.")
+        raise MoECompressError(
+            f"No model directory at {source}: pass an existing local checkpoint directory "
+            "or a hub id such as Qwen/Qwen3-30B-A3B."
+        )
     return source
 
 
@@ -84,8 +97,9 @@ def load_config(source: str, trust_remote_code: bool = False):
             try:
                 model_type = json.loads((Path(src) / "config.json").read_text()).get("model_type")
             except (OSError, json.JSONDecodeError):
-                raise MoECompressError(f"{src}/config.json is not valid JSON: the checkpoint is corrupted; "
-                                       "re-download it.") from None
+                raise MoECompressError(
+                    f"{src}/config.json is not valid JSON: the checkpoint is corrupted; re-download it."
+                ) from None
             raise MoECompressError(
                 f"Unknown architecture '{model_type}' in {src}: the installed transformers does not know it; "
                 "upgrade transformers or pass --trust-remote-code if you trust the checkpoint's code."
@@ -110,9 +124,15 @@ def skeleton(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bool = False,
-               experts_implementation: str | None = None, max_memory: dict | None = None,
-               offload_folder: str | None = None):
+def load_model(
+    source: str,
+    dtype="auto",
+    device_map=None,
+    trust_remote_code: bool = False,
+    experts_implementation: str | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
+):
     """Load a causal LM from a directory or hub id (safetensors only, never pickled weights).
 
     device_map / max_memory / offload_folder go to `from_pretrained` (accelerate offloading)."""
@@ -125,8 +145,12 @@ def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bo
     index = Path(src) / "model.safetensors.index.json"
     if index.is_file():  # transformers would open whatever shard path the index names
         read_weight_map(index)
-    kwargs = dict(dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code,
-                  **_offline_kwargs(src))
+    kwargs = dict(
+        dtype=parse_dtype(dtype),
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+        **_offline_kwargs(src),
+    )
     if device_map is not None:
         kwargs["device_map"] = device_map
     if max_memory is not None:
@@ -139,7 +163,9 @@ def load_model(source: str, dtype="auto", device_map=None, trust_remote_code: bo
         model = AutoModelForCausalLM.from_pretrained(src, config=config, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise MoECompressError(f"Could not load weights from {src} ({first}); check that the directory holds "
-                               "complete safetensors weights for this config.") from None
+        raise MoECompressError(
+            f"Could not load weights from {src} ({first}); check that the directory holds "
+            "complete safetensors weights for this config."
+        ) from None
     model.eval()
     return model

@@ -85,7 +85,9 @@ class Routing:
     weight: torch.Tensor
 
 
-def router_logits(spec: RouterSpec, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def router_logits(
+    spec: RouterSpec, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     if spec.fp32_logits:
         return F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     return F.linear(h, weight, bias)
@@ -141,7 +143,9 @@ def route(
         top_vals, index = torch.topk(choice, k, dim=-1)
         # keep and renorm coincide: the softmax only ever sees the selected logits
         weight_out = torch.softmax(top_vals.float(), dim=-1)
-        return Routing(logits, probs, index, (weight_out * spec.routed_scaling_factor).to(_out_dtype(spec, h, logits)))
+        return Routing(
+            logits, probs, index, (weight_out * spec.routed_scaling_factor).to(_out_dtype(spec, h, logits))
+        )
 
     if spec.scoring == "sigmoid":
         probs = torch.sigmoid(logits_eff.float())

@@ -43,10 +43,14 @@ class ExpertWeights:
     up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
 
-    def map(self, fn) -> "ExpertWeights":
+    def map(self, fn) -> ExpertWeights:
         """Apply fn to every tensor present (e.g. indexing, dtype casts)."""
-        return ExpertWeights(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
-                                for f in fields(self)})
+        return ExpertWeights(
+            **{
+                f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                for f in fields(self)
+            }
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -56,7 +60,7 @@ class ExpertWeights:
         return self.gate_bias is not None
 
     @staticmethod
-    def stack(experts: list["ExpertWeights"]) -> "ExpertWeights":
+    def stack(experts: list[ExpertWeights]) -> ExpertWeights:
         names = experts[0].tensors().keys()
         return ExpertWeights(**{n: torch.stack([getattr(e, n) for e in experts]) for n in names})
 
@@ -101,7 +105,7 @@ class ExpertStorage:
     names: dict[str, str] = field(default_factory=dict)  # modulelist: gate/up/down attribute names
 
     @staticmethod
-    def detect(module: nn.Module, fused: FusedLayout | None = None) -> "ExpertStorage | None":
+    def detect(module: nn.Module, fused: FusedLayout | None = None) -> ExpertStorage | None:
         """The storage of `module`, or None if it holds no experts we can read. fused: the layout of 3-D
         ``gate_up_proj`` storage when the family declares it; otherwise a biased one is ``gpt_oss``."""
         gu = getattr(module, "gate_up_proj", None)
@@ -153,8 +157,14 @@ class ExpertStorage:
         if self.layout == "gpt_oss":
             gu = m.gate_up_proj.transpose(1, 2)  # [E, 2I, H], interleaved rows
             b = m.gate_up_proj_bias
-            return ExpertWeights(gu[:, 0::2], gu[:, 1::2], m.down_proj.transpose(1, 2),
-                                 b[:, 0::2], b[:, 1::2], m.down_proj_bias)
+            return ExpertWeights(
+                gu[:, 0::2],
+                gu[:, 1::2],
+                m.down_proj.transpose(1, 2),
+                b[:, 0::2],
+                b[:, 1::2],
+                m.down_proj_bias,
+            )
         return ExpertWeights.stack([self.read(e) for e in range(len(m))])
 
     def read(self, e: int) -> ExpertWeights:
@@ -162,8 +172,14 @@ class ExpertStorage:
         if self.layout == "modulelist":
             mlp = self.module[e]
             lin = {k: getattr(mlp, n) for k, n in self.names.items()}
-            return ExpertWeights(lin["gate"].weight, lin["up"].weight, lin["down"].weight,
-                                 lin["gate"].bias, lin["up"].bias, lin["down"].bias)
+            return ExpertWeights(
+                lin["gate"].weight,
+                lin["up"].weight,
+                lin["down"].weight,
+                lin["gate"].bias,
+                lin["up"].bias,
+                lin["down"].bias,
+            )
         return self.read_all().map(lambda t: t[e])
 
     @torch.no_grad()
@@ -194,4 +210,3 @@ class ExpertStorage:
             return ExpertActivation("gpt_oss", alpha=float(self.module.alpha), limit=float(self.module.limit))
         act = getattr(config, "hidden_act", "silu")
         return ExpertActivation("glu", act=act)
-

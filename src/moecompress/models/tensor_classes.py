@@ -78,7 +78,7 @@ def tensor_classes(adapter) -> dict[str, str]:
     def walk(prefix: str, module: nn.Module, inherited: str) -> None:
         cls = "norm" if _is_norm(module) else roots.get(id(module), inherited)
         module_class[prefix] = cls
-        for name, p in module.named_parameters(prefix=prefix, recurse=False):
+        for name, _p in module.named_parameters(prefix=prefix, recurse=False):
             out.setdefault(name, cls)
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
@@ -90,8 +90,9 @@ def tensor_classes(adapter) -> dict[str, str]:
     seen: set[int] = set()
     keep = {}
     # deduplicate shared tensors (a tied lm_head) as named_parameters does: the first name wins
-    for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(
-            remove_duplicate=False)):
+    for name, p in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
         if name in out and id(p) not in seen:
             seen.add(id(p))
             keep[name] = out[name]

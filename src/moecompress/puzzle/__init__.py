@@ -6,8 +6,8 @@ quantize (quant.py), run (modules.py; Triton kernel in triton_kernel.py). See do
 
 from .codes import (
     Packing,
-    expected_for,
     check_packed_tensors,
+    expected_for,
     expected_tensors,
     member_suffixes,
     packed_nbytes,

@@ -8,12 +8,29 @@ import triton.language as tl
 
 
 def packed_pair_gemm_kernel(
-    xi_ptr, xj_ptr, w_ptr, yi_ptr, yj_ptr,
-    M_i, M_j, N, K,
-    stride_xim, stride_xik, stride_xjm, stride_xjk,
-    stride_wn, stride_wk,
-    stride_yim, stride_yin, stride_yjm, stride_yjn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    xi_ptr,
+    xj_ptr,
+    w_ptr,
+    yi_ptr,
+    yj_ptr,
+    M_i,
+    M_j,
+    N,
+    K,
+    stride_xim,
+    stride_xik,
+    stride_xjm,
+    stride_xjk,
+    stride_wn,
+    stride_wk,
+    stride_yim,
+    stride_yin,
+    stride_yjm,
+    stride_yjn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """Y_i[m, n] = Σ_k X_i[m, k] Ŵ_i[n, k] and Y_j likewise, decoding each packed word once.
@@ -38,8 +55,11 @@ def packed_pair_gemm_kernel(
         offs_k = k0 + rk
         k_mask = offs_k < K
         # One read of the packed tile, laid out [BLOCK_K, BLOCK_N] (W is [N, K] like nn.Linear).
-        p = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                    mask=k_mask[:, None] & n_mask[None, :], other=0)
+        p = tl.load(
+            w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0,
+        )
         p = p.to(tl.int32) & 0xFFFF
         # Decode in registers: magnitude = (word & 0xFFF) + (112 << 7); bit 15/14 masks, bit 13/12 signs.
         mag = (p & 0x0FFF) + 0x3800
@@ -47,10 +67,16 @@ def packed_pair_gemm_kernel(
         wj = tl.where(((p >> 14) & 1) != 0, mag | (((p >> 12) & 1) << 15), 0)
         wi = wi.to(tl.int16).to(tl.bfloat16, bitcast=True)
         wj = wj.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        xi = tl.load(xi_ptr + offs_m[:, None] * stride_xim + offs_k[None, :] * stride_xik,
-                     mask=mi_mask[:, None] & k_mask[None, :], other=0.0)
-        xj = tl.load(xj_ptr + offs_m[:, None] * stride_xjm + offs_k[None, :] * stride_xjk,
-                     mask=mj_mask[:, None] & k_mask[None, :], other=0.0)
+        xi = tl.load(
+            xi_ptr + offs_m[:, None] * stride_xim + offs_k[None, :] * stride_xik,
+            mask=mi_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        xj = tl.load(
+            xj_ptr + offs_m[:, None] * stride_xjm + offs_k[None, :] * stride_xjk,
+            mask=mj_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         if DOT_FP32:
             xi, wi = xi.to(tl.float32), wi.to(tl.float32)
             xj, wj = xj.to(tl.float32), wj.to(tl.float32)

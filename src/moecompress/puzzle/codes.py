@@ -39,11 +39,16 @@ class Packing:
 def parse_packing(code: str) -> Packing:
     m = _PACKING.match(code or "")
     if m is None:
-        raise MoECompressError(f"Unknown packing '{code}'; use pair-bf16, pair-q3-g128, pair-q4-g128 or group3-bf16 "
-                               "/ group4-bf16.")
+        raise MoECompressError(
+            f"Unknown packing '{code}'; use pair-bf16, pair-q3-g128, pair-q4-g128 or group3-bf16 "
+            "/ group4-bf16."
+        )
     if m.group(1) == "pair":
-        spec = Packing(2, None if m.group(3) == "bf16" else int(m.group(4)),
-                       128 if m.group(3) == "bf16" else int(m.group(5)))
+        spec = Packing(
+            2,
+            None if m.group(3) == "bf16" else int(m.group(4)),
+            128 if m.group(3) == "bf16" else int(m.group(5)),
+        )
         if spec.bits is not None and spec.bits not in (3, 4):
             raise MoECompressError(f"Packing '{code}' quantizes to {spec.bits} bits; use 3 or 4.")
         if spec.group_size < 1:
@@ -51,8 +56,10 @@ def parse_packing(code: str) -> Packing:
         return spec
     g = int(m.group(2))
     if g < 3 or m.group(3) != "bf16":
-        raise MoECompressError(f"Packing '{code}' is not supported; explicit groups need 3 or more members and bf16 "
-                               "(pairs use pair-bf16 / pair-q3-g128).")
+        raise MoECompressError(
+            f"Packing '{code}' is not supported; explicit groups need 3 or more members and bf16 "
+            "(pairs use pair-bf16 / pair-q3-g128)."
+        )
     return Packing(g, None, 128, explicit=True)
 
 
@@ -61,8 +68,10 @@ def packing_code(members: int, quant_bits: int | None = None, group_size: int = 
     if members == 2:
         return Packing(2, quant_bits, group_size).code()
     if quant_bits is not None:
-        raise MoECompressError("Quantization on top applies to packed pairs only; use ratio 0.5 or 0.25 with "
-                               "quant_bits, or quant_bits null for groups of 3 or 4.")
+        raise MoECompressError(
+            "Quantization on top applies to packed pairs only; use ratio 0.5 or 0.25 with "
+            "quant_bits, or quant_bits null for groups of 3 or 4."
+        )
     return Packing(members, None, 128, explicit=True).code()
 
 
@@ -70,8 +79,9 @@ def member_suffixes(spec: Packing) -> list[str]:
     return ["i", "j"] if spec.kind == "pair" else [str(m) for m in range(spec.members)]
 
 
-def expected_tensors(spec: Packing, width: int, hidden: int, bias: bool,
-                     bias_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_tensors(
+    spec: Packing, width: int, hidden: int, bias: bool, bias_dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Relative key -> (shape, dtype) of every tensor a packed stored expert of this shape holds."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     projections = {"gate_up": (2 * width, hidden), "down": (hidden, width)}
@@ -96,8 +106,13 @@ def expected_tensors(spec: Packing, width: int, hidden: int, bias: bool,
 
 def expected_for(plan, sc, s):
     spec = parse_packing(s.packing)
-    return spec, expected_tensors(spec, plan.stored_width(sc, s), plan.model.hidden_size, plan.model.expert_bias,
-                                  getattr(torch, plan.model.dtype))
+    return spec, expected_tensors(
+        spec,
+        plan.stored_width(sc, s),
+        plan.model.hidden_size,
+        plan.model.expert_bias,
+        getattr(torch, plan.model.dtype),
+    )
 
 
 def check_packed_tensors(plan, sc, s, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -107,15 +122,23 @@ def check_packed_tensors(plan, sc, s, tensors: Mapping[str, torch.Tensor]) -> No
         key = f"{s.tensor}.{rel}"
         t = tensors.get(key)
         if t is None:
-            raise MoECompressError(f"The plan tensors lack '{key}' of packed stored expert {s.id} in scope '{sc.id}'; "
-                                   "pass the tensors the method produced (plan_tensors.safetensors).")
-        if tuple(t.shape) != shape or (t.dtype != dtype and not rel.startswith(("gate_up_bias", "down_bias"))):
-            raise MoECompressError(f"Plan tensor '{key}' is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}; "
-                                   "the tensors do not belong to this plan.")
+            raise MoECompressError(
+                f"The plan tensors lack '{key}' of packed stored expert {s.id} in scope '{sc.id}'; "
+                "pass the tensors the method produced (plan_tensors.safetensors)."
+            )
+        if tuple(t.shape) != shape or (
+            t.dtype != dtype and not rel.startswith(("gate_up_bias", "down_bias"))
+        ):
+            raise MoECompressError(
+                f"Plan tensor '{key}' is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}; "
+                "the tensors do not belong to this plan."
+            )
 
 
 def packed_nbytes(plan, sc, s) -> int:
     """Bytes of a packed stored expert's tensors, from its shapes alone."""
     _, expected = expected_for(plan, sc, s)
-    return sum(torch.empty((), dtype=dt).element_size() * int(torch.Size(shape).numel())
-               for shape, dt in expected.values())
+    return sum(
+        torch.empty((), dtype=dt).element_size() * int(torch.Size(shape).numel())
+        for shape, dt in expected.values()
+    )

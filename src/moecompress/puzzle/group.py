@@ -55,8 +55,12 @@ class GroupLinear(nn.Module):
 
     @classmethod
     def from_merge(cls, merge: GroupMerge) -> GroupLinear:
-        return cls(merge.w_merged.to(torch.bfloat16), pack_bits(merge.masks), pack_bits(merge.signs),
-                   merge.group_size)
+        return cls(
+            merge.w_merged.to(torch.bfloat16),
+            pack_bits(merge.masks),
+            pack_bits(merge.signs),
+            merge.group_size,
+        )
 
     @property
     def out_features(self) -> int:
@@ -80,8 +84,10 @@ class GroupLinear(nn.Module):
             return [None] * len(xs)
         ws = self.decode(ref.dtype)
         biases = biases or [None] * len(xs)
-        return [None if x is None else F.linear(x, w, None if b is None else b.to(x.dtype))
-                for x, w, b in zip(xs, ws, biases)]
+        return [
+            None if x is None else F.linear(x, w, None if b is None else b.to(x.dtype))
+            for x, w, b in zip(xs, ws, biases)
+        ]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w_merged, self.masks, self.signs))
@@ -90,8 +96,13 @@ class GroupLinear(nn.Module):
 class GroupMergedExperts(nn.Module):
     """All G experts of a merged group: forward([x_0, ..., x_{G-1}]) -> [f_0(x_0), ..., f_{G-1}(x_{G-1})]."""
 
-    def __init__(self, gate_up: GroupLinear, down: GroupLinear, act: ExpertActivation | None = None,
-                 biases: list[ExpertWeights | None] | None = None):
+    def __init__(
+        self,
+        gate_up: GroupLinear,
+        down: GroupLinear,
+        act: ExpertActivation | None = None,
+        biases: list[ExpertWeights | None] | None = None,
+    ):
         super().__init__()
         if gate_up.out_features != 2 * down.in_features or gate_up.in_features != down.out_features:
             raise MoECompressError("Group gate_up and down do not form an expert ([2I, H] and [H, I]).")
@@ -111,9 +122,15 @@ class GroupMergedExperts(nn.Module):
             self.register_buffer(f"down_bias_{m}", None if b is None else b.down)
 
     @classmethod
-    def from_merge(cls, merge: dict[str, GroupMerge], act: ExpertActivation | None = None,
-                   biases: list[ExpertWeights | None] | None = None) -> GroupMergedExperts:
-        return cls(GroupLinear.from_merge(merge["gate_up"]), GroupLinear.from_merge(merge["down"]), act, biases)
+    def from_merge(
+        cls,
+        merge: dict[str, GroupMerge],
+        act: ExpertActivation | None = None,
+        biases: list[ExpertWeights | None] | None = None,
+    ) -> GroupMergedExperts:
+        return cls(
+            GroupLinear.from_merge(merge["gate_up"]), GroupLinear.from_merge(merge["down"]), act, biases
+        )
 
     @property
     def intermediate_size(self) -> int:
@@ -134,9 +151,16 @@ class GroupMergedExperts(nn.Module):
         out = []
         for m in range(self.members):
             gub, db = getattr(self, f"gate_up_bias_{m}"), getattr(self, f"down_bias_{m}")
-            out.append(ExpertWeights(gate=gus[m][:i_size], up=gus[m][i_size:], down=dns[m],
-                                     gate_bias=None if gub is None else gub[:i_size],
-                                     up_bias=None if gub is None else gub[i_size:], down_bias=db))
+            out.append(
+                ExpertWeights(
+                    gate=gus[m][:i_size],
+                    up=gus[m][i_size:],
+                    down=dns[m],
+                    gate_bias=None if gub is None else gub[:i_size],
+                    up_bias=None if gub is None else gub[i_size:],
+                    down_bias=db,
+                )
+            )
         return out
 
     def nbytes(self) -> int:

@@ -38,7 +38,9 @@ DEFAULT_TAU = 0.4
 
 def _check_tau(tau: float) -> None:
     if not 0.0 <= float(tau) <= 1.0:
-        raise MoECompressError(f"The PuzzleMoE similarity threshold tau={tau} is outside [0, 1]; use e.g. 0.4.")
+        raise MoECompressError(
+            f"The PuzzleMoE similarity threshold tau={tau} is outside [0, 1]; use e.g. 0.4."
+        )
 
 
 def _norm_row(norm: torch.Tensor | None, w: torch.Tensor, who: str) -> torch.Tensor:
@@ -58,11 +60,14 @@ def symmetric_difference(w_i: torch.Tensor, w_j: torch.Tensor) -> torch.Tensor:
     """Δ = ||W_i| − |W_j|| / (|W_i| + |W_j|) in float32 (Eq. 1), with 0/0 defined as 0."""
     a_i, a_j = w_i.float().abs(), w_j.float().abs()
     den = a_i + a_j
-    return torch.where(den > 0, (a_i - a_j).abs() / den.clamp_min(torch.finfo(torch.float32).tiny),
-                       torch.zeros_like(den))
+    return torch.where(
+        den > 0, (a_i - a_j).abs() / den.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(den)
+    )
 
 
-def similarity_fraction(w_i: torch.Tensor, w_j: torch.Tensor, tau: float = DEFAULT_TAU, strict: bool = True) -> float:
+def similarity_fraction(
+    w_i: torch.Tensor, w_j: torch.Tensor, tau: float = DEFAULT_TAU, strict: bool = True
+) -> float:
     """Fraction of elements with Δ < τ (strict, as in Lemma 3.1) or Δ ≤ τ (the mask's rule)."""
     d = symmetric_difference(w_i, w_j)
     return float(((d < tau) if strict else (d <= tau)).float().mean())
@@ -103,12 +108,21 @@ class PairMerge:
 
     def stats(self) -> dict[str, float]:
         """Fractions of merged (similar) elements and of elements kept by each expert."""
-        return {"merged_fraction": float(self.m_sim.float().mean()),
-                "kept_i": float(self.m_i.float().mean()), "kept_j": float(self.m_j.float().mean())}
+        return {
+            "merged_fraction": float(self.m_sim.float().mean()),
+            "kept_i": float(self.m_i.float().mean()),
+            "kept_j": float(self.m_j.float().mean()),
+        }
 
 
-def reconstruct_pair(w_merged: torch.Tensor, m_i: torch.Tensor, m_j: torch.Tensor, s_i: torch.Tensor,
-                     s_j: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reconstruct_pair(
+    w_merged: torch.Tensor,
+    m_i: torch.Tensor,
+    m_j: torch.Tensor,
+    s_i: torch.Tensor,
+    s_j: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense reconstruction Ŵ_e = (−1)^{S_e} ⊙ M_e ⊙ W_merged (PuzzleMoE §3.2, last equation)."""
     w = w_merged if dtype is None else w_merged.to(dtype)
     zero = torch.zeros_like(w)
@@ -117,8 +131,13 @@ def reconstruct_pair(w_merged: torch.Tensor, m_i: torch.Tensor, m_j: torch.Tenso
     return w_i, w_j
 
 
-def merge_pair(w_i: torch.Tensor, w_j: torch.Tensor, x_norm_i: torch.Tensor | None = None,
-               x_norm_j: torch.Tensor | None = None, tau: float = DEFAULT_TAU) -> PairMerge:
+def merge_pair(
+    w_i: torch.Tensor,
+    w_j: torch.Tensor,
+    x_norm_i: torch.Tensor | None = None,
+    x_norm_j: torch.Tensor | None = None,
+    tau: float = DEFAULT_TAU,
+) -> PairMerge:
     """Dual-mask merge of one projection of experts i and j (formulas in the module docstring).
 
     ``w_*`` are [out, in]; ``x_norm_*`` are [in] per-input-channel L2 norms of the expert's routed inputs
@@ -135,8 +154,9 @@ def merge_pair(w_i: torch.Tensor, w_j: torch.Tensor, x_norm_i: torch.Tensor | No
     m_sim = symmetric_difference(w_i, w_j) <= tau
     sal_i = a_i * _norm_row(x_norm_i, w_i, "expert i") >= a_j * _norm_row(x_norm_j, w_j, "expert j")
     w_merged = torch.where(m_sim, (a_i + a_j) / 2, torch.where(sal_i, a_i, a_j))
-    return PairMerge(w_merged=w_merged, m_i=sal_i | m_sim, m_j=~sal_i | m_sim,
-                     s_i=w_i < 0, s_j=w_j < 0, m_sim=m_sim)
+    return PairMerge(
+        w_merged=w_merged, m_i=sal_i | m_sim, m_j=~sal_i | m_sim, s_i=w_i < 0, s_j=w_j < 0, m_sim=m_sim
+    )
 
 
 @dataclass
@@ -163,8 +183,11 @@ class GroupMerge:
         return n * (value_bits + 2 * self.group_size)
 
 
-def merge_group(weights: Sequence[torch.Tensor], x_norms: Sequence[torch.Tensor | None] | None = None,
-                tau: float = DEFAULT_TAU) -> GroupMerge:
+def merge_group(
+    weights: Sequence[torch.Tensor],
+    x_norms: Sequence[torch.Tensor | None] | None = None,
+    tau: float = DEFAULT_TAU,
+) -> GroupMerge:
     """Anchor-based generalisation of the dual-mask merge to G ≥ 2 members (see the module docstring)."""
     _check_tau(tau)
     g = len(weights)
@@ -172,18 +195,25 @@ def merge_group(weights: Sequence[torch.Tensor], x_norms: Sequence[torch.Tensor 
         raise MoECompressError(f"A merge group needs at least 2 experts, got {g}.")
     shape = weights[0].shape
     if any(w.shape != shape for w in weights) or len(shape) != 2:
-        raise MoECompressError("All members of a merge group must have 2-D weights of the same shape [out, in].")
+        raise MoECompressError(
+            "All members of a merge group must have 2-D weights of the same shape [out, in]."
+        )
     norms = list(x_norms) if x_norms is not None else [None] * g
     if len(norms) != g:
-        raise MoECompressError(f"Got {len(norms)} input-norm vectors for a group of {g} experts; pass one per member.")
+        raise MoECompressError(
+            f"Got {len(norms)} input-norm vectors for a group of {g} experts; pass one per member."
+        )
     mags = torch.stack([w.float().abs() for w in weights])
     sal = torch.stack([mags[k] * _norm_row(norms[k], weights[k], f"member {k}") for k in range(g)])
     # argmax returns the first maximal index, matching the pair rule's tie-break (A_i ≥ A_j -> i).
     anchor = sal.argmax(dim=0, keepdim=True)
     a_anchor = mags.gather(0, anchor)
     den = mags + a_anchor
-    delta = torch.where(den > 0, (mags - a_anchor).abs() / den.clamp_min(torch.finfo(torch.float32).tiny),
-                        torch.zeros_like(den))
+    delta = torch.where(
+        den > 0,
+        (mags - a_anchor).abs() / den.clamp_min(torch.finfo(torch.float32).tiny),
+        torch.zeros_like(den),
+    )
     masks = delta <= tau
     masks.scatter_(0, anchor, True)  # the anchor always agrees (guards tau = 0 edge cases too)
     w_merged = (mags * masks).sum(0) / masks.sum(0)
@@ -242,9 +272,16 @@ class ExpertPairMerge:
         d_i, d_j = self.down.reconstruct(dtype)
         out = []
         for gu, d, b in ((gu_i, d_i, self.bias_i), (gu_j, d_j, self.bias_j)):
-            out.append(ExpertWeights(gate=gu[:i_size], up=gu[i_size:], down=d,
-                                     gate_bias=None if b is None else b.gate, up_bias=None if b is None else b.up,
-                                     down_bias=None if b is None else b.down))
+            out.append(
+                ExpertWeights(
+                    gate=gu[:i_size],
+                    up=gu[i_size:],
+                    down=d,
+                    gate_bias=None if b is None else b.gate,
+                    up_bias=None if b is None else b.up,
+                    down_bias=None if b is None else b.down,
+                )
+            )
         return out[0], out[1]
 
     def rounded(self, underflow: str = "nearest") -> ExpertPairMerge:
@@ -257,18 +294,27 @@ def _biases(e: ExpertWeights) -> ExpertWeights | None:
     return ExpertWeights(gate=e.gate_bias, up=e.up_bias, down=e.down_bias)
 
 
-def merge_expert_pair(e_i: ExpertWeights, e_j: ExpertWeights, norms_i: InputNorms | None = None,
-                      norms_j: InputNorms | None = None, tau: float = DEFAULT_TAU) -> ExpertPairMerge:
+def merge_expert_pair(
+    e_i: ExpertWeights,
+    e_j: ExpertWeights,
+    norms_i: InputNorms | None = None,
+    norms_j: InputNorms | None = None,
+    tau: float = DEFAULT_TAU,
+) -> ExpertPairMerge:
     """Dual-mask merge of two whole experts (gate [I, H], up [I, H], down [H, I]) -> ExpertPairMerge."""
     norms_i, norms_j = norms_i or InputNorms(), norms_j or InputNorms()
-    gate_up = merge_pair(torch.cat([e_i.gate, e_i.up]), torch.cat([e_j.gate, e_j.up]),
-                         norms_i.hidden, norms_j.hidden, tau)
+    gate_up = merge_pair(
+        torch.cat([e_i.gate, e_i.up]), torch.cat([e_j.gate, e_j.up]), norms_i.hidden, norms_j.hidden, tau
+    )
     down = merge_pair(e_i.down, e_j.down, norms_i.intermediate, norms_j.intermediate, tau)
     return ExpertPairMerge(gate_up=gate_up, down=down, bias_i=_biases(e_i), bias_j=_biases(e_j))
 
 
-def merge_expert_group(experts: Sequence[ExpertWeights], norms: Sequence[InputNorms | None] | None = None,
-                       tau: float = DEFAULT_TAU) -> dict[str, GroupMerge]:
+def merge_expert_group(
+    experts: Sequence[ExpertWeights],
+    norms: Sequence[InputNorms | None] | None = None,
+    tau: float = DEFAULT_TAU,
+) -> dict[str, GroupMerge]:
     """Group merge of whole experts -> {"gate_up": GroupMerge [2I, H], "down": GroupMerge [H, I]}."""
     norms = [n or InputNorms() for n in (norms or [None] * len(experts))]
     gate_up = merge_group([torch.cat([e.gate, e.up]) for e in experts], [n.hidden for n in norms], tau)

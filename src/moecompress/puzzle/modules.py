@@ -39,9 +39,14 @@ def _linear(x: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None) -> 
     return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
 
-def packed_pair_linear(x_i: torch.Tensor | None, x_j: torch.Tensor | None, packed: torch.Tensor,
-                       bias_i: torch.Tensor | None = None, bias_j: torch.Tensor | None = None,
-                       backend: Backend = "auto") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def packed_pair_linear(
+    x_i: torch.Tensor | None,
+    x_j: torch.Tensor | None,
+    packed: torch.Tensor,
+    bias_i: torch.Tensor | None = None,
+    bias_j: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(x_i @ Ŵ_iᵀ + b_i, x_j @ Ŵ_jᵀ + b_j) for packed int16 words [out, in]; x_* are [..., in].
 
     The torch reference decodes Ŵ in the inputs' dtype (bf16 values are exact in float32) and calls
@@ -52,8 +57,10 @@ def packed_pair_linear(x_i: torch.Tensor | None, x_j: torch.Tensor | None, packe
         return None, None
     for x in (x_i, x_j):
         if x is not None and x.shape[-1] != packed.shape[-1]:
-            raise MoECompressError(f"Input has {x.shape[-1]} features but the packed weight expects "
-                                   f"{packed.shape[-1]}; check which projection you are calling.")
+            raise MoECompressError(
+                f"Input has {x.shape[-1]} features but the packed weight expects "
+                f"{packed.shape[-1]}; check which projection you are calling."
+            )
     if _use_triton(backend, ref):
         from .triton_kernel import packed_pair_linear_triton
 
@@ -100,8 +107,14 @@ class PackedPairLinear(nn.Module):
 class QuantPairLinear(nn.Module):
     """One projection of a merged pair with W_merged group-quantized (see quant.py for the layout)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], bits: int,
-                 group_size: int = 128):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        shape: tuple[int, int],
+        bits: int,
+        group_size: int = 128,
+    ):
         super().__init__()
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
@@ -110,7 +123,9 @@ class QuantPairLinear(nn.Module):
 
     @classmethod
     def from_merge(cls, merge: PairMerge, bits: int = 3, group_size: int = 128) -> QuantPairLinear:
-        codes, scales = quantize_pair(merge.w_merged, merge.m_i, merge.m_j, merge.s_i, merge.s_j, bits, group_size)
+        codes, scales = quantize_pair(
+            merge.w_merged, merge.m_i, merge.m_j, merge.s_i, merge.s_j, bits, group_size
+        )
         return cls(codes, scales, tuple(merge.shape), bits, group_size)
 
     @property
@@ -133,11 +148,17 @@ class QuantPairLinear(nn.Module):
         return _linear(x_i, w_i, bias_i), _linear(x_j, w_j, bias_j)
 
     def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+        return (
+            self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+        )
 
     def meta(self) -> dict:
-        return {"format": f"q{self.bits}_g{self.group_size}", "shape": list(self.shape), "bits": self.bits,
-                "group_size": self.group_size}
+        return {
+            "format": f"q{self.bits}_g{self.group_size}",
+            "shape": list(self.shape),
+            "bits": self.bits,
+            "group_size": self.group_size,
+        }
 
 
 PairLinear = PackedPairLinear | QuantPairLinear
@@ -147,8 +168,9 @@ def pair_linear_from_meta(meta: dict, tensors: dict[str, torch.Tensor]) -> PairL
     """Rebuild a projection from ``meta()`` and its state_dict tensors (for loaders)."""
     if meta["format"] == "bf16_packed":
         return PackedPairLinear(tensors["packed"])
-    return QuantPairLinear(tensors["codes"], tensors["scales"], tuple(meta["shape"]), meta["bits"],
-                           meta["group_size"])
+    return QuantPairLinear(
+        tensors["codes"], tensors["scales"], tuple(meta["shape"]), meta["bits"], meta["group_size"]
+    )
 
 
 class PackedPairExperts(nn.Module):
@@ -158,8 +180,14 @@ class PackedPairExperts(nn.Module):
     either may be None). Biases, when the family has them, are kept per expert (not merged).
     """
 
-    def __init__(self, gate_up: PairLinear, down: PairLinear, act: ExpertActivation | None = None,
-                 bias_i: ExpertWeights | None = None, bias_j: ExpertWeights | None = None):
+    def __init__(
+        self,
+        gate_up: PairLinear,
+        down: PairLinear,
+        act: ExpertActivation | None = None,
+        bias_i: ExpertWeights | None = None,
+        bias_j: ExpertWeights | None = None,
+    ):
         super().__init__()
         if gate_up.out_features != 2 * down.in_features or gate_up.in_features != down.out_features:
             raise MoECompressError(
@@ -179,13 +207,21 @@ class PackedPairExperts(nn.Module):
             self.register_buffer(f"down_bias_{tag}", None if b is None else b.down)
 
     @classmethod
-    def from_merge(cls, merge: ExpertPairMerge, act: ExpertActivation | None = None, quant_bits: int | None = None,
-                   group_size: int = 128, underflow: Underflow = "nearest") -> PackedPairExperts:
+    def from_merge(
+        cls,
+        merge: ExpertPairMerge,
+        act: ExpertActivation | None = None,
+        quant_bits: int | None = None,
+        group_size: int = 128,
+        underflow: Underflow = "nearest",
+    ) -> PackedPairExperts:
         """Pack (quant_bits None) or quantize (3/4 bits) both projections of a merged expert pair."""
         if quant_bits is None:
             gu, dn = (PackedPairLinear.from_merge(m, underflow) for m in (merge.gate_up, merge.down))
         else:
-            gu, dn = (QuantPairLinear.from_merge(m, quant_bits, group_size) for m in (merge.gate_up, merge.down))
+            gu, dn = (
+                QuantPairLinear.from_merge(m, quant_bits, group_size) for m in (merge.gate_up, merge.down)
+            )
         return cls(gu, dn, act, merge.bias_i, merge.bias_j)
 
     @property
@@ -207,9 +243,16 @@ class PackedPairExperts(nn.Module):
         out = []
         for k, tag in enumerate(("i", "j")):
             gub, db = getattr(self, f"gate_up_bias_{tag}"), getattr(self, f"down_bias_{tag}")
-            out.append(ExpertWeights(gate=gu[k][:i_size], up=gu[k][i_size:], down=dn[k],
-                                     gate_bias=None if gub is None else gub[:i_size],
-                                     up_bias=None if gub is None else gub[i_size:], down_bias=db))
+            out.append(
+                ExpertWeights(
+                    gate=gu[k][:i_size],
+                    up=gu[k][i_size:],
+                    down=dn[k],
+                    gate_bias=None if gub is None else gub[:i_size],
+                    up_bias=None if gub is None else gub[i_size:],
+                    down_bias=db,
+                )
+            )
         return out[0], out[1]
 
     def nbytes(self) -> int:
@@ -222,13 +265,20 @@ class PackedPairExperts(nn.Module):
     @classmethod
     def from_state(cls, meta: dict, state: dict[str, torch.Tensor]) -> PackedPairExperts:
         """Rebuild from ``meta()`` and ``state_dict()`` (keys as written by state_dict)."""
-        sub = lambda p: {k[len(p) + 1:]: v for k, v in state.items() if k.startswith(p + ".")}
+        sub = lambda p: {k[len(p) + 1 :]: v for k, v in state.items() if k.startswith(p + ".")}
         gu = pair_linear_from_meta(meta["gate_up"], sub("gate_up"))
         dn = pair_linear_from_meta(meta["down"], sub("down"))
         biases = {}
         i_size = dn.in_features
         for tag in ("i", "j"):
             gub, db = state.get(f"gate_up_bias_{tag}"), state.get(f"down_bias_{tag}")
-            biases[tag] = None if gub is None and db is None else ExpertWeights(
-                gate=None if gub is None else gub[:i_size], up=None if gub is None else gub[i_size:], down=db)
+            biases[tag] = (
+                None
+                if gub is None and db is None
+                else ExpertWeights(
+                    gate=None if gub is None else gub[:i_size],
+                    up=None if gub is None else gub[i_size:],
+                    down=db,
+                )
+            )
         return cls(gu, dn, ExpertActivation(**meta.get("act", {})), biases["i"], biases["j"])

@@ -37,7 +37,7 @@ from ..errors import MoECompressError
 EXP_BIAS = 112  # exponents 112..143 are stored as 0..31
 EXP_SHIFTED_MAX = 31
 MIN_NORMAL = 2.0 ** (EXP_BIAS - 127)  # 2^-15, the smallest non-zero packable value
-MAX_PACKABLE = (2.0 - 2.0 ** -7) * 2.0 ** (EXP_BIAS + EXP_SHIFTED_MAX - 127)  # 130560.0
+MAX_PACKABLE = (2.0 - 2.0**-7) * 2.0 ** (EXP_BIAS + EXP_SHIFTED_MAX - 127)  # 130560.0
 MAG_MASK = 0x0FFF  # e' (5 bits) and mantissa (7 bits)
 MAG_OFFSET = EXP_BIAS << 7  # 0x3800: adds 112 back to the exponent field
 BIT_MI, BIT_MJ, BIT_SI, BIT_SJ = 15, 14, 13, 12
@@ -51,7 +51,9 @@ _WORD_DTYPES = (torch.int16, getattr(torch, "uint16", torch.int16))
 def bf16_bits(x: torch.Tensor) -> torch.Tensor:
     """The 16-bit patterns of a bfloat16 tensor as int32 in [0, 65535]."""
     if x.dtype != torch.bfloat16:
-        raise MoECompressError(f"Expected a bfloat16 tensor, got {x.dtype}; cast it with .to(torch.bfloat16).")
+        raise MoECompressError(
+            f"Expected a bfloat16 tensor, got {x.dtype}; cast it with .to(torch.bfloat16)."
+        )
     return x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
 
 
@@ -132,17 +134,29 @@ class ClampReport:
         return self.sum_abs_change / self.sum_abs if self.sum_abs else 0.0
 
     def __add__(self, other: ClampReport) -> ClampReport:
-        return ClampReport(self.total + other.total, self.zeros + other.zeros, self.changed + other.changed,
-                           self.to_zero + other.to_zero, self.to_min + other.to_min,
-                           max(self.max_abs_change, other.max_abs_change),
-                           self.sum_abs_change + other.sum_abs_change, self.sum_abs + other.sum_abs)
+        return ClampReport(
+            self.total + other.total,
+            self.zeros + other.zeros,
+            self.changed + other.changed,
+            self.to_zero + other.to_zero,
+            self.to_min + other.to_min,
+            max(self.max_abs_change, other.max_abs_change),
+            self.sum_abs_change + other.sum_abs_change,
+            self.sum_abs + other.sum_abs,
+        )
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "changed_fraction": self.changed_fraction,
-                "mean_abs_change": self.mean_abs_change, "relative_l1_change": self.relative_l1_change}
+        return {
+            **asdict(self),
+            "changed_fraction": self.changed_fraction,
+            "mean_abs_change": self.mean_abs_change,
+            "relative_l1_change": self.relative_l1_change,
+        }
 
 
-def clamp_report(weights: torch.Tensor | Iterable[torch.Tensor], underflow: Underflow = "nearest") -> ClampReport:
+def clamp_report(
+    weights: torch.Tensor | Iterable[torch.Tensor], underflow: Underflow = "nearest"
+) -> ClampReport:
     """Measure the clamp on one tensor or many (any float dtype; magnitudes are first rounded to bf16).
 
     The change is counted against the bf16-rounded values, i.e. it is what packing adds on top of bf16.
@@ -159,15 +173,26 @@ def clamp_report(weights: torch.Tensor | Iterable[torch.Tensor], underflow: Unde
         diff = (a - b).abs()
         changed = before != after
         report = report + ClampReport(
-            total=w.numel(), zeros=int((before == 0).sum()), changed=int(changed.sum()),
-            to_zero=int((changed & (after == 0)).sum()), to_min=int((changed & (after != 0)).sum()),
+            total=w.numel(),
+            zeros=int((before == 0).sum()),
+            changed=int(changed.sum()),
+            to_zero=int((changed & (after == 0)).sum()),
+            to_min=int((changed & (after != 0)).sum()),
             max_abs_change=float(diff.max()) if diff.numel() else 0.0,
-            sum_abs_change=float(diff.double().sum()), sum_abs=float(b.double().sum()))
+            sum_abs_change=float(diff.double().sum()),
+            sum_abs=float(b.double().sum()),
+        )
     return report
 
 
-def pack_pair(w_merged: torch.Tensor, m_i: torch.Tensor, m_j: torch.Tensor, s_i: torch.Tensor,
-              s_j: torch.Tensor, underflow: Underflow = "nearest") -> torch.Tensor:
+def pack_pair(
+    w_merged: torch.Tensor,
+    m_i: torch.Tensor,
+    m_j: torch.Tensor,
+    s_i: torch.Tensor,
+    s_j: torch.Tensor,
+    underflow: Underflow = "nearest",
+) -> torch.Tensor:
     """Pack W_merged (≥ 0; rounded to bf16 if it is not) with M_i, M_j, S_i, S_j into int16 words.
 
     Layout and zero/underflow rules: module docstring. Elements with W_merged = 0 or M_i = M_j = 0 are
@@ -178,32 +203,44 @@ def pack_pair(w_merged: torch.Tensor, m_i: torch.Tensor, m_j: torch.Tensor, s_i:
     shape = w_merged.shape
     for name, t in (("m_i", m_i), ("m_j", m_j), ("s_i", s_i), ("s_j", s_j)):
         if t.shape != shape:
-            raise MoECompressError(f"Mask/sign {name} has shape {tuple(t.shape)} but W_merged has {tuple(shape)}; "
-                                   "they must match element for element.")
+            raise MoECompressError(
+                f"Mask/sign {name} has shape {tuple(t.shape)} but W_merged has {tuple(shape)}; "
+                "they must match element for element."
+            )
     wb = w_merged if w_merged.dtype == torch.bfloat16 else w_merged.to(torch.bfloat16)
     bits = bf16_bits(wb)
     neg = (bits & 0x8000) != 0
     if bool((neg & ((bits & 0x7FFF) != 0)).any()):
-        raise MoECompressError("W_merged has negative values; it must hold magnitudes (merge_pair produces them).")
+        raise MoECompressError(
+            "W_merged has negative values; it must hold magnitudes (merge_pair produces them)."
+        )
     mag = _clamp_magnitude_bits(bits & 0x7FFF, underflow)
     _check_range(mag, "W_merged")
     mi, mj = m_i.to(torch.int32) != 0, m_j.to(torch.int32) != 0
     zero = (mag == 0) | ~(mi | mj)
     low = torch.where(zero, torch.zeros_like(mag), mag - MAG_OFFSET)
     mi, mj = mi & ~zero, mj & ~zero
-    word = (low | (mi.to(torch.int32) << BIT_MI) | (mj.to(torch.int32) << BIT_MJ)
-            | ((s_i != 0).to(torch.int32) << BIT_SI) | ((s_j != 0).to(torch.int32) << BIT_SJ))
+    word = (
+        low
+        | (mi.to(torch.int32) << BIT_MI)
+        | (mj.to(torch.int32) << BIT_MJ)
+        | ((s_i != 0).to(torch.int32) << BIT_SI)
+        | ((s_j != 0).to(torch.int32) << BIT_SJ)
+    )
     return bits_to_int16(word)
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype not in _WORD_DTYPES:
-        raise MoECompressError(f"A packed PuzzleMoE tensor must be int16, got {packed.dtype}; "
-                               "was it written by pack_pair?")
+        raise MoECompressError(
+            f"A packed PuzzleMoE tensor must be int16, got {packed.dtype}; was it written by pack_pair?"
+        )
     return packed.view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def unpack_pair(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_pair(
+    packed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """int16 words -> (W_merged bf16 ≥ 0, M_i, M_j, S_i, S_j) with bool masks/signs (zero code -> W = 0)."""
     w = _words(packed)
     mi, mj = ((w >> BIT_MI) & 1).bool(), ((w >> BIT_MJ) & 1).bool()
@@ -212,7 +249,9 @@ def unpack_pair(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return bits_to_bf16(mag), mi, mj, si, sj
 
 
-def decode_pair(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_pair(
+    packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
     """int16 words -> (Ŵ_i, Ŵ_j) = (−1)^{S_e} ⊙ M_e ⊙ W_merged, built directly on the bit patterns."""
     w = _words(packed)
     mag = (w & MAG_MASK) + MAG_OFFSET

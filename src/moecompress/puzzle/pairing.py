@@ -46,8 +46,9 @@ def groups_for_ratio(num_experts: int, ratio: float, group_size: int = 2) -> int
     return _default_num_groups(num_experts, group_size, n)
 
 
-def validate_grouping(groups: Sequence[Sequence[int]], num_experts: int, group_size: int = 2,
-                      num_groups: int | None = None) -> Grouping:
+def validate_grouping(
+    groups: Sequence[Sequence[int]], num_experts: int, group_size: int = 2, num_groups: int | None = None
+) -> Grouping:
     """Check that groups are disjoint, in range and of the right size (and count); return canonical form."""
     out = canonical(groups)
     seen: set[int] = set()
@@ -66,10 +67,12 @@ def validate_grouping(groups: Sequence[Sequence[int]], num_experts: int, group_s
 
 
 def _decode(perm: Sequence[int], group_size: int, num_groups: int) -> Grouping:
-    return canonical(perm[k * group_size:(k + 1) * group_size] for k in range(num_groups))
+    return canonical(perm[k * group_size : (k + 1) * group_size] for k in range(num_groups))
 
 
-def random_grouping(num_experts: int, group_size: int = 2, num_groups: int | None = None, seed: int = 0) -> Grouping:
+def random_grouping(
+    num_experts: int, group_size: int = 2, num_groups: int | None = None, seed: int = 0
+) -> Grouping:
     """Seeded random disjoint groups (Python's Mersenne Twister: identical on every platform)."""
     n = _default_num_groups(num_experts, group_size, num_groups)
     perm = list(range(num_experts))
@@ -90,10 +93,19 @@ class SearchResult:
     evaluations: int = 0  # distinct groupings scored
 
 
-def evolve_grouping(num_experts: int, loss_fn: Callable[[Grouping], float], group_size: int = 2,
-                    num_groups: int | None = None, population: int = 16, generations: int = 20, elite: int = 2,
-                    mutation_swaps: int = 1, tournament: int = 2, seed: int = 0,
-                    progress: bool = False) -> SearchResult:
+def evolve_grouping(
+    num_experts: int,
+    loss_fn: Callable[[Grouping], float],
+    group_size: int = 2,
+    num_groups: int | None = None,
+    population: int = 16,
+    generations: int = 20,
+    elite: int = 2,
+    mutation_swaps: int = 1,
+    tournament: int = 2,
+    seed: int = 0,
+    progress: bool = False,
+) -> SearchResult:
     """Genetic search over groupings minimising ``loss_fn(groups)`` (lower is better).
 
     Genome: a permutation of the experts; its first num_groups·G entries, cut into consecutive runs of
@@ -106,8 +118,10 @@ def evolve_grouping(num_experts: int, loss_fn: Callable[[Grouping], float], grou
     """
     n = _default_num_groups(num_experts, group_size, num_groups)
     if population < 1 or generations < 0 or not 0 <= elite <= population or tournament < 1:
-        raise MoECompressError("evolve_grouping needs population ≥ 1, generations ≥ 0, 0 ≤ elite ≤ population "
-                               "and tournament ≥ 1.")
+        raise MoECompressError(
+            "evolve_grouping needs population ≥ 1, generations ≥ 0, 0 ≤ elite ≤ population "
+            "and tournament ≥ 1."
+        )
     rng = random.Random(seed)
     span = n * group_size
     cache: dict[tuple, float] = {}
@@ -158,8 +172,10 @@ def evolve_grouping(num_experts: int, loss_fn: Callable[[Grouping], float], grou
         history.append(best_so_far()[0])
         children = [list(g) for g in pop[:elite]]
         while len(children) < population:
-            parent = min((pop[rng.randrange(len(pop))] for _ in range(tournament)),
-                         key=lambda g: (score(g), _decode(g, group_size, n)))
+            parent = min(
+                (pop[rng.randrange(len(pop))] for _ in range(tournament)),
+                key=lambda g: (score(g), _decode(g, group_size, n)),
+            )
             children.append(mutate(parent))
         pop = ranked(children)
     loss, key = best_so_far()

@@ -59,15 +59,19 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(out_f, n_groups, group_size)
 
 
-def quantize_magnitudes(w_merged: torch.Tensor, bits: int, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_magnitudes(
+    w_merged: torch.Tensor, bits: int, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """W_merged [out, in] (≥ 0) -> (q uint8 [out, in], scales bf16 [out, ceil(in / group_size)])."""
     _check_bits(bits, group_size)
     if w_merged.dim() != 2:
         raise MoECompressError(f"W_merged must be 2-D [out, in], got shape {tuple(w_merged.shape)}.")
     w = w_merged.float()
     if bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
-        raise MoECompressError("W_merged must be finite and non-negative to be quantized; merge_pair produces that.")
-    levels = 2 ** bits - 1
+        raise MoECompressError(
+            "W_merged must be finite and non-negative to be quantized; merge_pair produces that."
+        )
+    levels = 2**bits - 1
     g = _grouped(w, group_size)
     scales = _round_up_bf16(g.amax(dim=-1) / levels)
     s = scales.float()[..., None]
@@ -76,8 +80,9 @@ def quantize_magnitudes(w_merged: torch.Tensor, bits: int, group_size: int = 128
     return q.contiguous(), scales
 
 
-def dequantize_magnitudes(q: torch.Tensor, scales: torch.Tensor, group_size: int = 128,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_magnitudes(
+    q: torch.Tensor, scales: torch.Tensor, group_size: int = 128, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """q [out, in] and scales [out, n_groups] -> q·s [out, in] (computed in float32, then cast)."""
     in_f = q.shape[1]
     s = scales.float().repeat_interleave(group_size, dim=1)[:, :in_f]
@@ -113,17 +118,30 @@ def unpack_codes(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return ((word[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
 
 
-def quantize_pair(w_merged: torch.Tensor, m_i: torch.Tensor, m_j: torch.Tensor, s_i: torch.Tensor,
-                  s_j: torch.Tensor, bits: int = 3, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_pair(
+    w_merged: torch.Tensor,
+    m_i: torch.Tensor,
+    m_j: torch.Tensor,
+    s_i: torch.Tensor,
+    s_j: torch.Tensor,
+    bits: int = 3,
+    group_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize W_merged and pack it with the masks and signs -> (code bytes uint8, scales bf16)."""
     q, scales = quantize_magnitudes(w_merged, bits, group_size)
-    code = (q.to(torch.int64) | (m_i.bool().to(torch.int64) << (bits + 3)) | (m_j.bool().to(torch.int64) << (bits + 2))
-            | (s_i.bool().to(torch.int64) << (bits + 1)) | (s_j.bool().to(torch.int64) << bits))
+    code = (
+        q.to(torch.int64)
+        | (m_i.bool().to(torch.int64) << (bits + 3))
+        | (m_j.bool().to(torch.int64) << (bits + 2))
+        | (s_i.bool().to(torch.int64) << (bits + 1))
+        | (s_j.bool().to(torch.int64) << bits)
+    )
     return pack_codes(code, bits + 4), scales
 
 
-def unpack_quantized_pair(data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], bits: int,
-                          group_size: int = 128):
+def unpack_quantized_pair(
+    data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], bits: int, group_size: int = 128
+):
     """-> (W_merged float32 = q·s, M_i, M_j, S_i, S_j) from quantize_pair's output."""
     code = unpack_codes(data, bits + 4, shape[0] * shape[1]).reshape(shape)
     q = (code & ((1 << bits) - 1)).to(torch.uint8)
@@ -132,8 +150,14 @@ def unpack_quantized_pair(data: torch.Tensor, scales: torch.Tensor, shape: tuple
     return w, bit(bits + 3), bit(bits + 2), bit(bits + 1), bit(bits)
 
 
-def decode_quantized_pair(data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], bits: int,
-                          group_size: int = 128, dtype: torch.dtype = torch.bfloat16):
+def decode_quantized_pair(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    shape: tuple[int, int],
+    bits: int,
+    group_size: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+):
     """-> (Ŵ_i, Ŵ_j) = (−1)^{S_e} ⊙ M_e ⊙ (q·s), computed in float32 and cast to dtype."""
     from .merge import reconstruct_pair
 
@@ -145,19 +169,25 @@ def decode_quantized_pair(data: torch.Tensor, scales: torch.Tensor, shape: tuple
 # ------------------------------------------------------------------------------------ bits accounting
 
 
-def paper_bits_per_weight(quant_bits: int = 3, group_size: int = 128, scale_bits: int = 16, members: int = 2,
-                          mask_bits: float | None = None) -> float:
+def paper_bits_per_weight(
+    quant_bits: int = 3,
+    group_size: int = 128,
+    scale_bits: int = 16,
+    members: int = 2,
+    mask_bits: float | None = None,
+) -> float:
     """PuzzleMoE App. 7.8.1: (G sign + log2(2^G − 1) mask + b + scale_bits/group) / G.
 
     At G = 2, b = 3, group 128, 16-bit scales: (2 + 1.58 + 3 + 0.125) / 2 ≈ 3.35. ``mask_bits`` overrides
     the information-theoretic log2(2^G − 1) (pass 1.58 to reproduce the paper's rounding).
     """
-    mask = math.log2(2 ** members - 1) if mask_bits is None else mask_bits
+    mask = math.log2(2**members - 1) if mask_bits is None else mask_bits
     return (members + mask + quant_bits + scale_bits / group_size) / members
 
 
-def layout_bits_per_weight(quant_bits: int | None = None, group_size: int = 128, scale_bits: int = 16,
-                           members: int = 2) -> float:
+def layout_bits_per_weight(
+    quant_bits: int | None = None, group_size: int = 128, scale_bits: int = 16, members: int = 2
+) -> float:
     """What the layouts implemented here cost per original weight (ignoring < 8 codes of padding).
 
     members = 2: bf16 packed pair (quant_bits None) -> 8.0; quantized -> (b + 4 + scale_bits/group) / 2.

@@ -34,8 +34,9 @@ def cuda_kernel_available() -> bool:
 @functools.lru_cache(maxsize=1)
 def _kernel():
     if not triton_available():
-        raise MoECompressError("The PuzzleMoE Triton kernel needs the triton package; install it or use "
-                               "backend='torch'.")
+        raise MoECompressError(
+            "The PuzzleMoE Triton kernel needs the triton package; install it or use backend='torch'."
+        )
     import triton
 
     from . import _triton_src
@@ -75,10 +76,18 @@ def _as_2d(x: torch.Tensor | None, k: int, like: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, k)
 
 
-def packed_pair_linear_triton(x_i: torch.Tensor | None, x_j: torch.Tensor | None, packed: torch.Tensor,
-                              bias_i: torch.Tensor | None = None, bias_j: torch.Tensor | None = None, *,
-                              block_n: int = 64, block_k: int = 128, block_m: int | None = None,
-                              split_k: int | None = None):
+def packed_pair_linear_triton(
+    x_i: torch.Tensor | None,
+    x_j: torch.Tensor | None,
+    packed: torch.Tensor,
+    bias_i: torch.Tensor | None = None,
+    bias_j: torch.Tensor | None = None,
+    *,
+    block_n: int = 64,
+    block_k: int = 128,
+    block_m: int | None = None,
+    split_k: int | None = None,
+):
     """(x_i @ Ŵ_iᵀ + b_i, x_j @ Ŵ_jᵀ + b_j) with the fused kernel; x_* [..., K], packed int16 [N, K].
 
     Inputs are computed in bf16 (tensor-core dots, float32 accumulation); outputs take the inputs' dtype.
@@ -92,8 +101,10 @@ def packed_pair_linear_triton(x_i: torch.Tensor | None, x_j: torch.Tensor | None
     n, k = packed.shape
     interpret = not ref.is_cuda
     if interpret and not interpreter_active():
-        raise MoECompressError("The Triton PuzzleMoE kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-                               "triton is imported, for CPU testing); use backend='torch' on CPU.")
+        raise MoECompressError(
+            "The Triton PuzzleMoE kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+            "triton is imported, for CPU testing); use backend='torch' on CPU."
+        )
     out_dtype = ref.dtype
     xi = _as_2d(x_i, k, ref).to(torch.bfloat16).contiguous()
     xj = _as_2d(x_j, k, ref).to(torch.bfloat16).contiguous()
@@ -102,19 +113,42 @@ def packed_pair_linear_triton(x_i: torch.Tensor | None, x_j: torch.Tensor | None
     n_tiles = triton_cdiv(n, block_n) * triton_cdiv(max(m_i, m_j, 1), bm)
     split = split_k or _split_k(n_tiles, triton_cdiv(k, block_k), ref.device)
     # Split-K partial sums are atomically added in float32; otherwise store straight in the output dtype.
-    acc_dtype = out_dtype if split == 1 and out_dtype in (torch.bfloat16, torch.float16, torch.float32) \
+    acc_dtype = (
+        out_dtype
+        if split == 1 and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
         else torch.float32
+    )
     alloc = torch.zeros if split > 1 else torch.empty
     yi = alloc(m_i, n, dtype=acc_dtype, device=ref.device)
     yj = alloc(m_j, n, dtype=acc_dtype, device=ref.device)
     grid = (triton_cdiv(n, block_n), triton_cdiv(max(m_i, m_j, 1), bm), split)
     kwargs = {} if interpret else {"num_warps": 4, "num_stages": 3}
     _kernel()[grid](
-        xi, xj, packed, yi, yj, m_i, m_j, n, k,
-        xi.stride(0), xi.stride(1), xj.stride(0), xj.stride(1),
-        packed.stride(0), packed.stride(1),
-        yi.stride(0), yi.stride(1), yj.stride(0), yj.stride(1),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_FP32=interpret, **kwargs,
+        xi,
+        xj,
+        packed,
+        yi,
+        yj,
+        m_i,
+        m_j,
+        n,
+        k,
+        xi.stride(0),
+        xi.stride(1),
+        xj.stride(0),
+        xj.stride(1),
+        packed.stride(0),
+        packed.stride(1),
+        yi.stride(0),
+        yi.stride(1),
+        yj.stride(0),
+        yj.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+        DOT_FP32=interpret,
+        **kwargs,
     )
     outs = []
     for x, y, b in ((x_i, yi, bias_i), (x_j, yj, bias_j)):

@@ -97,8 +97,10 @@ def gptq(w: Tensor, H: Tensor | None, spec: QuantSpec, hf: HessianFactor | None 
     if hf is None:
         hf = factor(H, spec)
     elif (hf.damp, hf.actorder) != (spec.damp, spec.actorder):
-        raise RuntimeError("GPTQ was given a Hessian factor made with another damping or column order; this is a "
-                           "bug, please report it.")
+        raise RuntimeError(
+            "GPTQ was given a Hessian factor made with another damping or column order; this is a "
+            "bug, please report it."
+        )
     n = w.shape[-1]
     scale, zero = grid.qparams(w, spec)  # from the original weight, as llm-compressor
     S = grid.expand_groups(scale, n, spec)  # [..., out, in] per-column scale

@@ -85,7 +85,9 @@ class QuantizedTensor:
         return cls(codes=codes, scale=scale, zero=zero, spec=spec)
 
 
-def check_packed(tensors: dict[str, Tensor], spec: QuantSpec, where: str = "A packed quantized weight") -> torch.Size:
+def check_packed(
+    tensors: dict[str, Tensor], spec: QuantSpec, where: str = "A packed quantized weight"
+) -> torch.Size:
     """The [out, in] that ``weight_shape`` declares, refused (one sentence) unless the packed words and scales,
     whose shapes the file header gives, hold exactly that matrix. A tampered ``weight_shape`` used to unpack
     into garbage or fail deep inside a forward."""
@@ -95,12 +97,16 @@ def check_packed(tensors: dict[str, Tensor], spec: QuantSpec, where: str = "A pa
     ok = len(shape) == 2 and shape_t.shape[-1:] == (2,) and min(shape) >= 1
     if ok:
         out, n = shape
-        ok = (tuple(packed.shape[-2:]) == (out, -(-n * spec.bits // 32))
-              and tuple(scale.shape[-2:]) == (out, spec.num_groups(n)))
+        ok = tuple(packed.shape[-2:]) == (out, -(-n * spec.bits // 32)) and tuple(scale.shape[-2:]) == (
+            out,
+            spec.num_groups(n),
+        )
     if not ok:
-        raise MoECompressError(f"{where} declares weight_shape {shape or values} but its packed words are "
-                               f"{tuple(packed.shape)} and its scales {tuple(scale.shape)} at {spec.name()}: the "
-                               "checkpoint is corrupted or tampered with; re-export it.")
+        raise MoECompressError(
+            f"{where} declares weight_shape {shape or values} but its packed words are "
+            f"{tuple(packed.shape)} and its scales {tuple(scale.shape)} at {spec.name()}: the "
+            "checkpoint is corrupted or tampered with; re-export it."
+        )
     return torch.Size(shape)
 
 

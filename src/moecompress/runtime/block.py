@@ -47,8 +47,14 @@ def aggregate_slots(stored_idx: torch.Tensor, weight: torch.Tensor, sentinel: in
 class CompressedMoEBlock(nn.Module):
     """One MoE layer of a compressed model; returns what the HF block returns."""
 
-    def __init__(self, layer: MoELayer, lp: LayerPlan, stored: StoredExperts, ops: SlotOperators | None,
-                 returns_tuple: bool = False):
+    def __init__(
+        self,
+        layer: MoELayer,
+        lp: LayerPlan,
+        stored: StoredExperts,
+        ops: SlotOperators | None,
+        returns_tuple: bool = False,
+    ):
         super().__init__()
         self.layer_index = layer.index
         self.spec = layer.spec
@@ -76,8 +82,11 @@ class CompressedMoEBlock(nn.Module):
         dev = None if w.is_meta else w.device
         k = stored.num_experts
         # packed (PuzzleMoE) scopes give each (stored expert, member) its own target id
-        targets = stored.slot_targets(lp) if hasattr(stored, "slot_targets") else [
-            t if isinstance(t, int) else k for t in lp.slots]
+        targets = (
+            stored.slot_targets(lp)
+            if hasattr(stored, "slot_targets")
+            else [t if isinstance(t, int) else k for t in lp.slots]
+        )
         s2s = torch.tensor(targets, dtype=torch.long, device=dev)
         self.register_buffer("slot_to_stored", s2s, persistent=False)
         routable = lp.routable()
@@ -98,10 +107,14 @@ class CompressedMoEBlock(nn.Module):
                 # pure pruning (kept slot j -> stored j): the small router's indices ARE the stored ids
                 self._direct = [targets[e] for e in kept] == list(range(len(kept)))
         self.register_buffer("kept_slots", present, persistent=False)
-        self._kept_cache: tuple = (None, None)  # (key, sliced router tensors), refreshed when the router changes
+        self._kept_cache: tuple = (
+            None,
+            None,
+        )  # (key, sliced router tensors), refreshed when the router changes
         # can a selected slot land on no stored expert (operator, drop, or an aggregated duplicate)?
-        self._may_skip = lp.gate == "aggregate" or any(ok and not isinstance(t, int)
-                                                       for ok, t in zip(routable, lp.slots))
+        self._may_skip = lp.gate == "aggregate" or any(
+            ok and not isinstance(t, int) for ok, t in zip(routable, lp.slots)
+        )
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_index}, gate={self.semantics}, slots={self.slot_to_stored.numel()}"

@@ -48,8 +48,12 @@ def _pad_rows(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def native_tensors(weights: list[ExpertWeights], layout: FusedLayout, width: int | None = None,
-                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def native_tensors(
+    weights: list[ExpertWeights],
+    layout: FusedLayout,
+    width: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
     """Stack experts (documented orientation) into the family's fused tensors, zero-padded to `width`."""
     width = width or max(w.gate.shape[0] for w in weights)
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
@@ -61,7 +65,7 @@ def native_tensors(weights: list[ExpertWeights], layout: FusedLayout, width: int
         down = first.new_zeros(k, weights[0].down.shape[0], width)
         for e, w in enumerate(weights):
             i = w.gate.shape[0]
-            gate_up[e, :i], gate_up[e, width:width + i] = cast(w.gate), cast(w.up)
+            gate_up[e, :i], gate_up[e, width : width + i] = cast(w.gate), cast(w.up)
             down[e, :, :i] = cast(w.down)
         return {"gate_up_proj": gate_up, "down_proj": down}
     gus, gubs, downs, dbs = [], [], [], []
@@ -76,8 +80,12 @@ def native_tensors(weights: list[ExpertWeights], layout: FusedLayout, width: int
         gubs.append(cast(gub))
         downs.append(cast(_pad_rows(w.down, width, 1).T))
         dbs.append(cast(w.down_bias))
-    return {"gate_up_proj": torch.stack(gus), "gate_up_proj_bias": torch.stack(gubs),
-            "down_proj": torch.stack(downs), "down_proj_bias": torch.stack(dbs)}
+    return {
+        "gate_up_proj": torch.stack(gus),
+        "gate_up_proj_bias": torch.stack(gubs),
+        "down_proj": torch.stack(downs),
+        "down_proj_bias": torch.stack(dbs),
+    }
 
 
 def _grouped_linear_fallback(x, weight, offsets, bias=None, is_transposed=False):
@@ -101,12 +109,28 @@ except ImportError:  # pragma: no cover - older transformers
 class StoredExperts(nn.Module):
     """K experts in one fused tensor set; ``forward(x, index, weight)`` like an HF experts module."""
 
-    def __init__(self, num_experts: int, hidden_size: int, width: int, layout: FusedLayout, act: ExpertActivation,
-                 dtype=torch.float32, device=None, config=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        width: int,
+        layout: FusedLayout,
+        act: ExpertActivation,
+        dtype=torch.float32,
+        device=None,
+        config=None,
+    ):
         super().__init__()
         self.num_experts, self.hidden_size, self.width, self.layout, self.act = (
-            num_experts, hidden_size, width, layout, act)
-        self.is_transposed = self.has_bias = layout == "gpt_oss"  # transposed, interleaved and biased together
+            num_experts,
+            hidden_size,
+            width,
+            layout,
+            act,
+        )
+        self.is_transposed = self.has_bias = (
+            layout == "gpt_oss"
+        )  # transposed, interleaved and biased together
         self._config = config  # read at each call: set_experts_implementation keeps working
         kw = dict(dtype=dtype, device=device)
         k, h, i = num_experts, hidden_size, width
@@ -120,13 +144,28 @@ class StoredExperts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(k, h, **kw), requires_grad=False)
 
     @classmethod
-    def from_weights(cls, weights: list[ExpertWeights], layout: FusedLayout, act: ExpertActivation, width=None,
-                     dtype=None, config=None) -> StoredExperts:
+    def from_weights(
+        cls,
+        weights: list[ExpertWeights],
+        layout: FusedLayout,
+        act: ExpertActivation,
+        width=None,
+        dtype=None,
+        config=None,
+    ) -> StoredExperts:
         tensors = native_tensors(weights, layout, width, dtype)
         first = tensors["gate_up_proj"]
         w = width or max(x.gate.shape[0] for x in weights)
-        mod = cls(len(weights), weights[0].gate.shape[1], w, layout, act, dtype=first.dtype, device="meta",
-                  config=config)
+        mod = cls(
+            len(weights),
+            weights[0].gate.shape[1],
+            w,
+            layout,
+            act,
+            dtype=first.dtype,
+            device="meta",
+            config=config,
+        )
         for name, t in tensors.items():
             setattr(mod, name, nn.Parameter(t, requires_grad=False))
         return mod
@@ -146,8 +185,9 @@ class StoredExperts(nn.Module):
             return self.act(gate, up)
         return glu_activation(self.act.act)(gate) * up  # = ExpertActivation, without its per-call lookup
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                may_skip: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, may_skip: bool = True
+    ) -> torch.Tensor:
         """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H].
 
         may_skip=False promises that no index is the sentinel K (saves a host sync per call)."""
@@ -218,10 +258,14 @@ class StoredExperts(nn.Module):
             xs = x[p // k]
             offsets = torch.cumsum(counts[lo:hi], dim=0, dtype=torch.int32)
             bias1 = w["gate_up_proj_bias"][i] if self.has_bias else None
-            proj = _grouped_linear(xs, w["gate_up_proj"], offsets, bias=bias1, is_transposed=self.is_transposed)
+            proj = _grouped_linear(
+                xs, w["gate_up_proj"], offsets, bias=bias1, is_transposed=self.is_transposed
+            )
             proj = self._apply_gate(proj)
             bias2 = w["down_proj_bias"][i] if self.has_bias else None
-            proj = _grouped_linear(proj, w["down_proj"], offsets, bias=bias2, is_transposed=self.is_transposed)
+            proj = _grouped_linear(
+                proj, w["down_proj"], offsets, bias=bias2, is_transposed=self.is_transposed
+            )
             weighted = proj * flat_w[p].unsqueeze(-1)
             if out_pairs is None:
                 out_pairs = weighted.new_zeros(n * k, x.shape[-1])

@@ -30,8 +30,15 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class SlotOperators(nn.Module):
     """All replacement operators of one MoE layer; `slot_op[e]` indexes them (-1: not an operator)."""
 
-    def __init__(self, lp: LayerPlan, hidden_size: int, act: ExpertActivation, expert_bias: bool,
-                 dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        lp: LayerPlan,
+        hidden_size: int,
+        act: ExpertActivation,
+        expert_bias: bool,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         ops = lp.operators()
         self.act = act
@@ -43,7 +50,9 @@ class SlotOperators(nn.Module):
         slot_op = torch.full((len(lp.slots),), -1, dtype=torch.long)
         for j, (e, _) in enumerate(self.order):
             slot_op[e] = j
-        if device is not None and torch.device(device).type != "meta":  # index buffers stay real even in a skeleton
+        if (
+            device is not None and torch.device(device).type != "meta"
+        ):  # index buffers stay real even in a skeleton
             slot_op = slot_op.to(device)
         self.register_buffer("slot_op", slot_op, persistent=False)
         h = hidden_size
@@ -75,8 +84,8 @@ class SlotOperators(nn.Module):
                 self.constants[j].copy_(tensors[f"{p}.value"])
             elif isinstance(op, TiltOp):
                 t = j - n_c
-                self.tilt_U[t, :, :op.rank].copy_(tensors[f"{p}.U"])
-                self.tilt_V[t, :, :op.rank].copy_(tensors[f"{p}.V"])
+                self.tilt_U[t, :, : op.rank].copy_(tensors[f"{p}.U"])
+                self.tilt_V[t, :, : op.rank].copy_(tensors[f"{p}.V"])
                 self.tilt_bias[t].copy_(tensors[f"{p}.bias"])
             else:
                 q, w = j - n_c - n_t, op.width
@@ -116,7 +125,11 @@ class SlotOperators(nn.Module):
                     gb = self.part_gate_bias[q] if hasattr(self, "part_gate_bias") else None
                     ub = self.part_up_bias[q] if hasattr(self, "part_up_bias") else None
                     g_pre, u_pre = F.linear(xs, self.part_gate[q], gb), F.linear(xs, self.part_up[q], ub)
-                    hmid = glu_activation(self.act.act)(g_pre) * u_pre if self.act.kind == "glu" else self.act(g_pre, u_pre)
+                    hmid = (
+                        glu_activation(self.act.act)(g_pre) * u_pre
+                        if self.act.kind == "glu"
+                        else self.act(g_pre, u_pre)
+                    )
                     y = F.linear(hmid, self.part_down[q], self.part_bias[q])
                 out.index_add_(0, tok, y * w[tok, pos, None])
         return out

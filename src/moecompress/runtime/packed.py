@@ -45,31 +45,38 @@ from ..puzzle import (
 from .experts import StoredExperts
 
 
-def merged_module(spec: Packing, rel: Mapping[str, torch.Tensor], act: ExpertActivation, width: int,
-                  hidden: int) -> nn.Module:
+def merged_module(
+    spec: Packing, rel: Mapping[str, torch.Tensor], act: ExpertActivation, width: int, hidden: int
+) -> nn.Module:
     """`PackedPairExperts` / `GroupMergedExperts` from its relative tensors (real or meta)."""
+
     def biases(tag: str, width: int) -> ExpertWeights | None:
         gub, db = rel.get(f"gate_up_bias_{tag}"), rel.get(f"down_bias_{tag}")
         if gub is None and db is None:
             return None
-        return ExpertWeights(gate=None if gub is None else gub[:width], up=None if gub is None else gub[width:],
-                             down=db)
+        return ExpertWeights(
+            gate=None if gub is None else gub[:width], up=None if gub is None else gub[width:], down=db
+        )
 
     if spec.kind == "pair":
         if spec.bits is None:
             gu, dn = PackedPairLinear(rel["gate_up.packed"]), PackedPairLinear(rel["down.packed"])
         else:
-            gu = QuantPairLinear(rel["gate_up.codes"], rel["gate_up.scales"], (2 * width, hidden), spec.bits,
-                                 spec.group_size)
-            dn = QuantPairLinear(rel["down.codes"], rel["down.scales"], (hidden, width), spec.bits, spec.group_size)
+            gu = QuantPairLinear(
+                rel["gate_up.codes"], rel["gate_up.scales"], (2 * width, hidden), spec.bits, spec.group_size
+            )
+            dn = QuantPairLinear(
+                rel["down.codes"], rel["down.scales"], (hidden, width), spec.bits, spec.group_size
+            )
         return PackedPairExperts(gu, dn, act, biases("i", width), biases("j", width))
     gu = GroupLinear(rel["gate_up.w_merged"], rel["gate_up.masks"], rel["gate_up.signs"], spec.members)
     dn = GroupLinear(rel["down.w_merged"], rel["down.masks"], rel["down.signs"], spec.members)
     return GroupMergedExperts(gu, dn, act, [biases(str(m), width) for m in range(spec.members)])
 
 
-def module_for(plan, sc, s, tensors: Mapping[str, torch.Tensor] | None, act: ExpertActivation,
-               device=None) -> nn.Module:
+def module_for(
+    plan, sc, s, tensors: Mapping[str, torch.Tensor] | None, act: ExpertActivation, device=None
+) -> nn.Module:
     """The runtime module of packed stored expert `s`: from the plan tensors, or a meta shell (tensors None)."""
     spec, expected = expected_for(plan, sc, s)
     if tensors is None:
@@ -94,7 +101,9 @@ def decode_members(module: nn.Module, dtype: torch.dtype) -> list[ExpertWeights]
     return list(out)
 
 
-def packed_member_weights(plan, sc, s, tensors, act: ExpertActivation, dtype: torch.dtype) -> list[ExpertWeights]:
+def packed_member_weights(
+    plan, sc, s, tensors, act: ExpertActivation, dtype: torch.dtype
+) -> list[ExpertWeights]:
     """Dense reconstructions of every member of packed stored expert `s`, in source order."""
     return decode_members(module_for(plan, sc, s, tensors, act), dtype)
 
@@ -105,8 +114,14 @@ class PackedScopeExperts(nn.Module):
     ``num_experts`` is the number of *targets* (see the module doc) and doubles as the skip sentinel.
     """
 
-    def __init__(self, dense: StoredExperts | None, merged: dict[int, nn.Module], dense_ids: list[int],
-                 members: dict[int, list[tuple[int, int]]], dtype: torch.dtype):
+    def __init__(
+        self,
+        dense: StoredExperts | None,
+        merged: dict[int, nn.Module],
+        dense_ids: list[int],
+        members: dict[int, list[tuple[int, int]]],
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.dense = dense
         self.merged = nn.ModuleDict({f"s{k}": m for k, m in merged.items()})
@@ -140,8 +155,9 @@ class PackedScopeExperts(nn.Module):
                 out.append(self._target[(t, (lp.layer, e))])
         return out
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                may_skip: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, may_skip: bool = True
+    ) -> torch.Tensor:
         """x [N, H]; index [N, k] target ids (num_experts = skip); weight [N, k] gate weights -> [N, H]."""
         d = self.num_dense
         if self.dense is not None:
@@ -168,10 +184,12 @@ class PackedScopeExperts(nn.Module):
             starts.append(start)
             start += c
         for key, base, n in self._ranges:
-            cs = counts[base - d: base - d + n]
+            cs = counts[base - d : base - d + n]
             if not any(cs):
                 continue
-            sel = [pos[starts[base - d + m]: starts[base - d + m] + cs[m]] if cs[m] else None for m in range(n)]
+            sel = [
+                pos[starts[base - d + m] : starts[base - d + m] + cs[m]] if cs[m] else None for m in range(n)
+            ]
             xs = [None if p is None else x[p // k] for p in sel]
             ys = run_members(self.merged[key], xs)
             for p, y in zip(sel, ys):

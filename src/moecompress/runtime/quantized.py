@@ -59,8 +59,10 @@ class StoredExpertSlot(nn.Module):
         else:
             # bf16(code · scale), exactly what a compressed-tensors loader computes, then the compute dtype
             parts = {p: self._quantized(p).dequantize(torch.bfloat16).to(dtype) for p in PARTS}
-        bias = {f"{p}_bias": getattr(self, f"{p}_bias").to(dtype) if hasattr(self, f"{p}_bias") else None
-                for p in PARTS}
+        bias = {
+            f"{p}_bias": getattr(self, f"{p}_bias").to(dtype) if hasattr(self, f"{p}_bias") else None
+            for p in PARTS
+        }
         return ExpertWeights(**parts, **bias)
 
     def _quantized(self, part: str) -> QuantizedTensor:
@@ -71,8 +73,11 @@ class StoredExpertSlot(nn.Module):
 def packed_shapes(spec: QuantSpec, out: int, inp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of each pack-quantized tensor of an [out, in] weight (quant/spec.py's byte formula)."""
     groups = spec.num_groups(inp)
-    shapes = {"weight_packed": ((out, math.ceil(inp * spec.bits / 32)), torch.int32),
-              "weight_scale": ((out, groups), torch.bfloat16), "weight_shape": ((2,), torch.int64)}
+    shapes = {
+        "weight_packed": ((out, math.ceil(inp * spec.bits / 32)), torch.int32),
+        "weight_scale": ((out, groups), torch.bfloat16),
+        "weight_shape": ((2,), torch.int64),
+    }
     if not spec.symmetric:
         shapes["weight_zero_point"] = ((math.ceil(out * spec.bits / 32), groups), torch.int32)
     return shapes
@@ -104,11 +109,24 @@ class _Dense(Sequence):
 class QuantizedStoredExperts(StoredExperts):
     """K stored experts, some or all integer-quantized; ``forward(x, index, weight)`` as `StoredExperts`."""
 
-    def __init__(self, slots: list[StoredExpertSlot], hidden_size: int, width: int, layout: FusedLayout,
-                 act: ExpertActivation, dtype: torch.dtype, config=None):
+    def __init__(
+        self,
+        slots: list[StoredExpertSlot],
+        hidden_size: int,
+        width: int,
+        layout: FusedLayout,
+        act: ExpertActivation,
+        dtype: torch.dtype,
+        config=None,
+    ):
         nn.Module.__init__(self)
         self.num_experts, self.hidden_size, self.width, self.layout, self.act = (
-            len(slots), hidden_size, width, layout, act)
+            len(slots),
+            hidden_size,
+            width,
+            layout,
+            act,
+        )
         self.is_transposed = self.has_bias = layout == "gpt_oss"
         self._config = config
         self.dtype = dtype

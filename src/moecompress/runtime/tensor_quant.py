@@ -24,8 +24,9 @@ def packed_of(tensors: Mapping[str, torch.Tensor], name: str) -> dict[str, torch
     return {s: tensors[f"{base}.{s}"] for s in QUANT_TENSOR_SUFFIXES if f"{base}.{s}" in tensors}
 
 
-def dequantized(plan: CompressionPlan, tensors: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype
-                ) -> torch.Tensor:
+def dequantized(
+    plan: CompressionPlan, tensors: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype
+) -> torch.Tensor:
     """The dense weight `name` computes with: its codes dequantized to `dtype`."""
     spec = plan.tensor_quant[name].quant
     return QuantizedTensor.from_packed(packed_of(tensors, name), spec).dequantize(dtype)
@@ -33,10 +34,14 @@ def dequantized(plan: CompressionPlan, tensors: Mapping[str, torch.Tensor], name
 
 def quantized_names(plan: CompressionPlan) -> dict[str, str]:
     """Packed tensor key -> the checkpoint tensor it belongs to, for every quantized non-expert weight."""
-    return {f"{quant_tensor_prefix(name)}.{s}": name for name in plan.tensor_quant for s in QUANT_TENSOR_SUFFIXES}
+    return {
+        f"{quant_tensor_prefix(name)}.{s}": name for name in plan.tensor_quant for s in QUANT_TENSOR_SUFFIXES
+    }
 
 
-def apply_tensor_quant(model: nn.Module, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None) -> None:
+def apply_tensor_quant(
+    model: nn.Module, plan: CompressionPlan, tensors: Mapping[str, torch.Tensor] | None
+) -> None:
     """Write every quantized non-expert weight of `plan`, dequantized, into `model` (in place; tied weights
     follow, being the same tensor)."""
     with torch.no_grad():

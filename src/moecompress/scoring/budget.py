@@ -32,14 +32,22 @@ def group_feasible(kept: list[int], num_experts: int, top_k: int, n_group: int, 
     return sum(counts[:topk_group]) >= top_k and all(c > 0 for c in counts)
 
 
-def uniform_keep(scores: torch.Tensor, ratio: float, top_k: int, protected: torch.Tensor | None = None,
-                 n_group: int = 1, topk_group: int = 1) -> list[int]:
+def uniform_keep(
+    scores: torch.Tensor,
+    ratio: float,
+    top_k: int,
+    protected: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> list[int]:
     """Keep the round((1−ρ)E) best experts of one layer (protected experts first)."""
     e = len(scores)
     k = num_kept(e, ratio)
     if k < top_k:
-        raise MoECompressError(f"Keeping {k} of {e} experts leaves fewer than top-k={top_k}; "
-                               f"use a ratio of at most {1 - top_k / e:.3f}.")
+        raise MoECompressError(
+            f"Keeping {k} of {e} experts leaves fewer than top-k={top_k}; "
+            f"use a ratio of at most {1 - top_k / e:.3f}."
+        )
     order = rank(scores)
     if protected is not None:
         order = [i for i in order if protected[i]] + [i for i in order if not protected[i]]
@@ -58,20 +66,26 @@ def _repair_groups(order: list[int], k: int, e: int, top_k: int, n_group: int, t
     for g in range(n_group):
         kept += [i for i in order if i // per == g][:need]
     if len(kept) > k:
-        raise MoECompressError(f"Keeping {k} experts cannot satisfy group-limited routing "
-                               f"({topk_group} of {n_group} groups, top-{top_k}); use a smaller ratio.")
+        raise MoECompressError(
+            f"Keeping {k} experts cannot satisfy group-limited routing "
+            f"({topk_group} of {n_group} groups, top-{top_k}); use a smaller ratio."
+        )
     kept += [i for i in order if i not in kept][: k - len(kept)]
     return sorted(kept)
 
 
-def nonuniform_keep(layer_scores: dict[int, torch.Tensor], ratio: float, top_k: dict[int, int]) -> dict[int, list[int]]:
+def nonuniform_keep(
+    layer_scores: dict[int, torch.Tensor], ratio: float, top_k: dict[int, int]
+) -> dict[int, list[int]]:
     """Global budget: rank all experts by per-layer-normalised score (score / layer max), keep the
     round((1−ρ)·ΣE) best overall, with a floor of top-k experts in every layer."""
     total = sum(len(s) for s in layer_scores.values())
     budget = round((1.0 - ratio) * total)
     kept = {layer: rank(s)[: top_k[layer]] for layer, s in layer_scores.items()}
     if budget < sum(len(v) for v in kept.values()):
-        raise MoECompressError(f"Ratio {ratio} leaves fewer than top-k experts in some layer; use a smaller ratio.")
+        raise MoECompressError(
+            f"Ratio {ratio} leaves fewer than top-k experts in some layer; use a smaller ratio."
+        )
     pool = []
     for layer, s in layer_scores.items():
         norm = s.double() / s.double().abs().max().clamp_min(1e-300)

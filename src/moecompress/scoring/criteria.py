@@ -69,8 +69,13 @@ def ean(out_norm_sum: torch.Tensor) -> torch.Tensor:
     return out_norm_sum.double()
 
 
-def mone(out_sum: torch.Tensor, out_sq_sum: torch.Tensor, count: torch.Tensor, mass: torch.Tensor,
-         num_tokens: float) -> torch.Tensor:
+def mone(
+    out_sum: torch.Tensor,
+    out_sq_sum: torch.Tensor,
+    count: torch.Tensor,
+    mass: torch.Tensor,
+    num_tokens: float,
+) -> torch.Tensor:
     """MoNE fusion score ‖σ_e‖₂ · r̄_e.
 
     σ_e [H] is the per-dimension standard deviation of f_e over its routed tokens
@@ -83,7 +88,9 @@ def mone(out_sum: torch.Tensor, out_sq_sum: torch.Tensor, count: torch.Tensor, m
     return var.sum(-1).sqrt() * _safe_div(mass.double(), num_tokens)
 
 
-def super_experts(out_norm_sq_sum: torch.Tensor, count: torch.Tensor, threshold: float = 10.0) -> torch.Tensor:
+def super_experts(
+    out_norm_sq_sum: torch.Tensor, count: torch.Tensor, threshold: float = 10.0
+) -> torch.Tensor:
     """Bool [E]: experts whose RMS output norm exceeds `threshold` × the layer median.
 
     "Super experts" (massive output outliers, e.g. in DeepSeek-V2-Lite) must never be pruned.

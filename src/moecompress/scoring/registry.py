@@ -29,12 +29,17 @@ import torch
 from ..errors import MoECompressError
 from . import criteria as C
 
+
 class LayerInputs:
     """What a criterion reads of one MoE layer: a statistic by name, ``g(name)`` (float64), and, for a data-free
     criterion, expert e's weights, ``g.weights(e)``, for e in ``range(g.num_experts)``."""
 
-    def __init__(self, stat: Callable[[str], torch.Tensor], weights: Callable[[int], Any] | None = None,
-                 num_experts: int | None = None):
+    def __init__(
+        self,
+        stat: Callable[[str], torch.Tensor],
+        weights: Callable[[int], Any] | None = None,
+        num_experts: int | None = None,
+    ):
         self._stat, self._weights, self.num_experts = stat, weights, num_experts
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -42,8 +47,10 @@ class LayerInputs:
 
     def weights(self, e: int):
         if self._weights is None:
-            raise MoECompressError("This method scores experts from statistics only; a criterion that reads "
-                                   "weights works with prune.")
+            raise MoECompressError(
+                "This method scores experts from statistics only; a criterion that reads "
+                "weights works with prune."
+            )
         return self._weights(e)
 
 
@@ -63,8 +70,14 @@ class CriterionEntry:
 CRITERIA: dict[str, CriterionEntry] = {}
 
 
-def register_criterion(name: str, stats, score: Callable[[Getter, int, int], torch.Tensor],
-                       doptimal: bool = False, variant_of: str | None = None, weights: bool = False) -> None:
+def register_criterion(
+    name: str,
+    stats,
+    score: Callable[[Getter, int, int], torch.Tensor],
+    doptimal: bool = False,
+    variant_of: str | None = None,
+    weights: bool = False,
+) -> None:
     CRITERIA[name] = CriterionEntry(name, tuple(stats), score, doptimal, variant_of, weights)
 
 
@@ -96,19 +109,30 @@ register_criterion("random", _BASE, lambda g, layer, seed: C.random_scores(len(g
 register_criterion("frequency", _BASE, lambda g, layer, seed: C.frequency(g("counts")))
 register_criterion("mass", (*_BASE, "routing_mass"), lambda g, layer, seed: C.routing_mass(g("routing_mass")))
 register_criterion("pp", (*_BASE, "pp"), lambda g, layer, seed: g("pp"))
-register_criterion("ps", (*_BASE, "cp"), lambda g, layer, seed: C.ps(g("cp") * g("counts"), float(g("tokens"))))
+register_criterion(
+    "ps", (*_BASE, "cp"), lambda g, layer, seed: C.ps(g("cp") * g("counts"), float(g("tokens")))
+)
 register_criterion("cp", (*_BASE, "cp"), lambda g, layer, seed: g("cp"))
 register_criterion("acp", (*_BASE, "cp", "out_norm_sq_mean"), lambda g, layer, seed: _acp(g))
 register_criterion("reap", (*_BASE, "reap"), lambda g, layer, seed: g("reap"))
 register_criterion("ean", (*_BASE, "ean"), lambda g, layer, seed: C.ean(g("ean")))
 register_criterion("mone", (*_BASE, "routing_mass", "out_mean", "out_var"), lambda g, layer, seed: _mone(g))
 register_criterion("do-cp", (*_BASE, "cp", "gram"), lambda g, layer, seed: g("cp"), doptimal=True)
-register_criterion("do-acp", (*_BASE, "cp", "out_norm_sq_mean", "gram"), lambda g, layer, seed: _acp(g),
-                   doptimal=True)
+register_criterion(
+    "do-acp", (*_BASE, "cp", "out_norm_sq_mean", "gram"), lambda g, layer, seed: _acp(g), doptimal=True
+)
 
 # the dense method's ACP / DO-ACP: the same equation evaluated on the store's means (criteria.acp_of_means)
-register_criterion("dense-acp", (*_BASE, "cp", "out_norm_sq_mean"),
-                   lambda g, layer, seed: C.acp_of_means(g("cp"), g("out_norm_sq_mean")), variant_of="acp")
-register_criterion("dense-do-acp", (*_BASE, "cp", "out_norm_sq_mean", "gram"),
-                   lambda g, layer, seed: C.acp_of_means(g("cp"), g("out_norm_sq_mean")), doptimal=True,
-                   variant_of="do-acp")
+register_criterion(
+    "dense-acp",
+    (*_BASE, "cp", "out_norm_sq_mean"),
+    lambda g, layer, seed: C.acp_of_means(g("cp"), g("out_norm_sq_mean")),
+    variant_of="acp",
+)
+register_criterion(
+    "dense-do-acp",
+    (*_BASE, "cp", "out_norm_sq_mean", "gram"),
+    lambda g, layer, seed: C.acp_of_means(g("cp"), g("out_norm_sq_mean")),
+    doptimal=True,
+    variant_of="do-acp",
+)
