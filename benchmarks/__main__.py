@@ -131,6 +131,16 @@ SECTIONS: dict[str, Section] = {
     "vllm-cpu": _run_report(
         "## vLLM CPU: pruned hf exports (issue 31)", ("vllm_cpu.json",), "bench_vllm_cpu.py"
     ),
+    "whole-model": _run_report(
+        "## Whole-file compression (issue 30)",
+        ("whole_model.json", "whole_model_frontier.png"),
+        "bench_whole_model.py",
+    ),
+    "gguf": _run_report(
+        "## GGUF head to head with llama.cpp's quantizer (issue 31)",
+        ("gguf_head2head.json", "gguf_head2head_frontier.png"),
+        "bench_gguf_head2head.py",
+    ),
     "slow-tests": Section(None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
 
