@@ -145,3 +145,27 @@ def rel(path: Path) -> str:
         return str(Path(path).resolve().relative_to(ROOT))
     except ValueError:
         return str(path)
+
+
+def frontier_plot(
+    panels: dict[str, dict[str, list[tuple[float, float]]]], xlabel: str, ylabel: str, path: Path
+):
+    """One log-KL frontier panel per fixture: {fixture: {family: [(bytes ratio, KL), ...]}}, saved to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, (fixture, series) in zip(axes[0], panels.items()):
+        for family, pts in sorted(series.items()):
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(fixture)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -37,7 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmarks._bench_md import fixture_main, kept_fixtures, load_results, save_results, write_section  # noqa: E402
+from benchmarks._bench_md import (  # noqa: E402
+    fixture_main,
+    frontier_plot,
+    kept_fixtures,
+    load_results,
+    save_results,
+    write_section,
+)
 
 RESULTS = ROOT / "benchmarks" / "results" / "gguf_head2head.json"
 PLOT = ROOT / "benchmarks" / "results" / "gguf_head2head_frontier.png"
@@ -276,27 +283,16 @@ def _g(x, nd=3):
 
 
 def plot(res: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(res["fixtures"]), figsize=(6 * len(res["fixtures"]), 4.2), squeeze=False)
-    for ax, fx in zip(axes[0], res["fixtures"]):
-        whole = fx["original_bytes"]
-        for fam in sorted({a["family"] for a in fx["arms"]} - {"original"}):
-            pts = sorted(
-                (a["file_bytes"] / whole, a["kl"]) for a in fx["arms"] if a["family"] == fam and a.get("kl")
-            )
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
-        ax.set_yscale("log")
-        ax.set_xlabel("GGUF file bytes / original weights")
-        ax.set_ylabel("KL to the bf16 GGUF (held-out, in llama.cpp)")
-        ax.set_title(fx["fixture"])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    panels = {}
+    for fx in res["fixtures"]:
+        series: dict[str, list] = {}
+        for a in fx["arms"]:
+            if a["family"] != "original" and a.get("kl"):
+                series.setdefault(a["family"], []).append((a["file_bytes"] / fx["original_bytes"], a["kl"]))
+        panels[fx["fixture"]] = series
+    frontier_plot(
+        panels, "GGUF file bytes / original weights", "KL to the bf16 GGUF (held-out, in llama.cpp)", PLOT
+    )
 
 
 def imatrix_and_fallback_lines(fx: dict) -> list[str]:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._bench_md import (  # noqa: E402
     fixture_main,
+    frontier_plot,
     kept_fixtures,
     load_results,
     save_results,
@@ -253,29 +254,14 @@ def _g(x, nd=3):
 
 
 def plot(res: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(res["fixtures"]), figsize=(6 * len(res["fixtures"]), 4.2), squeeze=False)
-    for ax, fx in zip(axes[0], res["fixtures"]):
-        fams = sorted({a["family"] for a in fx["arms"]} | {p["family"] for p in fx.get("peer_arms", [])})
-        for fam in fams:
-            pts = sorted(
-                (a["file_ratio"], a["kl"])
-                for a in fx["arms"] + fx.get("peer_arms", [])
-                if a["family"] == fam and a["kl"]
-            )
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
-        ax.set_yscale("log")
-        ax.set_xlabel("whole-file bytes / original")
-        ax.set_ylabel("KL to the original (held-out)")
-        ax.set_title(fx["fixture"])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    panels = {}
+    for fx in res["fixtures"]:
+        series: dict[str, list] = {}
+        for a in fx["arms"] + fx.get("peer_arms", []):
+            if a["kl"]:
+                series.setdefault(a["family"], []).append((a["file_ratio"], a["kl"]))
+        panels[fx["fixture"]] = series
+    frontier_plot(panels, "whole-file bytes / original", "KL to the original (held-out)", PLOT)
 
 
 def report() -> None:

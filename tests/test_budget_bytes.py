@@ -66,6 +66,24 @@ def calibrated(request, tmp_path_factory):
     return dtype, path, store, MoEAdapter(load_model(str(path), dtype="float32"))
 
 
+def _cli_args(path, store, out) -> list[str]:
+    """`compress --method auto --budget 0.5` on the calibrated checkpoint, quickly (uniform sensitivity)."""
+    params = ["sensitivity=uniform", "measure=false", "ranks=[1,2,4]", "bits=[16,4,2]"]
+    return [
+        "compress",
+        str(path),
+        "--method",
+        "auto",
+        "--budget",
+        "0.5",
+        "--calib",
+        str(store.path),
+        "--out",
+        str(out),
+        *[x for p in params for x in ("--param", p)],
+    ]
+
+
 def _original_routed(path) -> int:
     return sum(n for k, (_, n) in stored_tensors(path).items() if ".mlp.experts." in k)
 
@@ -114,28 +132,7 @@ def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, caps
     dtype, path, store, _ = calibrated
     original = _original_routed(path)
     out = tmp_path / "cli"
-    args = [
-        "compress",
-        str(path),
-        "--method",
-        "auto",
-        "--budget",
-        "0.5",
-        "--calib",
-        str(store.path),
-        "--param",
-        "sensitivity=uniform",
-        "--param",
-        "measure=false",
-        "--param",
-        "ranks=[1,2,4]",
-        "--param",
-        "bits=[16,4,2]",
-        "--budget-scope",
-        "routed",
-        "--out",
-        str(out),
-    ]
+    args = [*_cli_args(path, store, out), "--budget-scope", "routed"]
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
@@ -165,26 +162,7 @@ def test_cli_budget_is_the_whole_file_by_default(calibrated, tmp_path, capsys):
     dtype, path, store, _ = calibrated
     original = whole_written(path)
     out = tmp_path / "cli"
-    args = [
-        "compress",
-        str(path),
-        "--method",
-        "auto",
-        "--budget",
-        "0.5",
-        "--calib",
-        str(store.path),
-        "--param",
-        "sensitivity=uniform",
-        "--param",
-        "measure=false",
-        "--param",
-        "ranks=[1,2,4]",
-        "--param",
-        "bits=[16,4,2]",
-        "--out",
-        str(out),
-    ]
+    args = _cli_args(path, store, out)
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
     assert original // 2 - 0.02 * original <= whole_written(out) <= original // 2 + 0.01 * original
