@@ -82,6 +82,10 @@ FAMILIES = {
         "--param",
         "quant_algo=rtn",
     ],
+    # pure GPTQ, its Hessians streamed from the data spec (nothing per-expert H×H stored: issue 32 item 4)
+    "GPTQ w4g128": ["--method", "quant", "--quant", "w4g128"],
+    # and every linear of the model (issue 30): one more streamed pass for the attention / lm_head Hessians
+    "GPTQ w4g128 all weights": ["--method", "quant", "--quant", "w4g128", "--quant-scope", "all"],
 }
 
 # threads per family (default 1): `auto`'s tilt fits and GPTQ of every expert at every width take minutes per layer
