@@ -129,6 +129,10 @@ def test_cli_target_writes_gguf_and_refuses_a_plan_llama_cpp_cannot_run(calibrat
     assert not (tmp_path / "p").exists()
     code, _, err = run_cli([*args[:-1], str(tmp_path / "x"), "--target", "tensorrt"], capsys)
     assert code == 2 and "Target 'tensorrt' is not known" in err
+    code, _, err = run_cli(
+        [*bad[:-1], str(tmp_path / "y"), "--quant", "w4g32", "--format", "compact"], capsys
+    )
+    assert code == 2 and "llama.cpp loads --format gguf, not compact" in err and not (tmp_path / "y").exists()
 
 
 def test_imatrix_gguf_is_llama_cpps_format_from_our_statistics(tmp_path, capsys):

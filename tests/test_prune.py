@@ -228,3 +228,13 @@ def test_a_data_free_criterion_is_one_registry_call(tmp_path, monkeypatch):
         assert kept == sorted(torch.argsort(norms, descending=True)[: len(kept)].tolist()), lp.layer
     with pytest.raises(MoECompressError, match="unknown criterion 'weight-norms'"):
         parse_config("prune", dict(params, criterion="weight-norms"))
+
+
+def test_budget_is_auto_only_and_prune_names_allocation():
+    """--budget means one thing (issue 34): prune given a budget is refused in one sentence naming allocation."""
+    from moecompress.errors import MoECompressError
+    from moecompress.methods import parse_config
+
+    with pytest.raises(MoECompressError, match="prune takes no budget .*allocation: uniform or nonuniform"):
+        parse_config("prune", {"budget": "nonuniform"})
+    assert parse_config("prune", {"allocation": "nonuniform"}).allocation == "nonuniform"

@@ -121,7 +121,7 @@ def compress(
     calib_dir = calib if calib is not None and Path(calib).is_dir() else None
     protect = [model, calib_dir]
     check_output(out, overwrite, protect, kind="checkpoint")  # before any compute, a calibration included
-    check_target_name(target)
+    check_target_name(target, format)
     recorded = (
         params.model_dump(mode="json", exclude_unset=True)
         if isinstance(params, BaseModel)

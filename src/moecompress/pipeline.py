@@ -269,11 +269,15 @@ def check_format_name(requested: str) -> None:
 TARGET_FORMAT = {"llama.cpp": "gguf", "vllm": "hf", "transformers": "hf"}  # the format each runtime loads
 
 
-def check_target_name(target: str) -> None:
+def check_target_name(target: str, format: str = "auto") -> None:
+    """Refuse, before any compute, an unknown target or a format the target's runtime does not load."""
     if target != "moecompress" and target not in TARGET_FORMAT:
         raise MoECompressError(
             f"Target '{target}' is not known; use moecompress, {', '.join(TARGET_FORMAT)}."
         )
+    fmt = TARGET_FORMAT.get(target)
+    if fmt is not None and format not in ("auto", fmt):
+        raise MoECompressError(f"{target} loads --format {fmt}, not {format}; drop --format or --target.")
 
 
 def target_format(plan, target: str, requested: str = "auto") -> str:
@@ -285,8 +289,6 @@ def target_format(plan, target: str, requested: str = "auto") -> str:
     from .export.formats import format_class
 
     fmt = TARGET_FORMAT[target]
-    if requested not in ("auto", fmt):
-        raise MoECompressError(f"{target} loads --format {fmt}, not {requested}; drop --format or --target.")
     why = format_class(fmt).reason(plan)
     if why is not None:
         hint = " (auto --target llama.cpp searches only what it runs)" if target == "llama.cpp" else ""
