@@ -301,9 +301,9 @@ class HFFormat(Format):
         ]
         packed = [
             {
-                part: {
-                    k.rsplit(".", 1)[1]: v
-                    for k, v in self.tensors.items()
+                part: {  # keys first: a store on disk (the streamed view) reads a tensor per lookup
+                    k.rsplit(".", 1)[1]: self.tensors[k]
+                    for k in self.tensors
                     if k.startswith(f"{s.tensor}.{part}.")
                 }
                 for part in ("gate", "up", "down")

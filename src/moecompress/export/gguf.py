@@ -425,8 +425,8 @@ class GGUFFile:
             qs = [
                 QuantizedTensor.from_packed(
                     {
-                        k.rsplit(".", 1)[1]: v
-                        for k, v in self.tensors.items()
+                        k.rsplit(".", 1)[1]: self.tensors[k]  # keys first: a spilled store reads per lookup
+                        for k in self.tensors
                         if k.startswith(f"{s.tensor}.{part}.")
                     },
                     spec,

@@ -31,6 +31,7 @@ from ..calibrate.streamed import LayerStats, each_layer
 from ..errors import MoECompressError
 from ..plan import CompressionPlan, PlanTensors, Scope
 from ..quant import QuantizedTensor, gptq, rtn
+from ..quant.gptq import GPTQ_PRECISION
 from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
 from .context import MethodContext
@@ -174,53 +175,69 @@ def _slots_of(plan: CompressionPlan, sc: Scope) -> dict[int, list[tuple[int, int
 
 
 def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch.Tensor | None:
-    """Σ of the slots' Hessians (float64), or None (round-to-nearest) when their width does not match `size`
-    or no calibration token reached the expert: GPTQ on a zero Hessian would treat every column as dead and
-    zero the whole weight, losing an expert that held-out text may still route to."""
-    total = None
+    """Σ of the slots' Hessians (summed in float64, returned in GPTQ's float32 working precision; one slot's own
+    statistic without a copy), or None (round-to-nearest) when their width does not match `size` or no
+    calibration token reached the expert: GPTQ on a zero Hessian would treat every column as dead and zero the
+    whole weight, losing an expert that held-out text may still route to."""
+    hs = []
     for layer, e in slots:
         per_layer = stats.get(layer, name)
         if per_layer.numel() == 0:  # a layer calibrated without Hessians (calibrate --hessian-layers)
             return None
-        h = per_layer[e].double()
-        if h.shape != (size, size):
+        if per_layer[e].shape != (size, size):
             return None
-        total = h if total is None else total + h
-    if total is None or not bool(total.diagonal().gt(0).any()):
+        hs.append(per_layer[e])
+    if not hs:
         return None
-    return total
+    total = hs[0] if len(hs) == 1 else torch.stack([h.double() for h in hs]).sum(0)
+    if not bool(total.diagonal().gt(0).any()):
+        return None
+    return total.to(GPTQ_PRECISION)
 
 
-# weight elements (float32) per batched GPTQ call: bounds its working copies (~256 MB of weights)
-_BATCH_ELEMENTS = 1 << 26
+# float32 elements per batched GPTQ call, a weight's and its Hessian's: GPTQ's factorisation keeps about five
+# working copies of the stacked Hessians, so this bounds one call to a few hundred MB (a whole layer's experts at
+# once took 5 GB on the wide benchmark model, issue 32)
+_BATCH_ELEMENTS = 1 << 24
 
 
 def _quantize_batched(jobs):
-    """(job index, QuantizedTensor) for every (prefix, part, weight, H, spec) job; GPTQ jobs of equal shape and
-    spec run batched."""
-    from ..quant.tensor import QuantizedTensor
-
-    groups: dict[tuple, list[int]] = {}
+    """(job index, QuantizedTensor) for every (prefix, part, weight, H, spec) job, round-to-nearest where H is
+    None. GPTQ jobs on the same Hessian object with the same spec (gate and up of one expert) run as one weight
+    with their rows stacked: GPTQ quantizes rows independently, so each keeps its own codes
+    (tests/test_quant_plan.py), and the Hessian is factored once. Stacked weights of equal shape run batched, a
+    bounded number per call, so the column loop runs once per batch instead of once per expert."""
+    units: dict[tuple[int, QuantSpec], list[int]] = {}
     for i, (_, _, w, h, spec) in enumerate(jobs):
         if h is None:
-            yield i, rtn(w, spec)
+            yield i, rtn(w.float(), spec)
         else:
-            groups.setdefault((tuple(w.shape), spec), []).append(i)
-    for (shape, spec), idx in groups.items():
-        step = max(1, _BATCH_ELEMENTS // (shape[0] * shape[1]))
-        for c in range(0, len(idx), step):
-            chunk = idx[c : c + step]
-            q = gptq(torch.stack([jobs[i][2] for i in chunk]), torch.stack([jobs[i][3] for i in chunk]), spec)
-            for k, i in enumerate(chunk):
-                yield (
-                    i,
-                    QuantizedTensor(
-                        codes=q.codes[k],
-                        scale=q.scale[k],
-                        zero=None if q.zero is None else q.zero[k],
-                        spec=spec,
-                    ),
-                )
+            units.setdefault((id(h), spec), []).append(i)
+    groups: dict[tuple, list[list[int]]] = {}
+    for (_, spec), idx in units.items():
+        rows = sum(jobs[i][2].shape[0] for i in idx)
+        groups.setdefault((rows, jobs[idx[0]][2].shape[1], spec), []).append(idx)
+    for (rows, cols, spec), members in groups.items():
+        step = max(1, _BATCH_ELEMENTS // (rows * cols + cols * cols))
+        for c in range(0, len(members), step):
+            chunk = members[c : c + step]
+            w = torch.stack([torch.cat([jobs[i][2] for i in idx]).float() for idx in chunk])
+            q = gptq(w, torch.stack([jobs[idx[0]][3] for idx in chunk]), spec)
+            del w
+            for k, idx in enumerate(chunk):
+                at = 0
+                for i in idx:
+                    n = jobs[i][2].shape[0]
+                    yield (
+                        i,
+                        QuantizedTensor(
+                            codes=q.codes[k, at : at + n],
+                            scale=q.scale[k, at : at + n],
+                            zero=None if q.zero is None else q.zero[k, at : at + n],
+                            spec=spec,
+                        ),
+                    )
+                    at += n
 
 
 def quantize_plan(
@@ -259,7 +276,8 @@ def quantize_plan(
     if stats is not None and "gptq" in algos:
         stats.require(h_in_name, h_mid_name, method="quant")
     plan = plan.model_copy(deep=True)
-    out = dict(tensors or {})
+    # a store on disk (`SpilledTensors`, the streamed view) takes the codes in place: copying it would read it all
+    out = tensors if tensors is not None and not isinstance(tensors, dict) else dict(tensors or {})
     todo = [
         (sc, s)
         for sc in plan.scopes
@@ -282,6 +300,7 @@ def quantize_plan(
     ):
         slots_of = _slots_of(plan, items[0][0])
         jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None, QuantSpec]] = []
+        new: dict[str, torch.Tensor] = {}  # this scope's tensors, stored in one update
         for sc, s in items:
             s_spec = spec if specs is None else specs[(sc.id, s.id)]
             w = stored_weights(plan, sc, s, source, out)
@@ -295,16 +314,18 @@ def quantize_plan(
                 del out[key]
             for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
                 if part in ready:
-                    out.update({f"{prefix}.{part}.{k}": v for k, v in ready[part].packed().items()})
-                else:
-                    jobs.append((prefix, part, getattr(w, part).float(), h, s_spec))
+                    new.update({f"{prefix}.{part}.{k}": v for k, v in ready[part].packed().items()})
+                else:  # the stored dtype: GPTQ upcasts one bounded batch at a time
+                    jobs.append((prefix, part, getattr(w, part).detach(), h, s_spec))
                 bias = getattr(w, f"{part}_bias")
                 if bias is not None:
-                    out[f"{prefix}.{part}_bias"] = bias.detach().clone()
+                    new[f"{prefix}.{part}_bias"] = bias.detach().clone()
             s.tensor, s.quant = prefix, s_spec
         for idx, q in _quantize_batched(jobs):
             prefix, part = jobs[idx][:2]
-            out.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
+            new.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
+        del jobs
+        out.update(new)
     if specs is None:
         plan.params = {**plan.params, "quant": config.model_dump()}
     plan.check_tensors(out)
@@ -334,7 +355,10 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
         return quantize_plan(plan, {}, source, config, ctx.stats, ctx.progress)
     from rich.progress import track
 
-    spec, tensors, layers = config.spec(), {}, ctx.adapter.moe_layers
+    from .streamed import plan_tensor_store
+
+    # the streamed view keeps finished layers' codes on disk: all of them would be a third of a 4-bit checkpoint
+    spec, tensors, layers = config.spec(), plan_tensor_store(ctx.adapter), ctx.adapter.moe_layers
     for i, stats in track(
         each_layer(ctx.stats, layers, ctx.adapter),
         total=len(layers),

@@ -320,6 +320,10 @@ class SpilledTensors(Mapping):
         with safe_open(str(self._file[key]), framework="pt") as f:
             return f.get_tensor(key)
 
+    def __delitem__(self, key: str) -> None:
+        # the bytes stay in their part file until the mapping is collected; only the lookup goes
+        del self._file[key]
+
     def __contains__(self, key) -> bool:
         return key in self._file
 
