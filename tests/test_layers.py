@@ -77,12 +77,10 @@ def test_dynamic_imports_only_where_the_docs_say_why():
 
 
 def test_every_cli_verb_module_is_in_the_verb_independence_contract():
-    """A new `cli/<verb>.py` outside the contract could import another verb unchecked: name it there."""
+    """A new `cli/<verb>.py` could import another verb unchecked if the contract named verbs by hand: it covers
+    every module of `moecompress.cli` by wildcard instead (the shared helpers through `ignore_imports`)."""
     import tomllib
 
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    verbs = next(c for c in contracts if c.get("containers") == ["moecompress.cli"])
-    named = {m.strip() for layer in verbs["layers"] for m in layer.split("|")}
-    cli = ROOT / "src" / "moecompress" / "cli"
-    modules = {p.stem for p in cli.glob("*.py") if p.stem not in ("__init__", "__main__")}
-    assert modules <= named, modules - named
+    verbs = next(c for c in contracts if "moecompress.cli.*" in c.get("modules", []))
+    assert verbs["type"] == "independence", verbs
