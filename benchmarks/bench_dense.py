@@ -94,7 +94,7 @@ def _best(name: str) -> dict:
 def run_distill(name: str, steps: int, heldout_tokens: int) -> None:
     from moecompress.distill import distill, export_dense
     from moecompress.eval.metrics import evaluate_stream
-    from moecompress.methods.dense import DenseConfig
+    from moecompress.methods.dense_fit import DenseConfig
     from moecompress.models import load_model
 
     OUT.mkdir(parents=True, exist_ok=True)

@@ -427,16 +427,14 @@ def test_compare_refuses_nan_metrics_naming_the_arm(ws, monkeypatch):
 
     from moecompress.errors import NonFiniteMetrics
 
-    compare_mod = importlib.import_module(
-        "moecompress.compare"
-    )  # the module (the package binds the function)
+    arm_mod = importlib.import_module("moecompress.compare.arm")  # the package binds the function
     monkeypatch.setattr(
         "moecompress.eval.runner.evaluate_model",
         lambda *a, **k: {"ppl:x": {"aggregate": {"ppl": float("nan"), "kl": float("inf")}}},
     )
     with pytest.raises(NonFiniteMetrics, match="Arm 'reap-50' evaluated to non-finite metrics.*ppl=nan"):
-        compare_mod._evaluate(None, None, _recipe(), None, False, "reap-50")
-    assert compare_mod._evaluate(None, None, _recipe(), None, False, "reap-50", allow_nan=True)["ppl:x"]
+        arm_mod.evaluate_arm(None, None, _recipe(), None, False, "reap-50")
+    assert arm_mod.evaluate_arm(None, None, _recipe(), None, False, "reap-50", allow_nan=True)["ppl:x"]
 
 
 def _recipe():

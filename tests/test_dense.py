@@ -8,20 +8,18 @@ import pytest
 import torch
 
 from moecompress.errors import MoECompressError
-from moecompress.methods.dense import (
+from moecompress.methods.dense_convert import convert, convert_layer, dense_view
+from moecompress.methods.dense_fit import (
     CRITERIA,
     GROUPINGS,
     SCALINGS,
     DenseConfig,
     average_linkage,
-    collect_dense_stats,
-    convert,
-    convert_layer,
-    dense_view,
     group_experts,
     merge_group,
     select_experts,
 )
+from moecompress.methods.dense_stats import collect_dense_stats
 from moecompress.models import MoEAdapter, expert_apply
 from moecompress.testing import FAMILY_NAMES, fixture_dir, tiny_model
 

@@ -11,7 +11,9 @@ import torch
 
 from moecompress.distill.kd import expanded_teacher, hidden_mse, kd_loss
 from moecompress.errors import MoECompressError
-from moecompress.methods.dense import DenseConfig, collect_dense_stats, convert
+from moecompress.methods.dense_convert import convert
+from moecompress.methods.dense_fit import DenseConfig
+from moecompress.methods.dense_stats import collect_dense_stats
 from moecompress.models import MoEAdapter
 from moecompress.testing import tiny_model
 

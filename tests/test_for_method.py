@@ -100,7 +100,8 @@ def test_prune_criteria_are_the_registry():
 def test_dense_and_conmoe_score_through_the_registry():
     """Dense's criteria are registry entries (ACP / DO-ACP as means-evaluated variants); its needs and
     ConMoE's come from those entries."""
-    from moecompress.methods import conmoe, dense
+    from moecompress.methods import conmoe
+    from moecompress.methods import dense_fit as dense
     from moecompress.scoring.registry import get_criterion
 
     assert set(dense.CRITERION_ENTRY) == set(dense.CRITERIA)

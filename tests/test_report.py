@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from moecompress.errors import MoECompressError
-from moecompress.eval.report import CHECKLIST_TITLES, checklist, compare_arms, write_report
+from moecompress.eval.report import write_report
+from moecompress.eval.report_checklist import CHECKLIST_TITLES, checklist
+from moecompress.eval.report_comparisons import compare_arms
 
 
 def entry(output_type, metric, values, ids=None, hib=True):
@@ -158,7 +160,7 @@ def test_report_with_every_checklist_item(tmp_path):
 
 
 def test_too_few_replicates_are_flagged():
-    from moecompress.eval.report import render_markdown
+    from moecompress.eval.report_markdown import render_markdown
     from moecompress.eval.schema import validate_results
 
     res = validate_results(full_results())
@@ -229,8 +231,8 @@ def _many_arms(n: int = 28) -> dict:
 def test_ranking_table_fits_100_columns_and_is_written_as_markdown(tmp_path):
     from rich.console import Console
 
-    from moecompress.compare import TABLE_WIDTH, ranking_table
-    from moecompress.eval.report import ranking_rows
+    from moecompress.compare.ranking import TABLE_WIDTH, ranking_table
+    from moecompress.eval.report_tables import ranking_rows
 
     r = _many_arms()
     console = Console(width=200, record=True, file=open(tmp_path / "tty.txt", "w"))
@@ -250,7 +252,7 @@ def test_ranking_table_fits_100_columns_and_is_written_as_markdown(tmp_path):
 def test_per_layer_heatmap_is_one_figure_of_sane_height(tmp_path):
     from PIL import Image
 
-    from moecompress.eval.report import per_layer_cells
+    from moecompress.eval.report_plots import per_layer_cells
     from moecompress.eval.schema import validate_results
 
     r = _many_arms(28)
@@ -262,7 +264,8 @@ def test_per_layer_heatmap_is_one_figure_of_sane_height(tmp_path):
 
 
 def test_pareto_front_and_discriminating_tasks():
-    from moecompress.eval.report import discriminating, pareto_front
+    from moecompress.eval.report_comparisons import discriminating
+    from moecompress.eval.report_plots import pareto_front
 
     pts = [(10.0, 0.5), (5.0, 1.0), (7.0, 0.2), (8.0, 0.3), (12.0, 0.1), (5.0, 2.0)]
     assert pareto_front(pts) == [1, 2, 4]  # (5, 1.0) -> (7, 0.2) -> (12, 0.1); the rest are dominated
@@ -283,7 +286,7 @@ def test_task_plot_is_omitted_when_no_task_discriminates(tmp_path):
 
 
 def test_a_pipe_gets_the_full_table_width():
-    from moecompress.compare import TABLE_WIDTH, summary_console, table_width
+    from moecompress.compare.ranking import TABLE_WIDTH, summary_console, table_width
 
     console = summary_console()  # pytest captures stdout: not a terminal, so rich alone would assume 80
     assert not console.is_terminal and console.width == TABLE_WIDTH and table_width(console) == TABLE_WIDTH

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moecompress.methods.dense import DenseConfig
+from moecompress.methods.dense_fit import DenseConfig
 from moecompress.testing import fixture_dir
 
 

@@ -13,7 +13,7 @@
 
 The `moecompress` verbs `calibrate`, `compress`, `eval`, `compare`, `demo` and `grid` parse their options
 (`moecompress.cli`) and call these functions. The steps compress and compare share are in `pipeline.py`;
-`compare.py` runs a recipe's arms.
+the `compare` package runs a recipe's arms.
 
 The exporters, the runtime, evaluation and the recipe schema (through the quantizer) import transformers
 and lm-eval (seconds); they are imported where a function needs them, so that `import moecompress` and

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..api import compare
-from ..compare import ranking_table, summary_console, table_width
+from ..compare.ranking import ranking_table, summary_console, table_width
 
 
 def compare_command(

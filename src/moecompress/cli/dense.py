@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ..atomic import check_output
 from ..errors import MoECompressError
-from ..methods.dense import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical
+from ..methods.dense_fit import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical
 from ..models.loading import resolve_fixture
 from ..validate import check_range
 from ._common import build_config, split_list

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from ..api import compare
-from ..compare import ranking_table
+from ..compare.ranking import ranking_table
 from ..errors import MoECompressError
 from ..validate import check_range, parse_floats
 from ._common import split_list

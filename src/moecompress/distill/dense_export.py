@@ -42,7 +42,8 @@ from torch import nn
 
 from ..atomic import atomic_dir, dir_bytes
 from ..errors import MoECompressError
-from ..methods.dense import DenseConfig, DenseConversion, convert, ffn_apply, pad_ffn
+from ..methods.dense_convert import DenseConversion, convert
+from ..methods.dense_fit import DenseConfig, ffn_apply, pad_ffn
 from ..methods.streamed import is_streamed
 from ..models import FAMILIES, ExpertWeights, MoEAdapter
 from ..models.families import expert_count_keys
@@ -441,7 +442,7 @@ def load_stats(
 ) -> tuple[dict, dict]:
     """(stats per layer, description) from a stats store directory, a {layer: {name: tensor}} mapping, or
     a calibration data spec (text file, fixture name, hub dataset) collected here with a full forward."""
-    from ..methods.dense import collect_dense_stats
+    from ..methods.dense_stats import collect_dense_stats
 
     if isinstance(calib, dict):
         return calib, {"source": "in-memory statistics"}

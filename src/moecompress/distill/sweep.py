@@ -1,6 +1,6 @@
 """Pre-distillation sweep: held-out perplexity of the dense conversion over criterion × grouping × K × scaling.
 
-Each configuration runs in place (`methods.dense.dense_view`: the teacher with its MoE blocks
+Each configuration runs in place (`methods.dense_convert.dense_view`: the teacher with its MoE blocks
 replaced by the converted dense FFNs — the function the exported student computes, tested), so
 no checkpoint is written per configuration. With K = top-k every grouping is the identity (one
 expert per group), so those cells are computed once per criterion × scaling and shared.
@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..errors import MoECompressError
-from ..methods.dense import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical, convert, dense_view
+from ..methods.dense_convert import convert, dense_view
+from ..methods.dense_fit import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical
 from ..models import MoEAdapter
 from .dense_export import load_stats, student_target
 

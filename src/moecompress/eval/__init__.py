@@ -31,15 +31,15 @@ _EXPORTS = {
     "measure_latency": "bench",
     "benchmark": "bench",
     "write_report": "report",
-    "compare_arms": "report",
-    "checklist": "report",
+    "compare_arms": "report_comparisons",
+    "checklist": "report_checklist",
     "validate_results": "schema",
     "SCHEMA": "schema",
     "evaluate_model": "runner",
     "model_info": "runner",
     "plan_arm_fields": "runner",
     "ppl_task_name": "runner",
-    "min_replicates": "report",
+    "min_replicates": "report_comparisons",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,7 +8,7 @@ the greedy selection maximises (scoring/doptimal.py).
 
 Every method that scores experts reads this table, for selection and for what to calibrate: prune (its
 ``criterion``; ``calibrate --for-method prune`` gathers the union of the prune criteria's statistics), dense
-(its ``criterion``, through `methods.dense.CRITERION_ENTRY`) and ConMoE (its contribution a_e is the ``reap``
+(its ``criterion``, through `methods.dense_fit.CRITERION_ENTRY`) and ConMoE (its contribution a_e is the ``reap``
 entry, its usage ablation the ``frequency`` entry). A *variant* (``variant_of``) is the same criterion
 evaluated another way, registered under its own name so that no method's results change: the dense method
 computes ACP from the store's means, prune from the sums it rebuilds (they differ in the last bits).
