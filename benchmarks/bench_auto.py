@@ -90,15 +90,21 @@ def run_spearman(
 ) -> dict:
     from moecompress.data import load_tokenizer
     from moecompress.data.calibration import token_stream
-    from moecompress.methods import auto as A
-    from moecompress.methods import auto_estimate as est
+    from moecompress.methods.auto.config import AutoConfig, needs_stats
+    from moecompress.methods.auto.estimate import affine_loss, constant_loss, drop_loss
+    from moecompress.methods.auto.frontier import keep_point_of, remap_to
+    from moecompress.methods.auto.measure import logprobs
+    from moecompress.methods.auto.moments import approximate_moments
+    from moecompress.methods.auto.sensitivity import measure_states
+    from moecompress.methods.auto.setup import prepare
+    from moecompress.methods.auto.solver import Candidate, LayerPoint, allocate
     from moecompress.models import MoEAdapter, load_model
     from moecompress.testing import fixture_dir
 
     path = fixture if Path(fixture).is_dir() else str(fixture_dir(fixture))
     tok = load_tokenizer(path)
     t0 = time.perf_counter()
-    store = calibrated(path, out / f"stats-{Path(fixture).name}", A.needs_stats(A.AutoConfig()) + EXTRA_STATS)
+    store = calibrated(path, out / f"stats-{Path(fixture).name}", needs_stats(AutoConfig()) + EXTRA_STATS)
     calib_s = time.perf_counter() - t0
     stream = _stream_ids(token_stream("fixture-heldout", tok))
     n = len(stream) // seq_len
@@ -109,39 +115,39 @@ def run_spearman(
 
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
-    setup = A.prepare(
-        A.AutoConfig(budget=0.5, budget_scope="routed"), adapter, store, keep_tensors=True
+    setup = prepare(
+        AutoConfig(budget=0.5, budget_scope="routed"), adapter, store, keep_tensors=True
     )  # the default: per-(layer, kind) sensitivity
     prepare_s = time.perf_counter() - t0
-    lay = A.prepare(
-        A.AutoConfig(budget=0.5, budget_scope="routed", sensitivity="probe"),
+    lay = prepare(
+        AutoConfig(budget=0.5, budget_scope="routed", sensitivity="probe"),
         adapter,
         store,
         keep_tensors=True,
     )  # per-layer probe (+ noise)
     info, problems = setup.info, setup.problems
-    held_ref = est._logprobs(adapter.model, held)
+    held_ref = logprobs(adapter.model, held)
 
     def measure(states):
-        return A.measure_states(adapter, info, states, held, held_ref)
+        return measure_states(adapter, info, states, held, held_ref)
 
     # (a) single-slot changes: every candidate of a sample of slots, the pair of each with its nearest partner
     rng = random.Random(seed)
     rows = []
     for i, prob in problems.items():
         m = setup.moments[i]
-        approx = est.approximate_moments(store, i)
+        approx = approximate_moments(store, i)
         kept_all = list(range(prob.num_experts))
         for e in sorted(rng.sample(kept_all, min(slots_per_layer, prob.num_experts))):
             cands = [c for c in prob.options[e] if c.kind != "keep"]
-            r = A._remap_to(prob, e, kept_all)
+            r = remap_to(prob, e, kept_all)
             if r is not None:
                 cands.append(r)
             for c in cands:
-                choice = list(A.keep_point_of(info.layer(i)).choice)
+                choice = list(keep_point_of(info.layer(i)).choice)
                 choice[e] = c
                 mode = f"reroute:{c.gate}" if c.kind == "reroute" else "replace"
-                pt = A.LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)
+                pt = LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)
                 row = dict(
                     layer=i,
                     slot=e,
@@ -156,25 +162,25 @@ def run_spearman(
                     "tilt",
                 ):  # in-sample, gate²-weighted vs mean-g² approximation
                     if c.kind == "drop":
-                        row["insample"], row["approx"] = est.drop_loss(m, e), est.drop_loss(approx, e)
+                        row["insample"], row["approx"] = drop_loss(m, e), drop_loss(approx, e)
                     elif c.kind == "constant":
                         v = next(iter(c.tensors.values()))
                         row["insample"], row["approx"] = (
-                            est.constant_loss(m, e, v),
-                            est.constant_loss(approx, e, v),
+                            constant_loss(m, e, v),
+                            constant_loss(approx, e, v),
                         )
                     else:
                         t = {k.rsplit(".", 1)[1]: v.double() for k, v in c.tensors.items()}
                         mat = t["U"] @ t["V"].T
-                        row["insample"] = est.affine_loss(m, e, t["bias"], mat)
-                        row["approx"] = est.affine_loss(approx, e, t["bias"], mat)
+                        row["insample"] = affine_loss(m, e, t["bias"], mat)
+                        row["approx"] = affine_loss(approx, e, t["bias"], mat)
                 rows.append(row)
             for pref in [p for p in prob.pairs if e in p.members][:1]:
                 a, b = pref.members
-                choice = list(A.keep_point_of(info.layer(i)).choice)
-                choice[a] = A.Candidate("pair", pref.losses[0], b, pref.nbytes // 2, op=pref)
-                choice[b] = A.Candidate("pair", pref.losses[1], a, pref.nbytes - pref.nbytes // 2, op=pref)
-                pt = A.LayerPoint("replace", choice, prob.bytes_of(choice), sum(pref.losses))
+                choice = list(keep_point_of(info.layer(i)).choice)
+                choice[a] = Candidate("pair", pref.losses[0], b, pref.nbytes // 2, op=pref)
+                choice[b] = Candidate("pair", pref.losses[1], a, pref.nbytes - pref.nbytes // 2, op=pref)
+                pt = LayerPoint("replace", choice, prob.bytes_of(choice), sum(pref.losses))
                 rows.append(
                     dict(
                         layer=i,
@@ -205,7 +211,7 @@ def run_spearman(
     for budget in (0.25, 0.35, 0.5, 0.65, 0.8):
         b = int(budget * info.expert_bytes)
         for name, su in (("kind", setup), ("probe", lay)):
-            idx = A.allocate(su.fronts, su.sens, b)
+            idx = allocate(su.fronts, su.sens, b)
             states = {i: su.fronts[i][k] for i, k in idx.items()}
             plan_rows.append(
                 dict(

@@ -49,7 +49,7 @@ def tag(p: float) -> str:
 
 def geometry(path: str):
     """(experts per layer, top-k, routed-expert bytes, bytes of one bf16 expert, {bits: bytes of one quantized expert})."""
-    from moecompress.methods import auto_quant as aq
+    from moecompress.methods.auto.quant import expert_quant_bytes, quant_spec
     from moecompress.models import MoEAdapter, load_model
     from moecompress.plan import ModelInfo
 
@@ -59,8 +59,8 @@ def geometry(path: str):
     w = adapter.experts(adapter.moe_layers[0])
     i_dim, h = w.gate.shape[1:]
     qb = {
-        b: aq.expert_quant_bytes(
-            aq.quant_spec(b, GROUP, "gptq"), i_dim, h, w.gate_bias is not None, info.element_size
+        b: expert_quant_bytes(
+            quant_spec(b, GROUP, "gptq"), i_dim, h, w.gate_bias is not None, info.element_size
         )
         for b in (8, 4, 3, 2)
     }
@@ -240,13 +240,17 @@ def run_spearman(
 
     from moecompress.data import load_tokenizer
     from moecompress.data.calibration import token_stream
-    from moecompress.methods import auto as A
-    from moecompress.methods import auto_estimate as est
+    from moecompress.methods.auto.config import AutoConfig, needs_stats
+    from moecompress.methods.auto.frontier import keep_point_of, uniform_state
+    from moecompress.methods.auto.measure import logprobs
+    from moecompress.methods.auto.sensitivity import measure_states
+    from moecompress.methods.auto.setup import prepare
+    from moecompress.methods.auto.solver import LayerPoint
     from moecompress.models import MoEAdapter, load_model
     from moecompress.testing import fixture_dir
 
     path = str(fixture_dir(fixture))
-    store = calibrated(path, out / f"stats-{fixture}", A.needs_stats(A.AutoConfig()))
+    store = calibrated(path, out / f"stats-{fixture}", needs_stats(AutoConfig()))
     stream = _stream_ids(token_stream("fixture-heldout", load_tokenizer(path)))
     n = len(stream) // seq_len
     step = max(1, n // windows)
@@ -255,25 +259,25 @@ def run_spearman(
     )
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
-    setup = A.prepare(
-        A.AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP), adapter, store, keep_tensors=True
+    setup = prepare(
+        AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP), adapter, store, keep_tensors=True
     )
     prepare_s = time.perf_counter() - t0
     info, problems = setup.info, setup.problems
-    ref = est._logprobs(adapter.model, held)
+    ref = logprobs(adapter.model, held)
 
     def measure(states):
-        return A.measure_states(adapter, info, states, held, ref)
+        return measure_states(adapter, info, states, held, ref)
 
     rng = random.Random(seed)
     single, layer_rows = [], []
     for i, prob in problems.items():
         for e in sorted(rng.sample(range(prob.num_experts), min(slots_per_layer, prob.num_experts))):
             for c in prob.options[e][1:]:
-                choice = list(A.keep_point_of(info.layer(i)).choice)
+                choice = list(keep_point_of(info.layer(i)).choice)
                 choice[e] = c
                 mode = f"reroute:{c.gate}" if c.kind == "reroute" else "replace"
-                pt = A.LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)
+                pt = LayerPoint(mode, choice, prob.bytes_of(choice), c.loss)
                 single.append(
                     dict(
                         layer=i,
@@ -286,8 +290,8 @@ def run_spearman(
                     )
                 )
         for b in (8, 4, 3, 2):
-            state = A.uniform_state(prob, b)
-            pt = A.LayerPoint("replace", state, prob.bytes_of(state), sum(c.loss for c in state))
+            state = uniform_state(prob, b)
+            pt = LayerPoint("replace", state, prob.bytes_of(state), sum(c.loss for c in state))
             layer_rows.append(
                 dict(layer=i, bits=b, error=sum(c.error for c in state), kind_kl=pt.loss, kl=measure({i: pt}))
             )

@@ -15,9 +15,18 @@ from moecompress.calibrate import calibrate
 from moecompress.data import CalibrationData
 from moecompress.errors import MoECompressError
 from moecompress.methods import MethodContext, get_method, parse_config, stats_for_method
-from moecompress.methods import auto as A
-from moecompress.methods import auto_estimate as est
 from moecompress.methods import prune as P
+from moecompress.methods.auto.candidates import layer_problem
+from moecompress.methods.auto.config import AutoConfig, needs_stats
+from moecompress.methods.auto.estimate import (
+    affine_loss,
+    constant_candidate,
+    constant_loss,
+    low_rank_affine_loss,
+)
+from moecompress.methods.auto.measure import sample_layer_error, sig
+from moecompress.methods.auto.moments import LayerMoments
+from moecompress.methods.auto.solver import LayerPoint, allocate, pareto
 from moecompress.models import MoEAdapter, expert_intermediate, load_model
 from moecompress.pipeline import choose_format
 from moecompress.plan import CompressionPlan, ModelInfo
@@ -53,7 +62,7 @@ DTYPE_BYTES = {
 
 
 def _setup(root, family, seed):
-    return calibrated_tiny(root, family, seed, A.needs_stats(A.AutoConfig()) + EXTRA)
+    return calibrated_tiny(root, family, seed, needs_stats(AutoConfig()) + EXTRA)
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +125,10 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
     h = inputs[i]
     n = len(h)
     r = adapter.route(i, h)
-    m = est.LayerMoments.load(store, i)
+    m = LayerMoments.load(store, i)
     info = ModelInfo.from_model(adapter)
-    prob, _ = A.layer_problem(
-        A.AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16]), adapter, store, info, i, True
+    prob, _ = layer_problem(
+        AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16]), adapter, store, info, i, True
     )
     checked = set()
     for e in (0, 3, 5):
@@ -166,7 +175,7 @@ def test_cross_fitted_losses_score_each_fold_with_the_other_folds_fit(olmoe):
     n = len(h)
     fold1 = torch.arange(n) >= n // 2
     r = adapter.route(i, h)
-    m = est.LayerMoments.load(store, i)
+    m = LayerMoments.load(store, i)
     for e in (1, 6):
         tok, slot = torch.where(r.index == e)
         g2 = r.weight[tok, slot].double().square()
@@ -177,13 +186,9 @@ def test_cross_fitted_losses_score_each_fold_with_the_other_folds_fit(olmoe):
         direct = sum(
             float(g2[f] @ (y[f] - means[1 - k]).square().sum(-1)) / n for k, f in enumerate((~f1, f1))
         )
-        c = est.constant_candidate(
-            m, store, e, "weighted", 4, adapter.hidden_size, torch.float32, cross_fit=True
-        )
+        c = constant_candidate(m, store, e, "weighted", 4, adapter.hidden_size, torch.float32, cross_fit=True)
         assert c.loss == pytest.approx(direct, rel=1e-9)
-        assert (
-            c.loss >= est.constant_loss(m, e, c.tensors[f"layer{i}.expert{e}.value"]) - 1e-12
-        )  # out of sample
+        assert c.loss >= constant_loss(m, e, c.tensors[f"layer{i}.expert{e}.value"]) - 1e-12  # out of sample
 
 
 # ----------------------------------------------------------------------------- budget and identity
@@ -305,10 +310,10 @@ def test_measured_table_and_registration(olmoe):
         # the sum of slot errors is close to the layer's real error on the token sample (cross terms small)
         assert row["sample_error"] == pytest.approx(row["est_error"], rel=0.5)
         # measured inside the restore pass on the layer's part of the plan: the same as on the whole plan
-        again = est.sample_layer_error(
+        again = sample_layer_error(
             adapter, plan, tensors, row["layer"], store.get(row["layer"], "auto_sample")
         )
-        assert A._sig(again) == row["sample_error"]
+        assert sig(again) == row["sample_error"]
     assert get_method("auto").family == "auto"
     assert {"auto_g2", "auto_remap", "auto_sample"} <= set(stats_for_method("auto"))
 
@@ -322,15 +327,15 @@ def test_allocation_matches_brute_force_on_small_instances():
         for layer in range(3):
             pts, b, loss = [], rng.randint(0, 3), 10.0 * rng.random()
             for _ in range(rng.randint(2, 6)):
-                pts.append(A.LayerPoint("replace", [], b, loss))
+                pts.append(LayerPoint("replace", [], b, loss))
                 b += rng.randint(1, 5)
                 loss *= rng.random()
-            fronts[layer] = A.pareto(pts)
+            fronts[layer] = pareto(pts)
             scale[layer] = 0.5 + rng.random()
         lo = sum(f[0].bytes for f in fronts.values())
         hi = sum(f[-1].bytes for f in fronts.values())
         budget = rng.randint(lo, hi)
-        pick = A.allocate(fronts, scale, budget)
+        pick = allocate(fronts, scale, budget)
         assert sum(fronts[l][k].bytes for l, k in pick.items()) <= budget
         got = sum(fronts[l][k].loss * scale[l] for l, k in pick.items())
         best = min(
@@ -344,12 +349,12 @@ def test_allocation_matches_brute_force_on_small_instances():
 
 
 def test_allocation_refuses_non_finite_losses_instead_of_looping():
-    front = A.pareto([A.LayerPoint("replace", [], 1, float("nan")), A.LayerPoint("replace", [], 3, 1.0)])
-    ok = A.pareto([A.LayerPoint("replace", [], 1, 1.0), A.LayerPoint("replace", [], 2, 0.5)])
+    front = pareto([LayerPoint("replace", [], 1, float("nan")), LayerPoint("replace", [], 3, 1.0)])
+    ok = pareto([LayerPoint("replace", [], 1, 1.0), LayerPoint("replace", [], 2, 0.5)])
     with pytest.raises(MoECompressError, match="non-finite loss or sensitivity for layer 1"):
-        A.allocate({0: ok, 1: front}, {0: 1.0, 1: 1.0}, 4)
+        allocate({0: ok, 1: front}, {0: 1.0, 1: 1.0}, 4)
     with pytest.raises(MoECompressError, match="layer 0"):
-        A.allocate({0: ok, 1: ok}, {0: float("inf"), 1: 1.0}, 4)
+        allocate({0: ok, 1: ok}, {0: float("inf"), 1: 1.0}, 4)
 
 
 def test_pair_decisions_are_joint_and_disjoint(olmoe, tmp_path):
@@ -385,7 +390,7 @@ def test_group_limited_router_stays_feasible(tmp_path):
         CalibrationData.from_tokens(ids),
         seq_len=24,
         out=tmp_path / "stats",
-        stats=A.needs_stats(A.AutoConfig(candidates=["reroute", "remap"])),
+        stats=needs_stats(AutoConfig(candidates=["reroute", "remap"])),
         batch_size=4,
         dtype="float32",
         progress=False,
@@ -404,7 +409,7 @@ def test_low_rank_affine_loss_equals_the_dense_form():
     e_all, h, r = 3, 12, 4
     x = torch.randn(e_all, 50, h, generator=g, dtype=torch.float64)
     y = torch.randn(e_all, 50, h, generator=g, dtype=torch.float64)
-    m = est.LayerMoments(
+    m = LayerMoments(
         0,
         torch.full((e_all,), 50.0),
         y.sum(1),
@@ -415,6 +420,6 @@ def test_low_rank_affine_loss_equals_the_dense_form():
     )
     u, v, b = (torch.randn(h, r, generator=g), torch.randn(h, r, generator=g), torch.randn(h, generator=g))
     for e in range(e_all):
-        dense = est.affine_loss(m, e, b, u.double() @ v.double().T)
+        dense = affine_loss(m, e, b, u.double() @ v.double().T)
         assert dense > 0
-        assert est.low_rank_affine_loss(m, e, b, u, v) == pytest.approx(dense, rel=1e-12)
+        assert low_rank_affine_loss(m, e, b, u, v) == pytest.approx(dense, rel=1e-12)

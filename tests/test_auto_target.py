@@ -11,7 +11,7 @@ from moecompress.errors import MoECompressError
 from moecompress.export.gguf import exact_type
 from moecompress.export.gguf import reason as gguf_reason
 from moecompress.methods import MethodContext, get_method, parse_config
-from moecompress.methods import auto as A
+from moecompress.methods.auto import config as A
 from moecompress.models import MoEAdapter, load_model
 from moecompress.testing import fixture_dir, run_cli, tiny_model
 

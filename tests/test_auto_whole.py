@@ -9,8 +9,11 @@ import torch
 from moecompress.api import apply_plan, export, load
 from moecompress.errors import MoECompressError
 from moecompress.methods import MethodContext, get_method, parse_config
-from moecompress.methods import auto as A
-from moecompress.methods import auto_tensors as T
+from moecompress.methods.auto import build as auto_build
+from moecompress.methods.auto.build import installed
+from moecompress.methods.auto.config import AutoConfig, needs_stats
+from moecompress.methods.auto.solver import uniform_bits_check
+from moecompress.methods.auto.tensors import KEY_OFFSET, tensor_items
 from moecompress.models import load_model
 from moecompress.models.tensor_classes import tensor_classes
 from moecompress.plan import ModelInfo
@@ -22,7 +25,7 @@ FAST = dict(sensitivity="uniform", measure=False, ranks=[4])
 
 @pytest.fixture(scope="module")
 def olmoe(tmp_path_factory):
-    return calibrated_tiny(tmp_path_factory.mktemp("auto_whole"), "olmoe", 3, A.needs_stats(A.AutoConfig()))
+    return calibrated_tiny(tmp_path_factory.mktemp("auto_whole"), "olmoe", 3, needs_stats(AutoConfig()))
 
 
 def _build(setup, **params):
@@ -36,7 +39,7 @@ def test_objective_is_gptq_loss_on_the_real_inputs(olmoe):
     _, store, adapter, _ = olmoe
     ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     name = "model.layers.1.self_attn.o_proj.weight"
-    items = T.tensor_items(adapter, store, ["attention", "embeddings"], [4, 2], 32, "gptq", ids, None)
+    items = tensor_items(adapter, store, ["attention", "embeddings"], [4, 2], 32, "gptq", ids, None)
     seen = []
     handle = adapter.model.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
         lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]).double())
@@ -89,7 +92,7 @@ def test_measured_plan_equals_the_exported_checkpoint(olmoe, tmp_path):
     plan, tensors = _build(olmoe, budget=0.25, ranks=[4], sensitivity_sequences=2, sensitivity_seq_len=16)
     assert plan.tensor_quant and plan.params["auto"]["measured_kl"] > 0
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad(), A._installed(adapter, plan, tensors, adapter.moe_layers):
+    with torch.no_grad(), installed(adapter, plan, tensors, adapter.moe_layers):
         hooked = adapter.model(ids).logits
     export(str(path), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
     with torch.no_grad():
@@ -100,15 +103,15 @@ def test_measured_plan_equals_the_exported_checkpoint(olmoe, tmp_path):
 
 def test_uniform_whole_model_quantization_is_compared(olmoe, monkeypatch):
     seen = {}
-    real = A.uniform_bits_check
+    real = uniform_bits_check
 
     def spy(fronts, scale, budget, chosen, uniform):
         seen.update(uniform=uniform, fronts=fronts)
         return real(fronts, scale, budget, chosen, uniform)
 
-    monkeypatch.setattr(A, "uniform_bits_check", spy)
+    monkeypatch.setattr(auto_build, "uniform_bits_check", spy)
     _build(olmoe, budget=0.3, **FAST)
-    tensor_keys = {k for k in seen["fronts"] if k >= T.KEY_OFFSET}
+    tensor_keys = {k for k in seen["fronts"] if k >= KEY_OFFSET}
     assert tensor_keys and all(set(per) == set(seen["fronts"]) for per in seen["uniform"].values())
 
 

@@ -14,7 +14,7 @@ from moecompress.calibrate import calibrate
 from moecompress.data import CalibrationData
 from moecompress.disk import read_header, stored_tensors
 from moecompress.methods import MethodContext, get_method, parse_config
-from moecompress.methods import auto as A
+from moecompress.methods.auto import config as A
 from moecompress.models import MoEAdapter, load_model
 from moecompress.pipeline import choose_format
 from moecompress.testing import run_cli, tiny_model

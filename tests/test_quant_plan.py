@@ -230,7 +230,7 @@ def test_plan_codes_equal_per_expert_gptq(calibrated, actorder, weighting):
 
 def test_gptq_plans_order_columns_by_default(calibrated):
     """`quant` and `auto`'s quantized candidates use act order unless asked not to (llm-compressor's default)."""
-    from moecompress.methods.auto_quant import quant_spec
+    from moecompress.methods.auto.quant import quant_spec
 
     _, store, adapter, _ = calibrated
     for params, want in (({"quant": "w2g32"}, True), ({"quant": "w2g32", "algo": "rtn"}, False)):
@@ -293,7 +293,7 @@ def test_a_quantized_scope_dequantized_a_range_at_a_time_computes_the_same(
 def test_quantized_biased_experts_count_their_biases(tmp_path):
     """GPT-OSS experts keep gate/up/down biases beside the codes: the plan's bytes, `auto`'s per-expert price and
     the tensors stored all count them."""
-    from moecompress.methods.auto_quant import expert_quant_bytes
+    from moecompress.methods.auto.quant import expert_quant_bytes
     from moecompress.quant.spec import QuantSpec
 
     adapter = MoEAdapter(load_model(str(save_tiny("gpt_oss", tmp_path / "m")), dtype="float32"))

@@ -384,14 +384,14 @@ def test_tilt_gathers_moments_of_the_removed_experts_only_and_equals_one_pass(tm
 
 def test_auto_reference_log_probs_on_the_streamed_view_equal_the_loaded_model(tiny):
     """auto's first forward on the view (its reference for every KL) ran on ids moved to the meta device."""
-    from moecompress.methods import auto_estimate as est
+    from moecompress.methods.auto.measure import logprobs
 
     root, path = tiny
     ids = torch.randint(3, 96, (6, 16), generator=torch.Generator().manual_seed(1))
-    want = est._logprobs(load_model(str(path), dtype="float32").eval(), ids)
+    want = logprobs(load_model(str(path), dtype="float32").eval(), ids)
     view = pipeline.open_view(str(path))
     assert all(p.is_meta for p in view.model.parameters())
-    first, second = est._logprobs(view.model, ids), est._logprobs(view.model, ids)
+    first, second = logprobs(view.model, ids), logprobs(view.model, ids)
     assert torch.equal(first, want) and torch.equal(second, want)
 
 

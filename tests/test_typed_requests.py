@@ -4,8 +4,8 @@ the `QuantConfig` that holds it."""
 
 import pytest
 
-from moecompress.methods import auto as A
 from moecompress.methods import quantize as Q
+from moecompress.methods.auto import config as A
 from moecompress.quant.spec import QuantSpec
 from moecompress.testing import calibrated_tiny, fixture_dir, run_cli
 

@@ -337,7 +337,7 @@ def imatrix_writer(model: str, plan, stats):
         import gguf
 
         from .export.gguf import ARCHES
-        from .methods.auto_tensors import hessians
+        from .methods.auto.tensors import hessians
         from .models.tensor_classes import quantizable, tensor_classes, tensor_shapes
 
         adapter = open_view(model)

@@ -2,7 +2,7 @@ r"""Quantized keeps for ``auto`` (issue 14): every stored expert also comes at e
 
 For slot e kept at b bits, Q = (Q_g, Q_u, Q_d) the GPTQ (or RTN) codes of its gate, up and down
 projections, the loss is the same gate²-weighted output error per calibration token as every other
-candidate (auto_estimate.py):
+candidate (estimate.py):
 
     L_e(Q) = (1/N) Σ_{t ∈ T_e} g_e(t)² ‖f_e(h_t) − f_Q(h_t)‖².
 
@@ -31,11 +31,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..models.storage import ExpertWeights, expert_intermediate
-from ..quant import QuantizedTensor, gptq, rtn
-from ..quant.gptq import factor
-from ..quant.spec import QuantSpec
-from .auto_estimate import Candidate, LayerMoments
+from ...models.storage import ExpertWeights, expert_intermediate
+from ...quant import QuantizedTensor, gptq, rtn
+from ...quant.gptq import factor
+from ...quant.spec import QuantSpec
+from .moments import LayerMoments
+from .solver import Candidate
 
 HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
 
@@ -94,8 +95,9 @@ def quant_candidates(
     tests/test_quant_core.py), each chunk's Hessians read row by row, so a layer of big experts never has
     every expert's float32 weights, codes and Hessians in memory at once. A chunk is always the same experts,
     whichever of them are asked for: batched products on several threads need not round alike for another
-    batch, and `auto.restore` must get back the codes `prepare` estimated bit for bit. keep_codes=False leaves
-    ``op`` None (the estimate only: `restore` computes the codes of the experts a plan keeps quantized)."""
+    batch, and `auto.materialise.restore` must get back the codes `auto.setup.prepare` estimated bit for bit.
+    keep_codes=False leaves ``op`` None (the estimate only: `restore` computes the codes of the experts a plan
+    keeps quantized)."""
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
@@ -105,79 +107,97 @@ def quant_candidates(
     todo = [e for e in range(e_all) if chunks is None or e // chunk in chunks]
     if not widths or not todo:
         return out
-    act = adapter.layer(layer).act
     n_tok = float(stats.get(layer, "tokens").double().sum().clamp(min=1))
-    hin_name, hmid_name = HESSIANS[weighting] if algo == "gptq" else (None, None)
-
-    # the layer's token sample and, per expert, its routed tokens, their g² and original activations
-    x = m.sample.to(torch.float32)
-    s_n = len(x)
     with torch.no_grad():
-        r = adapter.route(layer, x.to(adapter.expert_dtype(layer)))
-        routed = {}
-        for e in todo:
-            tok, slot = torch.where(r.index == e)
-            xe = x[tok]
-            a = (
-                expert_intermediate(adapter.get_expert(layer, e).map(lambda t: t.float()), xe, act)
-                if len(tok)
-                else None
-            )
-            routed[e] = (xe, r.weight[tok, slot].double().square(), a)
+        routed = _routed_sample(adapter, m, todo)
         w = adapter.experts_at_rest(layer)  # the stored precision; each chunk upcast on its own
-        i_dim, h = w.gate.shape[1:]
         for lo in range(0, len(todo), chunk):
             ids = todo[lo : lo + chunk]
-            gate, up, down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
-            biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
-            h_mid = stats.get_rows(layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
-            f_in = f_mid = None
-            if (
-                algo == "gptq"
-            ):  # one factorisation per Hessian for gate, up and every width (damping is shared)
-                spec = quant_spec(widths[0], group, algo)
-                f_in = factor(stats.get_rows(layer, hin_name, ids), spec)
-                f_mid = factor(stats.get_rows(layer, hmid_name, ids), spec)
+            job = _Chunk(adapter, stats, layer, w, ids, quant_spec(widths[0], group, algo), weighting)
             for b in widths:
-                spec = quant_spec(b, group, algo)
-                q = {
-                    "gate": _quantize(gate, f_in, spec),
-                    "up": _quantize(up, f_in, spec),
-                    "down": _quantize(down, f_mid, spec),
-                }
-                deq = {
-                    k: v.dequantize(torch.float32) for k, v in q.items()
-                }  # bf16 grid values, exact in float32
-                d_down = down.double() - deq["down"].double()  # [C, H, I]
-                down_part = ((d_down @ h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert
-                nbytes = expert_quant_bytes(spec, i_dim, h, w.gate_bias is not None, el)
-                for k, e in enumerate(ids):
-                    xe, g2, a = routed[e]
-                    gu = 0.0
-                    if a is not None:
-                        we = ExpertWeights(
-                            deq["gate"][k],
-                            deq["up"][k],
-                            deq["down"][k],
-                            *(None if t is None else t[k] for t in biases),
-                        )
-                        diff = F.linear(a - expert_intermediate(we, xe, act), deq["down"][k]).double()
-                        gu = float(g2 @ diff.square().sum(-1)) / s_n
-                    loss = max(float(down_part[k]), 0.0) + gu
-                    op = None
-                    if keep_codes:
-                        op = QuantKeep(
-                            spec,
-                            {
-                                n: QuantizedTensor(
-                                    v.codes[k].clone(),
-                                    v.scale[k].clone(),
-                                    None if v.zero is None else v.zero[k].clone(),
-                                    spec,
-                                )
-                                for n, v in q.items()
-                            },
-                        )
-                    out[e].append(Candidate("quant", loss, b, nbytes, op=op))
-                del q, deq, d_down
+                for e, c in zip(ids, job.candidates(b, routed, n_tok, len(m.sample), el, keep_codes)):
+                    out[e].append(c)
     return out
+
+
+def _routed_sample(adapter, m: LayerMoments, todo: list[int]) -> dict[int, tuple]:
+    """Per expert of `todo`: its routed tokens of the layer's token sample, their g² and original activations."""
+    layer = m.layer
+    act = adapter.layer(layer).act
+    x = m.sample.to(torch.float32)
+    r = adapter.route(layer, x.to(adapter.expert_dtype(layer)))
+    routed = {}
+    for e in todo:
+        tok, slot = torch.where(r.index == e)
+        xe = x[tok]
+        a = (
+            expert_intermediate(adapter.get_expert(layer, e).map(lambda t: t.float()), xe, act)
+            if len(tok)
+            else None
+        )
+        routed[e] = (xe, r.weight[tok, slot].double().square(), a)
+    return routed
+
+
+class _Chunk:
+    """`chunk` experts of one layer in float32, their gate²-weighted mid Hessians and (GPTQ) the factorised
+    Hessians, shared by every width."""
+
+    def __init__(self, adapter, stats, layer: int, w, ids: list[int], first: QuantSpec, weighting: str):
+        self.ids, self.act = ids, adapter.layer(layer).act
+        self.i_dim, self.h = w.gate.shape[1:]
+        self.has_bias = w.gate_bias is not None
+        self.group, self.algo = first.group_size, first.algo
+        self.gate, self.up, self.down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
+        self.biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
+        self.h_mid = stats.get_rows(layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
+        self.f_in = self.f_mid = None
+        if (
+            first.algo == "gptq"
+        ):  # one factorisation per Hessian for gate, up and every width (damping is shared)
+            hin_name, hmid_name = HESSIANS[weighting]
+            self.f_in = factor(stats.get_rows(layer, hin_name, ids), first)
+            self.f_mid = factor(stats.get_rows(layer, hmid_name, ids), first)
+
+    def candidates(self, b: int, routed: dict, n_tok: float, s_n: int, el: int, keep_codes: bool):
+        """The chunk's experts' candidates at `b` bits, in the order of `ids`."""
+        spec = quant_spec(b, self.group, self.algo)
+        q = {
+            "gate": _quantize(self.gate, self.f_in, spec),
+            "up": _quantize(self.up, self.f_in, spec),
+            "down": _quantize(self.down, self.f_mid, spec),
+        }
+        deq = {k: v.dequantize(torch.float32) for k, v in q.items()}  # bf16 grid values, exact in float32
+        d_down = self.down.double() - deq["down"].double()  # [C, H, I]
+        down_part = ((d_down @ self.h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert
+        nbytes = expert_quant_bytes(spec, self.i_dim, self.h, self.has_bias, el)
+        out = []
+        for k, e in enumerate(self.ids):
+            loss = max(float(down_part[k]), 0.0) + self._gate_up_part(k, deq, routed[e], s_n)
+            op = _codes_of(q, k, spec) if keep_codes else None
+            out.append(Candidate("quant", loss, b, nbytes, op=op))
+        return out
+
+    def _gate_up_part(self, k: int, deq: dict, routed: tuple, s_n: int) -> float:
+        """(1/S) Σ g² ‖Q_d (a − â)‖² of expert k of the chunk on its sampled tokens (0 when none reach it)."""
+        xe, g2, a = routed
+        if a is None:
+            return 0.0
+        we = ExpertWeights(
+            deq["gate"][k], deq["up"][k], deq["down"][k], *(None if t is None else t[k] for t in self.biases)
+        )
+        diff = F.linear(a - expert_intermediate(we, xe, self.act), deq["down"][k]).double()
+        return float(g2 @ diff.square().sum(-1)) / s_n
+
+
+def _codes_of(q: dict[str, QuantizedTensor], k: int, spec: QuantSpec) -> QuantKeep:
+    """Expert k's codes of the chunk's batched codes `q`."""
+    return QuantKeep(
+        spec,
+        {
+            n: QuantizedTensor(
+                v.codes[k].clone(), v.scale[k].clone(), None if v.zero is None else v.zero[k].clone(), spec
+            )
+            for n, v in q.items()
+        },
+    )

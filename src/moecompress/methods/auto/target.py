@@ -8,18 +8,19 @@ is:
 * per layer, the k experts kept (the same k in every layer; the rest rerouted with the renormalised gate, as
   deleting router rows computes), all at one width b_l — 16 (the checkpoint's dtype), 8 or 4 bits, symmetric
   group 32: exactly ``Q8_0`` / ``Q4_0``, which the GGUF writer stores from our codes;
-* every non-expert weight at 16, 8 or 4 bits, group 32 (`auto_tensors`, with a whole-file budget).
+* every non-expert weight at 16, 8 or 4 bits, group 32 (`auto.tensors`, with a whole-file budget).
 
 Which experts a layer keeps for a given k: those with the largest estimated loss when rerouted (the `reroute`
 candidates' per-slot losses, as the unconstrained solver scores them). For each k the layers' states
-(k, b_l) form fronts and the ordinary allocation (`auto.allocate`) picks one per layer within the budget; the k
+(k, b_l) form fronts and the ordinary allocation (`solver.allocate`) picks one per layer within the budget; the k
 with the least total estimated loss wins. Estimates, sensitivities and the plan's construction are the
-unconstrained solver's (`auto.prepare`, `auto.restore`).
+unconstrained solver's (`setup.prepare`, `materialise.restore`).
 """
 
 from __future__ import annotations
 
-from ..errors import MoECompressError
+from ...errors import MoECompressError
+from .solver import LayerPoint, allocate, pareto
 
 TARGETS = ("moecompress", "llama.cpp", "vllm", "transformers")
 # what llama.cpp's GGUF types hold exactly (export.gguf.exact_type), and how auto's search is set for it
@@ -66,8 +67,6 @@ def kept_counts(setup) -> list[int]:
 def layer_states(prob, k: int, widths: list[int]):
     """The states (k experts kept, all at width b) of one layer, for each b of `widths` that every kept slot
     has a candidate for: LayerPoints of `auto`'s own type."""
-    from .auto_solver import LayerPoint, pareto
-
     e = prob.num_experts
     reroute = [
         next((c for c in slot if c.kind == "reroute" and c.gate == "renorm"), None) for slot in prob.options
@@ -99,8 +98,6 @@ def layer_states(prob, k: int, widths: list[int]):
 def allocate_for_target(config, setup, extra_fronts: dict, budget: int):
     """(fronts, chosen index per item, k) minimising the scaled estimated loss over every common expert count k;
     `extra_fronts` are the non-expert items (their losses already in KL units)."""
-    from .auto_solver import allocate
-
     widths = sorted({16, *config.quant_bits}, reverse=True)
     best = None
     for k in kept_counts(setup):

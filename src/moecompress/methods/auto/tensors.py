@@ -3,7 +3,7 @@ the experts' structure and bits.
 
 Each quantizable non-expert tensor (`models.tensor_classes`: attention — MLA's low-rank projections included —,
 shared experts, dense MLPs, embeddings, an untied lm_head; never the router, which keeps ≥ 8 bits,
-docs/quantization.md "Non-expert tensors") is one more item of the multiple-choice knapsack `auto.allocate`
+docs/quantization.md "Non-expert tensors") is one more item of the multiple-choice knapsack `auto.solver.allocate`
 solves, beside the MoE layers. Its options: kept at its on-disk dtype, or quantized at each width of ``bits``
 (group ``quant_group``; GPTQ for linears, round-to-nearest for the embeddings), priced at its pack-quantized bytes
 (`QuantSpec.tensor_bytes`, the byte rule of `CompressionPlan.logical_bytes`).
@@ -33,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import MoECompressError
-from ..models.tensor_classes import QUANTIZABLE, quantizable, tensor_classes, tensor_shapes
-from ..quant import gptq, rtn
-from ..quant.gptq import gptq_loss
-from ..quant.spec import QuantSpec
-from .tensor_quant import ROUTER_MIN_BITS, _layer_of, _layers_prefix, _read, hessian_source
+from ...errors import MoECompressError
+from ...models.tensor_classes import QUANTIZABLE, quantizable, tensor_classes, tensor_shapes
+from ...quant import gptq, rtn
+from ...quant.gptq import gptq_loss
+from ...quant.spec import QuantSpec
+from ..tensor_quant import ROUTER_MIN_BITS, _layer_of, _layers_prefix, _read, hessian_source
+from .measure import kl_to, logprobs
 
 # classes auto may give a precision; the router keeps its dtype (ROUTER_MIN_BITS is above every width auto tries)
 AUTO_CLASSES = tuple(c for c in QUANTIZABLE if c != "router")
@@ -86,7 +87,7 @@ def probe_width(bits: list[int]) -> int:
 
 def chosen_classes(adapter, classes: list[str] | None) -> list[str]:
     """The classes auto prices: `classes` (checked: known, present, not the router) or every present one."""
-    from .tensor_quant import present_classes
+    from ..tensor_quant import present_classes
 
     present = present_classes(adapter)
     if classes is None:
@@ -122,8 +123,6 @@ def _modules_of(adapter, name: str) -> list[nn.Module]:
 
 def _in_memory_hessians(adapter, names: list[str], ids: torch.Tensor) -> Iterator[tuple[int | None, dict]]:
     """(decoder layer or None, {name: H float64}) from forward pre-hooks while the model runs on `ids`."""
-    from .auto_estimate import _logprobs
-
     acc: dict[str, torch.Tensor] = {}
 
     def hook(name):
@@ -138,7 +137,7 @@ def _in_memory_hessians(adapter, names: list[str], ids: torch.Tensor) -> Iterato
         for n in names
     ]
     try:
-        _logprobs(adapter.model, ids)
+        logprobs(adapter.model, ids)
     finally:
         for h in handles:
             h.remove()
@@ -269,8 +268,6 @@ def class_sensitivity(
     """s_c (module doc) for every class of `items`: the class rounded to the probe width in every layer, KL on
     `ids`, over Σ L_W(probe). A class whose probe moves nothing measurable takes the median of the others (1.0
     when none is measurable)."""
-    from .auto_estimate import kl_to
-
     probe = probe_width(bits)
     found: dict[str, float] = {}
     for cls in sorted({it.cls for it in items}):
@@ -305,7 +302,7 @@ KEY_OFFSET = 1 << 20  # allocation keys of tensor items: after every MoE layer i
 
 @dataclass
 class TensorPoint:
-    """A tensor item's option as the allocation sees it (`auto.allocate` reads bytes and loss)."""
+    """A tensor item's option as the allocation sees it (`auto.solver.allocate` reads bytes and loss)."""
 
     bytes: int
     loss: float
@@ -335,7 +332,7 @@ class WholeFile:
         ids: torch.Tensor,
         ref: torch.Tensor,
     ) -> WholeFile:
-        from .tensor_quant import on_disk_dtypes
+        from ..tensor_quant import on_disk_dtypes
 
         disk = on_disk_dtypes(info)
         items = tensor_items(adapter, stats, classes, bits, group, algo, ids, disk) if bits else []
@@ -398,6 +395,6 @@ class WholeFile:
 
 def dequantized_weights(plan, tensors) -> dict[str, torch.Tensor]:
     """name -> the weight each quantized non-expert tensor of `plan` computes with (`weights_installed`)."""
-    from ..runtime.tensor_quant import dequantized
+    from ...runtime.tensor_quant import dequantized
 
     return {n: dequantized(plan, tensors, n, torch.float32) for n in plan.tensor_quant}

@@ -1,0 +1,126 @@
+"""`build_auto`: the method's entry point — the setup, the allocation of the budget across MoE layers (and, with
+a whole-file budget, the non-expert tensors), the plan built layer by layer, its report and measurements."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ...errors import MoECompressError
+from ...memory import large_blocks_mmapped
+from ...plan import CompressionPlan, ModelInfo
+from ..context import MethodContext
+from ..tensor_quant import quantize_tensors
+from . import report
+from .config import AutoConfig, needs_stats, routed_budget, scope_bytes
+from .materialise import plan_layer_by_layer
+from .measure import calibration_ids, kl_to, logprobs, plan_installed, sample_layer_error, sig
+from .setup import AutoSetup, prepare
+from .solver import allocate, uniform_bits_check
+from .target import allocate_for_target
+from .tensors import WholeFile, chosen_classes, dequantized_weights, hessians, weights_installed
+
+
+def whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup) -> WholeFile | None:
+    """The non-expert part of a whole-file budget (`tensors.WholeFile`), or None with a routed budget."""
+    if config.budget_scope != "whole":
+        return None
+    ids, ref = setup.ids, setup.ref
+    if ids is None:  # sensitivity uniform, measure off: the Hessians and class probes still need tokens
+        ids, _ = calibration_ids(
+            stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len, config.seed
+        )
+        ref = logprobs(adapter.model, ids)
+    classes = chosen_classes(adapter, config.tensor_classes)
+    return WholeFile.price(
+        adapter,
+        stats,
+        setup.info,
+        classes,
+        config.quant_bits,
+        config.quant_group,
+        config.quant_algo,
+        ids,
+        ref,
+    )
+
+
+def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dict[int, int]]:
+    """(fronts of every item, the chosen index of each): MoE layers and, for a whole-file budget, tensors."""
+    fronts, scale, uniform = (
+        dict(setup.fronts),
+        dict(setup.sens),
+        {b: dict(v) for b, v in setup.uniform.items()},
+    )
+    budget = setup.budget
+    if config.target == "llama.cpp":
+        extra = whole.fronts() if whole is not None else {}
+        fronts, chosen, _ = allocate_for_target(config, setup, extra, budget - (whole.fixed if whole else 0))
+        return fronts, chosen
+    if whole is not None:
+        tf = whole.fronts()
+        fronts.update(tf)
+        scale.update(dict.fromkeys(tf, 1.0))  # tensor losses are in KL units already
+        for b in uniform:
+            uniform[b].update(whole.uniform(b))
+        budget -= whole.fixed
+        minimum = sum(f[0].bytes for f in fronts.values())
+        if minimum > budget:
+            raise MoECompressError(
+                f"The budget of {setup.budget} bytes is below the smallest whole file auto can "
+                f"reach ({minimum + whole.fixed}: every expert layer keeps what its router "
+                "needs, every weight at the lowest width tried, norms and routers as they "
+                "are); raise the budget or add lower widths to bits."
+            )
+    chosen = allocate(fronts, scale, budget)
+    return fronts, uniform_bits_check(fronts, scale, budget, chosen, uniform)
+
+
+@large_blocks_mmapped()
+def build_auto(config: AutoConfig, context: MethodContext):
+    """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the package doc."""
+    adapter, stats = context.adapter, context.stats
+    if stats is None:
+        raise MoECompressError(
+            "The auto method needs calibration statistics; run moecompress calibrate "
+            "--for-method auto first (or pass --calib SPEC)."
+        )
+    stats.require(*needs_stats(config), method="auto")
+    info = ModelInfo.from_model(adapter)
+    budget = routed_budget(config, info)
+    if scope_bytes(config, info) <= budget:
+        return report.identity(config, adapter, info, budget)
+
+    setup = prepare(config, adapter, stats, context.progress)
+    whole = whole_file(config, adapter, stats, setup)
+    fronts, chosen_idx = allocate_all(config, setup, whole)
+    chosen = {i: fronts[i][chosen_idx[i]] for i in adapter.moe_layers}
+    sample_error: dict[int, float] = {}
+
+    def measure_sample(i: int, part: CompressionPlan, part_tensors) -> None:
+        # here, not after the plan: the layer is still lent and its tensors in memory (read back from the
+        # store, every layer's were mapped in again on the streamed view)
+        if any(c.kind != "keep" for c in chosen[i].choice) and setup.moments[i].sample is not None:
+            sample_error[i] = sig(sample_layer_error(adapter, part, part_tensors, i, setup.moments[i].sample))
+
+    plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen, on_layer=measure_sample)
+    if whole is not None and (specs := whole.specs(fronts, chosen_idx)):
+        plan, tensors = quantize_tensors(plan, tensors, adapter, specs, hessians(adapter, stats, whole.ids))
+    summary = report.summary(config, adapter, setup, plan, tensors, chosen, sample_error)
+    if whole is not None:
+        report.whole_summary(summary, whole, fronts, chosen_idx, plan, tensors, budget)
+    if config.measure:
+        with installed(adapter, plan, tensors, adapter.moe_layers):
+            summary["measured_kl"] = sig(kl_to(setup.ref, adapter.model, setup.ids))
+    params = config.model_dump()
+    params["auto"] = summary
+    return plan.model_copy(update={"params": params}), tensors
+
+
+@contextlib.contextmanager
+def installed(adapter, plan: CompressionPlan, tensors, layers):
+    """The plan's MoE `layers` and its quantized non-expert weights in the model, for a measurement."""
+    with (
+        plan_installed(adapter, plan, tensors, layers),
+        weights_installed(adapter, dequantized_weights(plan, tensors)),
+    ):
+        yield

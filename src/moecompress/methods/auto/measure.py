@@ -1,0 +1,112 @@
+"""Forward-pass measurements of `auto`: the calibration token ids, log-probs and KL to the original, a layer's
+output perturbed or run through a plan, and the noise sensitivity s_l of a layer (`layer_sensitivity`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ...errors import MoECompressError
+
+
+def sig(x: float, digits: int = 6) -> float:
+    """x rounded to `digits` significant digits (stable JSON, decisions robust to last-bit noise)."""
+    return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+
+
+def calibration_ids(stats, adapter, sequences: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, str]:
+    """Token ids [B, T] for the sensitivity passes: the calibration spec of `stats` re-tokenised with the
+    model's tokenizer when possible, else seeded random ids (and a note saying so)."""
+    spec = stats.meta.get("data", {}).get("spec", "") if stats is not None else ""
+    source = getattr(adapter.model, "name_or_path", "") or ""
+    if spec and not spec.startswith("tokens:") and source:
+        with contextlib.suppress(MoECompressError, OSError, ValueError):
+            from ...data import load_calibration, load_tokenizer
+
+            data = load_calibration(spec, load_tokenizer(str(source)), seq_len, seed)
+            ids = data.input_ids[:sequences]
+            return ids, f"{spec} (first {len(ids)} sequences of {seq_len} tokens)"
+    vocab = int(adapter.model.config.vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (sequences, seq_len), generator=gen)
+    return (
+        ids,
+        f"random token ids ({sequences} x {seq_len}, seed {seed}): calibration spec '{spec}' not reloadable",
+    )
+
+
+# ----------------------------------------------------------------------------- KL measurements
+def input_device(model) -> torch.device:
+    """Where a forward's inputs go: the device of the model's first materialised parameter. Not
+    ``model.device``: on the streamed view every parameter is meta until the forward's hooks load it, and
+    ids moved to meta gave garbage logits on the first forward (auto's reference log-probs)."""
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+def logprobs(model, ids: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    out = []
+    device = input_device(model)
+    with torch.no_grad():
+        for s in range(0, len(ids), batch):
+            logits = model(ids[s : s + batch].to(device)).logits
+            out.append(torch.log_softmax(logits.double(), -1).cpu())
+    return torch.cat(out)
+
+
+def kl_to(ref: torch.Tensor, model, ids: torch.Tensor) -> float:
+    """Mean over tokens of KL(original ‖ model) given the original's log-probs `ref`."""
+    lp = logprobs(model, ids)
+    return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+
+@contextlib.contextmanager
+def perturbed(adapter, layer: int, fn):
+    """Temporarily replace layer `layer`'s MoE output o by fn(o) (a forward hook on its block)."""
+
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (fn(output[0]),) + tuple(output[1:])
+        return fn(output)
+
+    handle = adapter.layer(layer).block.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def plan_installed(adapter, plan, tensors, layers):
+    """Temporarily run `layers` of the in-memory model through the plan's runtime blocks (originals kept)."""
+    from ...runtime import CompressedMoEBlock, build_ops, build_scope
+    from ...runtime.build import scope_dtype
+
+    source = lambda l, e: adapter.layer(l).storage.read(e)
+    installed = []
+    try:
+        with torch.no_grad():
+            for i in layers:
+                lp = plan.layer(i)
+                sc = plan.scope(lp.scope)
+                layer = adapter.layer(i)
+                stored = build_scope(plan, sc, layer, source, tensors, config=adapter.model.config)
+                ops = build_ops(plan, lp, layer, tensors, scope_dtype(stored), layer.router.weight.device)
+                adapter.set_block(i, CompressedMoEBlock(layer, lp, stored, ops, adapter.returns_tuple))
+                installed.append(i)
+        yield
+    finally:
+        for i in installed:
+            adapter.set_block(i, adapter.layer(i).block)
+
+
+def sample_layer_error(adapter, plan, tensors, layer: int, x: torch.Tensor) -> float:
+    """Mean over the sampled block inputs x of ‖ŷ − y‖²: the plan's real error in `layer` (all interactions)."""
+    x = x.to(adapter.expert_dtype(layer))
+    with torch.no_grad():
+        ref = adapter.moe_forward(layer, x)
+        with plan_installed(adapter, plan, tensors, [layer]):
+            adapter.hold_layer(layer)  # the block below runs on the layer's own router (and shared experts)
+            out = adapter.block_forward(layer, x)
+    return float((out.double() - ref.double()).square().sum(-1).mean())
