@@ -129,9 +129,9 @@ def test_streamed_statistics_refuse_several_ranks(setup, monkeypatch):
 
 
 def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tmp_path):
-    """`compress --method quant` from a data spec quantizes each layer while its Hessians are in memory (one
-    whole-layer pass), writes no per-expert H×H statistic, and gives the store path's plan and codes."""
-    from moecompress.calibrate.streamed import WHOLE_LAYER
+    """`compress --method quant` from a data spec quantizes each layer while its Hessians are in memory, a chunk of
+    experts at a time, writes no per-expert H×H statistic, and gives the store path's plan and codes."""
+    from moecompress.calibrate.streamed import CHUNK
     from moecompress.compress_dryrun import estimate_compress
 
     _, model, _, _ = setup
@@ -139,19 +139,22 @@ def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tm
     needs = pipeline.needs_for("quant", params)
     store = calibrate(model, SPEC, seq_len=SEQ, out=tmp_path / "stats", stats=needs, progress=False)
     a, a_tensors = pipeline.make_plan(model, "quant", params, store)
-    assert pipeline.streamed_chunk("quant", SPEC) == WHOLE_LAYER
+    assert pipeline.streamed_chunk("quant", SPEC) == CHUNK
     stats = pipeline.calibrate_for(model, SPEC, "quant", params, seq_len=SEQ, work_dir=tmp_path / "unused")
-    assert isinstance(stats, StreamedStats) and stats.chunk == WHOLE_LAYER
+    assert isinstance(stats, StreamedStats) and stats.chunk == CHUNK
     b, b_tensors = pipeline.make_plan(model, "quant", params, stats)
     assert a.model_dump() == b.model_dump() and all(s.quant.actorder for sc in b.scopes for s in sc.stored)
     assert sorted(a_tensors) == sorted(b_tensors) and all(
         torch.equal(a_tensors[k], b_tensors[k]) for k in a_tensors
     )
     assert not (tmp_path / "unused").exists()
-    for view in stats.layers():  # the layer's Hessians come whole from one extra pass
-        h = view.get(view.layer, "hessian_in")
-        assert torch.equal(h, store.get(view.layer, "hessian_in")) and view.passes == 1
-    streamed = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs, streamed_chunk=WHOLE_LAYER)
+    for view in stats.layers():  # the layer's Hessians come a chunk of experts per extra pass
+        n = int(view.get(view.layer, "counts").numel())
+        for e in range(n):
+            h = view.get_row(view.layer, "hessian_in", e)
+            assert torch.equal(h, store.get(view.layer, "hessian_in")[e])
+        assert view.passes == -(-n // CHUNK)
+    streamed = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs, streamed_chunk=CHUNK)
     stored = estimate_compress(model, "quant", params, SPEC, SEQ, stats=needs)
     assert streamed.disk_bytes == streamed.checkpoint_bytes < stored.disk_bytes
 

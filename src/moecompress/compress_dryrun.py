@@ -266,7 +266,7 @@ def estimate_compress(
 
 def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: float | None) -> dict:
     """The statistics' disk and memory streamed (when `entry` can stream them) and kept as a store (module doc)."""
-    from .calibrate.streamed import CHUNK, WHOLE_LAYER
+    from .calibrate.streamed import CHUNK
 
     acc, kept = _statistics(adapter, stats, moment_fraction)
     _, full = _statistics(adapter, stats, moment_fraction, packed=False)
@@ -276,10 +276,9 @@ def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: floa
         "stats_kept_memory_bytes": int(2 * acc),
     }
     if entry.streamed_stats:
-        chunk = WHOLE_LAYER if entry.streamed_whole_layer else CHUNK
         out.update(
             stats_streamed_disk_bytes=0,
-            stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, chunk)),
+            stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, CHUNK)),
         )
     return out
 
@@ -314,7 +313,7 @@ def _streamed_statistics(adapter, stats: list[str], chunk: int) -> int:
     moe = adapter.moe_layers
     classes = collectors_for(stats)
     rest, _ = stat_sizes(adapter, moe, classes, {"square_experts": []})
-    chunk = min(chunk, max(adapter.num_experts(i) for i in moe))  # WHOLE_LAYER: every expert of a layer
+    chunk = min(chunk, max(adapter.num_experts(i) for i in moe))
     rows, _ = stat_sizes(
         adapter, moe, [c for c in classes if c.square], {"square_experts": list(range(chunk))}
     )

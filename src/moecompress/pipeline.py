@@ -156,11 +156,11 @@ def streams_statistics(method: str, calib, quant=None) -> bool:
 
 def streamed_chunk(method: str, calib, quant=None) -> int | None:
     """For the dry-run: the experts per square-statistics pass when `streams_statistics`, else None."""
-    from .calibrate.streamed import CHUNK, WHOLE_LAYER
+    from .calibrate.streamed import CHUNK
 
     if not streams_statistics(method, calib, quant):
         return None
-    return WHOLE_LAYER if get_method(method).streamed_whole_layer else CHUNK
+    return CHUNK
 
 
 def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:

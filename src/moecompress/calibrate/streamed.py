@@ -33,10 +33,6 @@ from ..memory import release_freed_memory
 from .api import Calibration, CalibrationOptions, gather
 
 CHUNK = 4  # experts whose square statistics one pass gathers (8 held 2.2 GB on the wide model)
-# a chunk at least every expert of a layer: one pass gathers the layer's square statistics whole, for a reader that
-# needs them together (GPTQ quantizes a layer's experts against their Hessians in one batch, as llm-compressor
-# holds a layer's Hessians); `get` then answers for square statistics too
-WHOLE_LAYER = 1 << 20
 
 
 class _Named:

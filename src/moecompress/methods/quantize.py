@@ -22,6 +22,7 @@ round-to-nearest. PuzzleMoE packed experts keep their own packed precision.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Literal
 
 import torch
@@ -174,19 +175,29 @@ def _slots_of(plan: CompressionPlan, sc: Scope) -> dict[int, list[tuple[int, int
     return out
 
 
-def _hessian(stats, name: str, slots: list[tuple[int, int]], size: int) -> torch.Tensor | None:
+def _slot_hessian(stats, slots_of, rows: bool, name: str, s, size: int) -> torch.Tensor | None:
+    """`_hessian` of stored expert `s`, from its slots (`_slots_of`)."""
+    return _hessian(stats, name, slots_of[s.id], size, rows)
+
+
+def _hessian(
+    stats, name: str, slots: list[tuple[int, int]], size: int, rows: bool = False
+) -> torch.Tensor | None:
     """Σ of the slots' Hessians (summed in float64, returned in GPTQ's float32 working precision; one slot's own
     statistic without a copy), or None (round-to-nearest) when their width does not match `size` or no
     calibration token reached the expert: GPTQ on a zero Hessian would treat every column as dead and zero the
     whole weight, losing an expert that held-out text may still route to."""
     hs = []
     for layer, e in slots:
-        per_layer = stats.get(layer, name)
-        if per_layer.numel() == 0:  # a layer calibrated without Hessians (calibrate --hessian-layers)
+        if rows:  # streamed: the pass holds a chunk of the layer's experts
+            hs.append(stats.get_row(layer, name, e))
+        else:
+            per_layer = stats.get(layer, name)
+            if per_layer.numel() == 0:  # a layer calibrated without Hessians (calibrate --hessian-layers)
+                return None
+            hs.append(per_layer[e])
+        if hs[-1].shape != (size, size):
             return None
-        if per_layer[e].shape != (size, size):
-            return None
-        hs.append(per_layer[e])
     if not hs:
         return None
     total = hs[0] if len(hs) == 1 else torch.stack([h.double() for h in hs]).sum(0)
@@ -249,6 +260,7 @@ def quantize_plan(
     progress: bool = False,
     specs: Mapping[tuple[str, int], QuantSpec] | None = None,
     done: Mapping[tuple[str, int], Mapping[str, QuantizedTensor]] | None = None,
+    chunk: int | None = None,
 ) -> tuple[CompressionPlan, PlanTensors]:
     """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
 
@@ -257,6 +269,9 @@ def quantize_plan(
     precision, as `auto` chooses it); None = `config`'s spec for every stored expert.
     done: codes already computed for some of them ({"gate"|"up"|"down": QuantizedTensor}, e.g. by `auto`'s
     estimator with the same Hessians), written as they are instead of running GPTQ again.
+    chunk: streamed statistics (`LayerStats`) that gather square statistics `chunk` experts at a time: a
+    scope's experts are quantized that many at a time, their Hessians read by row, so one layer's Hessians
+    are never all in memory; None reads a layer's whole (a store).
     """
     from rich.progress import track
 
@@ -284,14 +299,13 @@ def quantize_plan(
         for s in sc.stored
         if s.packing is None and s.quant is None and (specs is None or (sc.id, s.id) in specs)
     ]
-    done = done or {}
     by_scope: dict[str, list] = {}
     for sc, s in todo:
         by_scope.setdefault(sc.id, []).append((sc, s))
-    # One scope (a layer, or a shared group) at a time: gather its stored experts' weights and Hessians,
-    # then quantize same-shape matrices of a projection together, so GPTQ's column loop runs once per
+    # One scope (a layer, or a shared group) at a time, `chunk` stored experts at a time when streamed: gather
+    # their weights and Hessians, then quantize same-shape matrices together, so GPTQ's column loop runs once per
     # batch instead of once per expert (most of its Python overhead; the batched result equals per-matrix
-    # runs, tests/test_quant_core.py). Memory stays bounded by one scope's weights and Hessians.
+    # runs, tests/test_quant_core.py). Memory stays bounded by one group's weights and Hessians.
     for items in track(
         list(by_scope.values()),
         description=f"quantize {spec.name()} ({spec.algo})",
@@ -299,37 +313,49 @@ def quantize_plan(
         transient=True,
     ):
         slots_of = _slots_of(plan, items[0][0])
-        jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None, QuantSpec]] = []
+        step = chunk or len(items)
         new: dict[str, torch.Tensor] = {}  # this scope's tensors, stored in one update
-        for sc, s in items:
-            s_spec = spec if specs is None else specs[(sc.id, s.id)]
-            w = stored_weights(plan, sc, s, source, out)
-            ready = done.get((sc.id, s.id), {})  # codes `auto` already computed while estimating
-            hin = hmid = None
-            if s_spec.algo == "gptq" and len(ready) < 3:
-                hin = _hessian(stats, h_in_name, slots_of[s.id], w.gate.shape[1])
-                hmid = _hessian(stats, h_mid_name, slots_of[s.id], w.down.shape[1])
-            prefix = s.tensor or f"q.{sc.id}.{s.id}"
-            for key in [k for k in out if k.startswith(prefix + ".")]:
-                del out[key]
-            for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
-                if part in ready:
-                    new.update({f"{prefix}.{part}.{k}": v for k, v in ready[part].packed().items()})
-                else:  # the stored dtype: GPTQ upcasts one bounded batch at a time
-                    jobs.append((prefix, part, getattr(w, part).detach(), h, s_spec))
-                bias = getattr(w, f"{part}_bias")
-                if bias is not None:
-                    new[f"{prefix}.{part}_bias"] = bias.detach().clone()
-            s.tensor, s.quant = prefix, s_spec
-        for idx, q in _quantize_batched(jobs):
-            prefix, part = jobs[idx][:2]
-            new.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
-        del jobs
+        for c in range(0, len(items), step):  # a streamed pass gathers `chunk` experts' Hessians at a time
+            group = [
+                (sc, s, spec if specs is None else specs[(sc.id, s.id)]) for sc, s in items[c : c + step]
+            ]
+            hessian = partial(_slot_hessian, stats, slots_of, chunk is not None)
+            new.update(_quantize_group(plan, group, source, out, hessian, (h_in_name, h_mid_name), done))
         out.update(new)
     if specs is None:
         plan.params = {**plan.params, "quant": config.model_dump()}
     plan.check_tensors(out)
     return plan, out
+
+
+def _quantize_group(plan, group, source, out, hessian, names, done) -> dict[str, torch.Tensor]:
+    """The packed tensors of `group`'s stored experts [(scope, stored, spec)], each recorded in the plan as
+    quantized; codes `done` holds are written as they are, the rest quantized together (`_quantize_batched`).
+    hessian(name, stored, size) -> the input Hessian of that width, or None (round-to-nearest)."""
+    jobs: list[tuple[str, str, torch.Tensor, torch.Tensor | None, QuantSpec]] = []
+    new: dict[str, torch.Tensor] = {}
+    for sc, s, s_spec in group:
+        w = stored_weights(plan, sc, s, source, out)
+        ready = done.get((sc.id, s.id), {})  # codes `auto` already computed while estimating
+        hin = hmid = None
+        if s_spec.algo == "gptq" and len(ready) < 3:
+            hin, hmid = hessian(names[0], s, w.gate.shape[1]), hessian(names[1], s, w.down.shape[1])
+        prefix = s.tensor or f"q.{sc.id}.{s.id}"
+        for key in [k for k in out if k.startswith(prefix + ".")]:
+            del out[key]
+        for part, h in (("gate", hin), ("up", hin), ("down", hmid)):
+            if part in ready:
+                new.update({f"{prefix}.{part}.{k}": v for k, v in ready[part].packed().items()})
+            else:  # the stored dtype: GPTQ upcasts one bounded batch at a time
+                jobs.append((prefix, part, getattr(w, part).detach(), h, s_spec))
+            bias = getattr(w, f"{part}_bias")
+            if bias is not None:
+                new[f"{prefix}.{part}_bias"] = bias.detach().clone()
+        s.tensor, s.quant = prefix, s_spec
+    for idx, q in _quantize_batched(jobs):
+        prefix, part = jobs[idx][:2]
+        new.update({f"{prefix}.{part}.{k}": v for k, v in q.packed().items()})
+    return new
 
 
 def build_quant(config: QuantConfig, ctx: MethodContext):
@@ -368,7 +394,8 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
     ):
         sc = plan.scope_of(i)
         specs = {(sc.id, s.id): spec for s in sc.stored}
-        plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs)
+        chunk = stats.chunk if isinstance(stats, LayerStats) else None
+        plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs, chunk=chunk)
         if (
             isinstance(stats, LayerStats) and stats.sequential
         ):  # later layers calibrate on these quantized ones
@@ -386,5 +413,4 @@ register_method(
     quant_stats,
     family="quant",
     streamed_stats=True,
-    streamed_whole_layer=True,
 )

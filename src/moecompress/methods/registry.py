@@ -51,9 +51,6 @@ class MethodEntry:
     # the build reads its statistics one layer at a time, in order, through `calibrate.streamed.each_layer`:
     # `compress` may give it `StreamedStats` (computed per layer while it works, never stored)
     streamed_stats: bool = False
-    # streamed, the build reads a layer's square statistics (Hessians, moments) of every expert together, so one
-    # pass gathers them whole (`calibrate.streamed.WHOLE_LAYER`) instead of a few experts at a time
-    streamed_whole_layer: bool = False
     # config -> what the build holds of the streamed view (`ViewUse`); None: the conservative default
     view_use: Callable[[BaseModel], ViewUse] | None = None
 
@@ -78,7 +75,6 @@ def register_method(
     moment_experts=None,
     streamed_stats: bool = False,
     view_use: Callable[[BaseModel], ViewUse] | None = None,
-    streamed_whole_layer: bool = False,
 ) -> None:
     METHODS[name] = MethodEntry(
         name,
@@ -88,7 +84,6 @@ def register_method(
         family,
         moment_experts,
         streamed_stats,
-        streamed_whole_layer,
         view_use,
     )
 
