@@ -152,7 +152,8 @@ def test_dry_run_reports_the_statistics_disk_each_way_for_qwen3_30b_a3b(tmp_path
     assert 0.45 < q["stats_kept_disk_bytes"] / q["stats_kept_full_bytes"] <= 0.55
     from moecompress.calibrate.streamed import CHUNK
 
-    chunk = 2 * CHUNK * (H * H + I * I) * 8  # a chunk of experts' float64 sums, twice: not the layer's E of them
+    # a chunk of experts' float64 sums, twice: not the layer's E of them
+    chunk = 2 * CHUNK * (H * H + I * I) * 8
     assert chunk <= q["stats_streamed_memory_bytes"] < chunk + 2 * E * (H * H + I * I) * 8 / 16
     code, stdout, err = run_cli(base + ["--method", "quant", "--quant", "w4g128"], capsys)
     text = " ".join(stdout.split())  # rich wraps at the terminal's width
