@@ -295,9 +295,9 @@ class HFFormat(Format):
         from .ct import per_expert_quantized
 
         stored = [sc.stored[lp.slots[e]] for e in self.kept[i]]
+        # names and shapes only: the packed codes replace every projection, so none is dequantized
         ordered = [
-            _complete_bias(stored_weights(self.plan, sc, s, None, self.tensors), runtime_layout(layer))
-            for s, layer in ((s, self.expert_names[i][2]) for s in stored)
+            _complete_bias(self._placeholder(sc, s), runtime_layout(self.expert_names[i][2])) for s in stored
         ]
         packed = [
             {
@@ -310,8 +310,26 @@ class HFFormat(Format):
             }
             for s in stored
         ]
-        return per_expert_quantized(
+        out = per_expert_quantized(
             self.finalize(self.expert_tensors(i, ordered)), packed, self.plan.model.model_type
+        )
+        if any(
+            t.is_meta for t in out.values()
+        ):  # a layout whose projections per_expert_quantized did not swap
+            raise RuntimeError(
+                f"Layer {i}'s export kept a placeholder weight; this is a bug, please report it."
+            )
+        return out
+
+    def _placeholder(self, sc, s) -> ExpertWeights:
+        """Stored expert `s` with its projections as meta tensors of their shapes and its biases as stored."""
+        shapes = self.plan.expert_shapes(sc, s)
+        bias = {p: self.tensors.get(f"{s.tensor}.{p}_bias") for p in ("gate", "up", "down")}
+        return ExpertWeights(
+            *(torch.empty(shapes[p], dtype=torch.bfloat16, device="meta") for p in ("gate", "up", "down")),
+            bias["gate"],
+            bias["up"],
+            bias["down"],
         )
 
 
