@@ -112,11 +112,40 @@ def compress(
     when it starts: the method reopens the model for every layer and the exporter once more, so a model
     replaced meanwhile is refused before the rename instead of exported with the old one's statistics.
     `<out>-calib/stats` obeys the same rules as `out`, `overwrite` included."""
-    from .atomic import check_output, claim, fingerprint_inputs
-    from .checkpoint import checkpoint_fingerprint
+    out = Path(out)
+    model, protect, recorded, config, quant_setting = _compress_inputs(
+        model, method, params, calib, out, format, overwrite, quant, calib_mode, target, imatrix
+    )
+    recipe = _compress_recipe(model, method, recorded, calib, seq_len, seed, quant, calib_mode, target)
+    return _compress_run(
+        model,
+        method,
+        config,
+        quant_setting,
+        calib,
+        out,
+        recipe,
+        protect,
+        format=format,
+        target=target,
+        seq_len=seq_len,
+        seed=seed,
+        dtype=dtype,
+        progress=progress,
+        overwrite=overwrite,
+        calib_mode=calib_mode,
+        imatrix=imatrix,
+    )
+
+
+def _compress_inputs(
+    model, method, params, calib, out, format, overwrite, quant, calib_mode, target, imatrix
+):
+    """`compress`'s checks, before any compute (a calibration included): the resolved model, the inputs to
+    protect, the params as recorded, the method's config and the quantization setting."""
+    from .atomic import check_output
     from .models import resolve_source
 
-    out = Path(out)
     model = resolve_source(model)
     calib_dir = calib if calib is not None and Path(calib).is_dir() else None
     protect = [model, calib_dir]
@@ -132,7 +161,7 @@ def compress(
     # validated once, here: the method's config and the quantization setting (a bad field or spec is one sentence
     # before any compute); everything below takes these objects (`parse_config` returns them as they are)
     config = parse_config(method, params)
-    recorded_quant, quant_setting = quant, quant_config(quant)
+    quant_setting = quant_config(quant)
     check_quant_classes(model, quant_setting, config, method)  # and a tensor class the model lacks
     check_format_name(format)  # and an unknown format
     check_calib_mode(
@@ -140,7 +169,56 @@ def compress(
     )  # and a calibration mode this run cannot honour
     if imatrix:
         check_imatrix(calib, format, target)
-    params, quant = config, quant_setting
+    return model, protect, recorded, config, quant_setting
+
+
+def _compress_recipe(
+    model, method, recorded, calib, seq_len, seed, recorded_quant, calib_mode, target
+) -> dict:
+    """The recipe `compress` records with its output (the quantization setting as passed)."""
+    recipe = {
+        "model": str(model),
+        "method": method,
+        "params": recorded,
+        "calib": str(calib) if calib else None,
+        "seq_len": seq_len,
+        "seed": seed,
+        "quant": recorded_quant.model_dump(mode="json")
+        if isinstance(recorded_quant, BaseModel)
+        else recorded_quant,
+    }
+    if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
+        recipe["calib_mode"] = calib_mode
+    if target != "moecompress":
+        recipe["target"] = target
+    return recipe
+
+
+def _compress_run(
+    model,
+    method,
+    params,
+    quant,
+    calib,
+    out: Path,
+    recipe: dict,
+    protect,
+    *,
+    format,
+    target,
+    seq_len,
+    seed,
+    dtype,
+    progress,
+    overwrite,
+    calib_mode,
+    imatrix,
+):
+    """`compress` once its inputs are checked: `out` claimed for the run, inputs fingerprinted, statistics gathered
+    (or read), the plan made and exported; the `ExportResult`."""
+    from .atomic import claim, fingerprint_inputs
+    from .checkpoint import checkpoint_fingerprint
+
     with claim(out):
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)
         stats = calibrate_for(
@@ -159,21 +237,6 @@ def compress(
         plan, tensors = make_plan(
             model, method, params, stats, quant=quant, seed=seed, dtype=dtype, progress=progress
         )
-        recipe = {
-            "model": str(model),
-            "method": method,
-            "params": recorded,
-            "calib": str(calib) if calib else None,
-            "seq_len": seq_len,
-            "seed": seed,
-            "quant": recorded_quant.model_dump(mode="json")
-            if isinstance(recorded_quant, BaseModel)
-            else recorded_quant,
-        }
-        if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
-            recipe["calib_mode"] = calib_mode
-        if target != "moecompress":
-            recipe["target"] = target
         extras = imatrix_writer(model, plan, stats) if imatrix else None
         return export(
             model,
@@ -228,12 +291,28 @@ def evaluate(
     allow_nan: keep NaN / infinite metrics in the results; otherwise they raise `NonFiniteMetrics` (exit 1)."""
     from contextlib import ExitStack
 
-    from .atomic import atomic_dir, check_apart, check_output, claim, fingerprint_inputs
+    from .atomic import fingerprint_inputs
     from .checkpoint import checkpoint_fingerprint
-    from .eval.report import write_report, write_results
-    from .models.loading import resolve_fixture
-    from .validate import check_range, check_seed
 
+    _check_evaluate_request(tasks, ppl, reference, include_path, trust_task_code)
+    _check_evaluate_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed)
+    model, reference, out, reads = _evaluate_paths(
+        model, reference, ppl, include_path, out, report, overwrite
+    )
+    limit = int(limit) if limit is not None and limit >= 1 else limit
+    measure = dict(tasks=tasks, ppl=ppl, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size)
+    measure.update(include_path=include_path, window=window, stride=stride, max_tokens=max_tokens, seed=seed)
+    with ExitStack() as held:
+        _claim_outputs(held, out, report)
+        inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
+        results = _evaluate(model, reference, measure, dtype, device, trust_remote_code, progress, allow_nan)
+        inputs.check()
+        _write_evaluation(results, out, report, overwrite, reads, inputs)
+    return results
+
+
+def _check_evaluate_request(tasks, ppl, reference, include_path, trust_task_code) -> None:
+    """`evaluate` refuses a run with nothing to measure, KL without a text stream, and task code not trusted."""
     if not tasks and not ppl:
         raise MoECompressError(
             "Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE."
@@ -245,6 +324,12 @@ def evaluate(
             "--include-path runs the Python code that its task YAML files name (lm-eval's "
             "!function); pass --trust-task-code if you trust that directory."
         )
+
+
+def _check_evaluate_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed) -> None:
+    """`evaluate`'s numeric options, each in its range (`validate.check_range`)."""
+    from .validate import check_range, check_seed
+
     check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
     check_range("--batch-size", batch_size, 1)
     check_range("--num-fewshot", num_fewshot, 0)
@@ -252,6 +337,14 @@ def evaluate(
     check_range("--stride", stride, 1)
     check_range("--max-tokens", max_tokens, 1)
     check_seed("--seed", seed)
+
+
+def _evaluate_paths(model, reference, ppl, include_path, out, report, overwrite):
+    """`evaluate`'s inputs resolved and its outputs checked before any model loads: the model, the reference,
+    `out` as a `Path` (or None) and what the run reads."""
+    from .atomic import check_apart, check_output
+    from .models.loading import resolve_fixture
+
     out = Path(out) if out is not None else None
     model = resolve_fixture(model)
     reference = resolve_fixture(reference) if reference else None
@@ -265,93 +358,71 @@ def evaluate(
         _check_results_file(out, overwrite)
     if report is not None:
         check_output(report, overwrite, protect=reads, flag="--report", kind="report")
-    if limit is not None and limit >= 1:
-        limit = int(limit)
     if isinstance(
         ppl, (str, os.PathLike)
     ):  # a missing or unreadable text file is refused before any model loads
         from .data import parse_spec
 
         parse_spec(str(ppl))
-    with ExitStack() as held:
-        for path, flag in ((out, "--out"), (report, "--report")):
-            if path is not None:
-                held.enter_context(claim(path, flag))
-        inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
-        results = _evaluate(
-            model,
-            reference,
-            tasks,
-            ppl,
-            limit,
-            num_fewshot,
-            batch_size,
-            include_path,
-            window,
-            stride,
-            max_tokens,
-            dtype,
-            device,
-            seed,
-            trust_remote_code,
-            progress,
-            allow_nan,
-        )
-        inputs.check()
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            write_results(out, results)
-        if report is not None:
-            with atomic_dir(
-                report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
-            ) as tmp:
-                write_report(results, tmp)
-    return results
+    return model, reference, out, reads
 
 
-def _evaluate(
-    model,
-    reference,
-    tasks,
-    ppl,
-    limit,
-    num_fewshot,
-    batch_size,
-    include_path,
-    window,
-    stride,
-    max_tokens,
-    dtype,
-    device,
-    seed,
-    trust_remote_code,
-    progress,
-    allow_nan,
-) -> dict:
-    """`evaluate`'s computation, once its outputs are checked and claimed: the results dict."""
-    from .eval.runner import check_finite, evaluate_model, model_info, plan_arm_fields
+def _claim_outputs(held, out, report) -> None:
+    """Claim `evaluate`'s outputs (`atomic.claim`) for the run, on the exit stack `held`."""
+    from .atomic import claim
+
+    for path, flag in ((out, "--out"), (report, "--report")):
+        if path is not None:
+            held.enter_context(claim(path, flag))
+
+
+def _write_evaluation(results: dict, out, report, overwrite, reads, inputs) -> None:
+    """Write `evaluate`'s results JSON to `out` and its report into `report` (each when asked for)."""
+    from .atomic import atomic_dir
+    from .eval.report import write_report, write_results
+
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_results(out, results)
+    if report is not None:
+        with atomic_dir(
+            report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
+        ) as tmp:
+            write_report(results, tmp)
+
+
+def _evaluate(model, reference, measure: dict, dtype, device, trust_remote_code, progress, allow_nan) -> dict:
+    """`evaluate`'s computation, once its outputs are checked and claimed: the results dict. measure: the
+    keywords of `eval.runner.evaluate_model` (tasks, ppl, limit, num_fewshot, batch_size, include_path, window,
+    stride, max_tokens, seed)."""
+    from .eval.runner import check_finite, evaluate_model, model_info
 
     m = _load_for_eval(model, dtype, device, trust_remote_code)
     tok = _tokenizer(model, trust_remote_code)
     ref = _load_for_eval(reference, dtype, device, trust_remote_code) if reference else None
-    metrics = evaluate_model(
-        m,
-        tok,
-        tasks=tasks,
-        ppl=ppl,
-        reference=ref,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        batch_size=batch_size,
-        include_path=include_path,
-        window=window,
-        stride=stride,
-        max_tokens=max_tokens,
-        seed=seed,
-        progress=progress,
-    )
+    metrics = evaluate_model(m, tok, reference=ref, progress=progress, **measure)
     info = model_info(m, model)
     check_finite(info["name"], metrics, allow_nan)
+    return {
+        "schema": "moecompress.results/1",
+        "model": info,
+        "arms": [_evaluated_arm(m, model, info, metrics)],
+        "settings": {
+            "window": measure["window"],
+            "stride": measure["stride"] or measure["window"],
+            "max_tokens": measure["max_tokens"],
+            "limit": measure["limit"],
+            "num_fewshot": measure["num_fewshot"],
+            "seed": measure["seed"],
+            "reference": reference,
+        },
+    }
+
+
+def _evaluated_arm(m, model, info: dict, metrics: dict) -> dict:
+    """The one arm of `evaluate`'s results: the checkpoint, and what its plan says when it is an export."""
+    from .eval.runner import plan_arm_fields
+
     arm = {
         "name": info["name"],
         "method": "checkpoint",
@@ -363,20 +434,7 @@ def _evaluate(
     plan = getattr(m, "_moecompress_plan", None)
     if plan is not None:  # an export: record what the plan says (gate semantics, operators, per-layer counts)
         arm.update({k: v for k, v in plan_arm_fields(plan).items() if v is not None}, kind="compressed")
-    return {
-        "schema": "moecompress.results/1",
-        "model": info,
-        "arms": [arm],
-        "settings": {
-            "window": window,
-            "stride": stride or window,
-            "max_tokens": max_tokens,
-            "limit": limit,
-            "num_fewshot": num_fewshot,
-            "seed": seed,
-            "reference": reference,
-        },
-    }
+    return arm
 
 
 def compare(

@@ -105,44 +105,23 @@ def measure_latency(
 ) -> dict[str, Any]:
     """Median prefill and decode tokens/s of greedy generation with fixed lengths (see module doc)."""
     dev = _device(model)
-    vocab = int(
-        model.config.get_text_config().vocab_size
-        if hasattr(model.config, "get_text_config")
-        else model.config.vocab_size
-    )
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).to(dev)
+    ids = _random_prompt(model, dev, batch_size, prompt_len, seed)
     mask = torch.ones_like(ids)
     pad = getattr(model.config, "pad_token_id", None)
     pad = 0 if pad is None else pad
-
-    def timed(fn) -> float:
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        return time.perf_counter() - t
 
     def prefill():
         model(input_ids=ids, attention_mask=mask, use_cache=True)
 
     def generate(n: int):
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=None,
-        )
+        _generate(model, ids, mask, pad, n)
 
     for _ in range(warmup):
         prefill()
         generate(new_tokens)
-    t_pre = [timed(prefill) for _ in range(repeats)]
-    t_one = [timed(lambda: generate(1)) for _ in range(repeats)]
-    t_all = [timed(lambda: generate(new_tokens)) for _ in range(repeats)]
+    t_pre = [_timed(dev, prefill) for _ in range(repeats)]
+    t_one = [_timed(dev, lambda: generate(1)) for _ in range(repeats)]
+    t_all = [_timed(dev, lambda: generate(new_tokens)) for _ in range(repeats)]
     pre, one, full = statistics.median(t_pre), statistics.median(t_one), statistics.median(t_all)
     decode_t = max(full - one, 1e-9)
     return dict(
@@ -156,6 +135,39 @@ def measure_latency(
         decode_s=decode_t,
         prefill_tok_s=batch_size * prompt_len / pre,
         decode_tok_s=batch_size * (new_tokens - 1) / decode_t if new_tokens > 1 else None,
+    )
+
+
+def _random_prompt(model, dev, batch_size: int, prompt_len: int, seed: int) -> torch.Tensor:
+    """Random token ids [batch_size, prompt_len] (from id 3 up, drawn with `seed`) on `dev`."""
+    vocab = int(
+        model.config.get_text_config().vocab_size
+        if hasattr(model.config, "get_text_config")
+        else model.config.vocab_size
+    )
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).to(dev)
+
+
+def _timed(dev, fn) -> float:
+    """Seconds `fn()` takes on `dev`, synchronised before and after."""
+    _sync(dev)
+    t = time.perf_counter()
+    fn()
+    _sync(dev)
+    return time.perf_counter() - t
+
+
+def _generate(model, ids, mask, pad, n: int) -> None:
+    """Greedy generation of exactly `n` new tokens after `ids` (no end-of-sequence stop)."""
+    model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=None,
     )
 
 

@@ -175,62 +175,19 @@ def evaluate_stream(
     dev = _device(model)
     ref_dev = _device(reference) if reference is not None else None
     recs: list[dict] = []
-    # windows of equal length batch together (all but possibly the last one)
-    groups: dict[int, list[tuple[int, int, int]]] = {}
-    for w in wins:
-        groups.setdefault(w[1] - w[0], []).append(w)
-    batches = [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    batches = _window_batches(wins, batch_size)
     from rich.progress import Progress
 
     with Progress(transient=True, disable=not progress) as bar:
         job = bar.add_task("perplexity windows", total=len(wins))
         for batch in batches:
             x = torch.stack([ids[b:e] for b, e, _ in batch])
-            logits = model(input_ids=x.to(dev), use_cache=False).logits
-            ref_logits = (
-                reference(input_ids=x.to(ref_dev), use_cache=False).logits if reference is not None else None
-            )
-            if ref_logits is not None and ref_logits.shape[-1] != logits.shape[-1]:
-                raise MoECompressError(
-                    f"The reference model's vocabulary ({ref_logits.shape[-1]}) differs from the "
-                    f"model's ({logits.shape[-1]}); KL needs the same tokenizer and vocabulary."
-                )
-            for j, (b, e, first) in enumerate(batch):
-                # logits at position p predict token p+1: scored tokens first..e-1 use positions first-1-b..e-2-b
-                sl = slice(first - 1 - b, e - 1 - b)
-                target = ids[first:e].to(logits.device)
-                logp = torch.log_softmax(logits[j, sl].float(), dim=-1)
-                nll = -logp.gather(-1, target[:, None]).squeeze(-1)
-                acc = (logp.argmax(-1) == target).float()
-                rec = {
-                    "id": f"{fp}:{b}",
-                    "n_tokens": e - first,
-                    "nll": nll.mean().item(),
-                    "acc": acc.mean().item(),
-                }
-                if ref_logits is not None:
-                    logq = torch.log_softmax(ref_logits[j, sl].float().to(logp.device), dim=-1)
-                    kl = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0.0)
-                    rec["kl"] = kl.mean().item()
-                recs.append(rec)
+            logits, ref_logits = _batch_logits(model, reference, x, dev, ref_dev)
+            recs.extend(_window_records(batch, ids, logits, ref_logits, fp))
             bar.advance(job, len(batch))
     recs.sort(key=lambda r: int(r["id"].split(":")[1]))
     n = sum(r["n_tokens"] for r in recs)
-
-    def wmean(key: str) -> float:
-        return sum(r[key] * r["n_tokens"] for r in recs) / n
-
-    nll = wmean("nll")
-    aggregate = {"ppl": math.exp(nll), "nll": nll, "acc": wmean("acc")}
-    higher = {"ppl": False, "nll": False, "acc": True}
-    metrics = ["nll", "acc"]
-    if reference is not None:
-        aggregate["kl"] = wmean("kl")
-        higher["kl"] = False
-        metrics.append("kl")
-    items: dict[str, list] = {"ids": [r["id"] for r in recs], "n_tokens": [r["n_tokens"] for r in recs]}
-    for k in metrics:
-        items[k] = [r[k] for r in recs]
+    aggregate, higher, items = _stream_summary(recs, n, reference is not None)
     return {
         "output_type": "perplexity",
         "source": name if name is not None else info["source"],
@@ -245,6 +202,74 @@ def evaluate_stream(
         "primary": "nll",
         "items": items,
     }
+
+
+def _window_batches(wins: list, batch_size: int) -> list[list[tuple[int, int, int]]]:
+    """`wins` in batches of at most `batch_size`; windows of equal length batch together (all but possibly
+    the last one)."""
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for w in wins:
+        groups.setdefault(w[1] - w[0], []).append(w)
+    return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+
+def _batch_logits(model, reference, x: torch.Tensor, dev, ref_dev):
+    """The model's logits on the batch `x`, and the reference's (or None); one sentence when their vocabularies
+    differ."""
+    logits = model(input_ids=x.to(dev), use_cache=False).logits
+    ref_logits = reference(input_ids=x.to(ref_dev), use_cache=False).logits if reference is not None else None
+    if ref_logits is not None and ref_logits.shape[-1] != logits.shape[-1]:
+        raise MoECompressError(
+            f"The reference model's vocabulary ({ref_logits.shape[-1]}) differs from the "
+            f"model's ({logits.shape[-1]}); KL needs the same tokenizer and vocabulary."
+        )
+    return logits, ref_logits
+
+
+def _window_records(batch, ids: torch.Tensor, logits, ref_logits, fp: str) -> list[dict]:
+    """One record per window of `batch`: its id, scored tokens, mean nll and accuracy (and KL with a
+    reference)."""
+    recs = []
+    for j, (b, e, first) in enumerate(batch):
+        # logits at position p predict token p+1: scored tokens first..e-1 use positions first-1-b..e-2-b
+        sl = slice(first - 1 - b, e - 1 - b)
+        target = ids[first:e].to(logits.device)
+        logp = torch.log_softmax(logits[j, sl].float(), dim=-1)
+        nll = -logp.gather(-1, target[:, None]).squeeze(-1)
+        acc = (logp.argmax(-1) == target).float()
+        rec = {
+            "id": f"{fp}:{b}",
+            "n_tokens": e - first,
+            "nll": nll.mean().item(),
+            "acc": acc.mean().item(),
+        }
+        if ref_logits is not None:
+            logq = torch.log_softmax(ref_logits[j, sl].float().to(logp.device), dim=-1)
+            kl = (logq.exp() * (logq - logp)).sum(-1).clamp_min(0.0)
+            rec["kl"] = kl.mean().item()
+        recs.append(rec)
+    return recs
+
+
+def _stream_summary(recs: list[dict], n: int, with_kl: bool) -> tuple[dict, dict, dict]:
+    """The token-weighted aggregate of the window records `recs` (`n` tokens), each metric's direction, and
+    the per-window items."""
+
+    def wmean(key: str) -> float:
+        return sum(r[key] * r["n_tokens"] for r in recs) / n
+
+    nll = wmean("nll")
+    aggregate = {"ppl": math.exp(nll), "nll": nll, "acc": wmean("acc")}
+    higher = {"ppl": False, "nll": False, "acc": True}
+    metrics = ["nll", "acc"]
+    if with_kl:
+        aggregate["kl"] = wmean("kl")
+        higher["kl"] = False
+        metrics.append("kl")
+    items: dict[str, list] = {"ids": [r["id"] for r in recs], "n_tokens": [r["n_tokens"] for r in recs]}
+    for k in metrics:
+        items[k] = [r[k] for r in recs]
+    return aggregate, higher, items
 
 
 def kl_divergence(model, reference, data, tokenizer=None, **kwargs) -> float:

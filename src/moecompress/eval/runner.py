@@ -146,43 +146,13 @@ def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
     rows, retained_all, ops_used, gates = [], [], set(), []
     for lp in sorted(plan.layers, key=lambda x: x.layer):
         sc = plan.scope(lp.scope)
-        stored = {s.id: s for s in sc.stored}
-        ret = rem = ops = drop = 0
-        for e, slot in enumerate(lp.slots):
-            if isinstance(slot, int):
-                s = stored.get(slot)
-                own = (
-                    s is not None
-                    and s.construction == "copy"
-                    and [tuple(x) for x in s.sources] == [(lp.layer, e)]
-                )
-                if own:
-                    ret += 1
-                    retained_all.append((lp.layer, e))
-                else:
-                    rem += 1
-            elif slot == "drop":
-                drop += 1
-            else:
-                ops += 1
-                ops_used.add(slot.op)
-        if drop:
+        row = _layer_counts(lp, sc, retained_all, ops_used)
+        if row["dropped"]:
             ops_used.add(f"reroute ({lp.gate})" if lp.gate in ("keep", "renorm") else "drop")
-        if rem:
+        if row["remapped"]:
             ops_used.add("remap")
         gates.append(lp.gate)
-        rows.append(
-            dict(
-                layer=lp.layer,
-                experts=len(lp.slots),
-                stored=len(sc.stored),
-                retained=ret,
-                remapped=rem,
-                operators=ops,
-                dropped=drop,
-                gate=lp.gate,
-            )
-        )
+        rows.append(row)
     mask = hashlib.sha256(json.dumps(sorted(retained_all)).encode()).hexdigest()[:16]
     specs = sorted(
         {
@@ -203,6 +173,41 @@ def plan_arm_fields(plan, tensors=None) -> dict[str, Any]:
         "precision": " + ".join(specs) + _tensor_precisions(plan),
         "bits_per_weight": routed_bits_per_weight(plan, tensors),
     }
+
+
+def _layer_counts(lp, sc, retained_all: list, ops_used: set) -> dict:
+    """`plan_arm_fields`'s row for layer `lp` (scope `sc`): its slots retained, remapped, served by an operator
+    and dropped; appends its retained (layer, expert) pairs to `retained_all` and its operators to `ops_used`."""
+    stored = {s.id: s for s in sc.stored}
+    ret = rem = ops = drop = 0
+    for e, slot in enumerate(lp.slots):
+        if isinstance(slot, int):
+            s = stored.get(slot)
+            own = (
+                s is not None
+                and s.construction == "copy"
+                and [tuple(x) for x in s.sources] == [(lp.layer, e)]
+            )
+            if own:
+                ret += 1
+                retained_all.append((lp.layer, e))
+            else:
+                rem += 1
+        elif slot == "drop":
+            drop += 1
+        else:
+            ops += 1
+            ops_used.add(slot.op)
+    return dict(
+        layer=lp.layer,
+        experts=len(lp.slots),
+        stored=len(sc.stored),
+        retained=ret,
+        remapped=rem,
+        operators=ops,
+        dropped=drop,
+        gate=lp.gate,
+    )
 
 
 def _tensor_precisions(plan) -> str:

@@ -161,45 +161,12 @@ def paired_bootstrap_tasks(
     item ids. `higher_is_better` may differ per task only in name: the average needs one direction,
     so mixed directions are refused.
     """
-    if set(arm_a) != set(arm_b):
-        raise MoECompressError(
-            f"Cannot pair the arms: task sets differ ({sorted(set(arm_a) ^ set(arm_b))} in only "
-            "one); evaluate both arms on the same tasks."
-        )
-    if B < 1:
-        raise MoECompressError(
-            f"B={B} bootstrap replicates is too few; use B >= 1 (1000 or more for reports)."
-        )
-    if not 0 < alpha < 1:
-        raise MoECompressError(f"alpha={alpha} is outside (0, 1); use e.g. 0.05.")
-    hib = {
-        t: (higher_is_better[t] if isinstance(higher_is_better, Mapping) else higher_is_better) for t in arm_a
-    }
-    if len(set(hib.values())) > 1:
-        raise MoECompressError(
-            "Cannot average tasks whose metrics point in opposite directions (higher vs lower is "
-            "better); compare them separately."
-        )
+    hib = _task_directions(arm_a, arm_b, higher_is_better, B, alpha)
     rng = np.random.default_rng(seed)
     boots, per_task, means_a, means_b = [], {}, [], []
     for t in arm_a:  # order as given: it fixes the random draws
         ids, va, vb = align(*arm_a[t], *arm_b[t], what=f"the two arms on task '{t}'")
-        d = va - vb
-        boot = _draw_means(rng, d, B)
-        lo, hi, p = _interval_p(boot, alpha)
-        delta = float(d.mean())
-        per_task[t] = dict(
-            metric=metric,
-            n=int(d.size),
-            mean_a=float(va.mean()),
-            mean_b=float(vb.mean()),
-            delta=delta,
-            ci_low=lo,
-            ci_high=hi,
-            p=p,
-            higher_is_better=hib[t],
-            verdict=verdict(delta, lo, hi, p, alpha, hib[t]),
-        )
+        per_task[t], boot = _task_pair(rng, va, vb, metric, B, alpha, hib[t])
         boots.append(boot)
         means_a.append(float(va.mean()))
         means_b.append(float(vb.mean()))
@@ -224,6 +191,51 @@ def paired_bootstrap_tasks(
         per_task=per_task if len(per_task) > 1 or "task" not in per_task else {},
     )
     return res
+
+
+def _task_directions(arm_a, arm_b, higher_is_better, B: int, alpha: float) -> dict:
+    """`paired_bootstrap_tasks`'s checks (same tasks, B, alpha, one direction); each task's direction."""
+    if set(arm_a) != set(arm_b):
+        raise MoECompressError(
+            f"Cannot pair the arms: task sets differ ({sorted(set(arm_a) ^ set(arm_b))} in only "
+            "one); evaluate both arms on the same tasks."
+        )
+    if B < 1:
+        raise MoECompressError(
+            f"B={B} bootstrap replicates is too few; use B >= 1 (1000 or more for reports)."
+        )
+    if not 0 < alpha < 1:
+        raise MoECompressError(f"alpha={alpha} is outside (0, 1); use e.g. 0.05.")
+    hib = {
+        t: (higher_is_better[t] if isinstance(higher_is_better, Mapping) else higher_is_better) for t in arm_a
+    }
+    if len(set(hib.values())) > 1:
+        raise MoECompressError(
+            "Cannot average tasks whose metrics point in opposite directions (higher vs lower is "
+            "better); compare them separately."
+        )
+    return hib
+
+
+def _task_pair(rng, va: np.ndarray, vb: np.ndarray, metric: str, B: int, alpha: float, hib: bool):
+    """One task's paired bootstrap of `va` - `vb`: its result dict and its bootstrap means (drawn from `rng`)."""
+    d = va - vb
+    boot = _draw_means(rng, d, B)
+    lo, hi, p = _interval_p(boot, alpha)
+    delta = float(d.mean())
+    result = dict(
+        metric=metric,
+        n=int(d.size),
+        mean_a=float(va.mean()),
+        mean_b=float(vb.mean()),
+        delta=delta,
+        ci_low=lo,
+        ci_high=hi,
+        p=p,
+        higher_is_better=hib,
+        verdict=verdict(delta, lo, hi, p, alpha, hib),
+    )
+    return result, boot
 
 
 def holm(pvalues: Sequence[float], alpha: float = 0.05) -> tuple[list[float], list[bool]]:

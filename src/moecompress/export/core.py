@@ -120,10 +120,11 @@ def _write_recipe(tmp: Path, recipe) -> None:
 
 
 def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool) -> None:
+    """Write `source` through `fmt` into `writer` one decoder layer at a time: dense layers as they are, MoE
+    layers' own tensors, each scope's stored experts once its last layer is read, then the other tensors."""
     from rich.progress import track
 
     from ..memory import release_freed_memory
-    from ..runtime.merged_router import merged_router_state, router_tensor_prefix
 
     adapter = source.adapter
     remaining = {sc.id: set(sc.layers) for sc in plan.scopes}
@@ -132,56 +133,78 @@ def _stream(source, plan: CompressionPlan, fmt, writer: ShardWriter, quiet: bool
     n_layers = len(adapter.decoder_layers)
     for i in track(range(n_layers), description=f"export {fmt.name}", disable=quiet, transient=True):
         source.load_layer(i)
-        rel = source.layer_state(i)
         if i not in adapter.layers:
+            rel = source.layer_state(i)
             writer.add_all(fmt.dense_layer(i, rel))
             del rel  # its references would keep the layer alive past free_layer, beside the next one
             source.free_layer(i)
             continue
-        layer = adapter.layer(i)
-        if (
-            fmt.tensors and f"{router_tensor_prefix(i)}.weight" in fmt.tensors
-        ):  # merged router rows (M-SMoE/HC-SMoE)
-            rel = merged_router_state(
-                plan, fmt.tensors, i, rel, child_name(adapter.decoder_layers[i], layer.router) + "."
-            )
-        fmt.remember(i, layer)
-        exp_rel = fmt.expert_names[i][0] + "."
-        writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))
-        del rel  # as above: the layer's tensors are reachable from the layer alone from here on
+        layer = _write_moe_layer(source, plan, fmt, writer, i)
         sc = scope_of[i]
         remaining[sc.id].discard(i)
         complete, cross = not remaining[sc.id], len(sc.layers) > 1
         if cross or not complete:  # a cross-layer scope's sources are copied out, the last layer's too
-            for s in sc.stored:
-                for l, e in s.sources:
-                    if l == i and (s.construction != "elementwise_merge"):
-                        buffered[(l, e)] = layer.storage.read(e).map(lambda t: t.detach().clone())
+            _buffer_sources(buffered, sc, i, layer)
         if cross and complete:
             source.free_layer(i)  # so the whole layer is not held while the scope is stacked
         if complete:
-
-            def src(l, e, layer=layer, cross=cross):
-                return buffered[(l, e)] if cross else layer.storage.read(e)
-
-            # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
-            weights = [
-                None
-                if s.packing is not None or s.quant is not None
-                else _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
-                for s in sc.stored
-            ]
-            for key in [
-                k for k in buffered if k[0] in sc.layers
-            ]:  # merged sources go before the scope is stacked
-                del buffered[key]
-            writer.add_all(fmt.scope(sc, weights))
-            del weights
+            _write_scope(plan, fmt, writer, sc, layer, buffered, cross)
         if cross and complete:
             release_freed_memory()  # the stacked scope is written: hand its pages back
         else:
             source.free_layer(i)
     writer.add_all(fmt.other(source.other_state()))
+
+
+def _write_moe_layer(source, plan: CompressionPlan, fmt, writer: ShardWriter, i: int):
+    """Write MoE layer `i`'s own tensors (all but its experts; merged router rows where the plan has them)
+    and remember the layer in `fmt`; returns the layer."""
+    from ..runtime.merged_router import merged_router_state, router_tensor_prefix
+
+    adapter = source.adapter
+    rel = source.layer_state(i)
+    layer = adapter.layer(i)
+    if (
+        fmt.tensors and f"{router_tensor_prefix(i)}.weight" in fmt.tensors
+    ):  # merged router rows (M-SMoE/HC-SMoE)
+        rel = merged_router_state(
+            plan, fmt.tensors, i, rel, child_name(adapter.decoder_layers[i], layer.router) + "."
+        )
+    fmt.remember(i, layer)
+    exp_rel = fmt.expert_names[i][0] + "."
+    writer.add_all(fmt.moe_layer(i, {k: v for k, v in rel.items() if not k.startswith(exp_rel)}, layer))
+    del rel  # as in `_stream`: the layer's tensors are reachable from the layer alone from here on
+    return layer
+
+
+def _buffer_sources(buffered: dict, sc, i: int, layer) -> None:
+    """Copy into `buffered` the experts of layer `i` that scope `sc`'s stored experts read (but elementwise
+    merges), so they outlive the layer until the scope completes."""
+    for s in sc.stored:
+        for l, e in s.sources:
+            if l == i and (s.construction != "elementwise_merge"):
+                buffered[(l, e)] = layer.storage.read(e).map(lambda t: t.detach().clone())
+
+
+def _write_scope(
+    plan: CompressionPlan, fmt, writer: ShardWriter, sc, layer, buffered: dict, cross: bool
+) -> None:
+    """Write complete scope `sc`'s stored experts, built from `buffered` (a cross-layer scope) or `layer`."""
+
+    def src(l, e, layer=layer, cross=cross):
+        return buffered[(l, e)] if cross else layer.storage.read(e)
+
+    # packed (PuzzleMoE) and quantized stored experts stay packed: the format reads their tensors itself
+    weights = [
+        None
+        if s.packing is not None or s.quant is not None
+        else _complete_bias(stored_weights(plan, sc, s, src, fmt.tensors), runtime_layout(layer))
+        for s in sc.stored
+    ]
+    for key in [k for k in buffered if k[0] in sc.layers]:  # merged sources go before the scope is stacked
+        del buffered[key]
+    writer.add_all(fmt.scope(sc, weights))
+    del weights
 
 
 def export(
@@ -225,41 +248,60 @@ def export(
         _stream(source, plan, fmt, writer, quiet)
         own = fmt.write_files(tmp)  # a format that writes its own file (gguf) names it; else the shards
         shards = writer.close() if own is None else own
-        config = fmt.output_config()
-        if fmt.runtime_tensors:
-            # no config.json on purpose: plain from_pretrained must not load a compact dir with random experts
-            (tmp / BASE_CONFIG_FILE).write_text(config.to_json_string(use_diff=False))
-        else:
-            config.save_pretrained(tmp)
-        (tmp / PLAN_FILE).write_text(plan.to_json())
-        _write_recipe(tmp, recipe)
-        if source.source_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (source.source_dir / name).is_file():
-                    shutil.copyfile(source.source_dir / name, tmp / name)
-        gen = source.generation_config()
-        if gen is not None and not (tmp / "generation_config.json").exists():
-            try:
-                gen.save_pretrained(tmp)
-            except Exception:  # a generation config that does not validate is not worth failing an export
-                pass
-        marker = {
-            "format": format,
-            "evaluation_only": fmt.evaluation_only,
-            "moecompress_version": __version__,
-            "plan_schema_version": plan.schema_version,
-            "model_type": plan.model.model_type,
-            "layout": runtime_layout(fmt.expert_names[min(fmt.expert_names)][2]),
-        }
-        if fmt.evaluation_only:
-            marker["note"] = (
-                "every original slot is filled: full size, for evaluation only, never a compressed model"
-            )
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        _write_metadata(tmp, source, plan, fmt, recipe)
+        (tmp / MARKER_FILE).write_text(
+            json.dumps(_marker(format, fmt, plan), indent=1, sort_keys=True) + "\n"
+        )
         if extras is not None:
             extras(tmp)
         weight_bytes = _weights_bytes(tmp)
         total = dir_bytes(tmp)
+    return _export_result(format, out, fmt, plan, tensors, source, total, weight_bytes, shards)
+
+
+def _write_metadata(tmp: Path, source, plan: CompressionPlan, fmt, recipe) -> None:
+    """Write the output's config, plan, recipe, tokenizer files and generation config into `tmp`."""
+    config = fmt.output_config()
+    if fmt.runtime_tensors:
+        # no config.json on purpose: plain from_pretrained must not load a compact dir with random experts
+        (tmp / BASE_CONFIG_FILE).write_text(config.to_json_string(use_diff=False))
+    else:
+        config.save_pretrained(tmp)
+    (tmp / PLAN_FILE).write_text(plan.to_json())
+    _write_recipe(tmp, recipe)
+    if source.source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (source.source_dir / name).is_file():
+                shutil.copyfile(source.source_dir / name, tmp / name)
+    gen = source.generation_config()
+    if gen is not None and not (tmp / "generation_config.json").exists():
+        try:
+            gen.save_pretrained(tmp)
+        except Exception:  # a generation config that does not validate is not worth failing an export
+            pass
+
+
+def _marker(format: str, fmt, plan: CompressionPlan) -> dict:
+    """The output's marker file: its format, whether it is for evaluation only, and the versions it was written by."""
+    marker = {
+        "format": format,
+        "evaluation_only": fmt.evaluation_only,
+        "moecompress_version": __version__,
+        "plan_schema_version": plan.schema_version,
+        "model_type": plan.model.model_type,
+        "layout": runtime_layout(fmt.expert_names[min(fmt.expert_names)][2]),
+    }
+    if fmt.evaluation_only:
+        marker["note"] = (
+            "every original slot is filled: full size, for evaluation only, never a compressed model"
+        )
+    return marker
+
+
+def _export_result(
+    format: str, out, fmt, plan: CompressionPlan, tensors, source, total: int, weight_bytes: int, shards
+) -> ExportResult:
+    """`export`'s result: where it wrote, and the sizes on disk, logical and original."""
     logical = plan.logical_bytes(tensors)
     written = plan.logical_bytes(tensors, accounting="stored" if fmt.runtime_tensors else "logical")
     original = _weights_bytes(source.source_dir) if source.source_dir is not None else 0

@@ -102,46 +102,55 @@ def reason(plan: CompressionPlan) -> str | None:
         return f"some of its decoder layers are dense, which llama.cpp's {arch.arch.lower()} cannot hold"
     counts, widths = set(), set()
     for lp in sorted(plan.layers, key=lambda x: x.layer):
-        sc, li = plan.scope(lp.scope), info.layer(lp.layer)
-        if li.keep_equals_renorm != arch.renormalises:
-            return (
-                f"layer {lp.layer}'s router {'does not renormalise' if arch.renormalises else 'renormalises'} "
-                f"its top-k weights and llama.cpp's {arch.arch.lower()} always "
-                f"{'does' if arch.renormalises else 'does not'}"
-            )
-        if sc.layers != [lp.layer]:
-            return f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
-        if lp.operators():
-            return f"layer {lp.layer} has replacement operators"
-        if not (lp.gate == "renorm" or (lp.gate == "keep" and li.keep_equals_renorm) or not lp.dropped()):
-            return f"layer {lp.layer} uses gate '{lp.gate}', which llama.cpp's router cannot express"
-        ids = lp.stored_ids()
-        if len(set(ids)) != len(ids):
-            return f"layer {lp.layer} maps several slots to one stored expert"
-        if li.n_group > 1 or info.expert_bias:
-            return f"layer {lp.layer} has a grouped router or expert biases"
-        stored = [sc.stored[s] for s in ids]
-        if any(plan.stored_width(sc, s) != li.intermediate_size for s in stored):
-            return f"layer {lp.layer} stores an expert of a different width"
-        specs = {s.quant for s in stored}
-        if len(specs) > 1:
-            return f"layer {lp.layer}'s experts have different precisions, and one GGUF tensor holds them all"
-        (spec,) = specs
-        if exact_type(spec) is None:
-            return (
-                f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32 and w4g32 do, as "
-                "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet"
-            )
-        if spec is not None and (info.hidden_size % BLOCK or li.intermediate_size % BLOCK):
-            return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q4_0 block"
-        if len(ids) < li.top_k:
-            return f"layer {lp.layer} keeps fewer experts ({len(ids)}) than it routes to ({li.top_k})"
-        counts.add(len(ids))
-        widths.add(li.intermediate_size)
+        why = _layer_reason(plan, lp, arch)
+        if why is not None:
+            return why
+        counts.add(len(lp.stored_ids()))
+        widths.add(info.layer(lp.layer).intermediate_size)
     if len(counts) != 1:
         return f"its layers keep different numbers of experts ({sorted(counts)}), and llama.cpp has one expert count"
     if len(widths) != 1:
         return "its layers have experts of different widths"
+    return None
+
+
+def _layer_reason(plan: CompressionPlan, lp, arch: Arch) -> str | None:
+    """Why llama.cpp's `arch` cannot run MoE layer `lp` of `plan` (a clause), or None when it can."""
+    info = plan.model
+    sc, li = plan.scope(lp.scope), info.layer(lp.layer)
+    if li.keep_equals_renorm != arch.renormalises:
+        return (
+            f"layer {lp.layer}'s router {'does not renormalise' if arch.renormalises else 'renormalises'} "
+            f"its top-k weights and llama.cpp's {arch.arch.lower()} always "
+            f"{'does' if arch.renormalises else 'does not'}"
+        )
+    if sc.layers != [lp.layer]:
+        return f"layer {lp.layer} shares the cross-layer scope '{sc.id}'"
+    if lp.operators():
+        return f"layer {lp.layer} has replacement operators"
+    if not (lp.gate == "renorm" or (lp.gate == "keep" and li.keep_equals_renorm) or not lp.dropped()):
+        return f"layer {lp.layer} uses gate '{lp.gate}', which llama.cpp's router cannot express"
+    ids = lp.stored_ids()
+    if len(set(ids)) != len(ids):
+        return f"layer {lp.layer} maps several slots to one stored expert"
+    if li.n_group > 1 or info.expert_bias:
+        return f"layer {lp.layer} has a grouped router or expert biases"
+    stored = [sc.stored[s] for s in ids]
+    if any(plan.stored_width(sc, s) != li.intermediate_size for s in stored):
+        return f"layer {lp.layer} stores an expert of a different width"
+    specs = {s.quant for s in stored}
+    if len(specs) > 1:
+        return f"layer {lp.layer}'s experts have different precisions, and one GGUF tensor holds them all"
+    (spec,) = specs
+    if exact_type(spec) is None:
+        return (
+            f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32 and w4g32 do, as "
+            "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet"
+        )
+    if spec is not None and (info.hidden_size % BLOCK or li.intermediate_size % BLOCK):
+        return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q4_0 block"
+    if len(ids) < li.top_k:
+        return f"layer {lp.layer} keeps fewer experts ({len(ids)}) than it routes to ({li.top_k})"
     return None
 
 
@@ -284,16 +293,7 @@ class GGUFFile:
         arch = getattr(gguf.MODEL_ARCH, self.arch.arch)
         cfg, info = self.config, plan.model
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default":
-            raise MoECompressError(
-                f"This model's rope type '{rope.get('rope_type')}' is not written by this GGUF "
-                "writer; export with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py."
-            )
-        if getattr(cfg, "clip_qkv", None) is not None:  # llama.cpp's olmoe graph never clamps q/k/v
-            raise MoECompressError(
-                "This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
-                f"{self.arch.arch.lower()} does not; export it with format='hf' instead."
-            )
+        self._check_config(rope)
         self.names = gguf.get_tensor_name_map(arch, info.num_hidden_layers)
         self.kept = {
             lp.layer: [e for e, t in enumerate(lp.slots) if isinstance(t, int)] for lp in plan.layers
@@ -311,6 +311,28 @@ class GGUFFile:
         self.written: set[str] = set()
 
         w = self.w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch], use_temp_file=True)
+        self._add_hparams(w, rope)
+        w.add_file_type(self._file_type())
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_tokenizer(w, source.source_dir, cfg.vocab_size)
+
+    def _check_config(self, rope: dict) -> None:
+        """Refuse a model config this writer does not express: a rope type but the default, clipped q/k/v."""
+        cfg = self.config
+        if rope.get("rope_type", "default") != "default":
+            raise MoECompressError(
+                f"This model's rope type '{rope.get('rope_type')}' is not written by this GGUF "
+                "writer; export with format='hf' and convert with llama.cpp's convert_hf_to_gguf.py."
+            )
+        if getattr(cfg, "clip_qkv", None) is not None:  # llama.cpp's olmoe graph never clamps q/k/v
+            raise MoECompressError(
+                "This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
+                f"{self.arch.arch.lower()} does not; export it with format='hf' instead."
+            )
+
+    def _add_hparams(self, w, rope: dict) -> None:
+        """Write the model's hyperparameters (sizes, heads, rope, norm epsilon, scales, expert counts) to `w`."""
+        cfg, info = self.config, self.plan.model
         li = info.layers[0]
         width, k = li.intermediate_size, len(next(iter(self.kept.values())))
         w.add_block_count(info.num_hidden_layers)
@@ -337,18 +359,19 @@ class GGUFFile:
                 getattr(w, add)(float(getattr(cfg, key)))
         w.add_expert_count(k)
         w.add_expert_used_count(li.top_k)
-        specs = plan.quant_specs()  # the file type names the experts' type when they all have one
+
+    def _file_type(self):
+        """The GGUF file type: the experts' type when they all have one, else the model's float dtype."""
+        import gguf
+
+        specs = self.plan.quant_specs()  # the file type names the experts' type when they all have one
         kind = exact_type(next(iter(specs))) if len(specs) == 1 else None
-        w.add_file_type(
-            {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(
-                kind,
-                {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16}.get(
-                    info.dtype, gguf.LlamaFileType.ALL_F32
-                ),
-            )
+        return {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(
+            kind,
+            {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16}.get(
+                self.plan.model.dtype, gguf.LlamaFileType.ALL_F32
+            ),
         )
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_tokenizer(w, source.source_dir, cfg.vocab_size)
 
     # ---- tensors
     def _put(self, name: str, t: torch.Tensor | QuantizedTensor) -> None:

@@ -83,8 +83,38 @@ def _check_shape(ref: torch.Tensor, t: torch.Tensor, name: str, where: Path) -> 
 def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
     """A runtime checkpoint (`compact`, `packed`): the base model skeleton with a `CompressedMoEBlock` per
     MoE layer, filled from the shards; the plan is attached as ``model._moecompress_plan``."""
+    model, plan, scopes, want = _runtime_skeleton(d, dtype)
+    single = isinstance(device_map, (str, torch.device)) and str(device_map) != "auto"
+    device = str(device_map) if single else "cpu"
+    from ..runtime.tensor_quant import quantized_names
+
+    quantized = quantized_names(plan)  # packed key -> the non-expert weight it belongs to (plan.tensor_quant)
+    held: dict[str, torch.Tensor] = {}
+    for shard in _shards(d):
+        _read_shard(shard, device, model, scopes, quantized, held, want)
+    for name in plan.tensor_quant:  # dequantized into the module's weight (runtime.tensor_quant)
+        _set_tensor(model, name, _dequantized_weight(plan, held, name, model, d), d)
+    model.tie_weights()
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p is not None and p.is_meta:
+            raise MoECompressError(
+                f"{d} lacks tensor '{name}': the checkpoint is incomplete or corrupted; re-export it."
+            )
+    _check_quantized_slots(scopes.values(), d)
+    if single:
+        model.to(device)
+    elif device_map is not None:
+        model = _dispatch(model, device_map, max_memory, offload_folder)
+    _load_generation_config(model, d)
+    model.eval()
+    model._moecompress_plan = plan
+    return model
+
+
+def _runtime_skeleton(d: Path, dtype):
+    """`load_runtime`'s empty model: the base config's skeleton on the meta device with a `CompressedMoEBlock`
+    per MoE layer of the plan; returns (model, plan, scopes by id, the dtype asked for or None)."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -115,72 +145,74 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
             layer, lp = adapter.layer(i), plan.layer(i)
             ops = build_ops(plan, lp, layer, None, want or file_dtype, "meta", fill=False)
             adapter.set_block(i, CompressedMoEBlock(layer, lp, scopes[sc.id], ops, adapter.returns_tuple))
-    single = isinstance(device_map, (str, torch.device)) and str(device_map) != "auto"
-    device = str(device_map) if single else "cpu"
-    from ..runtime.tensor_quant import quantized_names
+    return model, plan, scopes, want
 
-    quantized = quantized_names(plan)  # packed key -> the non-expert weight it belongs to (plan.tensor_quant)
-    held: dict[str, torch.Tensor] = {}
-    for shard in _shards(d):
-        try:
-            with safe_open(str(shard), framework="pt", device=device) as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
-                    t = f.get_tensor(key)
-                    if t.device.type == "cpu" and t.data_ptr() % 64:
-                        # mmap-backed at an unaligned file offset: copy, so kernels (and results) match memory
-                        t = t.clone()
-                    if key in quantized:  # a quantized non-expert weight's codes: dequantized below
-                        held[key] = t
-                        continue
-                    # PuzzleMoE packed words and quantized scales stay exactly as stored
-                    packed = (".merged." in key or "_weight_" in key) and key.startswith(SCOPE_PREFIX)
-                    if (
-                        want is not None and t.is_floating_point() and not packed
-                    ):  # packed tensors stay as stored
-                        t = t.to(want)
-                    if key.startswith(SCOPE_PREFIX):
-                        rest = key[len(SCOPE_PREFIX) :]
-                        sid = max((s for s in scopes if rest.startswith(s + ".")), key=len, default=None)
-                        if sid is None:
-                            raise MoECompressError(
-                                f"{shard} holds tensor '{key}' for a scope the plan does not "
-                                "define: the file is foreign or belongs to another plan; re-export."
-                            )
-                        _set_tensor(scopes[sid], rest[len(sid) + 1 :], t, shard)
-                    else:
-                        _set_tensor(model, key, t, shard)
-        except MoECompressError:
-            raise
-        except Exception as exc:  # safetensors reports truncation / bad headers with its own error types
-            raise MoECompressError(
-                f"{shard} is corrupted ({type(exc).__name__}); re-export the checkpoint."
-            ) from None
-    for name in plan.tensor_quant:  # dequantized into the module's weight (runtime.tensor_quant)
-        _set_tensor(model, name, _dequantized_weight(plan, held, name, model, d), d)
-    model.tie_weights()
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if p is not None and p.is_meta:
-            raise MoECompressError(
-                f"{d} lacks tensor '{name}': the checkpoint is incomplete or corrupted; re-export it."
-            )
-    _check_quantized_slots(scopes.values(), d)
-    if single:
-        model.to(device)
-    elif device_map is not None:
-        from accelerate import dispatch_model, infer_auto_device_map
 
-        # the weights were read into memory above; dispatch moves what exceeds max_memory to disk
-        dm = (
-            device_map
-            if isinstance(device_map, dict)
-            else infer_auto_device_map(
-                model,
-                max_memory=max_memory,
-                no_split_module_classes=getattr(model, "_no_split_modules", None),
+def _read_shard(shard: Path, device: str, model, scopes: dict, quantized, held: dict, want) -> None:
+    """Fill `model` and the `scopes` from one shard; a quantized non-expert weight's codes go to `held`
+    (dequantized by the caller). A corrupted shard is one sentence."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(shard), framework="pt", device=device) as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                t = f.get_tensor(key)
+                if t.device.type == "cpu" and t.data_ptr() % 64:
+                    # mmap-backed at an unaligned file offset: copy, so kernels (and results) match memory
+                    t = t.clone()
+                if key in quantized:  # a quantized non-expert weight's codes: dequantized below
+                    held[key] = t
+                    continue
+                _place_tensor(shard, key, t, model, scopes, want)
+    except MoECompressError:
+        raise
+    except Exception as exc:  # safetensors reports truncation / bad headers with its own error types
+        raise MoECompressError(
+            f"{shard} is corrupted ({type(exc).__name__}); re-export the checkpoint."
+        ) from None
+
+
+def _place_tensor(shard: Path, key: str, t: torch.Tensor, model, scopes: dict, want) -> None:
+    """Set tensor `key` of `shard` in its scope (a ``SCOPE_PREFIX`` key) or in `model`, cast to `want` unless
+    it is packed."""
+    # PuzzleMoE packed words and quantized scales stay exactly as stored
+    packed = (".merged." in key or "_weight_" in key) and key.startswith(SCOPE_PREFIX)
+    if want is not None and t.is_floating_point() and not packed:  # packed tensors stay as stored
+        t = t.to(want)
+    if key.startswith(SCOPE_PREFIX):
+        rest = key[len(SCOPE_PREFIX) :]
+        sid = max((s for s in scopes if rest.startswith(s + ".")), key=len, default=None)
+        if sid is None:
+            raise MoECompressError(
+                f"{shard} holds tensor '{key}' for a scope the plan does not "
+                "define: the file is foreign or belongs to another plan; re-export."
             )
+        _set_tensor(scopes[sid], rest[len(sid) + 1 :], t, shard)
+    else:
+        _set_tensor(model, key, t, shard)
+
+
+def _dispatch(model, device_map, max_memory, offload_folder):
+    """`model` dispatched over `device_map` (a dict, or one inferred within `max_memory`) by accelerate."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    # the weights were read into memory above; dispatch moves what exceeds max_memory to disk
+    dm = (
+        device_map
+        if isinstance(device_map, dict)
+        else infer_auto_device_map(
+            model,
+            max_memory=max_memory,
+            no_split_module_classes=getattr(model, "_no_split_modules", None),
         )
-        model = dispatch_model(model, device_map=dm, offload_dir=offload_folder)
-        model.hf_device_map = dm
+    )
+    model = dispatch_model(model, device_map=dm, offload_dir=offload_folder)
+    model.hf_device_map = dm
+    return model
+
+
+def _load_generation_config(model, d: Path) -> None:
+    """Set `model`'s generation config from `d` when it has a readable one."""
     gen_file = d / "generation_config.json"
     if gen_file.is_file():
         from transformers import GenerationConfig
@@ -189,9 +221,6 @@ def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offloa
             model.generation_config = GenerationConfig.from_pretrained(str(d))
         except Exception:  # a broken generation config only loses sampling defaults
             pass
-    model.eval()
-    model._moecompress_plan = plan
-    return model
 
 
 def _dequantized_weight(plan, held: dict, name: str, model: nn.Module, d: Path) -> torch.Tensor:

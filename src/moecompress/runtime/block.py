@@ -60,22 +60,7 @@ class CompressedMoEBlock(nn.Module):
         self.spec = layer.spec
         self.semantics = lp.gate
         self.returns_tuple = returns_tuple
-        self._router_name, self._shared_name, self._shared_gate_name = "router", None, None
-        named = dict(layer.block.named_children())
-        for name, child in named.items():
-            if child is layer.router:
-                self._router_name = name
-            elif layer.shared is not None and child is layer.shared:
-                self._shared_name = name
-            elif layer.shared_gate is not None and child is layer.shared_gate:
-                self._shared_gate_name = name
-        setattr(self, self._router_name, layer.router)
-        if layer.shared is not None:
-            self._shared_name = self._shared_name or "shared_experts"
-            setattr(self, self._shared_name, layer.shared)
-        if layer.shared_gate is not None:
-            self._shared_gate_name = self._shared_gate_name or "shared_expert_gate"
-            setattr(self, self._shared_gate_name, layer.shared_gate)
+        self._adopt_children(layer)
         self.stored = stored
         self.ops = ops if ops is not None and ops.order else None
         w = layer.router.weight
@@ -95,6 +80,40 @@ class CompressedMoEBlock(nn.Module):
         # renorm = the dropped rows deleted from the router: route over the kept rows only (cheaper than
         # masking, and literally what a physically pruned router computes) whenever the kept slots still
         # form equal router groups; otherwise route() applies the `present` mask
+        present = self._kept_routing(lp, routable, mask, targets, dev)
+        self.register_buffer("kept_slots", present, persistent=False)
+        self._kept_cache: tuple = (
+            None,
+            None,
+        )  # (key, sliced router tensors), refreshed when the router changes
+        # can a selected slot land on no stored expert (operator, drop, or an aggregated duplicate)?
+        self._may_skip = lp.gate == "aggregate" or any(
+            ok and not isinstance(t, int) for ok, t in zip(routable, lp.slots)
+        )
+
+    def _adopt_children(self, layer: MoELayer) -> None:
+        """Keep the router and shared-expert modules of `layer`'s HF block under their original attribute names
+        (so the state_dict names match the HF block's), defaults where the block does not hold them."""
+        self._router_name, self._shared_name, self._shared_gate_name = "router", None, None
+        named = dict(layer.block.named_children())
+        for name, child in named.items():
+            if child is layer.router:
+                self._router_name = name
+            elif layer.shared is not None and child is layer.shared:
+                self._shared_name = name
+            elif layer.shared_gate is not None and child is layer.shared_gate:
+                self._shared_gate_name = name
+        setattr(self, self._router_name, layer.router)
+        if layer.shared is not None:
+            self._shared_name = self._shared_name or "shared_experts"
+            setattr(self, self._shared_name, layer.shared)
+        if layer.shared_gate is not None:
+            self._shared_gate_name = self._shared_gate_name or "shared_expert_gate"
+            setattr(self, self._shared_gate_name, layer.shared_gate)
+
+    def _kept_routing(self, lp: LayerPlan, routable: list, mask, targets: list, dev):
+        """The kept slots to route over directly (renorm whose kept slots still form equal router groups), or
+        None; sets ``_direct`` (and ``_kept_spec`` when kept slots are returned)."""
         present, self._direct = None, False
         if mask is not None and lp.gate == "renorm":
             kept = [e for e, ok in enumerate(routable) if ok]
@@ -106,15 +125,7 @@ class CompressedMoEBlock(nn.Module):
                 self._kept_spec = replace(self.spec, num_experts=len(kept))
                 # pure pruning (kept slot j -> stored j): the small router's indices ARE the stored ids
                 self._direct = [targets[e] for e in kept] == list(range(len(kept)))
-        self.register_buffer("kept_slots", present, persistent=False)
-        self._kept_cache: tuple = (
-            None,
-            None,
-        )  # (key, sliced router tensors), refreshed when the router changes
-        # can a selected slot land on no stored expert (operator, drop, or an aggregated duplicate)?
-        self._may_skip = lp.gate == "aggregate" or any(
-            ok and not isinstance(t, int) for ok, t in zip(routable, lp.slots)
-        )
+        return present
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_index}, gate={self.semantics}, slots={self.slot_to_stored.numel()}"
