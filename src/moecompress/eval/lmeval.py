@@ -78,8 +78,24 @@ def _task_entry(
     primary = next(
         (first_key[p] for p in _PRIMARY_ORDER if p in first_key), metric_names[0] if metric_names else None
     )
-    items: dict[str, list] = {"ids": []}
     output_type = configs.get("output_type")
+    items = _doc_items(samples, plain, output_type)
+    _add_stderr(aggregate, metric_names, items)
+    return {
+        "output_type": output_type,
+        "num_fewshot": n_shot,
+        "n": len(items["ids"]),
+        "aggregate": aggregate,
+        "higher_is_better": higher,
+        "primary": primary,
+        "items": items,
+    }
+
+
+def _doc_items(samples: list[dict] | None, plain: bool, output_type) -> dict[str, list]:
+    """The per-document items of one task's `samples`: doc ids and, per metric (``metric,filter`` unless
+    `plain`), the values in doc order; generative tasks also keep ``response`` and ``target``."""
+    items: dict[str, list] = {"ids": []}
     if samples:
         by_doc: dict[int, dict] = {}
         for s in samples:
@@ -100,22 +116,19 @@ def _task_entry(
         keys = sorted({k for r in by_doc.values() for k in r})
         for k in keys:
             items[k] = [by_doc[d].get(k) for d in doc_ids]
-    for k in metric_names:  # standard error of the mean from the per-document scores (lm-eval skips it here)
+    return items
+
+
+def _add_stderr(aggregate: dict, metric_names: list[str], items: dict[str, list]) -> None:
+    """Add to `aggregate` each metric's standard error of the mean from the per-document scores, where
+    lm-eval gave none (it skips it here)."""
+    for k in metric_names:
         vals = [v for v in items.get(k, []) if isinstance(v, (int, float))]
         if aggregate.get(f"{k}_stderr") is None and len(vals) > 1:
             mean = sum(vals) / len(vals)
             aggregate[f"{k}_stderr"] = math.sqrt(
                 sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals)
             )
-    return {
-        "output_type": output_type,
-        "num_fewshot": n_shot,
-        "n": len(items["ids"]),
-        "aggregate": aggregate,
-        "higher_is_better": higher,
-        "primary": primary,
-        "items": items,
-    }
 
 
 def run_lm_eval(
@@ -141,40 +154,14 @@ def run_lm_eval(
     and ``target``). A requested group (e.g. mmlu) becomes one entry whose item ids are
     "subtask/doc_id", with the subtasks' aggregates under ``subtasks``.
     """
-    import torch
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-
     names, manager, local_only = resolve_tasks(tasks, include_path, online)
     if tokenizer is None:
         raise MoECompressError(
             "lm-eval needs the model's tokenizer; pass the tokenizer (a checkpoint directory "
             "without tokenizer files cannot be evaluated on tasks)."
         )
-    # log-probabilities in float32 whatever the model's dtype (a bf16 log_softmax costs ~3 significant digits)
-    lm_kwargs = dict(
-        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32
-    )
-    if max_length is not None:
-        lm_kwargs["max_length"] = max_length
-    with quiet_lm_eval():
-        lm = HFLM(**lm_kwargs)
-    with _offline_env(local_only), quiet_lm_eval():
-        out = simple_evaluate(
-            model=lm,
-            tasks=names,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            log_samples=True,
-            task_manager=manager,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-            gen_kwargs=gen_kwargs,
-            bootstrap_iters=0,
-            verbosity="ERROR",
-        )
+    lm = _hflm(model, tokenizer, batch_size, max_length)
+    out = _simple_evaluate(lm, names, manager, local_only, num_fewshot, limit, seed, gen_kwargs)
     if out is None:  # non-zero ranks under accelerate
         return {}
     res, cfgs, hib = out["results"], out.get("configs", {}), out.get("higher_is_better", {})
@@ -192,36 +179,84 @@ def run_lm_eval(
                 n_shot.get(name, num_fewshot),
             )
             continue
-        # a group or tag: one entry over its leaf tasks, ids prefixed with the subtask name
-        leaves = [t for t in out.get("group_subtasks", {}).get(name, []) if t in samples] or [
-            t for t in samples if t not in names
-        ]
-        subs = {
-            t: _task_entry(t, res.get(t, {}), cfgs.get(t, {}), hib.get(t, {}), samples[t], n_shot.get(t))
-            for t in leaves
-        }
-        if not subs:
-            continue
-        first = next(iter(subs.values()))
-        primary = first["primary"]
-        items: dict[str, list] = {"ids": []}
-        for t, e in subs.items():
-            items["ids"] += [f"{t}/{i}" for i in e["items"]["ids"]]
-            for k, v in e["items"].items():
-                if k != "ids":
-                    items.setdefault(k, []).extend(v)
-        agg = {k: _clean(v) for k, v in res.get(name, {}).items() if "," in k}
-        agg = {_split_key(k)[0]: v for k, v in agg.items()} or {
-            primary: sum(x for x in items.get(primary, []) if x is not None) / max(1, len(items["ids"]))
-        }
-        entries[name] = {
-            "output_type": first["output_type"],
-            "num_fewshot": first["num_fewshot"],
-            "n": len(items["ids"]),
-            "aggregate": agg,
-            "higher_is_better": first["higher_is_better"],
-            "primary": primary,
-            "items": items,
-            "subtasks": {t: e["aggregate"] for t, e in subs.items()},
-        }
+        group = _group_entry(name, names, out)
+        if group is not None:
+            entries[name] = group
     return entries
+
+
+def _hflm(model, tokenizer, batch_size, max_length):
+    """lm-eval's `HFLM` over the in-memory model, its log-probabilities in float32."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    # log-probabilities in float32 whatever the model's dtype (a bf16 log_softmax costs ~3 significant digits)
+    lm_kwargs = dict(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32
+    )
+    if max_length is not None:
+        lm_kwargs["max_length"] = max_length
+    with quiet_lm_eval():
+        return HFLM(**lm_kwargs)
+
+
+def _simple_evaluate(lm, names, manager, local_only: bool, num_fewshot, limit, seed, gen_kwargs):
+    """lm-eval's `simple_evaluate` of `lm` on the tasks `names`, samples logged, every seed `seed`; off the
+    network when `local_only`."""
+    from lm_eval import simple_evaluate
+
+    with _offline_env(local_only), quiet_lm_eval():
+        return simple_evaluate(
+            model=lm,
+            tasks=names,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=True,
+            task_manager=manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            gen_kwargs=gen_kwargs,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
+
+
+def _group_entry(name: str, names, out: dict) -> dict | None:
+    """A group or tag: one entry over its leaf tasks, ids prefixed with the subtask name (None when lm-eval
+    logged none of them)."""
+    res, cfgs, hib = out["results"], out.get("configs", {}), out.get("higher_is_better", {})
+    samples = out.get("samples", {})
+    n_shot = out.get("n-shot", {})
+    leaves = [t for t in out.get("group_subtasks", {}).get(name, []) if t in samples] or [
+        t for t in samples if t not in names
+    ]
+    subs = {
+        t: _task_entry(t, res.get(t, {}), cfgs.get(t, {}), hib.get(t, {}), samples[t], n_shot.get(t))
+        for t in leaves
+    }
+    if not subs:
+        return None
+    first = next(iter(subs.values()))
+    primary = first["primary"]
+    items: dict[str, list] = {"ids": []}
+    for t, e in subs.items():
+        items["ids"] += [f"{t}/{i}" for i in e["items"]["ids"]]
+        for k, v in e["items"].items():
+            if k != "ids":
+                items.setdefault(k, []).extend(v)
+    agg = {k: _clean(v) for k, v in res.get(name, {}).items() if "," in k}
+    agg = {_split_key(k)[0]: v for k, v in agg.items()} or {
+        primary: sum(x for x in items.get(primary, []) if x is not None) / max(1, len(items["ids"]))
+    }
+    return {
+        "output_type": first["output_type"],
+        "num_fewshot": first["num_fewshot"],
+        "n": len(items["ids"]),
+        "aggregate": agg,
+        "higher_is_better": first["higher_is_better"],
+        "primary": primary,
+        "items": items,
+        "subtasks": {t: e["aggregate"] for t, e in subs.items()},
+    }
