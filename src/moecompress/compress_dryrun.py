@@ -185,83 +185,137 @@ def estimate_compress(
     phases' memory adds up); two calibration passes. The time counts checkpoint reads only, not a method's
     own arithmetic (auto's fits and GPTQ dominate on wide layers). out: the output directory, whose disk's free
     space is reported (not refused: the output is usually well below its upper bound)."""
-    import psutil
-    from safetensors import safe_open
-
-    from .checkpoint import CheckpointReader
-    from .memory import release_freed_memory
     from .methods.registry import get_method, parse_config
-    from .models import MoEAdapter
 
     entry = get_method(method)
     view = entry.view_for(parse_config(method, params))
-    config_dir = _config_only(model)
-    reader = CheckpointReader(model) if config_dir is None else _ConfigOnly(config_dir)
-    baseline = psutil.Process().memory_info().rss  # before the timed read, which would count a layer twice
-    adapter = MoEAdapter(reader._skeleton)
-    moe = adapter.moe_layers
-    t_layer = None
-    if config_dir is None:
-        sample = reader.layer_keys(moe[0])[:1]
-        disk_elem = 2
-        if sample:
-            with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
-                disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
-        t0 = time.perf_counter()
-        layer_disk = reader.layer_bytes(moe[0])
-        reader.native_state(moe[0])  # the one timed read
-        t_layer = time.perf_counter() - t0
-        release_freed_memory()
-        ckpt = sum(p.stat().st_size for p in Path(reader.path).glob("*.safetensors"))
-    else:
-        disk_elem, layer_disk, ckpt = reader.elem, 0, reader.total_bytes
-    layer_disk = max(layer_disk, *(reader.layer_bytes(i) for i in range(reader.num_layers)))
-    non_layer_disk = reader.layer_bytes(None)
-    scale = dtype_bytes / disk_elem
-    factor = (
-        3.5 if any(reader.converts(i) for i in moe) else 2.0
-    )  # calibrate dry-run's measured fusing factor
-    hidden = int(reader.config.hidden_size)
-
-    calib_bytes, calib_passes, stats_bytes = 0, 0, 0
-    if calib is not None and not Path(calib).is_dir():
-        spec = str(calib)
-        seqs = int(spec.rsplit(":", 1)[1]) if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else 64
-        calib_bytes = int(factor * layer_disk + 2 * seqs * seq_len * hidden * 4)
-        calib_passes = 1
-        if stats and streamed_chunk is not None:
-            calib_bytes += 2 * _streamed_statistics(adapter, list(stats), streamed_chunk)
-            calib_passes += 1
-        elif stats:
-            acc, stats_bytes = _statistics(adapter, list(stats), moment_fraction)
-            calib_bytes += 2 * acc
-            calib_passes += moment_fraction is not None
-    plan_bytes = int(
-        layer_disk * view.stored
-        + layer_disk * scale * view.compute
-        + (non_layer_disk * scale if view.forwards else 0)
+    ck = _measure_checkpoint(model)
+    scale = dtype_bytes / ck.disk_elem
+    calib_bytes, calib_passes, stats_bytes = _calibration_memory(
+        ck, calib, seq_len, list(stats), moment_fraction, streamed_chunk
     )
-    export_bytes = int(factor * layer_disk + non_layer_disk)
+    plan_bytes = int(
+        ck.layer_disk * view.stored
+        + ck.layer_disk * scale * view.compute
+        + (ck.non_layer_disk * scale if view.forwards else 0)
+    )
+    export_bytes = int(ck.factor * ck.layer_disk + ck.non_layer_disk)
     # streamed statistics are gathered while the method works on the layer: the two phases overlap
     overlap = (
         calib_bytes + plan_bytes if streamed_chunk is not None and stats else max(calib_bytes, plan_bytes)
     )
-    peak = baseline + max(overlap, export_bytes)
+    peak = ck.baseline + max(overlap, export_bytes)
     passes = calib_passes + 1 + (1 if view.stored or view.compute else 0)  # + export, + the view's reads
-    each_way = _statistics_each_way(adapter, entry, list(stats), moment_fraction) if stats else {}
+    each_way = _statistics_each_way(ck.adapter, entry, list(stats), moment_fraction) if stats else {}
     return CompressEstimate(
         peak_memory_bytes=int(peak),
         calibration_bytes=calib_bytes,
         plan_bytes=plan_bytes,
         export_bytes=export_bytes,
-        disk_bytes=ckpt + stats_bytes,
-        checkpoint_bytes=ckpt,
-        time_s=None if t_layer is None else t_layer * reader.num_layers * passes,
+        disk_bytes=ck.ckpt + stats_bytes,
+        checkpoint_bytes=ck.ckpt,
+        time_s=None if ck.t_layer is None else ck.t_layer * ck.reader.num_layers * passes,
         disk_available_bytes=None if out is None else free_bytes(out),
         **each_way,
         stats_streamed=bool(stats) and streamed_chunk is not None,
-        config_only=config_dir is not None,
+        config_only=ck.config_dir is not None,
     )
+
+
+@dataclass
+class _Measured:
+    """What `estimate_compress` reads of the checkpoint (`_measure_checkpoint`)."""
+
+    reader: object
+    config_dir: Path | None
+    adapter: object
+    baseline: int  # the process's resident memory before the timed read
+    disk_elem: int  # bytes per stored element
+    layer_disk: int  # the largest decoder layer's bytes on disk
+    non_layer_disk: int  # the bytes outside the decoder layers
+    ckpt: int  # the checkpoint's bytes
+    t_layer: float | None  # one timed layer read, seconds (None for a config-only model)
+    factor: float  # calibrate dry-run's measured fusing factor
+    hidden: int
+
+
+def _measure_checkpoint(model: str) -> _Measured:
+    """Open `model` (a checkpoint, or a config-only directory) and measure what the estimate needs, one layer
+    read timed."""
+    import psutil
+
+    from .checkpoint import CheckpointReader
+    from .models import MoEAdapter
+
+    config_dir = _config_only(model)
+    reader = CheckpointReader(model) if config_dir is None else _ConfigOnly(config_dir)
+    baseline = psutil.Process().memory_info().rss  # before the timed read, which would count a layer twice
+    adapter = MoEAdapter(reader._skeleton)
+    moe = adapter.moe_layers
+    disk_elem, layer_disk, ckpt, t_layer = _first_layer_read(reader, moe, config_dir)
+    layer_disk = max(layer_disk, *(reader.layer_bytes(i) for i in range(reader.num_layers)))
+    non_layer_disk = reader.layer_bytes(None)
+    factor = (
+        3.5 if any(reader.converts(i) for i in moe) else 2.0
+    )  # calibrate dry-run's measured fusing factor
+    hidden = int(reader.config.hidden_size)
+    return _Measured(
+        reader,
+        config_dir,
+        adapter,
+        baseline,
+        disk_elem,
+        layer_disk,
+        non_layer_disk,
+        ckpt,
+        t_layer,
+        factor,
+        hidden,
+    )
+
+
+def _first_layer_read(reader, moe: list[int], config_dir: Path | None):
+    """The checkpoint's bytes per stored element, the first MoE layer's bytes on disk, the checkpoint's bytes and
+    the seconds one timed read of that layer takes (None and the config's numbers for a config-only model)."""
+    from safetensors import safe_open
+
+    from .memory import release_freed_memory
+
+    if config_dir is not None:
+        return reader.elem, 0, reader.total_bytes, None
+    sample = reader.layer_keys(moe[0])[:1]
+    disk_elem = 2
+    if sample:
+        with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
+            disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
+    t0 = time.perf_counter()
+    layer_disk = reader.layer_bytes(moe[0])
+    reader.native_state(moe[0])  # the one timed read
+    t_layer = time.perf_counter() - t0
+    release_freed_memory()
+    ckpt = sum(p.stat().st_size for p in Path(reader.path).glob("*.safetensors"))
+    return disk_elem, layer_disk, ckpt, t_layer
+
+
+def _calibration_memory(
+    ck: _Measured, calib, seq_len: int, stats: list[str], moment_fraction, streamed_chunk
+) -> tuple[int, int, int]:
+    """Calibration's memory (one fused layer, the hidden states, the statistics), its passes over the checkpoint
+    and its statistics' bytes on disk, when `calib` is a data spec (else zeros)."""
+    calib_bytes, calib_passes, stats_bytes = 0, 0, 0
+    if calib is not None and not Path(calib).is_dir():
+        spec = str(calib)
+        seqs = int(spec.rsplit(":", 1)[1]) if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else 64
+        calib_bytes = int(ck.factor * ck.layer_disk + 2 * seqs * seq_len * ck.hidden * 4)
+        calib_passes = 1
+        if stats and streamed_chunk is not None:
+            calib_bytes += 2 * _streamed_statistics(ck.adapter, stats, streamed_chunk)
+            calib_passes += 1
+        elif stats:
+            acc, stats_bytes = _statistics(ck.adapter, stats, moment_fraction)
+            calib_bytes += 2 * acc
+            calib_passes += moment_fraction is not None
+    return calib_bytes, calib_passes, stats_bytes
 
 
 def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: float | None) -> dict:

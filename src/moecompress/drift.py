@@ -164,11 +164,8 @@ def mask_drift(
 
     sequences: windows of `seq_len` per draw (None: the most that every spec can fill `draws` times).
     Each spec's draws are calibrated together in one streamed pass (`calibrate.groups`)."""
-    from .calibrate.groups import calibrate_groups
-    from .data import CalibrationData, disjoint_resamples, load_tokenizer
+    from .data import disjoint_resamples, load_tokenizer
     from .methods import get_method, parse_config
-    from .methods.context import MappingStats
-    from .methods.prune import select_experts
     from .methods.streamed import StreamedAdapter
     from .models.loading import resolve_fixture, resolve_source
 
@@ -196,29 +193,48 @@ def mask_drift(
         s if specs.count(s) == 1 else f"{s} #{k + 1}" for k, s in enumerate(specs)
     ]  # a spec twice: 2 rows
     step = math.gcd(batch_size, sequences)  # batches never straddle two draws
-    all_experts = {i: set(range(view.num_experts(i))) for i in view.moe_layers}
     for spec, label in zip(specs, labels):
         picked = disjoint_resamples(spec, tok, seq_len, sequences, draws, seed)
-        joined = CalibrationData(
-            torch.cat([d.data.input_ids for d in picked]),
-            torch.cat([d.data.attention_mask for d in picked]),
-            spec,
-            seq_len,
-            seed,
-        )
-        per_draw = calibrate_groups(model, joined, [sequences] * draws, needs, batch_size=step)
+        per_draw = _calibrate_draws(model, picked, spec, seq_len, seed, sequences, draws, needs, step)
         result.calibration[label] = [{**d.data.to_dict(), "documents": d.documents} for d in picked]
-        for name, cfg in configs.items():
-            result.masks[name][label] = []
-            for stats in per_draw:
-                kept = select_experts(cfg, view, MappingStats(stats))
-                result.masks[name][label].append(
-                    {i: sorted(all_experts[i] - set(kept[i])) for i in view.moe_layers}
-                )
+        _add_masks(result, label, configs, per_draw, view)
     result.summary = {
         name: drift_summary(m, result.layers, bootstrap, seed) for name, m in result.masks.items()
     }
     return result
+
+
+def _calibrate_draws(
+    model, picked, spec: str, seq_len: int, seed: int, sequences: int, draws: int, needs, step
+):
+    """The statistics `needs` of each of one spec's `draws` draws `picked`, calibrated together in one streamed
+    pass (`calibrate.groups`) in batches of `step` sequences."""
+    from .calibrate.groups import calibrate_groups
+    from .data import CalibrationData
+
+    joined = CalibrationData(
+        torch.cat([d.data.input_ids for d in picked]),
+        torch.cat([d.data.attention_mask for d in picked]),
+        spec,
+        seq_len,
+        seed,
+    )
+    return calibrate_groups(model, joined, [sequences] * draws, needs, batch_size=step)
+
+
+def _add_masks(result: MaskDrift, label: str, configs: dict, per_draw, view) -> None:
+    """Add to `result.masks` each config's prune mask (dropped experts per layer) of every draw of spec `label`."""
+    from .methods.context import MappingStats
+    from .methods.prune import select_experts
+
+    all_experts = {i: set(range(view.num_experts(i))) for i in view.moe_layers}
+    for name, cfg in configs.items():
+        result.masks[name][label] = []
+        for stats in per_draw:
+            kept = select_experts(cfg, view, MappingStats(stats))
+            result.masks[name][label].append(
+                {i: sorted(all_experts[i] - set(kept[i])) for i in view.moe_layers}
+            )
 
 
 def plot_drift(res: MaskDrift, name: str, path: str | os.PathLike) -> Path:
