@@ -349,27 +349,14 @@ def merged_plan(
     and the plan tensors carry the merged router rows under `router.layer{l}.*`; installing them with
     `install_merged_router` before applying/exporting gives exactly a K-expert router with merged rows.
     """
-    from ..plan import CompressionPlan, LayerPlan, Scope, StoredExpert
+    from ..plan import CompressionPlan, LayerPlan, Scope
 
     scopes, layers, tensors = [], [], {}
     for li in info.layers:
         gs = groups[li.layer]
         w = weights[li.layer]
         sid = f"layer{li.layer}"
-        stored = []
-        for j, g in enumerate(gs):
-            if len(g) == 1:
-                stored.append(StoredExpert(id=j, sources=[(li.layer, g[0])]))
-            else:
-                stored.append(
-                    StoredExpert(
-                        id=j,
-                        sources=[(li.layer, e) for e in g],
-                        construction="weighted_merge",
-                        weights=[float(x) for x in normalised_weights(w[g])],
-                    )
-                )
-        scopes.append(Scope(id=sid, layers=[li.layer], stored=stored))
+        scopes.append(Scope(id=sid, layers=[li.layer], stored=_merged_stored(li.layer, gs, w)))
         slots: list = [0] * li.num_experts
         for j, g in enumerate(gs):
             for e in g:
@@ -377,16 +364,7 @@ def merged_plan(
         if router == "aggregate":
             layers.append(LayerPlan(layer=li.layer, scope=sid, gate="aggregate", slots=slots))
             continue
-        if li.n_group > 1:
-            raise MoECompressError(
-                f"Layer {li.layer} uses group-limited routing, which merged router rows cannot "
-                "keep; use router: aggregate."
-            )
-        if len(gs) < li.top_k:
-            raise MoECompressError(
-                f"Merging layer {li.layer} into {len(gs)} experts leaves fewer than top-{li.top_k}; "
-                "use a smaller ratio or router: aggregate."
-            )
+        _check_router_merge(li, gs)
         firsts = {g[0]: j for j, g in enumerate(gs)}
         layers.append(
             LayerPlan(
@@ -398,19 +376,62 @@ def merged_plan(
         )
         if adapter is None:
             raise MoECompressError("Merging router rows needs the model's routers; pass the adapter.")
-        rw, rb, rc = adapter.router_params(li.layer)
-        mw, mb, mc = merge_router_rows(
-            gs, w, rw.detach(), None if rb is None else rb.detach(), None if rc is None else rc.detach()
-        )
-        prefix = router_tensor_prefix(li.layer)
-        tensors[f"{prefix}.weight"] = mw
-        if mb is not None:
-            tensors[f"{prefix}.bias"] = mb
-        if mc is not None:
-            tensors[f"{prefix}.e_score_correction_bias"] = mc
+        tensors.update(_merged_router_tensors(adapter, li.layer, gs, w))
     params = dict(params or {})
     plan = CompressionPlan(model=info, scopes=scopes, layers=layers, method=method, params=params)
     return plan, tensors
+
+
+def _merged_stored(layer: int, gs: list[list[int]], w: torch.Tensor) -> list:
+    """Layer `layer`'s stored experts: group j is stored expert j, a copy when alone, else a weighted merge with
+    the normalised weights `w[g]`."""
+    from ..plan import StoredExpert
+
+    stored = []
+    for j, g in enumerate(gs):
+        if len(g) == 1:
+            stored.append(StoredExpert(id=j, sources=[(layer, g[0])]))
+        else:
+            stored.append(
+                StoredExpert(
+                    id=j,
+                    sources=[(layer, e) for e in g],
+                    construction="weighted_merge",
+                    weights=[float(x) for x in normalised_weights(w[g])],
+                )
+            )
+    return stored
+
+
+def _check_router_merge(li, gs: list[list[int]]) -> None:
+    """Refuse merging layer `li`'s router rows into the groups `gs` where a merged router cannot route as the
+    original: group-limited routing, or fewer groups than its top-k."""
+    if li.n_group > 1:
+        raise MoECompressError(
+            f"Layer {li.layer} uses group-limited routing, which merged router rows cannot "
+            "keep; use router: aggregate."
+        )
+    if len(gs) < li.top_k:
+        raise MoECompressError(
+            f"Merging layer {li.layer} into {len(gs)} experts leaves fewer than top-{li.top_k}; "
+            "use a smaller ratio or router: aggregate."
+        )
+
+
+def _merged_router_tensors(adapter, layer: int, gs: list[list[int]], w: torch.Tensor) -> dict:
+    """Layer `layer`'s merged router rows (weight, and bias / score-correction bias where it has them) under
+    `router.layer{l}.*`."""
+    rw, rb, rc = adapter.router_params(layer)
+    mw, mb, mc = merge_router_rows(
+        gs, w, rw.detach(), None if rb is None else rb.detach(), None if rc is None else rc.detach()
+    )
+    prefix = router_tensor_prefix(layer)
+    tensors = {f"{prefix}.weight": mw}
+    if mb is not None:
+        tensors[f"{prefix}.bias"] = mb
+    if mc is not None:
+        tensors[f"{prefix}.e_score_correction_bias"] = mc
+    return tensors
 
 
 def build_msmoe(config: MSMoEConfig, context: MethodContext, method: str = "m-smoe"):

@@ -213,37 +213,48 @@ def _operator_for(
         tensors[f"{key}.value"] = _get(stats, layer, "out_mean")[e].to(dtype)
         return ConstantOp(tensor=key)
     if config.operator == "tilt":
-        sel = stats.get(layer, "moment_experts").tolist()
-        if e not in sel:
-            raise MoECompressError(
-                f"The stats store has no input/output moments for expert {e} of layer {layer}; "
-                "re-run calibration with --for-method tilt."
-            )
-        s = sel.index(e)
-        n = float(stats.get(layer, "moment_count")[s])
-        # one expert's rows only: the [S, H, H] moments of a layer are never read whole
-        mom = lambda name: stats.get_row(layer, name, s).double() * n  # noqa: E731  means -> sums
-        tilt = fit_tilt(
-            n,
-            mom("moment_in_mean"),
-            mom("moment_out_mean"),
-            mom("input_moment"),
-            mom("cross_moment"),
-            rank=min(config.rank, adapter.hidden_size),
-            ridge=config.ridge,
+        return _tilt_op(config, adapter, stats, layer, e, key, tensors, dtype)
+    return _partial_op(config, adapter, stats, layer, e, key, tensors, dtype)
+
+
+def _tilt_op(config: PruneConfig, adapter, stats, layer: int, e: int, key: str, tensors: dict, dtype):
+    """The tilt operator (or, for an expert no token reached, its zero constant) fitted from expert e's
+    moments; its parameters go to `tensors` under `key`."""
+    sel = stats.get(layer, "moment_experts").tolist()
+    if e not in sel:
+        raise MoECompressError(
+            f"The stats store has no input/output moments for expert {e} of layer {layer}; "
+            "re-run calibration with --for-method tilt."
         )
-        if tilt.rank == 0:  # an expert no token reached: its constant is 0
-            tensors[f"{key}.value"] = tilt.b.to(dtype)
-            return ConstantOp(tensor=key)
-        tensors.update(
-            {
-                f"{key}.U": tilt.B.to(dtype),
-                f"{key}.V": tilt.A.T.contiguous().to(dtype),
-                f"{key}.bias": tilt.b.to(dtype),
-            }
-        )
-        return TiltOp(rank=tilt.rank, tensor=key)
-    # partial copy: the highest-energy neurons of the expert plus a bias for the rest
+    s = sel.index(e)
+    n = float(stats.get(layer, "moment_count")[s])
+    # one expert's rows only: the [S, H, H] moments of a layer are never read whole
+    mom = lambda name: stats.get_row(layer, name, s).double() * n  # noqa: E731  means -> sums
+    tilt = fit_tilt(
+        n,
+        mom("moment_in_mean"),
+        mom("moment_out_mean"),
+        mom("input_moment"),
+        mom("cross_moment"),
+        rank=min(config.rank, adapter.hidden_size),
+        ridge=config.ridge,
+    )
+    if tilt.rank == 0:  # an expert no token reached: its constant is 0
+        tensors[f"{key}.value"] = tilt.b.to(dtype)
+        return ConstantOp(tensor=key)
+    tensors.update(
+        {
+            f"{key}.U": tilt.B.to(dtype),
+            f"{key}.V": tilt.A.T.contiguous().to(dtype),
+            f"{key}.bias": tilt.b.to(dtype),
+        }
+    )
+    return TiltOp(rank=tilt.rank, tensor=key)
+
+
+def _partial_op(config: PruneConfig, adapter, stats, layer: int, e: int, key: str, tensors: dict, dtype):
+    """The partial copy of expert e: its highest-energy neurons plus a bias for the rest; its parameters go to
+    `tensors` under `key`."""
     w = adapter.get_expert(layer, e)
     if w.has_bias:
         raise MoECompressError(

@@ -388,20 +388,7 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         # held at rest (a streamed view: the checkpoint's bf16, and the layer evicted), upcast per read
         experts = UpcastExperts(adapter.experts_at_rest(i), adapter.expert_dtype(i), e_count)
         groups, search = choose_groups(config, adapter, i, norms, experts)
-        cands = [
-            merge_candidate(
-                adapter,
-                i,
-                grp,
-                norms=norms,
-                tau=config.tau,
-                quant_bits=config.quant_bits,
-                quant_group=config.quant_group,
-                underflow=config.underflow,
-                experts=experts,
-            )
-            for grp in groups
-        ]
+        cands = _merge_candidates(config, adapter, i, groups, norms, experts)
         sc, lp, t = layer_with_merges(i, e_count, cands)
         scopes.append(sc)
         layer_plans.append(lp)
@@ -410,15 +397,7 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         total += e_count
         for c in cands:
             summary["clamp"] = summary["clamp"] + c.clamp
-        row = dict(
-            layer=i,
-            groups=[list(c.members) for c in cands],
-            est_error=_r(sum(c.est_error for c in cands)),
-            rel_error=[_r(c.rel_error) for c in cands],
-            merged_fraction=[_r(c.stats.get("merged_fraction", float("nan"))) for c in cands],
-        )
-        row.update({k: _r(v) if isinstance(v, float) else v for k, v in search.items()})
-        summary["layers"].append(row)
+        summary["layers"].append(_layer_row(i, cands, search))
         del experts
     clamp = summary["clamp"].to_dict()
     summary["clamp"] = {k: _r(v) if isinstance(v, float) else v for k, v in clamp.items()}
@@ -427,6 +406,38 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
     params["puzzle"] = summary
     plan = CompressionPlan(model=info, scopes=scopes, layers=layer_plans, method="puzzlemoe", params=params)
     return plan, tensors
+
+
+def _merge_candidates(config: PuzzleConfig, adapter, i: int, groups, norms, experts) -> list:
+    """Layer `i`'s merge of every group of `groups` (`merge_candidate`, with the config's tau and quantization)."""
+    return [
+        merge_candidate(
+            adapter,
+            i,
+            grp,
+            norms=norms,
+            tau=config.tau,
+            quant_bits=config.quant_bits,
+            quant_group=config.quant_group,
+            underflow=config.underflow,
+            experts=experts,
+        )
+        for grp in groups
+    ]
+
+
+def _layer_row(i: int, cands: list, search: dict) -> dict:
+    """Layer `i`'s row of the plan's puzzle summary: its groups, their errors and merged fractions, and the
+    grouping search's figures."""
+    row = dict(
+        layer=i,
+        groups=[list(c.members) for c in cands],
+        est_error=_r(sum(c.est_error for c in cands)),
+        rel_error=[_r(c.rel_error) for c in cands],
+        merged_fraction=[_r(c.stats.get("merged_fraction", float("nan"))) for c in cands],
+    )
+    row.update({k: _r(v) if isinstance(v, float) else v for k, v in search.items()})
+    return row
 
 
 def _r(x: float, digits: int = 6) -> float:

@@ -163,13 +163,7 @@ def quantize_tensors(
         for name, w in _read(adapter, by_layer[layer]).items():
             cls, spec = classes[name], spec_of[name]
             h = held[1].get(name) if held[0] == key else None
-            if spec.algo == "gptq" and h is not None and bool(h.diagonal().gt(0).any()):
-                q = gptq(w.float(), h, spec)
-            else:
-                spec = (
-                    spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
-                )
-                q = rtn(w.float(), spec)
+            q, spec = _quantize_weight(w, spec, h)
             base = quant_tensor_prefix(name)
             out.update({f"{base}.{k}": v for k, v in q.packed().items()})
             dtype = (
@@ -185,6 +179,15 @@ def quantize_tensors(
     )  # validated as a whole, as a loaded plan would be
     plan.check_tensors(out)
     return plan, out
+
+
+def _quantize_weight(w: torch.Tensor, spec: QuantSpec, h):
+    """(codes, the spec they follow) of weight `w`: GPTQ on Hessian `h` when the spec asks for it and a token
+    reached the weight, else round-to-nearest (the spec then says ``algo: rtn``)."""
+    if spec.algo == "gptq" and h is not None and bool(h.diagonal().gt(0).any()):
+        return gptq(w.float(), h, spec), spec
+    spec = spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+    return rtn(w.float(), spec), spec
 
 
 def hessian_source(adapter, stats):

@@ -122,62 +122,88 @@ def evolve_grouping(
             "evolve_grouping needs population ≥ 1, generations ≥ 0, 0 ≤ elite ≤ population "
             "and tournament ≥ 1."
         )
-    rng = random.Random(seed)
-    span = n * group_size
-    cache: dict[tuple, float] = {}
-
-    def score(perm: list[int]) -> float:
-        key = tuple(_decode(perm, group_size, n))
-        if key not in cache:
-            value = float(loss_fn([tuple(g) for g in key]))
-            cache[key] = math.inf if math.isnan(value) else value
-        return cache[key]
-
-    def group_of(pos: int) -> int:
-        return pos // group_size if pos < span else -1 - pos  # every kept expert is its own "group"
-
-    def mutate(perm: list[int]) -> list[int]:
-        child = list(perm)
-        for _ in range(mutation_swaps):
-            a = rng.randrange(span)
-            others = [b for b in range(num_experts) if group_of(b) != group_of(a)]
-            if not others:
-                break
-            b = rng.choice(others)
-            child[a], child[b] = child[b], child[a]
-        return child
-
-    first = list(range(num_experts))
-    random.Random(seed).shuffle(first)  # exactly random_grouping(seed)
-    pop = [first]
-    while len(pop) < population:
-        perm = list(range(num_experts))
-        rng.shuffle(perm)
-        pop.append(perm)
-
-    def ranked(p: list[list[int]]) -> list[list[int]]:
-        return sorted(p, key=lambda g: (score(g), _decode(g, group_size, n)))
-
-    def best_so_far() -> tuple[float, tuple]:
-        return min((loss, key) for key, loss in cache.items())
-
+    search = _GroupSearch(num_experts, loss_fn, group_size, n, mutation_swaps, seed)
+    pop = search.first_population(population)
     history: list[float] = []
     gens = range(generations)
     if progress:
         from rich.progress import track
 
         gens = track(gens, description="PuzzleMoE grouping search")
-    pop = ranked(pop)
+    pop = search.ranked(pop)
     for _ in gens:
-        history.append(best_so_far()[0])
+        history.append(search.best_so_far()[0])
+        pop = search.ranked(search.children(pop, elite, population, tournament))
+    loss, key = search.best_so_far()
+    history.append(loss)
+    return SearchResult(
+        groups=[tuple(g) for g in key], loss=loss, history=history, evaluations=len(search.cache)
+    )
+
+
+class _GroupSearch:
+    """`evolve_grouping`'s state: its random generator (seeded once; every draw in the search's order), the loss
+    cache per grouping, and the genome operations."""
+
+    def __init__(self, num_experts: int, loss_fn, group_size: int, n: int, mutation_swaps: int, seed: int):
+        self.num_experts, self.loss_fn, self.group_size, self.n = num_experts, loss_fn, group_size, n
+        self.mutation_swaps, self.seed = mutation_swaps, seed
+        self.rng = random.Random(seed)
+        self.span = n * group_size
+        self.cache: dict[tuple, float] = {}
+
+    def score(self, perm: list[int]) -> float:
+        """The loss of the grouping `perm` decodes to (cached; NaN counts as infinite)."""
+        key = tuple(_decode(perm, self.group_size, self.n))
+        if key not in self.cache:
+            value = float(self.loss_fn([tuple(g) for g in key]))
+            self.cache[key] = math.inf if math.isnan(value) else value
+        return self.cache[key]
+
+    def group_of(self, pos: int) -> int:
+        """The group of genome position `pos`; every kept expert is its own "group"."""
+        return pos // self.group_size if pos < self.span else -1 - pos
+
+    def mutate(self, perm: list[int]) -> list[int]:
+        """`perm` with `mutation_swaps` swaps of two experts from different groups."""
+        child = list(perm)
+        for _ in range(self.mutation_swaps):
+            a = self.rng.randrange(self.span)
+            others = [b for b in range(self.num_experts) if self.group_of(b) != self.group_of(a)]
+            if not others:
+                break
+            b = self.rng.choice(others)
+            child[a], child[b] = child[b], child[a]
+        return child
+
+    def first_population(self, population: int) -> list[list[int]]:
+        """The seeded random grouping (exactly `random_grouping(seed)`), then random genomes."""
+        first = list(range(self.num_experts))
+        random.Random(self.seed).shuffle(first)  # exactly random_grouping(seed)
+        pop = [first]
+        while len(pop) < population:
+            perm = list(range(self.num_experts))
+            self.rng.shuffle(perm)
+            pop.append(perm)
+        return pop
+
+    def _key(self, g: list[int]) -> tuple:
+        """The ranking key of genome `g`: its loss, then its grouping."""
+        return (self.score(g), _decode(g, self.group_size, self.n))
+
+    def ranked(self, p: list[list[int]]) -> list[list[int]]:
+        """`p` best first (ties by grouping)."""
+        return sorted(p, key=self._key)
+
+    def best_so_far(self) -> tuple[float, tuple]:
+        """The lowest loss scored and its grouping."""
+        return min((loss, key) for key, loss in self.cache.items())
+
+    def children(self, pop: list[list[int]], elite: int, population: int, tournament: int) -> list[list[int]]:
+        """The next generation of the ranked `pop`: its `elite` best unchanged, then mutated children of
+        tournament-selected parents."""
         children = [list(g) for g in pop[:elite]]
         while len(children) < population:
-            parent = min(
-                (pop[rng.randrange(len(pop))] for _ in range(tournament)),
-                key=lambda g: (score(g), _decode(g, group_size, n)),
-            )
-            children.append(mutate(parent))
-        pop = ranked(children)
-    loss, key = best_so_far()
-    history.append(loss)
-    return SearchResult(groups=[tuple(g) for g in key], loss=loss, history=history, evaluations=len(cache))
+            parent = min((pop[self.rng.randrange(len(pop))] for _ in range(tournament)), key=self._key)
+            children.append(self.mutate(parent))
+        return children
