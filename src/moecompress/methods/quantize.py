@@ -1,8 +1,9 @@
 """Quantization as a plan stage: give every stored expert of any plan an integer precision.
 
-`quantize_plan(plan, tensors, source, spec, stats)` takes the output of any method (or the identity
+`quantize_plan(plan, tensors, source, config, stats)` takes the output of any method (or the identity
 plan: the `quant` method, the pure-quantization reference) and replaces each stored expert's weights
-by integer codes on `spec`'s grid (docs/quantization.md), computed by round-to-nearest or by GPTQ.
+by integer codes on the config's grid (docs/quantization.md), computed by round-to-nearest or by GPTQ;
+`quantize_experts` does the same for a precision per stored expert (`auto`'s mixed precision).
 
 GPTQ minimises ‖(W − Q) X‖² over the tokens the stored expert computes, i.e. the objective
 tr((W − Q) H (W − Q)ᵀ) with H = Σ_t x_t x_tᵀ (Frantar et al. 2023, eq. 1–2). The tokens a stored
@@ -258,15 +259,35 @@ def quantize_plan(
     config: QuantConfig,
     stats=None,
     progress: bool = False,
-    specs: Mapping[tuple[str, int], QuantSpec] | None = None,
+) -> tuple[CompressionPlan, PlanTensors]:
+    """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized at
+    `config`'s spec, the setting recorded in ``plan.params["quant"]`` (`quantize_experts`)."""
+    spec = config.spec()
+    todo = [(sc.id, s.id) for sc in plan.scopes for s in sc.stored if s.packing is None and s.quant is None]
+    plan, out = quantize_experts(
+        plan, tensors, source, dict.fromkeys(todo, spec), stats, weighting=config.weighting, progress=progress
+    )
+    plan.params = {**plan.params, "quant": config.model_dump()}
+    return plan, out
+
+
+def quantize_experts(
+    plan: CompressionPlan,
+    tensors: PlanTensors | None,
+    source,
+    specs: Mapping[tuple[str, int], QuantSpec],
+    stats=None,
+    *,
+    weighting: Weighting = "uniform",
     done: Mapping[tuple[str, int], Mapping[str, QuantizedTensor]] | None = None,
     chunk: int | None = None,
+    progress: bool = False,
 ) -> tuple[CompressionPlan, PlanTensors]:
-    """(plan, tensors) with every stored expert not yet quantized (and not PuzzleMoE-packed) quantized.
+    """(plan, tensors) with the stored experts `specs` names — keyed (scope id, stored id) — quantized at their
+    precision (mixed precision, as `auto` chooses it).
 
     source(layer, expert) -> ExpertWeights of the original model (as for `stored_weights`).
-    specs: a precision per stored expert, keyed (scope id, stored id); only those are quantized (mixed
-    precision, as `auto` chooses it); None = `config`'s spec for every stored expert.
+    weighting: which Hessians GPTQ reads (`QuantConfig.weighting`).
     done: codes already computed for some of them ({"gate"|"up"|"down": QuantizedTensor}, e.g. by `auto`'s
     estimator with the same Hessians), written as they are instead of running GPTQ again.
     chunk: streamed statistics (`LayerStats`) that gather square statistics `chunk` experts at a time: a
@@ -275,40 +296,31 @@ def quantize_plan(
     """
     from rich.progress import track
 
-    spec = config.spec()
-    algos = {spec.algo} if specs is None else {s.algo for s in specs.values()}
-    if (
-        "gptq" in algos
-        and stats is None
-        and not (specs is not None and done is not None and set(specs) <= set(done))
-    ):
+    done = done or {}
+    algos = {s.algo for s in specs.values()}
+    if "gptq" in algos and stats is None and not set(specs) <= set(done):
         raise MoECompressError(
             "GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
             "or use --quant-algo rtn."
         )
-    h_in_name, h_mid_name = _HESSIANS[config.weighting]
-    done = done or {}
+    h_in_name, h_mid_name = _HESSIANS[weighting]
     if stats is not None and "gptq" in algos:
         stats.require(h_in_name, h_mid_name, method="quant")
     plan = plan.model_copy(deep=True)
     # a store on disk (`SpilledTensors`, the streamed view) takes the codes in place: copying it would read it all
     out = tensors if tensors is not None and not isinstance(tensors, dict) else dict(tensors or {})
-    todo = [
-        (sc, s)
-        for sc in plan.scopes
-        for s in sc.stored
-        if s.packing is None and s.quant is None and (specs is None or (sc.id, s.id) in specs)
-    ]
     by_scope: dict[str, list] = {}
-    for sc, s in todo:
-        by_scope.setdefault(sc.id, []).append((sc, s))
+    for sc in plan.scopes:
+        for s in sc.stored:
+            if s.packing is None and s.quant is None and (sc.id, s.id) in specs:
+                by_scope.setdefault(sc.id, []).append((sc, s))
     # One scope (a layer, or a shared group) at a time, `chunk` stored experts at a time when streamed: gather
     # their weights and Hessians, then quantize same-shape matrices together, so GPTQ's column loop runs once per
     # batch instead of once per expert (most of its Python overhead; the batched result equals per-matrix
     # runs, tests/test_quant_core.py). Memory stays bounded by one group's weights and Hessians.
     for items in track(
         list(by_scope.values()),
-        description=f"quantize {spec.name()} ({spec.algo})",
+        description="quantize experts",
         disable=not progress,
         transient=True,
     ):
@@ -316,14 +328,10 @@ def quantize_plan(
         step = chunk or len(items)
         new: dict[str, torch.Tensor] = {}  # this scope's tensors, stored in one update
         for c in range(0, len(items), step):  # a streamed pass gathers `chunk` experts' Hessians at a time
-            group = [
-                (sc, s, spec if specs is None else specs[(sc.id, s.id)]) for sc, s in items[c : c + step]
-            ]
+            group = [(sc, s, specs[(sc.id, s.id)]) for sc, s in items[c : c + step]]
             hessian = partial(_slot_hessian, stats, slots_of, chunk is not None)
             new.update(_quantize_group(plan, group, source, out, hessian, (h_in_name, h_mid_name), done))
         out.update(new)
-    if specs is None:
-        plan.params = {**plan.params, "quant": config.model_dump()}
     plan.check_tensors(out)
     return plan, out
 
@@ -395,7 +403,9 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
         sc = plan.scope_of(i)
         specs = {(sc.id, s.id): spec for s in sc.stored}
         chunk = stats.chunk if isinstance(stats, LayerStats) else None
-        plan, tensors = quantize_plan(plan, tensors, source, config, stats, specs=specs, chunk=chunk)
+        plan, tensors = quantize_experts(
+            plan, tensors, source, specs, stats, weighting=config.weighting, chunk=chunk
+        )
         if (
             isinstance(stats, LayerStats) and stats.sequential
         ):  # later layers calibrate on these quantized ones

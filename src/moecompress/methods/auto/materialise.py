@@ -48,13 +48,13 @@ def plan_from_points(
         layers.append(LayerPlan(layer=li.layer, scope=sid, gate=gate, slots=slots))
     plan = CompressionPlan(model=info, scopes=scopes, layers=layers, method=method, params=params or {})
     if specs:
-        from ..quantize import QuantConfig, quantize_plan
+        from ..quantize import quantize_experts
 
         if source is None:
             raise RuntimeError(
                 "plan_from_points: quantized keeps need the model's experts (source); this is a bug."
             )
-        plan, tensors = quantize_plan(plan, tensors, source, QuantConfig(), None, specs=specs, done=done)
+        plan, tensors = quantize_experts(plan, tensors, source, specs, done=done)
     return plan, tensors
 
 

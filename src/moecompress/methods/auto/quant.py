@@ -21,7 +21,7 @@ independent across the two projections' codes, is dropped):
 
 No model forward per candidate: one batched GPTQ per layer, projection and bit width (all experts of a
 layer in one column loop), then the two sums. The codes are kept on the candidate and written into the plan
-as they are (``quantize_plan(..., done=...)``), so what is estimated is what is stored.
+as they are (``quantize_experts(..., done=...)``), so what is estimated is what is stored.
 """
 
 from __future__ import annotations
