@@ -128,9 +128,15 @@ def versions() -> dict[str, str]:
 class StatsStore:
     """Read access to a finished stats store: ``StatsStore.load(dir).get(layer, name)``."""
 
+    # a store reads any expert's rows from its file: no chunk to keep, nothing held to drop (`StatsView`)
+    chunk = None
+
     def __init__(self, path: Path, meta: dict):
         self.path = Path(path)
         self.meta = meta
+
+    def drop_rows(self) -> None:
+        pass
 
     # ------------------------------------------------------------------ loading
     @classmethod

@@ -46,6 +46,14 @@ class StatsView(Protocol):
         """``get(layer, name)[ids]``, read together where the view can (`calibrate.streamed.LayerStats`: one pass
         over the layer's batches per chunk of experts)."""
 
+    @property
+    def chunk(self) -> int | None:
+        """How many experts' square statistics (Hessians, moments) one read gathers together, so a reader takes
+        them that many at a time, by row (`calibrate.streamed.LayerStats`); None: any number, ``get`` answers."""
+
+    def drop_rows(self) -> None:
+        """The reader is done with square statistics for now: a view holding gathered rows frees them."""
+
 
 class MappingStats:
     """A `StatsView` over in-memory statistics ``{layer: {name: tensor}}`` (tensors handed out as they are)."""
@@ -82,6 +90,11 @@ class MappingStats:
     def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
         return self.get(layer, name)[list(ids)]
 
+    chunk = None
+
+    def drop_rows(self) -> None:
+        pass
+
 
 class ChainedStats:
     """A `StatsView` over several views: each statistic from the first view holding it (e.g. a first
@@ -115,6 +128,14 @@ class ChainedStats:
 
     def get_rows(self, layer: int, name: str, ids: list[int]) -> torch.Tensor:
         return self._view(name).get_rows(layer, name, ids)
+
+    @property
+    def chunk(self) -> int | None:
+        return min((v.chunk for v in self.views if v.chunk is not None), default=None)
+
+    def drop_rows(self) -> None:
+        for v in self.views:
+            v.drop_rows()
 
 
 def stats_view(stats) -> StatsView | None:

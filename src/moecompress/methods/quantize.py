@@ -402,9 +402,8 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
     ):
         sc = plan.scope_of(i)
         specs = {(sc.id, s.id): spec for s in sc.stored}
-        chunk = stats.chunk if isinstance(stats, LayerStats) else None
         plan, tensors = quantize_experts(
-            plan, tensors, source, specs, stats, weighting=config.weighting, chunk=chunk
+            plan, tensors, source, specs, stats, weighting=config.weighting, chunk=stats.chunk
         )
         if (
             isinstance(stats, LayerStats) and stats.sequential

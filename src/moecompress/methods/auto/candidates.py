@@ -48,8 +48,7 @@ def layer_problem(
         slot += _slot_options(config, adapter, stats, m, e, h, dtype, el)
         # an operator as large as the expert itself is never worth it
         options.append([c for c in slot if c.kind == "keep" or c.bytes < li.bytes_per_expert])
-    if hasattr(stats, "drop_rows"):  # streamed statistics: the last chunk of square rows is not read again
-        stats.drop_rows()
+    stats.drop_rows()  # streamed statistics: the last chunk of square rows is not read again
     cands = set(config.candidates)
     remap = m.remap if "remap" in cands else None
     pairs = _pairs(config, adapter, stats, m, li) if "pair" in cands else []

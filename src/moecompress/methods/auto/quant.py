@@ -102,7 +102,7 @@ def quant_candidates(
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
     out: list[list[Candidate]] = [[] for _ in range(e_all)]
-    chunk = min(chunk, getattr(stats, "chunk", chunk))  # streamed statistics gather that many experts at once
+    chunk = min(chunk, stats.chunk or chunk)  # streamed statistics gather that many experts at once
     chunks = None if experts is None else {e // chunk for e in experts}
     todo = [e for e in range(e_all) if chunks is None or e // chunk in chunks]
     if not widths or not todo:
