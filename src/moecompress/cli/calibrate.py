@@ -91,12 +91,23 @@ def calibrate_command(
             trust_remote_code=trust_remote_code,
         )
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():  # under torchrun: leave cleanly
-            dist.destroy_process_group()
+        _leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 reports
+    _report(result, dry_run, as_json, console)
+
+
+def _leave_process_group() -> None:
+    """Under torchrun: leave the process group cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # under torchrun: leave cleanly
+        dist.destroy_process_group()
+
+
+def _report(result, dry_run: bool, as_json: bool, console: Console) -> None:
+    """Print the dry run's estimate (refused when it does not fit) or the stats store written, as a table or
+    JSON."""
     if dry_run:
         if as_json:
             typer.echo(json.dumps(result.to_dict(), indent=2))

@@ -130,26 +130,6 @@ def compress_command(
     check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
     check_range("--seq-len", seq_len, 1)
     check_seed("--seed", seed)
-    params: dict = {}
-    quant_setting = None
-    validated = None  # the recipe arm's config, validated when the recipe was loaded
-    if recipe is not None:
-        from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
-
-        spec = load_recipe(recipe, model=model)
-        if len(spec.arms) != 1:
-            raise MoECompressError(
-                f"{recipe} holds {len(spec.arms)} arms but compress builds one; use "
-                "`moecompress compare` for several arms."
-            )
-        arm = spec.arms[0]
-        method = arm.method
-        params.update(arm.params)
-        validated = arm.config
-        recipe_params = dict(arm.params)
-        quant_setting = arm.quant  # validated with the recipe: passed down as it is unless a flag changes it
-        if format == "auto":
-            format = arm.format
     given = dict(
         ratio=ratio,
         criterion=criterion,
@@ -159,8 +139,74 @@ def compress_command(
         budget=budget,
         budget_scope=budget_scope,
     )
+    method, params, quant_setting, format = _settings(
+        model, method, recipe, format, given, param, quant, quant_algo, quant_weighting, quant_scope
+    )
+    if dry_run or max_memory is not None:
+        _estimate(model, method, params, calib, seq_len, quant_setting, out, dry_run, as_json, max_memory)
+        if dry_run:
+            return
+    result = compress(
+        model,
+        method,
+        params,
+        calib=calib,
+        out=out,
+        format=format,
+        seq_len=seq_len,
+        seed=seed,
+        overwrite=overwrite,
+        quant=quant_setting,
+        calib_mode=calib_mode,
+        target=target,
+        imatrix=imatrix,
+    )
+    _print_result(result)
+
+
+def _settings(
+    model, method, recipe, format, given: dict, param, quant, quant_algo, quant_weighting, quant_scope
+):
+    """(method, params, quantization setting, format): the recipe's arm, if any, overridden by the flags; the
+    params are the recipe's validated config object when no flag changed them."""
+    params: dict = {}
+    quant_setting = None
+    validated = recipe_params = None  # the recipe arm's config, validated when the recipe was loaded
+    if recipe is not None:
+        arm = _recipe_arm(recipe, model)
+        method = arm.method
+        params.update(arm.params)
+        validated = arm.config
+        recipe_params = dict(arm.params)
+        quant_setting = arm.quant  # validated with the recipe: passed down as it is unless a flag changes it
+        if format == "auto":
+            format = arm.format
     params.update({k: v for k, v in given.items() if v is not None})
     params.update(parse_params(param))
+    quant_setting = _quant_flags(
+        method, params, quant_setting, quant, quant_algo, quant_weighting, quant_scope
+    )
+    if validated is not None and params == recipe_params:
+        params = validated  # no flag changed the recipe's params: its config object goes down as it is
+    return method, params, quant_setting, format
+
+
+def _recipe_arm(recipe: Path, model: str):
+    """The one arm of the recipe file `recipe` (compress builds one)."""
+    from ..recipe import load_recipe  # the schema imports the quantizer and transformers: only here
+
+    spec = load_recipe(recipe, model=model)
+    if len(spec.arms) != 1:
+        raise MoECompressError(
+            f"{recipe} holds {len(spec.arms)} arms but compress builds one; use "
+            "`moecompress compare` for several arms."
+        )
+    return spec.arms[0]
+
+
+def _quant_flags(method: str, params: dict, quant_setting, quant, quant_algo, quant_weighting, quant_scope):
+    """Apply --quant, --quant-algo, --quant-weighting and --quant-scope: to `params` for --method quant, else
+    to the quantization setting, which is returned."""
     if quant is not None and method == "quant":
         params.update(quant=quant, algo=quant_algo, weighting=quant_weighting)
     elif quant is not None:
@@ -181,51 +227,41 @@ def compress_command(
                 "--quant-scope says which weights --quant applies to; give --quant too (e.g. "
                 "--quant w4g128 --quant-scope all)."
             )
-    if validated is not None and params == recipe_params:
-        params = validated  # no flag changed the recipe's params: its config object goes down as it is
-    if dry_run or max_memory is not None:
-        try:
-            limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
-        except ValueError:
-            limit = -1
-        if limit <= 0:  # "-5GB" parsed to a negative limit, refused only after the estimate
-            raise MoECompressError(
-                f"--max-memory '{max_memory}' is not a positive size such as 16GB or 512MB."
-            )
-        est = estimate_compress(
-            model,
-            method,
-            params,
-            calib,
-            seq_len,
-            stats=needs_for(method, params, quant_setting),
-            moment_fraction=moment_fraction(method, params),
-            streamed_chunk=streamed_chunk(method, calib, quant_setting),
-            out=out,
-        )
-        if dry_run and as_json:
-            typer.echo(json.dumps(est.to_dict(), indent=2))
-        elif dry_run:
-            for k, v in est.rows():
-                Console().print(f"{k}: {v}", highlight=False)
-        refuse_if_over(est, limit)
-        if dry_run:
-            return
-    result = compress(
+    return quant_setting
+
+
+def _estimate(
+    model, method, params, calib, seq_len, quant_setting, out, dry_run, as_json, max_memory
+) -> None:
+    """Estimate the run (`compress_dryrun`), print it with --dry-run (as JSON with --json), and refuse it when
+    its peak exceeds --max-memory (default: the memory available now)."""
+    try:
+        limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
+    except ValueError:
+        limit = -1
+    if limit <= 0:  # "-5GB" parsed to a negative limit, refused only after the estimate
+        raise MoECompressError(f"--max-memory '{max_memory}' is not a positive size such as 16GB or 512MB.")
+    est = estimate_compress(
         model,
         method,
         params,
-        calib=calib,
+        calib,
+        seq_len,
+        stats=needs_for(method, params, quant_setting),
+        moment_fraction=moment_fraction(method, params),
+        streamed_chunk=streamed_chunk(method, calib, quant_setting),
         out=out,
-        format=format,
-        seq_len=seq_len,
-        seed=seed,
-        overwrite=overwrite,
-        quant=quant_setting,
-        calib_mode=calib_mode,
-        target=target,
-        imatrix=imatrix,
     )
+    if dry_run and as_json:
+        typer.echo(json.dumps(est.to_dict(), indent=2))
+    elif dry_run:
+        for k, v in est.rows():
+            Console().print(f"{k}: {v}", highlight=False)
+    refuse_if_over(est, limit)
+
+
+def _print_result(result) -> None:
+    """Print the export's summary line, and auto's per-layer table when the method was auto."""
     Console().print(result.describe())
     table = auto_table(Path(result.path) / "plan.json")
     if table is not None:

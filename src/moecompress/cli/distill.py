@@ -89,6 +89,11 @@ def distill_command(
         overwrite=overwrite,
         teacher_dtype=teacher_dtype,
     )
+    _print_run(r)
+
+
+def _print_run(r) -> None:
+    """One line: the steps and tokens trained, validation KL and perplexity before and after, and the outputs."""
     m = r.metrics
     Console().print(
         f"{m['steps']} steps, {m['tokens']:,} tokens: val KL {m['before']['eval_kl']:.4f} → "

@@ -91,6 +91,11 @@ def eval_command(
         trust_task_code=trust_task_code,
         allow_nan=allow_nan,
     )
+    _print_results(results, out, report)
+
+
+def _print_results(results: dict, out: Path | None, report: Path | None) -> None:
+    """Print each task's aggregate metrics as a table, and where the results and report were written."""
     info, metrics = results["model"], results["arms"][0]["metrics"]
     console = Console()
     table = Table(title=f"{info['name']} ({info.get('model_type')})")
