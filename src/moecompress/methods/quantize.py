@@ -297,15 +297,7 @@ def quantize_experts(
     from rich.progress import track
 
     done = done or {}
-    algos = {s.algo for s in specs.values()}
-    if "gptq" in algos and stats is None and not set(specs) <= set(done):
-        raise MoECompressError(
-            "GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
-            "or use --quant-algo rtn."
-        )
-    h_in_name, h_mid_name = _HESSIANS[weighting]
-    if stats is not None and "gptq" in algos:
-        stats.require(h_in_name, h_mid_name, method="quant")
+    h_in_name, h_mid_name = _require_hessians(specs, stats, weighting, done)
     plan = plan.model_copy(deep=True)
     # a store on disk (`SpilledTensors`, the streamed view) takes the codes in place: copying it would read it all
     out = tensors if tensors is not None and not isinstance(tensors, dict) else dict(tensors or {})
@@ -334,6 +326,21 @@ def quantize_experts(
         out.update(new)
     plan.check_tensors(out)
     return plan, out
+
+
+def _require_hessians(specs, stats, weighting: Weighting, done) -> tuple[str, str]:
+    """The names of the Hessians GPTQ reads under `weighting`; refused in one sentence when a GPTQ spec has
+    no statistics to read them from (and no codes `done` already)."""
+    names = _HESSIANS[weighting]
+    if any(s.algo == "gptq" for s in specs.values()):
+        if stats is None and not set(specs) <= set(done):
+            raise MoECompressError(
+                "GPTQ needs calibration Hessians; pass --calib (a stats directory or a data spec) "
+                "or use --quant-algo rtn."
+            )
+        if stats is not None:
+            stats.require(*names, method="quant")
+    return names
 
 
 def _quantize_group(plan, group, source, out, hessian, names, done) -> dict[str, torch.Tensor]:
