@@ -141,6 +141,11 @@ SECTIONS: dict[str, Section] = {
         ("gguf_head2head.json", "gguf_head2head_frontier.png"),
         "bench_gguf_head2head.py",
     ),
+    "gptq-scale": _run_report(
+        "## GPTQ at scale: moecompress vs llm-compressor (issue 32)",
+        ("gptq_scale.json",),
+        "bench_gptq_scale.py",
+    ),
     "slow-tests": Section(None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
 

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""GPTQ at scale, side by side (issue 32 item 3): moecompress vs llm-compressor on the 4.98 GB wide model.
+
+    python benchmarks/bench_gptq_scale.py run       # both sides at once, one thread each, then the JSON
+    python benchmarks/bench_gptq_scale.py report    # writes "## GPTQ at scale: moecompress vs llm-compressor"
+
+The model is `benchmarks/bench_calibration.py build` (random Qwen3-MoE, bf16, per-expert keys). Both sides
+quantize the routed experts to 4 bits, symmetric, group 128, from the same calibration token ids
+(`fixture-calib:<n>` at `--seq-len`, tokenized once by `moecompress.data.load_calibration` and written to
+`build/bench_gptq_scale/tokens.safetensors`; our CLI tokenizes the same spec the same way):
+
+- OURS: `moecompress compress MODEL --calib fixture-calib:<n> --seq-len L --method quant --quant w4g128`, the
+  defaults otherwise (Hessians streamed from the data spec, a chunk of experts at a time; act order);
+- THEIRS: `benchmarks/peer/llmc_gptq.py` in the peer virtualenv (`build/peer-venv`, docs/peer_check.md),
+  `oneshot` with a `GPTQModifier` on the experts' projections as shipped (2-D mask, every expert calibrated
+  on every token, quantized activations propagated, static act order), W4A16 group 128.
+
+The two run at the same time, one thread each, on a 2-core machine that other jobs may share: the ratio of
+their wall times is measured side by side (both see the same load), not on an idle machine. Each process's
+peak RSS is its own `ru_maxrss` (`os.wait4`). Wall is the whole process: interpreter start, model load,
+calibration, quantization, writing the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_md import load_results, machine, model_shape, save_results, write_section  # noqa: E402
+
+WIDE = ROOT / "build" / "wide_moe_4gb"
+OUT = ROOT / "build" / "bench_gptq_scale"
+PEER_PY = ROOT / "build" / "peer-venv" / "bin" / "python"
+PEER_SCRIPT = ROOT / "benchmarks" / "peer" / "llmc_gptq.py"
+RESULTS = "gptq_scale.json"
+SECTION = "## GPTQ at scale: moecompress vs llm-compressor (issue 32)"
+TARGET_WALL, TARGET_RSS = 0.5, 0.35  # ours ÷ theirs; our peak RSS ÷ checkpoint bytes (issue 32)
+
+
+def _tokens(model: Path, sequences: int, seq_len: int) -> Path:
+    from safetensors.torch import save_file
+
+    from moecompress.data import load_calibration, load_tokenizer
+
+    data = load_calibration(f"fixture-calib:{sequences}", load_tokenizer(str(model)), seq_len, seed=0)
+    path = OUT / "tokens.safetensors"
+    save_file(
+        {"input_ids": data.input_ids.contiguous(), "attention_mask": data.attention_mask.contiguous()},
+        str(path),
+    )
+    return path
+
+
+def _commands(model: Path, tokens: Path, sequences: int, seq_len: int) -> dict[str, list[str]]:
+    ours = [
+        sys.executable,
+        "-m",
+        "moecompress",
+        "compress",
+        str(model),
+        "--calib",
+        f"fixture-calib:{sequences}",
+    ]
+    ours += ["--seq-len", str(seq_len), "--method", "quant", "--quant", "w4g128"]
+    ours += ["--out", str(OUT / "ours"), "--overwrite"]
+    theirs = [str(PEER_PY), str(PEER_SCRIPT), "--model", str(model), "--tokens", str(tokens), "--bits", "4"]
+    theirs += ["--group", "128", "--save", str(OUT / "theirs"), "--out", str(OUT / "theirs.json")]
+    theirs += ["--threads", "1", "--actorder", "static"]
+    return {"moecompress": ours, "llm-compressor": theirs}
+
+
+def run(model: Path, sequences: int, seq_len: int) -> dict:
+    if not PEER_PY.is_file():
+        sys.exit(f"No peer virtualenv at {PEER_PY}; create it as docs/peer_check.md describes.")
+    OUT.mkdir(parents=True, exist_ok=True)
+    tokens = _tokens(model, sequences, seq_len)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
+    procs, logs, t0 = {}, {}, {}
+    for side, cmd in _commands(model, tokens, sequences, seq_len).items():
+        logs[side] = (OUT / f"{side}.log").open("w")
+        t0[side] = time.perf_counter()
+        procs[side] = subprocess.Popen(cmd, stdout=logs[side], stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    sides = {}
+    by_pid = {p.pid: side for side, p in procs.items()}
+    while by_pid:  # whichever finishes first: its own rusage, its own wall
+        pid, status, usage = os.wait4(-1, 0)
+        side = by_pid.pop(pid, None)
+        if side is None:
+            continue
+        logs[side].close()
+        sides[side] = {
+            "wall_s": round(time.perf_counter() - t0[side], 1),
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            "rc": os.waitstatus_to_exitcode(status),
+            "command": [str(c) for c in procs[side].args],
+        }
+        if sides[side]["rc"] != 0:
+            sides[side]["error"] = (OUT / f"{side}.log").read_text()[-800:]
+    disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    res = {
+        "model": str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else str(model),
+        "disk_bytes": disk,
+        "shape": model_shape(model),
+        "calib": f"fixture-calib:{sequences}",
+        "seq_len": seq_len,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "sides": sides,
+    }
+    save_results(RESULTS, res)
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def report() -> None:
+    d = load_results(RESULTS)
+    ours, theirs = d["sides"]["moecompress"], d["sides"]["llm-compressor"]
+    gb, sh = 1e9, d["shape"]
+    rows = [
+        f"| {side} | `{' '.join(Path(c).name if '/' in c else c for c in s['command'][1:])}` | "
+        f"{s['wall_s']:.0f} | {s['cpu_s']:.0f} | {s['peak_rss_bytes'] / gb:.2f} | "
+        f"{s['peak_rss_bytes'] / d['disk_bytes']:.3f} | {s['rc']} |"
+        for side, s in d["sides"].items()
+    ]
+    ok = ours["rc"] == 0 and theirs["rc"] == 0
+    wall = ours["wall_s"] / theirs["wall_s"] if ok else None
+    rss = ours["peak_rss_bytes"] / d["disk_bytes"]
+    lines = [
+        SECTION,
+        "",
+        "Measured by `python -m benchmarks gptq-scale` (`benchmarks/bench_gptq_scale.py`); results "
+        f"`benchmarks/results/{RESULTS}`. Machine: {d['machine']}, no GPU; {d['date']}. Both sides ran at the same "
+        "time, one thread each, so they saw the same load; wall is the whole process, peak RSS its own "
+        "`ru_maxrss`.",
+        "",
+        f"Model: `{d['model']}`, random Qwen3-MoE, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers × "
+        f"{sh['num_experts']} experts of width {sh['moe_intermediate_size']}, top-{sh['num_experts_per_tok']}, "
+        f"{sh['dtype']}, {d['disk_bytes'] / gb:.2f} GB on disk. Routed experts to W4 group 128 on both sides, "
+        f"calibration `{d['calib']}` at {d['seq_len']} tokens (the same token ids).",
+        "",
+        "| side | command | wall s | CPU s | peak RSS GB | ÷ checkpoint | exit |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"- ours ÷ llm-compressor, wall: {f'{wall:.3f}' if wall is not None else 'not measured (a side failed)'} "
+        f"(target ≤ {TARGET_WALL}: {'met' if wall is not None and wall <= TARGET_WALL else 'not met'}).",
+        f"- our peak RSS ÷ checkpoint: {rss:.3f} (target ≤ {TARGET_RSS}: "
+        f"{'met' if rss <= TARGET_RSS else 'not met'}).",
+    ]
+    write_section(SECTION, "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["run", "report"])
+    ap.add_argument("--model", default=str(WIDE))
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+    if a.what == "run":
+        run(Path(a.model), a.sequences, a.seq_len)
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()
