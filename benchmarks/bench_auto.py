@@ -89,7 +89,7 @@ def run_spearman(
     fixture: str, out: Path, slots_per_layer: int = 6, windows: int = 8, seq_len: int = 256, seed: int = 0
 ) -> dict:
     from moecompress.data import load_tokenizer
-    from moecompress.data.calibration import token_stream
+    from moecompress.data.stream import token_stream
     from moecompress.methods.auto.config import AutoConfig, needs_stats
     from moecompress.methods.auto.estimate import affine_loss, constant_loss, drop_loss
     from moecompress.methods.auto.frontier import keep_point_of, remap_to

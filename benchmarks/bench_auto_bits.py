@@ -239,7 +239,7 @@ def run_spearman(
     from bench_auto import _stream_ids, calibrated, spearman
 
     from moecompress.data import load_tokenizer
-    from moecompress.data.calibration import token_stream
+    from moecompress.data.stream import token_stream
     from moecompress.methods.auto.config import AutoConfig, needs_stats
     from moecompress.methods.auto.frontier import keep_point_of, uniform_state
     from moecompress.methods.auto.measure import logprobs

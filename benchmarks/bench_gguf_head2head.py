@@ -87,7 +87,7 @@ def calibration_text(model: str, path: Path) -> None:
 def windows(model: str):
     import torch
 
-    from moecompress.data.calibration import load_tokenizer, token_stream
+    from moecompress.data import load_tokenizer, token_stream
 
     ids = token_stream("fixture-heldout", load_tokenizer(model)).ids.reshape(-1)
     return ids[: WINDOWS * WINDOW].reshape(WINDOWS, WINDOW).to(torch.long)

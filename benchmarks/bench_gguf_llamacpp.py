@@ -103,7 +103,7 @@ def child(*args, check: bool = True) -> tuple[int, str]:
 def heldout_windows(model: str):
     import torch
 
-    from moecompress.data.calibration import load_tokenizer, token_stream
+    from moecompress.data import load_tokenizer, token_stream
 
     ids = token_stream(HELDOUT, load_tokenizer(model)).ids.reshape(-1)
     return ids[: WINDOWS * WINDOW].reshape(WINDOWS, WINDOW).to(torch.long)

@@ -80,7 +80,7 @@ def child(*args) -> str:
 
 
 def prompts(model: str) -> list[list[int]]:
-    from moecompress.data.calibration import load_tokenizer, token_stream
+    from moecompress.data import load_tokenizer, token_stream
 
     ids = token_stream(HELDOUT, load_tokenizer(model)).ids.reshape(-1)
     return ids[: PROMPTS * PROMPT_LEN].reshape(PROMPTS, PROMPT_LEN).tolist()

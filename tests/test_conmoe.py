@@ -7,14 +7,9 @@ import torch
 
 from moecompress.errors import MoECompressError
 from moecompress.methods import MethodContext, get_method, parse_config
-from moecompress.methods.conmoe import (
-    ConMoEConfig,
-    conmoe_plan,
-    consolidate,
-    consolidate_scope,
-    scope_distance,
-    scopes,
-)
+from moecompress.methods.conmoe import ConMoEConfig, conmoe_plan, consolidate
+from moecompress.methods.conmoe_distance import scope_distance
+from moecompress.methods.conmoe_select import consolidate_scope, scopes
 from moecompress.methods.merging import arcee_fusion
 from moecompress.models import MoEAdapter
 from moecompress.plan import ModelInfo
@@ -446,7 +441,7 @@ def test_methods_take_a_method_context_with_a_stats_store(qwen):
 
 
 def test_blockwise_scope_distance_equals_pairwise_distance(qwen, monkeypatch):
-    from moecompress.methods import conmoe
+    from moecompress.methods import conmoe_distance
     from moecompress.models import ExpertWeights
     from moecompress.scoring.distance import pairwise_distance
 
@@ -456,7 +451,8 @@ def test_blockwise_scope_distance_equals_pairwise_distance(qwen, monkeypatch):
     direct = pairwise_distance(
         ExpertWeights.stack([ad.get_expert(i, e) for i in (0, 1, 2) for e in range(8)])
     )
-    monkeypatch.setattr(conmoe, "_DIRECT_LIMIT", 0)  # force the block-wise path (used for big experts)
+    # force the block-wise path (used for big experts)
+    monkeypatch.setattr(conmoe_distance, "_DIRECT_LIMIT", 0)
     blocked = scope_distance(stacks, chunk=5)
     torch.testing.assert_close(blocked, direct, atol=1e-12, rtol=1e-12)
     assert torch.equal(blocked, blocked.T)

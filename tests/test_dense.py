@@ -47,7 +47,8 @@ def _setup(family: str):
 
 
 def _student(family: str, **cfg):
-    from moecompress.distill.dense_export import build_student, student_target
+    from moecompress.distill.student import build_student
+    from moecompress.distill.student_config import student_target
 
     model, stats, _ = _setup(family)
     adapter = MoEAdapter(model)
@@ -109,7 +110,7 @@ def test_identical_experts_make_the_dense_student_exact(family):
             adapter.set_expert(i, e, w)
     ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(5))
     stats = collect_dense_stats(model, ids, gram=False, progress=False)
-    from moecompress.distill.dense_export import build_student
+    from moecompress.distill.student import build_student
 
     student = build_student(adapter, convert(adapter, stats, DenseConfig(criterion="cp"), progress=False))
     with torch.no_grad():
@@ -254,7 +255,7 @@ def test_bad_input_sentences():
     no_gate = {k: {n: t for n, t in v.items() if n != "shared_gate_mean"} for k, v in s2.items()}
     with pytest.raises(MoECompressError, match="shared-gate exact"):
         convert(m2, no_gate, DenseConfig(criterion="cp"), progress=False)
-    from moecompress.distill.dense_export import student_target
+    from moecompress.distill.student_config import student_target
 
     with pytest.raises(MoECompressError, match="always written dense"):
         student_target(MoEAdapter(_setup("deepseek_v2")[0]), DenseConfig(target="moe"))

@@ -69,7 +69,7 @@ def _pair():
     teacher = tiny_model("qwen3_moe")
     ids = torch.randint(3, 90, (2, 32), generator=torch.Generator().manual_seed(0))
     stats = collect_dense_stats(teacher, ids, progress=False)
-    from moecompress.distill.dense_export import build_student
+    from moecompress.distill.student import build_student
 
     return teacher, lambda: build_student(
         teacher, convert(teacher, stats, DenseConfig(criterion="cp"), progress=False)

@@ -58,7 +58,7 @@ def test_atomic_dir_writes_marker_normal_permissions_and_replaces_only_marked(tm
 def test_the_marker_is_in_the_output_before_it_is_renamed_into_place(tmp_path, monkeypatch):
     """A kill between rename and marker would leave an output that --overwrite refuses as the user's: the
     marker is written into the temporary directory, so the rename moves a complete, marked output."""
-    import moecompress.atomic as atomic
+    import moecompress.atomic.durable as atomic
 
     seen = []
     real = os.replace

@@ -74,7 +74,8 @@ def analyze_scopes(
     progress: bool = False,
 ) -> CrossLayerAnalysis:
     """Run the analysis with `experts_of(layer)` giving that layer's stacked ExpertWeights."""
-    from .methods.conmoe import scope_distance, scopes
+    from .methods.conmoe_distance import scope_distance
+    from .methods.conmoe_select import scopes
 
     groups = scopes(moe_layers, scope_size)
     res = CrossLayerAnalysis(

@@ -6,26 +6,19 @@ resolves the inputs and runs it.
 
 from __future__ import annotations
 
-import json
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import MoECompressError
+from .layer_pass import gather, layer_summary, restore_block
+from .options import CalibrationOptions, Transform, UnreachedExpertsWarning, layer_ids
 from .registry import DEFAULT_STATS, collectors_for, resolve_stats
-from .store import FORMAT, PartialRun, StatsStore, versions, write_store
-
-# transform(i, layer, adapter, stats_i) -> a module whose outputs feed layer i + 1, or None (see `calibrate`)
-Transform = Callable[[int, nn.Module, object, dict | None], nn.Module | None]
-
-
-class UnreachedExpertsWarning(UserWarning):
-    """Some experts received no calibration token: their statistics are 0 (never NaN)."""
+from .run_meta import run_identity, settings_differ, store_meta
+from .store import PartialRun, StatsStore, write_store
 
 
 def _progress(enabled: bool):
@@ -42,92 +35,6 @@ def _progress(enabled: bool):
         disable=not enabled,
         transient=False,
     )
-
-
-def _identity(reader, fingerprint, calib, names, params, dtype, device, batch_size) -> dict:
-    """What must match for a resumed run to give identical statistics (normalised through JSON)."""
-    return json.loads(
-        json.dumps(
-            {
-                "model_fingerprint": fingerprint,
-                "model_source": str(reader.path),
-                "data_spec": calib.spec,
-                "data_source": calib.spec,
-                "data_fingerprint": calib.fingerprint(),
-                "seq_len": calib.seq_len,
-                "seed": calib.seed,
-                "stats": names,
-                "params": params,
-                "dtype": str(dtype).replace("torch.", ""),
-                "device": torch.device(device).type,
-                "batch_size": batch_size,
-            },
-            default=str,
-        )
-    )
-
-
-def _layer_ids(spec) -> list[int]:
-    """'0,1,2' or an iterable of ints -> sorted unique layer ids (one sentence for anything else)."""
-    try:
-        items = spec.split(",") if isinstance(spec, str) else list(spec)
-        return sorted({int(i) for i in items if not isinstance(i, str) or i.strip()})
-    except (TypeError, ValueError):
-        raise MoECompressError(
-            f"hessian_layers '{spec}' is not a list of layer ids such as '0,1,2'; fix it."
-        ) from None
-
-
-def _check_finite(layer: int, stats: dict[str, torch.Tensor], dtype=None, weights=()) -> None:
-    """Refuse non-finite statistics. Collectors never divide by zero, so the model itself produced them:
-    NaN / infinite `weights` (the layer's, still loaded), or in a 16-bit dtype an overflow (float32 helps).
-    Advising --dtype float32 for broken weights did not help, so that advice is given only where it can."""
-    for name, t in stats.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            if any(
-                w.is_floating_point() and not w.is_meta and not bool(torch.isfinite(w).all()) for w in weights
-            ):
-                raise MoECompressError(
-                    f"Decoder layer {layer} of the checkpoint holds NaN or infinite weights, so "
-                    "its statistics are not finite; check or re-download the checkpoint."
-                )
-            if dtype in (torch.float32, torch.float64):
-                raise MoECompressError(
-                    f"Statistic {name} of layer {layer} is not finite even in "
-                    f"{str(dtype).replace('torch.', '')}: the checkpoint's weights (or its router) "
-                    "hold NaN or infinite values; check or re-download the checkpoint."
-                )
-            raise MoECompressError(
-                f"Statistic {name} of layer {layer} is not finite: the model's activations "
-                "overflowed in this dtype; re-run with --dtype float32."
-            )
-
-
-@dataclass(frozen=True)
-class CalibrationOptions:
-    """How a calibration runs, besides its model and data (the keywords of `calibrate`, documented there)."""
-
-    seq_len: int = 2048
-    out: str | Path | None = None
-    stats: Sequence[str] | str | None = None
-    offload_dir: str | Path | None = None
-    resume: bool = False
-    dry_run: bool = False
-    batch_size: int = 8
-    dtype: str | torch.dtype | None = "auto"
-    seed: int = 0
-    device: str | None = None
-    padding: bool = False
-    chat_template: bool = False
-    tokenizer: str | None = None
-    moment_experts: Any = None
-    hessian_layers: Any = None
-    transform: Transform | None = None
-    on_layer_end: Callable[[int, dict | None], None] | None = None
-    overwrite: bool = False
-    progress: bool = True
-    trust_remote_code: bool = False
-    keep_partial: bool = True
 
 
 def calibrate(
@@ -187,29 +94,8 @@ def calibrate(
 
     The keywords are `CalibrationOptions`; ``Calibration(model, data, options).run()`` is the same call.
     """
-    options = CalibrationOptions(
-        seq_len=seq_len,
-        out=out,
-        stats=stats,
-        offload_dir=offload_dir,
-        resume=resume,
-        dry_run=dry_run,
-        batch_size=batch_size,
-        dtype=dtype,
-        seed=seed,
-        device=device,
-        padding=padding,
-        chat_template=chat_template,
-        tokenizer=tokenizer,
-        moment_experts=moment_experts,
-        hessian_layers=hessian_layers,
-        transform=transform,
-        on_layer_end=on_layer_end,
-        overwrite=overwrite,
-        progress=progress,
-        trust_remote_code=trust_remote_code,
-        keep_partial=keep_partial,
-    )
+    keywords = {k: v for k, v in locals().items() if k not in ("model", "data")}  # the options' fields
+    options = CalibrationOptions(**keywords)
     return Calibration(model, data, options)._run(warn_stacklevel=4)  # the warning names calibrate's caller
 
 
@@ -240,7 +126,7 @@ class Calibration:
         self.classes = collectors_for(self.names)
         self.params = {"moment_experts": o.moment_experts} if o.moment_experts is not None else {}
         if o.hessian_layers is not None:
-            self.params["hessian_layers"] = _layer_ids(o.hessian_layers)
+            self.params["hessian_layers"] = layer_ids(o.hessian_layers)
         self.reader = CheckpointReader(model, o.trust_remote_code)
         self.dtype = None if o.dtype in (None, "auto") else parse_dtype(o.dtype)
         self.rank, self.world = dist.world()
@@ -268,7 +154,7 @@ class Calibration:
         self.inputs = fingerprint_inputs(
             [self.reader.path], checkpoint_fingerprint
         )  # checked before the rename
-        self.identity = _identity(
+        self.identity = run_identity(
             self.reader,
             self.fingerprint,
             self.calib,
@@ -332,7 +218,7 @@ class Calibration:
                 f"The stats store {out} was computed on other tokens of '{self.calib.spec}' "
                 "(another seq_len, seed or tokenizer); choose another --out or pass --overwrite."
             )
-        differ = _settings_differ(existing.meta, self.params, self.dtype, o.batch_size, self.device)
+        differ = settings_differ(existing.meta, self.params, self.dtype, o.batch_size, self.device)
         if differ:
             key, old, new = differ
             raise MoECompressError(
@@ -386,46 +272,65 @@ class Calibration:
             raise
 
     def _layers(self, partial: PartialRun, warn_stacklevel: int) -> StatsStore:
+        """Every decoder layer through its pass (after the finished prefix of a resumed run), then the store."""
         from . import distributed as dist
-        from .runner import SequentialRunner
 
-        o, rank = self.options, self.rank
+        finished = self._start(partial)
+        runner = self._runner()
+        moe = runner.adapter.moe_layers
+        done = _finished_prefix(moe, finished)
+        layer_stats: dict[int, dict] = {i: layer_summary(partial.load_layer(i)) for i in done}
+        start = (max(done) + 1) if done else 0
+        self._pass_layers(runner, partial, layer_stats, done, start)
+        unreached = self._warn_unreached(layer_stats, moe, warn_stacklevel + 1)
+        dist.barrier()
+        if self.rank == 0:
+            store = self._write(runner.adapter, partial, layer_stats, unreached)
+        runner.cache.clear()
+        dist.barrier()
+        return store if self.rank == 0 else StatsStore.load(self.out)
+
+    def _start(self, partial: PartialRun) -> list[int]:
+        """Rank 0 starts (or resumes) the partial run; every rank gets its finished layers, or its refusal."""
+        from . import distributed as dist
+
         finished, error = None, None
-        if rank == 0:
+        if self.rank == 0:
             try:
-                finished = partial.start(self.identity, o.resume)
+                finished = partial.start(self.identity, self.options.resume)
             except MoECompressError as exc:
                 error = str(exc)
         finished, error = dist.broadcast_object((finished, error))
         if error:
             raise MoECompressError(error)
-        runner = SequentialRunner(
+        return finished
+
+    def _runner(self):
+        """The `SequentialRunner` that streams this run's model over its batches."""
+        from .runner import SequentialRunner
+
+        o = self.options
+        return SequentialRunner(
             self.reader,
             self.calib,
             self.device,
             self.dtype,
             o.batch_size,
-            rank,
+            self.rank,
             self.world,
             o.offload_dir,
             o.transform is not None,
-            run_key=f"{self.fingerprint}:{self.calib.fingerprint()}:{rank}/{self.world}",
+            run_key=f"{self.fingerprint}:{self.calib.fingerprint()}:{self.rank}/{self.world}",
         )
-        adapter = runner.adapter
-        moe = adapter.moe_layers
-        last = max(moe)
-        finished = sorted(i for i in finished if i in moe)
-        # layers finish in order: resume after the longest finished prefix of MoE layers
-        done = []
-        for i in moe:
-            if i in finished:
-                done.append(i)
-            else:
-                break
-        layer_stats: dict[int, dict] = {i: _summary(partial.load_layer(i)) for i in done}
-        start = (max(done) + 1) if done else 0
 
-        with _progress(o.progress and rank == 0) as bar:
+    def _pass_layers(
+        self, runner, partial: PartialRun, layer_stats: dict[int, dict], done: list[int], start: int
+    ) -> None:
+        """Layers `start`.. through their passes under the progress bars, after replaying the finished prefix
+        `done` when no cached hidden state is left; `layer_stats` gains each MoE layer's summary."""
+        o = self.options
+        last = max(runner.adapter.moe_layers)
+        with _progress(o.progress and self.rank == 0) as bar:
             layers_task = bar.add_task("layers", total=last + 1, completed=start)
             batch_task = bar.add_task("batches", total=len(runner.batches))
             todo = start <= last  # a run killed after its last layer only has the store left to write
@@ -439,7 +344,7 @@ class Calibration:
                 bar.reset(batch_task, total=len(runner.batches))
                 stats_i = self._layer(runner, i, partial, lambda: bar.advance(batch_task))
                 if stats_i is not None:
-                    layer_stats[i] = _summary(
+                    layer_stats[i] = layer_summary(
                         stats_i
                     )  # the layer's file holds the values; keep no second copy
                 bar.advance(layers_task)
@@ -447,9 +352,11 @@ class Calibration:
                     o.on_layer_end(i, stats_i)
                 del stats_i  # else this layer's sums stay alive while the next layer accumulates its own
 
+    def _warn_unreached(self, layer_stats: dict[int, dict], moe: list[int], warn_stacklevel: int) -> dict:
+        """{layer: experts} no calibration token reached; rank 0 warns of them (`UnreachedExpertsWarning`)."""
         unreached = {i: torch.nonzero(layer_stats[i]["counts"] == 0).flatten().tolist() for i in moe}
         unreached = {i: v for i, v in unreached.items() if v}
-        if unreached and rank == 0:
+        if unreached and self.rank == 0:
             listing = "; ".join(f"layer {i}: experts {v}" for i, v in unreached.items())
             warnings.warn(
                 f"No calibration token reached some experts ({listing}); their statistics are 0. Use more "
@@ -457,26 +364,31 @@ class Calibration:
                 UnreachedExpertsWarning,
                 stacklevel=warn_stacklevel,
             )
-        dist.barrier()
-        if rank == 0:
-            meta = _meta(
-                self.reader,
-                self.fingerprint,
-                adapter,
-                self.calib,
-                self.names,
-                self.params,
-                self.dtype,
-                o.batch_size,
-                layer_stats,
-                unreached,
-                self.device,
-            )
-            store = write_store(self.out, partial, moe, meta, inputs=self.inputs, overwrite=o.overwrite)
-            partial.remove()
-        runner.cache.clear()
-        dist.barrier()
-        return store if rank == 0 else StatsStore.load(self.out)
+        return unreached
+
+    def _write(
+        self, adapter, partial: PartialRun, layer_stats: dict[int, dict], unreached: dict
+    ) -> StatsStore:
+        """Rank 0: the store written from the partial run (its metadata from `store_meta`), the partial removed."""
+        o = self.options
+        meta = store_meta(
+            self.reader,
+            self.fingerprint,
+            adapter,
+            self.calib,
+            self.names,
+            self.params,
+            self.dtype,
+            o.batch_size,
+            layer_stats,
+            unreached,
+            self.device,
+        )
+        store = write_store(
+            self.out, partial, adapter.moe_layers, meta, inputs=self.inputs, overwrite=o.overwrite
+        )
+        partial.remove()
+        return store
 
     def _replay(
         self, runner, start: int, layer_stats: dict[int, dict], partial: PartialRun, bar, layers_task
@@ -504,7 +416,7 @@ class Calibration:
             )
             if i not in moe or isinstance(repl, nn.Module):
                 runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None)
-            _restore_block(adapter, i)
+            restore_block(adapter, i)
             runner.commit(i)
             runner.free_layer(i)
 
@@ -525,129 +437,20 @@ class Calibration:
         else:
             repl = transform(i, layer, adapter, None) if transform is not None else None
             runner.run_layer(i, layer=repl if isinstance(repl, nn.Module) else None, on_batch=advance)
-        _restore_block(adapter, i)
+        restore_block(adapter, i)
         dist.barrier()
         runner.commit(i)
         runner.free_layer(i)
         return stats_i
 
 
-def gather(
-    runner,
-    i: int,
-    classes,
-    params: dict,
-    device,
-    *,
-    write: bool = True,
-    on_batch: Callable[[], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Layer i's statistics from collectors of `classes`: every batch through the loaded layer, observed
-    (outputs written as the next layer's inputs when `write`), sums reduced across ranks, finalized on CPU."""
-    from . import distributed as dist
-    from .hooks import LayerObserver
-
-    collectors = [cls(runner.adapter, i, device, **params) for cls in classes]
-    obs = LayerObserver(runner.adapter, i, collectors)
-    obs.attach()
-    try:
-        runner.run_layer(i, observer=obs, write=write, on_batch=on_batch)
-    finally:
-        obs.detach()
-    dist.all_reduce_sums(collectors)
-    stats_i = {}
-    for c in collectors:
-        stats_i.update({k: v.detach().cpu() for k, v in c.finalize().items()})
-    _check_finite(i, stats_i, runner.dtype, list(runner.adapter.decoder_layers[i].parameters()))
-    return stats_i
-
-
-def _summary(stats_i: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the end of a run reads of a finished layer's statistics: every name with its shape (meta tensors,
-    no memory) and the expert counts (unreached experts). Keeping every layer's full statistics until the store
-    is written held them all at once: input/cross moments alone are E·H² float64 values per layer."""
-    return {
-        k: v if k == "counts" else torch.empty(v.shape, dtype=v.dtype, device="meta")
-        for k, v in stats_i.items()
-    }
-
-
-def _settings_differ(meta: dict, params: dict, dtype, batch_size: int, dev) -> tuple | None:
-    """(setting, stored, requested) for the first content-changing setting that differs from the store's."""
-    want = _meta_settings(params, dtype, batch_size, dev)
-    for key, value in want.items():
-        if key in meta and json.loads(json.dumps(meta[key], default=str)) != json.loads(
-            json.dumps(value, default=str)
-        ):
-            return (
-                {
-                    "params": "collector parameters",
-                    "dtype": "dtype",
-                    "batch_size": "batch size",
-                    "device": "device",
-                }[key],
-                meta[key],
-                value,
-            )
-    return None
-
-
-def _meta_settings(params: dict, dtype, batch_size: int, dev) -> dict:
-    """The settings besides model and tokens that change a store's content (recorded in stats.json)."""
-    return {
-        "params": {
-            k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-            for k, v in params.items()
-        },
-        "dtype": str(dtype).replace("torch.", "") if dtype is not None else "auto",
-        "batch_size": batch_size,
-        "device": torch.device(dev).type,
-    }
-
-
-def _restore_block(adapter, i: int) -> None:
-    """Put back layer i's original MoE block if a transform swapped it (the skeleton stays loadable)."""
-    if i in adapter.layers:
-        adapter.set_block(i, adapter.layer(i).block)
-
-
-def _meta(
-    reader,
-    fingerprint,
-    adapter,
-    calib,
-    names,
-    params,
-    dtype,
-    batch_size,
-    layer_stats,
-    unreached,
-    _device="cpu",
-) -> dict:
-    cfg = reader.config
-    stats_held = sorted(set().union(*(set(s) for s in layer_stats.values())))
-    shapes = {n: list(layer_stats[adapter.moe_layers[0]][n].shape) for n in stats_held}
-    return {
-        "format": FORMAT,
-        "model": {
-            "source": str(reader.path),
-            "fingerprint": fingerprint,
-            "model_type": getattr(cfg, "model_type", None),
-            "architecture": (getattr(cfg, "architectures", None) or [None])[0],
-            "num_layers": reader.num_layers,
-            "moe_layers": adapter.moe_layers,
-            "num_experts": {str(i): adapter.num_experts(i) for i in adapter.moe_layers},
-            "top_k": {str(i): adapter.top_k(i) for i in adapter.moe_layers},
-            "router": {str(i): adapter.router_spec(i).describe() for i in adapter.moe_layers},
-            "hidden_size": adapter.hidden_size,
-        },
-        "data": calib.to_dict(),
-        "stats": stats_held,
-        "requested": names,
-        "shapes": shapes,
-        **_meta_settings(params, dtype, batch_size, _device),
-        "layers": adapter.moe_layers,
-        "unreached": {str(i): v for i, v in unreached.items()},
-        "versions": versions(),
-        "nan_policy": "experts with no routed token get 0 for every per-token mean",
-    }
+def _finished_prefix(moe: list[int], finished) -> list[int]:
+    """The longest prefix of MoE layers a resumed run finished: layers finish in order, so it resumes after it."""
+    finished = sorted(i for i in finished if i in moe)
+    done = []
+    for i in moe:
+        if i in finished:
+            done.append(i)
+        else:
+            break
+    return done

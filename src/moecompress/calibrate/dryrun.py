@@ -143,19 +143,14 @@ def estimate(
     params,
     double_buffer: bool,
 ) -> ResourceEstimate:
+    """The `ResourceEstimate` of a calibration (module doc: memory, disk), its time still to be probed."""
     import psutil
 
     cfg = reader.config
     hidden = int(cfg.hidden_size)
     moe = adapter.moe_layers
     last = max(moe)
-    sample = reader.layer_keys(moe[0])[:1]
-    disk_elem = 2
-    if sample:
-        from safetensors import safe_open
-
-        with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
-            disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
+    disk_elem = _disk_elem(reader, moe)
     comp_elem = _elem(dtype) if dtype is not None else disk_elem
     scale = comp_elem / disk_elem
     layer_bytes = int(max(reader.layer_bytes(i) for i in range(last + 1)) * scale)
@@ -164,15 +159,8 @@ def estimate(
     act = seqs * data.seq_len * hidden * comp_elem
     on_disk = offload_dir is not None
     ram_act = 0 if on_disk else act * (2 if double_buffer else 1)
-    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-    inter = max(adapter.intermediate_size(i) for i in moe)
-    k = max(adapter.top_k(i) for i in moe)
     tokens = batch_size * data.seq_len
-    batch_ws = (
-        tokens * hidden * comp_elem * 12
-        + tokens * k * inter * comp_elem * 3
-        + batch_size * heads * data.seq_len * data.seq_len * 4
-    )
+    batch_ws = _batch_working_set(cfg, adapter, batch_size, data.seq_len, comp_elem)
     acc, stats_total = stat_sizes(adapter, moe, collector_classes, params)
     baseline = psutil.Process().memory_info().rss
     on_gpu = torch.device(device).type == "cuda"
@@ -203,6 +191,34 @@ def estimate(
     )
 
 
+def _disk_elem(reader, moe) -> int:
+    """Bytes per element of the checkpoint's stored weights (read from the first MoE layer's first tensor)."""
+    sample = reader.layer_keys(moe[0])[:1]
+    disk_elem = 2
+    if sample:
+        from safetensors import safe_open
+
+        with safe_open(str(reader._key_file[sample[0]]), framework="pt") as f:
+            disk_elem = tag_bytes(f.get_slice(sample[0]).get_dtype(), 2)
+    return disk_elem
+
+
+def _batch_working_set(cfg, adapter, batch_size: int, seq_len: int, comp_elem: int) -> int:
+    """Bytes one batch's pass through a layer works in: hidden states, the routed experts' intermediates and
+    the attention scores."""
+    moe = adapter.moe_layers
+    hidden = int(cfg.hidden_size)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    inter = max(adapter.intermediate_size(i) for i in moe)
+    k = max(adapter.top_k(i) for i in moe)
+    tokens = batch_size * seq_len
+    return (
+        tokens * hidden * comp_elem * 12
+        + tokens * k * inter * comp_elem * 3
+        + batch_size * heads * seq_len * seq_len * 4
+    )
+
+
 def probe_time(
     reader, data, device, dtype, batch_size: int, world: int, collector_classes, params, est: ResourceEstimate
 ) -> ResourceEstimate:
@@ -210,16 +226,7 @@ def probe_time(
     from .hooks import LayerObserver
     from .runner import SequentialRunner
 
-    one = type(data)(
-        data.input_ids[:batch_size],
-        data.attention_mask[:batch_size],
-        data.spec,
-        data.seq_len,
-        data.seed,
-        data.padded,
-        data.chat_template,
-        data.sources,
-    )
+    one = _first_batch(data, batch_size)
     runner = SequentialRunner(reader, one, device, dtype, batch_size)
     runner.embed()
     adapter = runner.adapter
@@ -247,15 +254,8 @@ def probe_time(
         obs.detach()
     probe_bytes = max(1, reader.layer_bytes(i))
     runner.free_layer(i)
-    last = max(adapter.moe_layers)
-    seqs_per_rank = math.ceil(data.num_sequences / world)
-    n_batches = math.ceil(seqs_per_rank / batch_size)
-    moe = set(adapter.moe_layers)
-    total = 0.0
-    for j in range(last + 1):
-        total += t_load * reader.layer_bytes(j) / probe_bytes
-        total += n_batches * (t_obs if j in moe else t_plain)
-    est.time_s = total
+    n_batches = math.ceil(math.ceil(data.num_sequences / world) / batch_size)
+    est.time_s = _extrapolate(reader, adapter, n_batches, t_load, probe_bytes, t_plain, t_obs)
     est.probe = {
         "layer": i,
         "load_s": t_load,
@@ -264,6 +264,33 @@ def probe_time(
         "batches_per_rank": n_batches,
     }
     return est
+
+
+def _first_batch(data, batch_size: int):
+    """The calibration data cut to its first `batch_size` sequences (the same type and settings)."""
+    return type(data)(
+        data.input_ids[:batch_size],
+        data.attention_mask[:batch_size],
+        data.spec,
+        data.seq_len,
+        data.seed,
+        data.padded,
+        data.chat_template,
+        data.sources,
+    )
+
+
+def _extrapolate(
+    reader, adapter, n_batches: int, t_load: float, probe_bytes: int, t_plain: float, t_obs: float
+) -> float:
+    """Seconds for every decoder layer: its load (the probe layer's `t_load` scaled by its bytes) and
+    `n_batches` passes, observed in MoE layers."""
+    moe = set(adapter.moe_layers)
+    total = 0.0
+    for j in range(max(adapter.moe_layers) + 1):
+        total += t_load * reader.layer_bytes(j) / probe_bytes
+        total += n_batches * (t_obs if j in moe else t_plain)
+    return total
 
 
 def refuse_if_too_big(est: ResourceEstimate) -> None:

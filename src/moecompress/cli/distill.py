@@ -55,7 +55,7 @@ def distill_command(
 ) -> None:
     """Knowledge distillation from the MoE teacher into the dense student (HF Trainer; use `accelerate launch`
     with configs/accelerate/*.yaml for DDP, FSDP2 or DeepSpeed ZeRO-3)."""
-    from ..distill.trainer import DistillConfig, distill
+    from ..distill import DistillConfig, distill
 
     teacher, student = resolve_fixture(teacher), resolve_fixture(student)
     if overwrite:

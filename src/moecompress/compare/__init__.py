@@ -30,7 +30,7 @@ def check_distill_settings(recipe: Recipe) -> None:
     from pydantic import ValidationError
 
     from ..data import parse_spec
-    from ..distill.trainer import DistillConfig
+    from ..distill import DistillConfig
     from ..errors import MoECompressError
     from ..methods import get_method
 

@@ -45,6 +45,7 @@ class SourceSpec:
 
 
 def _parse_term(term: str, spec: str) -> SourceSpec:
+    """One term of `spec`: ``[task:]NAME[@split][:count]``, a hub dataset, a fixture or a data file."""
     body, count = term, None
     m = re.fullmatch(r"(.*?):(\d+)", body)
     if m:
@@ -76,6 +77,18 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
         return SourceSpec(term, "hub", key, None, split, count)
     if key in FIXTURES or fixture_domain(key):
         return SourceSpec(term, "fixture", key, None, split, count)
+    found = _file_term(term, body, split, count)
+    if found is not None:
+        return found
+    known = ", ".join(list(HUB_DATASETS) + list(FIXTURES))
+    raise MoECompressError(
+        f"Unknown dataset '{body}' in data spec '{spec}'; use one of {known} or a path to a .txt/.jsonl file."
+    )
+
+
+def _file_term(term: str, body: str, split: str | None, count: int | None) -> SourceSpec | None:
+    """The term as a data file (``path`` or ``path.jsonl#field``), refused in one sentence when that file cannot
+    be read as text; None when `body` does not look like a file."""
     path, field = body, None
     if "#" in body and not Path(body).exists():
         path, field = body.rsplit("#", 1)
@@ -105,10 +118,7 @@ def _parse_term(term: str, spec: str) -> SourceSpec:
         return SourceSpec(
             term, "file", str(p), field or ("text" if p.suffix.lower() != ".txt" else None), split, count
         )
-    known = ", ".join(list(HUB_DATASETS) + list(FIXTURES))
-    raise MoECompressError(
-        f"Unknown dataset '{body}' in data spec '{spec}'; use one of {known} or a path to a .txt/.jsonl file."
-    )
+    return None
 
 
 def parse_spec(spec: str) -> list[SourceSpec]:

@@ -1,19 +1,16 @@
 """MoE → dense students and knowledge distillation from the MoE teacher (HF Trainer / accelerate).
 
-`export_dense` writes the dense student of a MoE checkpoint (`dense_export.py`); `distill` trains it
+`export_dense` writes the dense student of a MoE checkpoint (`dense_export.py`, built by `student.py`); `distill` trains it
 against the frozen MoE teacher (`trainer.py`, objectives in `kd.py`).
 """
 
-from .dense_export import (
-    DENSE_TARGETS,
-    StudentTarget,
-    build_student,
-    export_dense,
-    save_student,
-    student_target,
-)
+from .config import DistillConfig, DistillResult
+from .curve import plot_curve
+from .dense_export import export_dense, save_student
 from .kd import LOSSES, ExpandedMoEBlock, expanded_teacher, hidden_mse, kd_loss
-from .trainer import DistillConfig, DistillResult, distill, plot_curve
+from .student import build_student
+from .student_config import DENSE_TARGETS, StudentTarget, student_target
+from .trainer import distill
 
 __all__ = [
     "DENSE_TARGETS",

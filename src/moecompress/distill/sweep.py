@@ -19,7 +19,8 @@ from ..errors import MoECompressError
 from ..methods.dense_convert import convert, dense_view
 from ..methods.dense_fit import CRITERIA, GROUPINGS, SCALINGS, DenseConfig, canonical
 from ..models import MoEAdapter
-from .dense_export import load_stats, student_target
+from .dense_export import load_stats
+from .student_config import student_target
 
 
 def dense_sweep(
@@ -43,20 +44,66 @@ def dense_sweep(
     instead of the routed scaling factor (the option for routers that do not renormalise).
     """
     from ..eval.metrics import evaluate_stream
+
+    model, source = _sweep_model(model)
+    adapter = MoEAdapter(model)
+    tokenizer = _tokenizer_at(source)
+    criteria = [canonical(c, CRITERIA, "criterion") for c in criteria]
+    groupings = [canonical(g, GROUPINGS, "grouping") for g in groupings]
+    _check_scalings(scalings)
+    k = min(adapter.top_k(i) for i in adapter.moe_layers)
+    E = min(adapter.num_experts(i) for i in adapter.moe_layers)
+    Ks = sorted(set(Ks or [k * m for m in (1, 2, 4, 8) if k * m <= E]))
+    if any(K < k or K > E for K in Ks):
+        raise MoECompressError(f"Every K must lie in {k}..{E} (top-k..experts); got {Ks}.")
+    stats, calib_info = load_stats(calib, model, tokenizer, seq_len=seq_len, gram=True, progress=progress)
+    ids = _heldout_ids(heldout, tokenizer, heldout_tokens)
+
+    def ppl() -> float:
+        return evaluate_stream(model, ids, window=window, progress=False)["aggregate"]["ppl"]
+
+    t0 = time.time()
+    teacher_ppl = ppl()
+    combos = list(itertools.product(criteria, groupings, scalings, Ks))
+    rows, cache = _sweep_rows(adapter, stats, combos, k, mass_scale, ppl, progress)
+    return {
+        "model": source or getattr(model, "name_or_path", None),
+        "model_type": adapter.model_type,
+        "top_k": k,
+        "num_experts": E,
+        "Ks": Ks,
+        "teacher_ppl": teacher_ppl,
+        "rows": rows,
+        "calibration": calib_info,
+        "heldout_tokens": int(ids.numel()),
+        "window": window,
+        "mass_scale": mass_scale,
+        "evaluations": len(cache) + 1,
+        "wall_s": round(time.time() - t0, 1),
+    }
+
+
+def _sweep_model(model):
+    """(model, source): a directory or hub id loaded in float32 (source its string), a loaded model as is."""
     from ..models import load_model
 
-    source = None
     if isinstance(model, (str, Path)):
         source = str(model)
-        model = load_model(source, dtype="float32")
-    adapter = MoEAdapter(model)
-    tokenizer = None
+        return load_model(source, dtype="float32"), source
+    return model, None
+
+
+def _tokenizer_at(source):
+    """The tokenizer of model directory `source` (refused in one sentence when it has none); None otherwise."""
     if source is not None and Path(source).is_dir():
         from ..data import load_tokenizer
 
-        tokenizer = load_tokenizer(source)
-    criteria = [canonical(c, CRITERIA, "criterion") for c in criteria]
-    groupings = [canonical(g, GROUPINGS, "grouping") for g in groupings]
+        return load_tokenizer(source)
+    return None
+
+
+def _check_scalings(scalings) -> None:
+    """Refuse a scaling that is not a known one, optionally with ``+mass``."""
     for scl in scalings:
         base, _, extra = scl.partition("+")
         canonical(base, SCALINGS, "scaling")
@@ -65,12 +112,10 @@ def dense_sweep(
                 f"Unknown scaling '{scl}'; use uniform, proportional or gate, optionally with "
                 "'+mass' (e.g. uniform+mass)."
             )
-    k = min(adapter.top_k(i) for i in adapter.moe_layers)
-    E = min(adapter.num_experts(i) for i in adapter.moe_layers)
-    Ks = sorted(set(Ks or [k * m for m in (1, 2, 4, 8) if k * m <= E]))
-    if any(K < k or K > E for K in Ks):
-        raise MoECompressError(f"Every K must lie in {k}..{E} (top-k..experts); got {Ks}.")
-    stats, calib_info = load_stats(calib, model, tokenizer, seq_len=seq_len, gram=True, progress=progress)
+
+
+def _heldout_ids(heldout, tokenizer, heldout_tokens: int | None) -> torch.Tensor:
+    """The held-out token ids (token ids as given, or a data spec's stream), cut to `heldout_tokens`."""
     if isinstance(heldout, torch.Tensor):
         ids = heldout.reshape(-1).long()
     else:
@@ -83,14 +128,13 @@ def dense_sweep(
         ids = token_stream(str(heldout), tokenizer).ids
     if heldout_tokens is not None:
         ids = ids[:heldout_tokens]
+    return ids
 
-    def ppl() -> float:
-        return evaluate_stream(model, ids, window=window, progress=False)["aggregate"]["ppl"]
 
-    t0 = time.time()
-    teacher_ppl = ppl()
+def _sweep_rows(adapter, stats, combos, k: int, mass_scale: bool, ppl, progress: bool) -> tuple[list, dict]:
+    """(rows, cache): the perplexity of each (criterion, grouping, scaling, K) in `combos`, computed in place on
+    the dense view; a cell with K = top-k ignores the grouping, so it is computed once per criterion × scaling."""
     rows, cache = [], {}
-    combos = list(itertools.product(criteria, groupings, scalings, Ks))
     from rich.progress import Progress
 
     with Progress(transient=True, disable=not progress) as bar:
@@ -112,21 +156,7 @@ def dense_sweep(
                     cache[key] = ppl()
             rows.append({"criterion": crit, "grouping": grp, "scaling": scl, "K": K, "ppl": cache[key]})
             bar.advance(job)
-    return {
-        "model": source or getattr(model, "name_or_path", None),
-        "model_type": adapter.model_type,
-        "top_k": k,
-        "num_experts": E,
-        "Ks": Ks,
-        "teacher_ppl": teacher_ppl,
-        "rows": rows,
-        "calibration": calib_info,
-        "heldout_tokens": int(ids.numel()),
-        "window": window,
-        "mass_scale": mass_scale,
-        "evaluations": len(cache) + 1,
-        "wall_s": round(time.time() - t0, 1),
-    }
+    return rows, cache
 
 
 def _fmt(x: float) -> str:

@@ -23,57 +23,17 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MoECompressError
-from .kd import expanded_teacher, hidden_mse, kd_loss
-from .shard import place_teacher
+from .config import DistillConfig, DistillResult
+from .curve import plot_curve
+from .kd_trainer import teacher_ppl, trainer_class
 
 STUDENT_DIR, CKPT_DIR, CURVE, REPORT = "student", "checkpoints", "curve.png", "distill.json"
-
-
-class DistillConfig(BaseModel):
-    """Settings of one distillation run (CLI flags map 1:1)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: int = Field(..., ge=1, description="training tokens (sets the number of optimizer steps)")
-    loss: Literal["forward_kl", "reverse_kl", "kl_hidden"] = "forward_kl"
-    temperature: float = Field(1.0, gt=0)
-    hidden_weight: float = Field(1.0, ge=0)  # λ of the hidden-state MSE (loss kl_hidden)
-    expanded_top_k: int | None = Field(None, ge=1)  # teacher routes to k' experts
-    seq_len: int = Field(256, ge=2)
-    batch_size: int = Field(8, ge=1)  # per device
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup: float = Field(0.05, ge=0)  # steps, or a fraction of the run when < 1
-    scheduler: str = "cosine"
-    max_grad_norm: float = 1.0
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    eval_every: int = Field(50, ge=1)  # optimizer steps between validations
-    save_every: int = Field(50, ge=1)  # optimizer steps between checkpoints
-    save_limit: int = Field(2, ge=1)
-    val_fraction: float = Field(
-        0.05, gt=0, lt=1
-    )  # held out from the training text when no eval data is given
-    val_tokens: int | None = Field(None, ge=2)  # cap on validation tokens
-    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
-    log_every: int = Field(10, ge=1)
-
-
-@dataclass
-class DistillResult:
-    student_dir: Path
-    curve: Path
-    report: Path
-    metrics: dict
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -88,75 +48,6 @@ class TokenBlocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.blocks[i]}
-
-
-def _trainer_class():
-    from transformers import Trainer
-
-    class DistillTrainer(Trainer):
-        """Trainer whose loss is the KD objective against a frozen teacher (see kd.py)."""
-
-        def __init__(self, *args, teacher, kd: DistillConfig, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.kd = kd
-            # replicated on each device, or sharded like the student under FSDP2 / ZeRO-3 (shard.py)
-            self.teacher = place_teacher(teacher, self.accelerator, self.args.device, kd.expanded_top_k)
-
-        def _teacher_out(self, ids, hidden: bool):
-            with torch.no_grad(), expanded_teacher(self.teacher, self.kd.expanded_top_k):
-                return self.teacher(input_ids=ids, output_hidden_states=hidden, use_cache=False)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            ids = inputs["input_ids"]
-            hidden = self.kd.loss == "kl_hidden"
-            t = self._teacher_out(ids, hidden)
-            s = model(input_ids=ids, output_hidden_states=hidden, use_cache=False)
-            kind = "reverse_kl" if self.kd.loss == "reverse_kl" else "forward_kl"
-            loss = kd_loss(s.logits, t.logits, kind, self.kd.temperature)
-            if hidden:
-                loss = loss + self.kd.hidden_weight * hidden_mse(s.hidden_states, t.hidden_states)
-            return (loss, s) if return_outputs else loss
-
-        @torch.no_grad()
-        def evaluate(
-            self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
-        ) -> dict[str, float]:
-            """Validation: KD objective, forward KL(teacher ‖ student) at T=1, student CE and perplexity."""
-            data = eval_dataset if eval_dataset is not None else self.eval_dataset
-            model = self.model_wrapped if self.model_wrapped is not None else self.model
-            was_training = model.training
-            model.eval()
-            tot = {"loss": 0.0, "kl": 0.0, "ce": 0.0}
-            n_tok = 0
-            bs = self.args.per_device_eval_batch_size
-            hidden = self.kd.loss == "kl_hidden"
-            for b in range(0, len(data), bs):
-                ids = torch.stack([data[j]["input_ids"] for j in range(b, min(b + bs, len(data)))]).to(
-                    self.args.device
-                )
-                with self.compute_loss_context_manager():
-                    t = self._teacher_out(ids, hidden)
-                    s = model(input_ids=ids, output_hidden_states=hidden, use_cache=False)
-                kind = "reverse_kl" if self.kd.loss == "reverse_kl" else "forward_kl"
-                loss = kd_loss(s.logits, t.logits, kind, self.kd.temperature)
-                if hidden:
-                    loss = loss + self.kd.hidden_weight * hidden_mse(s.hidden_states, t.hidden_states)
-                m = ids.numel()
-                tot["loss"] += float(loss) * m
-                tot["kl"] += float(kd_loss(s.logits, t.logits, "forward_kl", 1.0)) * m
-                logp = torch.log_softmax(s.logits[:, :-1].float(), -1)
-                ce = -logp.gather(-1, ids[:, 1:, None]).mean()
-                tot["ce"] += float(ce) * m
-                n_tok += m
-            if was_training:
-                model.train()
-            metrics = {f"{metric_key_prefix}_{k}": v / max(n_tok, 1) for k, v in tot.items()}
-            metrics[f"{metric_key_prefix}_ppl"] = math.exp(min(metrics[f"{metric_key_prefix}_ce"], 50.0))
-            self.log(metrics)
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-            return metrics
-
-    return DistillTrainer
 
 
 def _load(model, dtype: str):
@@ -199,68 +90,6 @@ def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
     return None
 
 
-def _teacher_ppl(trainer, data) -> float:
-    """Teacher perplexity on the validation blocks (reference line of the curve)."""
-    ce, n = 0.0, 0
-    with torch.no_grad():
-        for b in range(0, len(data), 4):
-            ids = torch.stack([data[j]["input_ids"] for j in range(b, min(b + 4, len(data)))]).to(
-                trainer.args.device
-            )
-            t = trainer._teacher_out(ids, False)
-            logp = torch.log_softmax(t.logits[:, :-1].float(), -1)
-            ce += float(-logp.gather(-1, ids[:, 1:, None]).mean()) * ids.numel()
-            n += ids.numel()
-    return math.exp(ce / max(n, 1))
-
-
-def plot_curve(history: list[dict], path: Path, teacher_ppl: float | None = None, title: str = "") -> Path:
-    """Validation curve: KD objective and KL(teacher ‖ student) (left), student perplexity (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ev: dict[int, dict] = {}
-    for h in history:
-        if "eval_loss" in h:
-            ev[int(h["step"])] = h  # a resumed run may evaluate a step twice: keep the last
-    train = [(int(h["step"]), h["loss"]) for h in history if "loss" in h and "eval_loss" not in h]
-    steps = sorted(ev)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if train:
-        a.plot(*zip(*train), color="0.7", lw=1, label="train KD loss")
-    a.plot(steps, [ev[s]["eval_loss"] for s in steps], "o-", color="C0", label="val KD loss")
-    a.plot(steps, [ev[s]["eval_kl"] for s in steps], "s--", color="C1", label="val KL(teacher‖student), T=1")
-    a.set_xlabel("optimizer step")
-    a.set_ylabel("nats per token")
-    a.set_title("distillation loss")
-    a.legend()
-    a.grid(alpha=0.3)
-    b.plot(steps, [ev[s]["eval_ppl"] for s in steps], "o-", color="C2", label="student")
-    if teacher_ppl is not None:
-        b.axhline(teacher_ppl, color="k", ls=":", label=f"MoE teacher ({teacher_ppl:.2f})")
-    b.set_xlabel("optimizer step")
-    b.set_ylabel("validation perplexity")
-    ppl = [ev[s]["eval_ppl"] for s in steps] + ([teacher_ppl] if teacher_ppl else [])
-    if max(ppl) / max(min(ppl), 1e-9) > 5:  # log scale only when the curve spans a wide range
-        from matplotlib.ticker import FuncFormatter
-
-        b.set_yscale("log")
-        b.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        # minor ticks labelled at 2·10^n, 3·10^n, 5·10^n only, so labels never crowd
-        b.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "235" else ""))
-    b.set_title("held-out perplexity")
-    b.legend()
-    b.grid(alpha=0.3, which="both")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def distill(
     teacher,
     student,
@@ -288,19 +117,13 @@ def distill(
     the whole run, so a second run on it refuses instead of training into the same checkpoints; teacher,
     student and data files are fingerprinted when it starts and checked before the student's rename.
     """
-    if config is None:
-        config = DistillConfig(tokens=tokens, **overrides)
-    elif tokens is not None or overrides:
-        config = config.model_copy(
-            update=dict(overrides, **({"tokens": tokens} if tokens is not None else {}))
-        )
+    config = _merged_config(config, tokens, overrides)
     from contextlib import ExitStack
 
     from ..atomic import claim, fingerprint_inputs
     from ..checkpoint import checkpoint_fingerprint
 
     out = Path(out)
-    final = out / STUDENT_DIR
     protect = [p for p in (teacher, student, data, eval_data) if isinstance(p, (str, Path))]
     _check_run_dir(out, overwrite, protect)
     held = ExitStack()
@@ -309,13 +132,7 @@ def distill(
     ):  # one lock per run: the other ranks of this run write the same --out
         held.enter_context(claim(out))
     with held:
-        if final.exists() and not overwrite:  # checked again under the lock: another run may have finished it
-            raise MoECompressError(
-                f"{final} already exists (this distillation finished); pass --overwrite to run "
-                "again or choose another --out."
-            )
-        if overwrite and out.exists():
-            shutil.rmtree(out)
+        _clear_run_dir(out, overwrite)
         inputs = fingerprint_inputs(protect, checkpoint_fingerprint)  # checked before the student's rename
         return _distill(
             teacher,
@@ -331,6 +148,27 @@ def distill(
             progress,
             inputs,
         )
+
+
+def _merged_config(config: DistillConfig | None, tokens: int | None, overrides: dict) -> DistillConfig:
+    """`config` with `tokens` and the keyword `overrides` applied (a new one from them when None)."""
+    if config is None:
+        return DistillConfig(tokens=tokens, **overrides)
+    if tokens is not None or overrides:
+        return config.model_copy(update=dict(overrides, **({"tokens": tokens} if tokens is not None else {})))
+    return config
+
+
+def _clear_run_dir(out: Path, overwrite: bool) -> None:
+    """Under the lock: refuse a run another run finished meanwhile, or with `overwrite` remove the old run."""
+    final = out / STUDENT_DIR
+    if final.exists() and not overwrite:  # checked again under the lock: another run may have finished it
+        raise MoECompressError(
+            f"{final} already exists (this distillation finished); pass --overwrite to run "
+            "again or choose another --out."
+        )
+    if overwrite and out.exists():
+        shutil.rmtree(out)
 
 
 def _check_run_dir(out: Path, overwrite: bool, protect) -> None:
@@ -387,21 +225,70 @@ def _distill(
     # the Trainer then shards the student and `place_teacher` the teacher
     teacher_model, teacher_src = _load(teacher, teacher_dtype)
     student_model, student_src = _load(student, "auto")
+    _mark_run_dir(out)
+    if tokenizer is None and not isinstance(data, torch.Tensor):
+        tokenizer = _find_tokenizer(student_src, teacher_src)
+    train_set, val_set = _datasets(data, eval_data, tokenizer, config)
+    args = _training_args(config, ckpt_dir, progress)
+    per_step = config.batch_size * config.grad_accum * args.world_size * config.seq_len
+    args.max_steps = max(1, math.ceil(config.tokens / per_step))
+    trainer = _make_trainer(
+        student_model, teacher_model, args, train_set, val_set, config, callbacks, progress
+    )
+    last = last_complete_checkpoint(ckpt_dir) if resume else None
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=last)
+    wall = time.time() - t0
+    teacher_ppl_ = teacher_ppl(trainer, val_set)
+    evals = _final_evals(trainer)
+    tmp = out / f".{STUDENT_DIR}.tmp"
+    trainer.save_model(str(tmp))  # gathers FSDP / ZeRO-3 shards; every rank must call it
+    metrics: dict[str, Any] = {
+        "steps": trainer.state.global_step,
+        "tokens": trainer.state.global_step * per_step,
+        "resumed_from": last,
+        "wall_s": round(wall, 1),
+        "teacher_ppl": teacher_ppl_,
+        "before": {k: evals[0][k] for k in ("eval_loss", "eval_kl", "eval_ppl")},
+        "after": {k: evals[-1][k] for k in ("eval_loss", "eval_kl", "eval_ppl")},
+        "val_tokens": len(val_set) * config.seq_len,
+        "train_blocks": len(train_set),
+    }
+    if trainer.is_world_process_zero():
+        _place_student(tmp, final, student_src, tokenizer, inputs)
+        title = f"{Path(student_src).name if student_src else 'student'} ← {Path(teacher_src).name if teacher_src else 'teacher'}"
+        curve = plot_curve(
+            trainer.state.log_history, out / CURVE, teacher_ppl_, title=f"KD {config.loss}: {title}"
+        )
+        _write_report(out, trainer, config, teacher_src, student_src, data, eval_data, metrics, curve)
+    return DistillResult(final, out / CURVE, out / REPORT, metrics)
+
+
+def _mark_run_dir(out: Path) -> None:
+    """Create the run directory with its ``distill-run`` marker, so a later --overwrite may replace it."""
     from ..atomic import MARKER, write_marker
 
     out.mkdir(parents=True, exist_ok=True)
     if not (out / MARKER).exists():  # so that a later --overwrite may replace this run directory
         write_marker(out, "distill-run")
-    if tokenizer is None and not isinstance(data, torch.Tensor):
-        from ..data import load_tokenizer
 
-        for src in (student_src, teacher_src):
-            if src is not None and Path(src).is_dir():
-                try:
-                    tokenizer = load_tokenizer(src)
-                    break
-                except MoECompressError:
-                    continue
+
+def _find_tokenizer(student_src, teacher_src):
+    """The tokenizer of the student's directory, else the teacher's; None when neither has one."""
+    from ..data import load_tokenizer
+
+    for src in (student_src, teacher_src):
+        if src is not None and Path(src).is_dir():
+            try:
+                return load_tokenizer(src)
+            except MoECompressError:
+                continue
+    return None
+
+
+def _datasets(data, eval_data, tokenizer, config: DistillConfig) -> tuple[TokenBlocks, TokenBlocks]:
+    """(training, validation) blocks of `seq_len` tokens; without `eval_data` the validation blocks are the
+    end of the training text (`val_fraction`); refused when either is empty."""
     ids = _stream(data, tokenizer)
     if eval_data is not None:
         val_ids = _stream(eval_data, tokenizer)
@@ -416,6 +303,11 @@ def _distill(
             f"The data gives {len(train_set)} training and {len(val_set)} validation blocks of "
             f"{config.seq_len} tokens; pass more text or a smaller --seq-len."
         )
+    return train_set, val_set
+
+
+def _training_args(config: DistillConfig, ckpt_dir: Path, progress: bool):
+    """The `TrainingArguments` of the run (`max_steps` is set by the caller once the world size is known)."""
     import dataclasses
 
     from transformers import TrainingArguments
@@ -424,7 +316,7 @@ def _distill(
     ckpt_flag = (
         "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     )
-    args = TrainingArguments(
+    return TrainingArguments(
         **{ckpt_flag: config.gradient_checkpointing},
         output_dir=str(ckpt_dir),
         per_device_train_batch_size=config.batch_size,
@@ -454,13 +346,14 @@ def _distill(
         disable_tqdm=not progress,
         use_cpu=not torch.cuda.is_available(),
     )
-    per_step = config.batch_size * config.grad_accum * args.world_size * config.seq_len
-    steps = max(1, math.ceil(config.tokens / per_step))
-    args.max_steps = steps
+
+
+def _make_trainer(student_model, teacher_model, args, train_set, val_set, config, callbacks, progress):
+    """The `DistillTrainer` over the student in training mode (without its log printer when progress is off)."""
     if config.gradient_checkpointing:
         student_model.config.use_cache = False
     student_model.train()
-    Trainer = _trainer_class()
+    Trainer = trainer_class()
     from transformers import default_data_collator
 
     trainer = Trainer(
@@ -478,68 +371,60 @@ def _distill(
 
         # with its bars off the Trainer prints every log dict instead; the caller's display stays the only one
         trainer.remove_callback(PrinterCallback)
-    last = last_complete_checkpoint(ckpt_dir) if resume else None
-    t0 = time.time()
-    trainer.train(resume_from_checkpoint=last)
-    wall = time.time() - t0
-    history = trainer.state.log_history
-    teacher_ppl = _teacher_ppl(trainer, val_set)
-    evals = [h for h in history if "eval_loss" in h]
+    return trainer
+
+
+def _final_evals(trainer) -> list[dict]:
+    """The validation entries of the log history, after a last validation when the final step had none."""
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     if not evals or evals[-1]["step"] != trainer.state.global_step:
         trainer.evaluate()
         evals = [h for h in trainer.state.log_history if "eval_loss" in h]
-    tmp = out / f".{STUDENT_DIR}.tmp"
-    trainer.save_model(str(tmp))  # gathers FSDP / ZeRO-3 shards; every rank must call it
-    metrics: dict[str, Any] = {
-        "steps": trainer.state.global_step,
-        "tokens": trainer.state.global_step * per_step,
-        "resumed_from": last,
-        "wall_s": round(wall, 1),
-        "teacher_ppl": teacher_ppl,
-        "before": {k: evals[0][k] for k in ("eval_loss", "eval_kl", "eval_ppl")},
-        "after": {k: evals[-1][k] for k in ("eval_loss", "eval_kl", "eval_ppl")},
-        "val_tokens": len(val_set) * config.seq_len,
-        "train_blocks": len(train_set),
+    return evals
+
+
+def _place_student(tmp: Path, final: Path, student_src, tokenizer, inputs) -> None:
+    """Rank 0: complete the saved student in `tmp` (tokenizer, dense plan, marker), fsync it, check the inputs
+    unchanged, and rename it to `final`; `tmp` is removed when that fails."""
+    from .dense_export import PLAN_NAME, copy_tokenizer
+
+    if student_src is not None:
+        copy_tokenizer(student_src, tmp)
+        if (Path(student_src) / PLAN_NAME).is_file():
+            shutil.copy2(Path(student_src) / PLAN_NAME, tmp / PLAN_NAME)
+    elif tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the student needs none
+    from ..atomic import fsync_tree, write_marker
+
+    try:
+        write_marker(tmp, "checkpoint:dense")
+        fsync_tree(tmp)  # complete on disk before it is renamed into place
+        inputs.check()  # teacher, student and data as they were when the run started
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def _write_report(
+    out: Path, trainer, config, teacher_src, student_src, data, eval_data, metrics, curve
+) -> None:
+    """Rank 0: ``distill.json``: settings, sources, metrics, the curve's path and the log history."""
+    report = {
+        "config": config.model_dump(),
+        "teacher": teacher_src,
+        "student": student_src,
+        "data": str(data) if not isinstance(data, torch.Tensor) else "token ids",
+        "eval_data": None
+        if eval_data is None
+        else (str(eval_data) if not isinstance(eval_data, torch.Tensor) else "token ids"),
+        "metrics": metrics,
+        "curve": str(curve),
+        "log_history": trainer.state.log_history,
     }
-    if trainer.is_world_process_zero():
-        from .dense_export import PLAN_NAME, copy_tokenizer
+    from ..atomic import write_file
 
-        if student_src is not None:
-            copy_tokenizer(student_src, tmp)
-            if (Path(student_src) / PLAN_NAME).is_file():
-                shutil.copy2(Path(student_src) / PLAN_NAME, tmp / PLAN_NAME)
-        elif tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the student needs none
-        from ..atomic import fsync_tree, write_marker
-
-        try:
-            write_marker(tmp, "checkpoint:dense")
-            fsync_tree(tmp)  # complete on disk before it is renamed into place
-            inputs.check()  # teacher, student and data as they were when the run started
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        title = f"{Path(student_src).name if student_src else 'student'} ← {Path(teacher_src).name if teacher_src else 'teacher'}"
-        curve = plot_curve(
-            trainer.state.log_history, out / CURVE, teacher_ppl, title=f"KD {config.loss}: {title}"
-        )
-        report = {
-            "config": config.model_dump(),
-            "teacher": teacher_src,
-            "student": student_src,
-            "data": str(data) if not isinstance(data, torch.Tensor) else "token ids",
-            "eval_data": None
-            if eval_data is None
-            else (str(eval_data) if not isinstance(eval_data, torch.Tensor) else "token ids"),
-            "metrics": metrics,
-            "curve": str(curve),
-            "log_history": trainer.state.log_history,
-        }
-        from ..atomic import write_file
-
-        write_file(out / REPORT, json.dumps(report, indent=2, default=str) + "\n")
-    return DistillResult(final, out / CURVE, out / REPORT, metrics)
+    write_file(out / REPORT, json.dumps(report, indent=2, default=str) + "\n")

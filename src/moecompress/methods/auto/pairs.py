@@ -48,7 +48,7 @@ def pair_options(adapter, stats, m: LayerMoments, partners: int, pairs: set | No
 
     an unbiased Monte-Carlo estimate of the closed-form quantity, f̂_i the pair's packed reconstruction of i
     run by the PuzzleMoE runtime (`MergeCandidate.forward`)."""
-    from ..conmoe import scope_distance
+    from ..conmoe_distance import scope_distance
     from ..puzzle import UpcastExperts, layer_norms, pair_candidate
 
     layer = m.layer
