@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moecompress.calibrate import StatsStore
+from moecompress.calibrate.streamed import LayerStats
 from moecompress.errors import MoECompressError
 from moecompress.methods import MappingStats, MethodContext, StatsView
 from moecompress.methods.context import ChainedStats, stat
@@ -31,8 +32,17 @@ def test_a_mapping_becomes_a_stats_view():
 def test_the_stats_store_offers_the_view():
     """Everything `StatsView` names, `StatsStore` has (methods read stores through that protocol)."""
     members = [m for m in vars(StatsView) if not m.startswith("_")]
-    assert set(members) == {"layers", "names", "has", "get", "layer", "get_row", "get_rows"}
-    assert all(hasattr(cls, m) for cls in (StatsStore, MappingStats, ChainedStats) for m in members)
+    want = {"layers", "names", "has", "get", "layer", "get_row", "get_rows", "chunk", "drop_rows"}
+    assert set(members) == want
+    assert all(
+        hasattr(cls, m) for cls in (StatsStore, MappingStats, ChainedStats, LayerStats) for m in members
+    )
+    # stores and mappings answer `get` for any number of experts: no chunk, nothing held to drop
+    assert (
+        StatsStore.chunk is None
+        and MappingStats({}).chunk is None
+        and ChainedStats(MappingStats({})).chunk is None
+    )
 
 
 def test_chained_stats_reads_each_statistic_from_the_first_view_holding_it():
