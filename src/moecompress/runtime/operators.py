@@ -76,7 +76,7 @@ class SlotOperators(nn.Module):
 
     @torch.no_grad()
     def fill(self, tensors) -> SlotOperators:
-        """Copy the operators' parameters from PlanTensors (keys documented in plan.py)."""
+        """Copy the operators' parameters from PlanTensors (keys documented in the plan package, plan/schema.py)."""
         n_c, n_t = self.n_const, self.n_tilt
         for j, (_, op) in enumerate(self.order):
             p = op.tensor

@@ -42,7 +42,7 @@ class LayerProblem:
     )
 
     def routable_ok(self, routable: list[bool]) -> bool:
-        """The plan's own routing check for keep/renorm layers (plan._check_routing)."""
+        """The plan's own routing check for keep/renorm layers (plan.checks.check_routing)."""
         if sum(routable) < self.top_k:
             return False
         if self.n_group > 1:
