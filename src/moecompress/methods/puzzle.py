@@ -328,17 +328,7 @@ def choose_groups(
 
     def cost(group: tuple[int, ...]) -> float:
         if group not in cache:
-            cache[group] = merge_candidate(
-                adapter,
-                layer,
-                group,
-                norms=norms,
-                tau=config.tau,
-                quant_bits=config.quant_bits,
-                quant_group=config.quant_group,
-                underflow=config.underflow,
-                experts=experts,
-            ).est_error
+            cache[group] = _merge_candidates(config, adapter, layer, [group], norms, experts)[0].est_error
         return cache[group]
 
     res = evolve_grouping(
