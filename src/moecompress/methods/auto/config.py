@@ -29,10 +29,11 @@ ALL_BITS = (16, 8, 4, 3, 2)
 
 
 def parse_budget(value) -> tuple[float | None, int | None]:
-    """A budget as (fraction, None) or (None, routed-expert bytes).
+    """A budget as (fraction, None) or (None, bytes), of what `AutoConfig.budget_scope` counts: the whole file's
+    weights (default) or the routed experts'.
 
-    A plain number in (0, 1] is a fraction of the original routed-expert bytes as stored on disk;
-    ``"50%"`` is the same as 0.5; a size with a unit is the absolute routed-expert bytes: decimal
+    A plain number in (0, 1] is a fraction of those bytes in the original as stored on disk;
+    ``"50%"`` is the same as 0.5; a size with a unit is an absolute byte count: decimal
     ``B``, ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000) or binary ``KiB``, ``MiB``, ``GiB``, ``TiB``
     (powers of 1024), case-insensitive, e.g. ``"4GB"``, ``"500MB"``, ``"1.5GiB"``.
     """
