@@ -128,11 +128,19 @@ def test_streamed_statistics_refuse_several_ranks(setup, monkeypatch):
         StreamedStats(model, SPEC, needs, seq_len=SEQ)
 
 
-def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tmp_path):
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tmp_path, monkeypatch, chunk):
     """`compress --method quant` from a data spec quantizes each layer while its Hessians are in memory, a chunk of
-    experts at a time, writes no per-expert H×H statistic, and gives the store path's plan and codes."""
-    from moecompress.calibrate.streamed import CHUNK
+    experts at a time, writes no per-expert H×H statistic, and gives the store path's plan and codes (also with
+    a chunk of 3, several per layer and a ragged last one, as a real model's 128 experts at 16)."""
+    from dataclasses import replace
+
     from moecompress.compress_dryrun import estimate_compress
+    from moecompress.methods.registry import METHODS, get_method
+
+    if chunk is not None:
+        monkeypatch.setitem(METHODS, "quant", replace(get_method("quant"), streamed_chunk=chunk))
+    CHUNK = get_method("quant").streamed_chunk
 
     _, model, _, _ = setup
     params = {"quant": "w3g64"}

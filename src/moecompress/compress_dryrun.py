@@ -332,7 +332,9 @@ def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: floa
     if entry.streamed_stats:
         out.update(
             stats_streamed_disk_bytes=0,
-            stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, CHUNK)),
+            stats_streamed_memory_bytes=int(
+                2 * _streamed_statistics(adapter, stats, entry.streamed_chunk or CHUNK)
+            ),
         )
     return out
 

@@ -160,7 +160,7 @@ def streamed_chunk(method: str, calib, quant=None) -> int | None:
 
     if not streams_statistics(method, calib, quant):
         return None
-    return CHUNK
+    return get_method(method).streamed_chunk or CHUNK
 
 
 def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:

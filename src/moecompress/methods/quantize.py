@@ -429,4 +429,7 @@ register_method(
     quant_stats,
     family="quant",
     streamed_stats=True,
+    # 16 experts' Hessians per extra pass: a quarter of the passes of 4 at a time, and GPTQ batches 4× larger
+    # (the wide benchmark model: 190 MB more; Qwen3-30B-A3B's shape: 0.9 GB, not a whole layer's 7 GB)
+    streamed_chunk=16,
 )

@@ -53,6 +53,8 @@ class MethodEntry:
     streamed_stats: bool = False
     # config -> what the build holds of the streamed view (`ViewUse`); None: the conservative default
     view_use: Callable[[BaseModel], ViewUse] | None = None
+    # streamed, the experts whose square statistics one extra pass gathers (None: `calibrate.streamed.CHUNK`)
+    streamed_chunk: int | None = None
 
     def stats_for(self, config: BaseModel) -> list[str]:
         """The statistic names a build with `config` reads."""
@@ -75,6 +77,7 @@ def register_method(
     moment_experts=None,
     streamed_stats: bool = False,
     view_use: Callable[[BaseModel], ViewUse] | None = None,
+    streamed_chunk: int | None = None,
 ) -> None:
     METHODS[name] = MethodEntry(
         name,
@@ -85,6 +88,7 @@ def register_method(
         moment_experts,
         streamed_stats,
         view_use,
+        streamed_chunk,
     )
 
 
