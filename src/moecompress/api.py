@@ -22,7 +22,6 @@ and lm-eval (seconds); they are imported where a function needs them, so that `i
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,6 +36,7 @@ from pydantic import BaseModel
 from .calibrate import calibrate as gather_statistics
 from .compare import run_compare
 from .errors import MoECompressError
+from .eval import request as evaluation_request
 from .methods import parse_config, stats_to_gather
 from .pipeline import (
     calibrate_for,
@@ -294,101 +294,21 @@ def evaluate(
     from .atomic import fingerprint_inputs
     from .checkpoint import checkpoint_fingerprint
 
-    _check_evaluate_request(tasks, ppl, reference, include_path, trust_task_code)
-    _check_evaluate_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed)
-    model, reference, out, reads = _evaluate_paths(
+    evaluation_request.check_request(tasks, ppl, reference, include_path, trust_task_code)
+    evaluation_request.check_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed)
+    model, reference, out, reads = evaluation_request.resolve_paths(
         model, reference, ppl, include_path, out, report, overwrite
     )
     limit = int(limit) if limit is not None and limit >= 1 else limit
     measure = dict(tasks=tasks, ppl=ppl, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size)
     measure.update(include_path=include_path, window=window, stride=stride, max_tokens=max_tokens, seed=seed)
     with ExitStack() as held:
-        _claim_outputs(held, out, report)
+        evaluation_request.claim_outputs(held, out, report)
         inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
         results = _evaluate(model, reference, measure, dtype, device, trust_remote_code, progress, allow_nan)
         inputs.check()
-        _write_evaluation(results, out, report, overwrite, reads, inputs)
+        evaluation_request.write_evaluation(results, out, report, overwrite, reads, inputs)
     return results
-
-
-def _check_evaluate_request(tasks, ppl, reference, include_path, trust_task_code) -> None:
-    """`evaluate` refuses a run with nothing to measure, KL without a text stream, and task code not trusted."""
-    if not tasks and not ppl:
-        raise MoECompressError(
-            "Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE."
-        )
-    if reference and not ppl:
-        raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
-    if include_path and not trust_task_code:
-        raise MoECompressError(
-            "--include-path runs the Python code that its task YAML files name (lm-eval's "
-            "!function); pass --trust-task-code if you trust that directory."
-        )
-
-
-def _check_evaluate_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed) -> None:
-    """`evaluate`'s numeric options, each in its range (`validate.check_range`)."""
-    from .validate import check_range, check_seed
-
-    check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
-    check_range("--batch-size", batch_size, 1)
-    check_range("--num-fewshot", num_fewshot, 0)
-    check_range("--window", window, 2)
-    check_range("--stride", stride, 1)
-    check_range("--max-tokens", max_tokens, 1)
-    check_seed("--seed", seed)
-
-
-def _evaluate_paths(model, reference, ppl, include_path, out, report, overwrite):
-    """`evaluate`'s inputs resolved and its outputs checked before any model loads: the model, the reference,
-    `out` as a `Path` (or None) and what the run reads."""
-    from .atomic import check_apart, check_output
-    from .models.loading import resolve_fixture
-
-    out = Path(out) if out is not None else None
-    model = resolve_fixture(model)
-    reference = resolve_fixture(reference) if reference else None
-    reads = [model, reference, ppl, *(include_path or [])]  # the ones that exist here (`atomic.check_apart`)
-    if out is not None and out.is_dir():
-        raise MoECompressError(
-            f"--out {out} is a directory; pass a file path such as {out / 'results.json'}."
-        )
-    if out is not None:
-        check_apart(out, reads)
-        _check_results_file(out, overwrite)
-    if report is not None:
-        check_output(report, overwrite, protect=reads, flag="--report", kind="report")
-    if isinstance(
-        ppl, (str, os.PathLike)
-    ):  # a missing or unreadable text file is refused before any model loads
-        from .data import parse_spec
-
-        parse_spec(str(ppl))
-    return model, reference, out, reads
-
-
-def _claim_outputs(held, out, report) -> None:
-    """Claim `evaluate`'s outputs (`atomic.claim`) for the run, on the exit stack `held`."""
-    from .atomic import claim
-
-    for path, flag in ((out, "--out"), (report, "--report")):
-        if path is not None:
-            held.enter_context(claim(path, flag))
-
-
-def _write_evaluation(results: dict, out, report, overwrite, reads, inputs) -> None:
-    """Write `evaluate`'s results JSON to `out` and its report into `report` (each when asked for)."""
-    from .atomic import atomic_dir
-    from .eval.report import write_report, write_results
-
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_results(out, results)
-    if report is not None:
-        with atomic_dir(
-            report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
-        ) as tmp:
-            write_report(results, tmp)
 
 
 def _evaluate(model, reference, measure: dict, dtype, device, trust_remote_code, progress, allow_nan) -> dict:
@@ -529,22 +449,3 @@ def _tokenizer(source: str, trust_remote_code: bool):
             f"No tokenizer could be loaded from {source}; copy the original model's tokenizer "
             "files into the checkpoint directory."
         ) from None
-
-
-def _check_results_file(out: Path, overwrite: bool) -> None:
-    """`out`: a new file, or (with `overwrite`) a results file moecompress wrote; its directory writable."""
-    from .atomic import check_path
-
-    check_path(out)  # a parent that is a file or unwritable, a symlink loop, a name too long for .NAME.lock
-    if out.exists():
-        if not overwrite:
-            raise MoECompressError(f"{out} already exists; choose another --out or pass --overwrite.")
-        try:
-            ours = str(json.loads(out.read_text()).get("schema", "")).startswith("moecompress.")
-        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
-            ours = False
-        if not ours:
-            raise MoECompressError(
-                f"{out} is not a results file written by moecompress, so --overwrite will not "
-                "replace it; pass another --out."
-            )

@@ -25,7 +25,8 @@ from ..atomic import human_bytes as _human
 from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import stored_weights
 from ..runtime.build import _complete_bias, runtime_layout
-from .formats import child_name, format_class
+from .formats import format_class
+from .naming import child_name
 from .readers import BASE_CONFIG_FILE
 from .source import open_source
 from .writer import ShardWriter

@@ -34,25 +34,8 @@ from ..runtime import build_ops, native_tensors, runtime_layout
 from ..runtime.build import _complete_bias, scope_from_weights, stored_weights
 from .gguf import GGUFFile, load_gguf
 from .gguf import reason as gguf_reason
+from .naming import child_name, revert_names
 from .readers import SCOPE_PREFIX, load_runtime, load_transformers
-
-
-def child_name(parent, child) -> str:
-    for name, mod in parent.named_modules():
-        if mod is child:
-            return name
-    raise MoECompressError(
-        "Cannot locate a MoE submodule by name; this architecture is not supported by the exporters."
-    )
-
-
-def _revert(model, tensors: dict) -> dict:
-    """Native (fused) names -> the family's on-disk names, as save_pretrained does."""
-    if not tensors:
-        return tensors
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return revert_weight_conversion(model, tensors)
 
 
 class Format:
@@ -273,7 +256,7 @@ class HFFormat(Format):
 
     def finalize(self, tensors: dict) -> dict:
         # quantized non-expert weights keep their module names (compressed-tensors' pack-quantized keys)
-        return self.quantized_tensors(_revert(self.out_skeleton, tensors), packed=True)
+        return self.quantized_tensors(revert_names(self.out_skeleton, tensors), packed=True)
 
     def moe_layer(self, i, rel_nonexpert, layer):
         router_rel = child_name(self.adapter.decoder_layers[i], layer.router) + "."
@@ -323,14 +306,9 @@ class HFFormat(Format):
 
     def _placeholder(self, sc, s) -> ExpertWeights:
         """Stored expert `s` with its projections as meta tensors of their shapes and its biases as stored."""
-        shapes = self.plan.expert_shapes(sc, s)
-        bias = {p: self.tensors.get(f"{s.tensor}.{p}_bias") for p in ("gate", "up", "down")}
-        return ExpertWeights(
-            *(torch.empty(shapes[p], dtype=torch.bfloat16, device="meta") for p in ("gate", "up", "down")),
-            bias["gate"],
-            bias["up"],
-            bias["down"],
-        )
+        shapes, parts = self.plan.expert_shapes(sc, s), ("gate", "up", "down")
+        weights = [torch.empty(shapes[p], dtype=torch.bfloat16, device="meta") for p in parts]
+        return ExpertWeights(*weights, *(self.tensors.get(f"{s.tensor}.{p}_bias") for p in parts))
 
 
 class MaterializedFormat(Format):
@@ -375,7 +353,7 @@ class MaterializedFormat(Format):
         return None if problem is None else problem[1]
 
     def finalize(self, tensors):
-        return _revert(self.source.model, self.quantized_tensors(tensors, packed=False))
+        return revert_names(self.source.model, self.quantized_tensors(tensors, packed=False))
 
     def scope(self, sc, weights):
         out = {}
@@ -471,7 +449,9 @@ class GGUFFormat(Format):
         self.file = GGUFFile(self.plan, self.tensors, self.source)
 
     def finalize(self, tensors):
-        return _revert(self.source.model, tensors)  # the checkpoint's own names, which gguf's name map knows
+        return revert_names(
+            self.source.model, tensors
+        )  # the checkpoint's own names, which gguf's name map knows
 
     def dense_layer(self, i, rel):
         self.file.add_all(self.finalize(self.full(i, rel)))

@@ -1,0 +1,109 @@
+"""`moecompress.evaluate`'s request: its checks before any model loads (options in range, inputs resolved, outputs
+checked and claimed) and the writing of its results, so the API function reads as the steps it takes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import MoECompressError
+
+
+def check_request(tasks, ppl, reference, include_path, trust_task_code) -> None:
+    """`evaluate` refuses a run with nothing to measure, KL without a text stream, and task code not trusted."""
+    if not tasks and not ppl:
+        raise MoECompressError(
+            "Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE."
+        )
+    if reference and not ppl:
+        raise MoECompressError("--reference measures KL on a text stream; pass --ppl FILE as well.")
+    if include_path and not trust_task_code:
+        raise MoECompressError(
+            "--include-path runs the Python code that its task YAML files name (lm-eval's "
+            "!function); pass --trust-task-code if you trust that directory."
+        )
+
+
+def check_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed) -> None:
+    """`evaluate`'s numeric options, each in its range (`validate.check_range`)."""
+    from ..validate import check_range, check_seed
+
+    check_range("--limit", limit, 0.0, lo_open=True, hint="pass a document count or a fraction below 1")
+    check_range("--batch-size", batch_size, 1)
+    check_range("--num-fewshot", num_fewshot, 0)
+    check_range("--window", window, 2)
+    check_range("--stride", stride, 1)
+    check_range("--max-tokens", max_tokens, 1)
+    check_seed("--seed", seed)
+
+
+def resolve_paths(model, reference, ppl, include_path, out, report, overwrite):
+    """`evaluate`'s inputs resolved and its outputs checked before any model loads: the model, the reference,
+    `out` as a `Path` (or None) and what the run reads."""
+    from ..atomic import check_apart, check_output
+    from ..models.loading import resolve_fixture
+
+    out = Path(out) if out is not None else None
+    model = resolve_fixture(model)
+    reference = resolve_fixture(reference) if reference else None
+    reads = [model, reference, ppl, *(include_path or [])]  # the ones that exist here (`atomic.check_apart`)
+    if out is not None and out.is_dir():
+        raise MoECompressError(
+            f"--out {out} is a directory; pass a file path such as {out / 'results.json'}."
+        )
+    if out is not None:
+        check_apart(out, reads)
+        check_results_file(out, overwrite)
+    if report is not None:
+        check_output(report, overwrite, protect=reads, flag="--report", kind="report")
+    if isinstance(
+        ppl, (str, os.PathLike)
+    ):  # a missing or unreadable text file is refused before any model loads
+        from ..data import parse_spec
+
+        parse_spec(str(ppl))
+    return model, reference, out, reads
+
+
+def claim_outputs(held, out, report) -> None:
+    """Claim `evaluate`'s outputs (`atomic.claim`) for the run, on the exit stack `held`."""
+    from ..atomic import claim
+
+    for path, flag in ((out, "--out"), (report, "--report")):
+        if path is not None:
+            held.enter_context(claim(path, flag))
+
+
+def write_evaluation(results: dict, out, report, overwrite, reads, inputs) -> None:
+    """Write `evaluate`'s results JSON to `out` and its report into `report` (each when asked for)."""
+    from ..atomic import atomic_dir
+    from .report import write_report, write_results
+
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_results(out, results)
+    if report is not None:
+        with atomic_dir(
+            report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
+        ) as tmp:
+            write_report(results, tmp)
+
+
+def check_results_file(out: Path, overwrite: bool) -> None:
+    """`out`: a new file, or (with `overwrite`) a results file moecompress wrote; its directory writable."""
+    from ..atomic import check_path
+
+    check_path(out)  # a parent that is a file or unwritable, a symlink loop, a name too long for .NAME.lock
+    if out.exists():
+        if not overwrite:
+            raise MoECompressError(f"{out} already exists; choose another --out or pass --overwrite.")
+        try:
+            ours = str(json.loads(out.read_text()).get("schema", "")).startswith("moecompress.")
+        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise MoECompressError(
+                f"{out} is not a results file written by moecompress, so --overwrite will not "
+                "replace it; pass another --out."
+            )
