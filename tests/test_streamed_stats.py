@@ -132,15 +132,16 @@ def test_streamed_statistics_refuse_several_ranks(setup, monkeypatch):
 def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tmp_path, monkeypatch, chunk):
     """`compress --method quant` from a data spec quantizes each layer while its Hessians are in memory, a chunk of
     experts at a time, writes no per-expert H×H statistic, and gives the store path's plan and codes (also with
-    a chunk of 3, several per layer and a ragged last one, as a real model's 128 experts at 16)."""
+    a chunk of 3: several per layer and a ragged last one)."""
     from dataclasses import replace
 
+    from moecompress.calibrate import streamed
     from moecompress.compress_dryrun import estimate_compress
     from moecompress.methods.registry import METHODS, get_method
 
     if chunk is not None:
         monkeypatch.setitem(METHODS, "quant", replace(get_method("quant"), streamed_chunk=chunk))
-    CHUNK = get_method("quant").streamed_chunk
+    CHUNK = get_method("quant").streamed_chunk or streamed.CHUNK
 
     _, model, _, _ = setup
     params = {"quant": "w3g64"}
