@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..errors import MoECompressError
-from ..methods.dense_convert import DenseConversion
+from ..methods.dense_convert import DenseConversion, mlp_weights
 from ..methods.dense_fit import ffn_apply, pad_ffn
 from ..methods.streamed import is_streamed
 from ..models import ExpertWeights, MoEAdapter
@@ -23,18 +23,6 @@ def _find_ffn(layer: nn.Module) -> tuple[str, nn.Module] | None:
         ):
             return attr, m
     return None
-
-
-def _mlp_weights(m: nn.Module) -> ExpertWeights:
-    g, u, d = m.gate_proj, m.up_proj, m.down_proj
-    return ExpertWeights(
-        g.weight.detach().double(),
-        u.weight.detach().double(),
-        d.weight.detach().double(),
-        None if g.bias is None else g.bias.detach().double(),
-        None if u.bias is None else u.bias.detach().double(),
-        None if d.bias is None else d.bias.detach().double(),
-    )
 
 
 def _new_model(config, dtype):
@@ -65,7 +53,7 @@ def _layer_ffns(
                 adapter._ensure(
                     i
                 )  # a teacher dense layer (DeepSeek's first layers): bring it in to copy its MLP
-            out[i] = _mlp_weights(found[1])
+            out[i] = mlp_weights(found[1])
     return out
 
 

@@ -71,7 +71,12 @@ def _shared_weights(adapter: MoEAdapter, i: int) -> ExpertWeights | None:
             f"The shared expert of layer {i} is not a gate/up/down MLP; this family's shared "
             "experts cannot be folded into a dense FFN yet."
         )
-    g, u, d = lin
+    return mlp_weights(shared)
+
+
+def mlp_weights(m: nn.Module) -> ExpertWeights:
+    """A gate/up/down MLP's weights and biases as float64 `ExpertWeights`."""
+    g, u, d = m.gate_proj, m.up_proj, m.down_proj
     return ExpertWeights(
         g.weight.detach().double(),
         u.weight.detach().double(),
