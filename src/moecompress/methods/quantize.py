@@ -428,7 +428,8 @@ register_method(
     build_quant,
     quant_stats,
     family="quant",
-    # the default chunk of 4 experts' Hessians per extra pass: 16 ran no faster on a 4-layer copy of the wide
-    # benchmark model (205.6 vs 198.1 CPU s) and peaked 0.32 GB higher
+    # the default chunk of 4 experts' Hessians per extra pass: 16 was not faster on a 4-layer copy of the wide
+    # benchmark model (205.6 CPU s beside llm-compressor vs 198.0 s for 4 alone: one run each, different load)
+    # and peaked 0.32 GB higher
     streamed_stats=True,
 )
