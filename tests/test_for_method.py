@@ -84,6 +84,28 @@ def test_for_method_names_cover_the_method_needs():
     assert "out_norm_sq_mean" in stats_for_method("frequency")
 
 
+def test_every_registered_method_is_known_by_its_name_alone(monkeypatch):
+    """No second table: `--for-method NAME` serves the default config of every registered method, and a
+    method registered later is known with no further line."""
+    from pydantic import BaseModel
+
+    from moecompress.methods import known_methods
+    from moecompress.methods.registry import METHODS, _load_builtin_methods, register_method
+
+    _load_builtin_methods()
+    for name, entry in METHODS.items():
+        assert set(entry.stats_for(entry.config_cls())) <= set(stats_for_method(name)), name
+
+    class Cfg(BaseModel):
+        k: int = 1
+
+    monkeypatch.setitem(METHODS, "test-new-method", METHODS["quant"])  # restored after the test
+    register_method("test-new-method", Cfg, lambda c, ctx: None, ["counts", "gram"])
+    assert stats_for_method("test-new-method") == ("counts", "gram")
+    assert "test-new-method" in known_methods()
+    assert set(stats_for_method("m-smoe")) == {"counts", "tokens", "router_logit_corr"}  # what it reads
+
+
 def test_store_written_for_prune_holds_its_names(prune_store):
     assert set(stats_for_method("prune")) <= set(StatsStore.load(prune_store).names)
 

@@ -73,9 +73,9 @@ def _reference_scores(adapter, layer, h):
         "mass": out["mass"],
         "pp": r.probs.double().mean(0),
         "ps": out["psel"] / n,
-        "cp": C._safe_div(out["psel"], cnt),
-        "acp": C._safe_div(out["psel"], cnt) * C._safe_div(out["sq"], cnt).sqrt(),
-        "reap": C._safe_div(out["gnorm"], cnt),
+        "cp": C.safe_div(out["psel"], cnt),
+        "acp": C.safe_div(out["psel"], cnt) * C.safe_div(out["sq"], cnt).sqrt(),
+        "reap": C.safe_div(out["gnorm"], cnt),
         "ean": out["norm"],
         "mone": std * out["mass"] / n,
     }

@@ -166,3 +166,15 @@ def test_pairwise_distance_definition():
     )
     assert math.isclose(float(d[0, 2]), float(manual), rel_tol=1e-5)
     assert torch.equal(d, d.T) and float(d.diagonal().abs().max()) == 0.0
+
+
+def test_safe_div_zero_fraction_broadcast_and_in_place():
+    from moecompress.scoring.criteria import safe_div
+
+    num = torch.tensor([[2.0, 4.0], [3.0, 6.0], [1.0, 1.0]], dtype=torch.float64)
+    den = torch.tensor([0.5, 0.0, 2.0], dtype=torch.float64)  # fractional (gate-weighted) and unreached
+    want = torch.tensor([[4.0, 8.0], [0.0, 0.0], [0.5, 0.5]], dtype=torch.float64)
+    assert torch.equal(safe_div(num, den), want)
+    assert torch.equal(safe_div(num[:, 0], 4.0), num[:, 0] / 4)
+    out = safe_div(num, den, out=num)
+    assert out.data_ptr() == num.data_ptr() and torch.equal(num, want)

@@ -23,19 +23,10 @@ import torch
 
 from ..errors import MoECompressError
 from ..models import MoEAdapter
+from ..scoring.criteria import safe_div
 from .observe import Observation
 
 NEEDS = ("routing", "outputs", "intermediate", "all_outputs")
-
-
-def _safe_div(num: torch.Tensor, den: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """num / den with 0 where den == 0 (an expert no token reached); ``out=num`` divides in place (the
-    [S, H, H] moment sums would otherwise exist twice, or three times with a zero-filled temporary)."""
-    den = den.to(num.dtype)
-    while den.dim() < num.dim():
-        den = den.unsqueeze(-1)
-    q = torch.div(num, den.clamp(min=1), out=out)
-    return q.masked_fill_(den == 0, 0.0)
 
 
 class Collector:
@@ -127,7 +118,7 @@ class RoutingCollector(Collector):
             "tokens": s["tokens"].reshape(()).clone(),
             "routing_mass": s["mass"].clone(),
             "pp": s["prob"] / n.clamp(min=1),
-            "cp": _safe_div(s["prob_sel"], s["count"]),
+            "cp": safe_div(s["prob_sel"], s["count"]),
         }
 
 
@@ -164,10 +155,10 @@ class ReapCollector(Collector):
     def finalize(self) -> dict[str, torch.Tensor]:
         s = self.sums
         return {
-            "reap": _safe_div(s["gnorm"], s["count"]),
+            "reap": safe_div(s["gnorm"], s["count"]),
             "ean": s["norm"].clone(),
-            "out_norm_mean": _safe_div(s["norm"], s["count"]),
-            "out_norm_sq_mean": _safe_div(s["sq"], s["count"]),
+            "out_norm_mean": safe_div(s["norm"], s["count"]),
+            "out_norm_sq_mean": safe_div(s["sq"], s["count"]),
         }
 
 
@@ -201,8 +192,8 @@ class OutputMomentsCollector(Collector):
 
     def finalize(self) -> dict[str, torch.Tensor]:
         s = self.sums
-        mean = _safe_div(s["sum"], s["count"])
-        var = (_safe_div(s["sumsq"], s["count"]) - mean * mean).clamp(min=0)
+        mean = safe_div(s["sum"], s["count"])
+        var = (safe_div(s["sumsq"], s["count"]) - mean * mean).clamp(min=0)
         return {"out_mean": mean, "out_var": var}
 
 
@@ -342,10 +333,10 @@ class MomentCollector(Collector):
         return {
             "moment_experts": torch.tensor(self.experts, dtype=torch.int64),
             "moment_count": c.clone(),
-            "moment_in_mean": _safe_div(s["in_sum"], c),
-            "moment_out_mean": _safe_div(s["out_sum"], c),
-            "input_moment": mirror_(_safe_div(s["xx"], c, out=s["xx"])),
-            "cross_moment": _safe_div(s["xy"], c, out=s["xy"]),
+            "moment_in_mean": safe_div(s["in_sum"], c),
+            "moment_out_mean": safe_div(s["out_sum"], c),
+            "input_moment": mirror_(safe_div(s["xx"], c, out=s["xx"])),
+            "cross_moment": safe_div(s["xy"], c, out=s["xy"]),
         }
 
     def stat_bytes(self, packed: bool = True) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .collectors import Collector, _safe_div
+from ..scoring.criteria import safe_div
+from .collectors import Collector
 from .observe import Observation
 
 
@@ -31,4 +32,4 @@ class IntermediateMeanCollector(Collector):
                 self.sums["mid"][e] += obs.intermediate(e).to(torch.float64).sum(0)
 
     def finalize(self) -> dict[str, torch.Tensor]:
-        return {"mid_mean": _safe_div(self.sums["mid"], self.sums["count"])}
+        return {"mid_mean": safe_div(self.sums["mid"], self.sums["count"])}

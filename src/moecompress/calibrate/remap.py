@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .collectors import Collector, _safe_div
+from ..scoring.criteria import safe_div
+from .collectors import Collector
 from .observe import Observation
 
 
@@ -45,7 +46,7 @@ class RemapErrorCollector(Collector):
 
     def finalize(self) -> dict[str, torch.Tensor]:
         return {
-            "remap_error": _safe_div(self.sums["err"], self.sums["cnt"]),
+            "remap_error": safe_div(self.sums["err"], self.sums["cnt"]),
             "remap_count": self.sums["cnt"].clone(),
         }
 

@@ -1,10 +1,11 @@
 """Which statistics each compression method needs (``calibrate --for-method``), owned by the methods layer.
 
 Calibration gathers statistics by name and knows nothing about methods; the front end turns a method
-name into statistic names here. A method module declares its needs once, at registration::
+name into statistic names here. A registered method (`registry.register_method`) is known by its name with
+no further line: `--for-method NAME` gathers what it reads with its default config. A module declares a
+name only where that is not enough: an alias of one setting, or a union that serves every setting::
 
-    from moecompress.methods.needs import register_method_stats
-    register_method_stats("my-method", ["counts", "reap"])
+    register_method_stats("gptq-g2", quant_stats(QuantConfig(weighting="gate2")))
 
 Per-criterion needs (prune, dense, conmoe) come from the one criteria registry (`scoring.registry`).
 """
@@ -14,28 +15,9 @@ from __future__ import annotations
 from ..calibrate.registry import STAT_PROVIDERS
 from ..errors import MoECompressError
 
-# Methods whose needs are not declared by a method module; criteria register below in _builtin().
-_METHOD_STATS: dict[str, tuple[str, ...]] = {
-    "tilt": (
-        "counts",
-        "tokens",
-        "out_mean",
-        "input_moment",
-        "cross_moment",
-        "moment_experts",
-        "moment_count",
-        "moment_in_mean",
-        "moment_out_mean",
-    ),
-    "m-smoe": ("counts", "tokens", "routing_mass", "router_logit_corr"),
-    "hc-smoe": ("counts", "tokens", "out_mean_all", "gram"),
-    "puzzlemoe": ("counts", "tokens", "in_channel_norm", "mid_channel_norm"),
-    "moe-to-dense": ("counts", "tokens", "routing_mass", "reap", "mid_channel_norm"),
-    # GPTQ: per-expert input Hessians (calibrate/hessian.py); gptq-g2 weights each token by its gate²
-    "quant": ("counts", "tokens", "hessian_in", "hessian_mid"),
-    "gptq": ("counts", "tokens", "hessian_in", "hessian_mid"),
-    "gptq-g2": ("counts", "tokens", "hessian_in_g2", "hessian_mid_g2"),
-}
+# Names a module declares beside its registered methods: criteria, aliases (`gptq-g2`) and unions (`prune`,
+# every criterion's statistics). A registered method with no declaration needs what its default config reads.
+_DECLARED: dict[str, tuple[str, ...]] = {}
 
 
 def register_method_stats(method: str, stats, extend: bool = True) -> None:
@@ -43,8 +25,8 @@ def register_method_stats(method: str, stats, extend: bool = True) -> None:
     unknown = [s for s in stats if s not in STAT_PROVIDERS]
     if unknown:
         raise ValueError(f"method '{method}' asks for unknown statistic '{unknown[0]}'")
-    old = _METHOD_STATS.get(method, ()) if extend else ()
-    _METHOD_STATS[method] = tuple(dict.fromkeys([*old, *stats]))
+    old = _DECLARED.get(method, ()) if extend else ()
+    _DECLARED[method] = tuple(dict.fromkeys([*old, *stats]))
 
 
 def _load() -> None:
@@ -55,20 +37,27 @@ def _load() -> None:
 
 
 def stats_for_method(method: str) -> tuple[str, ...]:
-    if method not in _METHOD_STATS:
-        _load()
-    try:
-        return _METHOD_STATS[method]
-    except KeyError:
+    """What `calibrate --for-method METHOD` gathers: the module's declaration for that name, else what the
+    registered method reads with its default config (`MethodEntry.stats_for`)."""
+    from .registry import METHODS
+
+    _load()
+    if method in _DECLARED:
+        return _DECLARED[method]
+    entry = METHODS.get(method)
+    if entry is None:
         raise MoECompressError(
-            f"Unknown method '{method}' for --for-method; known: {', '.join(sorted(_METHOD_STATS))} "
+            f"Unknown method '{method}' for --for-method; known: {', '.join(known_methods())} "
             "(or pass --stats names)."
-        ) from None
+        )
+    return tuple(entry.stats_for(entry.config_cls()))
 
 
 def known_methods() -> list[str]:
+    from .registry import METHODS
+
     _load()
-    return sorted(_METHOD_STATS)
+    return sorted({*_DECLARED, *METHODS})
 
 
 def stats_to_gather(stats=None, for_method=None) -> list[str] | None:

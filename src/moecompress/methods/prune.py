@@ -387,6 +387,7 @@ def _register_stats() -> None:
     register_method_stats("routing-mass", needs_stats(PruneConfig(criterion="mass")))
     register_method_stats("sge", ["counts", "tokens", "routing_mass", "out_norm_mean", "out_norm_sq_mean"])
     register_method_stats("prune", sorted(every))
+    register_method_stats("tilt", needs_stats(PruneConfig(operator="tilt")))  # its moments, for one operator
 
 
 _register_stats()

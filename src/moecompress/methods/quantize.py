@@ -37,6 +37,7 @@ from ..quant.gptq import GPTQ_PRECISION
 from ..quant.spec import QuantSpec
 from ..runtime.build import stored_weights
 from .context import MethodContext
+from .needs import register_method_stats
 from .registry import register_method
 from .tensor_quant import hessian_source, quantize_tensors
 
@@ -433,3 +434,6 @@ register_method(
     # and peaked 0.32 GB higher
     streamed_stats=True,
 )
+# `calibrate --for-method gptq` / `gptq-g2`: the Hessians of each weighting (`quant` reads the default's)
+register_method_stats("gptq", quant_stats(QuantConfig()))
+register_method_stats("gptq-g2", quant_stats(QuantConfig(weighting="gate2")))

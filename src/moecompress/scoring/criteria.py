@@ -10,9 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def _safe_div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-    b = torch.as_tensor(b, dtype=a.dtype)
-    return torch.where(b > 0, a / b.clamp_min(1e-300), torch.zeros_like(a))
+def safe_div(num: torch.Tensor, den: torch.Tensor | float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """num / den with 0 where den is 0 (an expert no token reached). `den` lines up with `num`'s leading
+    dimensions (one count per expert row) or is a scalar; ``out=num`` divides in place, so the [S, H, H]
+    moment sums of calibration do not exist twice."""
+    den = torch.as_tensor(den, dtype=num.dtype)
+    while 0 < den.dim() < num.dim():
+        den = den.unsqueeze(-1)
+    q = torch.div(num, den.clamp(min=torch.finfo(num.dtype).tiny), out=out)
+    return q.masked_fill_(den <= 0, 0.0)
 
 
 def random_scores(num_experts: int, seed: int = 0) -> torch.Tensor:
@@ -32,22 +38,22 @@ def routing_mass(mass: torch.Tensor) -> torch.Tensor:
 
 def pp(prob_sum: torch.Tensor, num_tokens: float) -> torch.Tensor:
     """PP: (1/N) Σ_t p_e(t), the mean router probability over all tokens."""
-    return _safe_div(prob_sum.double(), num_tokens)
+    return safe_div(prob_sum.double(), num_tokens)
 
 
 def ps(selected_prob_sum: torch.Tensor, num_tokens: float) -> torch.Tensor:
     """PS: mean over all tokens of p_e(t) when e is selected, else 0 (= (1/N) Σ_{t: e∈top-k} p_e(t))."""
-    return _safe_div(selected_prob_sum.double(), num_tokens)
+    return safe_div(selected_prob_sum.double(), num_tokens)
 
 
 def cp(selected_prob_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """CP: (1/c_e) Σ_{t: e∈top-k} p_e(t), the mean probability over the tokens that selected e."""
-    return _safe_div(selected_prob_sum.double(), count.double())
+    return safe_div(selected_prob_sum.double(), count.double())
 
 
 def acp(selected_prob_sum: torch.Tensor, count: torch.Tensor, out_norm_sq_sum: torch.Tensor) -> torch.Tensor:
     """ACP = CP · sqrt((1/c_e) Σ_{t: e∈top-k} ‖f_e(t)‖²)."""
-    return cp(selected_prob_sum, count) * _safe_div(out_norm_sq_sum.double(), count.double()).sqrt()
+    return cp(selected_prob_sum, count) * safe_div(out_norm_sq_sum.double(), count.double()).sqrt()
 
 
 def acp_of_means(cp_mean: torch.Tensor, out_norm_sq_mean: torch.Tensor) -> torch.Tensor:
@@ -61,7 +67,7 @@ def acp_of_means(cp_mean: torch.Tensor, out_norm_sq_mean: torch.Tensor) -> torch
 
 def reap(gate_norm_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """REAP: (1/c_e) Σ_{t: e∈top-k} g_e(t)·‖f_e(t)‖₂."""
-    return _safe_div(gate_norm_sum.double(), count.double())
+    return safe_div(gate_norm_sum.double(), count.double())
 
 
 def ean(out_norm_sum: torch.Tensor) -> torch.Tensor:
@@ -83,9 +89,9 @@ def mone(
     Low scores are pruned: an expert with a near-constant output (small σ) is replaceable by its mean.
     """
     c = count.double().unsqueeze(-1)
-    mean = _safe_div(out_sum.double(), c)
-    var = (_safe_div(out_sq_sum.double(), c) - mean.square()).clamp_min(0.0)
-    return var.sum(-1).sqrt() * _safe_div(mass.double(), num_tokens)
+    mean = safe_div(out_sum.double(), c)
+    var = (safe_div(out_sq_sum.double(), c) - mean.square()).clamp_min(0.0)
+    return var.sum(-1).sqrt() * safe_div(mass.double(), num_tokens)
 
 
 def super_experts(
@@ -97,6 +103,6 @@ def super_experts(
     With the default threshold, layers without such outliers flag nothing, so protection on by
     default changes nothing for them.
     """
-    rms = _safe_div(out_norm_sq_sum.double(), count.double()).sqrt()
+    rms = safe_div(out_norm_sq_sum.double(), count.double()).sqrt()
     med = rms[count > 0].median() if (count > 0).any() else torch.tensor(0.0, dtype=torch.float64)
     return (rms > threshold * med) & (med > 0)
