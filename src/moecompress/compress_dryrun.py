@@ -127,7 +127,7 @@ class _ConfigOnly:
         self.layers_prefix, self.num_layers = CheckpointReader._find_layers(self._skeleton, MoEAdapter)
         dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None) or "bfloat16"
         dtype = getattr(torch, dtype.replace("torch.", "")) if isinstance(dtype, str) else dtype
-        self.elem = torch.empty((), dtype=dtype).element_size()
+        self.elem = dtype.itemsize
         self._bytes: dict[int | None, int] = {}
         prefix = self.layers_prefix + "."
         for name, p in self._skeleton.named_parameters():  # tied weights once

@@ -11,6 +11,14 @@ import typer
 from ..api import compare
 from ..compare.ranking import ranking_table, summary_console, table_width
 
+# the options compare and demo share, defined once
+_VERBOSE = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs.")
+_ALLOW_NAN = typer.Option(
+    False,
+    "--allow-nan",
+    help="Keep arms whose metrics are NaN or infinite (stored as null) instead of exiting 1.",
+)
+
 
 def compare_command(
     recipes: list[Path] = typer.Argument(
@@ -21,12 +29,8 @@ def compare_command(
     keep_checkpoints: bool = typer.Option(
         True, help="Keep each arm's exported checkpoint under OUT/checkpoints."
     ),
-    verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
-    allow_nan: bool = typer.Option(
-        False,
-        "--allow-nan",
-        help="Keep arms whose metrics are NaN or infinite (stored as null) instead of exiting 1.",
-    ),
+    verbose: bool = _VERBOSE,
+    allow_nan: bool = _ALLOW_NAN,
     resume: bool = typer.Option(
         False,
         "--resume",
@@ -56,12 +60,8 @@ def demo_command(
         "is one representative arm per method family on one fixture).",
     ),
     overwrite: bool = typer.Option(True, help="Replace a previous demo report."),
-    verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and logs."),
-    allow_nan: bool = typer.Option(
-        False,
-        "--allow-nan",
-        help="Keep arms whose metrics are NaN or infinite (stored as null) instead of exiting 1.",
-    ),
+    verbose: bool = _VERBOSE,
+    allow_nan: bool = _ALLOW_NAN,
     resume: bool = typer.Option(
         False,
         "--resume",

@@ -104,7 +104,7 @@ class ModelInfo(Strict):
 
 
 def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def _layer_infos(
