@@ -269,9 +269,8 @@ def test_refusals_are_one_sentence_naming_a_format_that_can(tmp_path):
         "replacement operators": _with_constant(
             CompressionPlan.prune(info, _half_keep(info), gate="replace")
         ),
-        "covers the olmoe, qwen3_moe, qwen2_moe, mixtral and granitemoe families, not deepseek_v2": CompressionPlan.identity(
-            tiny_model("deepseek_v2")
-        ),
+        "covers the olmoe, qwen3_moe, qwen2_moe, mixtral, granitemoe, deepseek_v2 and gpt_oss families, not "
+        "deepseek_v3": CompressionPlan.identity(tiny_model("deepseek_v3")),
     }
     for why, plan in cases.items():
         refusal = GGUFFormat.refusal(plan)
@@ -488,3 +487,247 @@ def test_quantized_non_expert_weights_are_q_blocks_too(tmp_path):
         CompressionPlan.identity(model), {}, adapter, {"attention": QuantSpec.parse("w4g128", algo="rtn")}
     )
     assert "attention weight 'model.layers.0.self_attn.k_proj.weight' is w4g128" in GGUFFormat.refusal(coarse)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V2 and GPT-OSS (issue 31)
+def _tiny_checkpoint(tmp_path, family, **overrides):
+    """A tiny bf16 `family` checkpoint with the OLMoE fixture's tokenizer (4096 tokens) and 4 of its 8 experts kept
+    (slots 0, 2, 5, 7, renormalised) in every MoE layer: (model, checkpoint dir, plan, on-disk tensors)."""
+    model = tiny_model(family, dtype=torch.bfloat16, vocab_size=4096, **overrides)
+    model.save_pretrained(tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fixture_dir("olmoe-tiny") / f, tmp_path / "m" / f)
+    info = ModelInfo.from_model(model, checkpoint=tmp_path / "m")
+    plan = CompressionPlan.prune(info, {li.layer: [0, 2, 5, 7] for li in info.layers}, gate="renorm")
+    with safe_open(tmp_path / "m" / "model.safetensors", "pt") as f:
+        disk = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    return model, tmp_path / "m", plan, disk
+
+
+_KEPT = [0, 2, 5, 7]
+
+
+def _check_tensors(found, expected):
+    """Every tensor llama.cpp's converter would write, and no other: its name, GGML shape (PyTorch's reversed), type
+    (F32 for 1-D tensors, biases and routers, else the checkpoint's BF16) and values."""
+    assert set(found) == set(expected), set(found) ^ set(expected)
+    for gname, t in expected.items():
+        got = found[gname]
+        f32 = t.ndim == 1 or gname.endswith(".bias") or ".ffn_gate_inp." in gname
+        assert got.tensor_type == (
+            gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.BF16
+        ), gname
+        assert [int(x) for x in got.shape] == list(reversed(t.shape)), gname
+        assert np.array_equal(gguf.quants.dequantize(got.data, got.tensor_type), t.float().numpy()), gname
+
+
+def _deepseek_v2_expected(disk, cfg):
+    """The GGUF tensors llama.cpp's converter (DeepseekV2Model) makes of a DeepSeek-V2 checkpoint, 4 experts kept."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, 3)
+    expected, experts, nope, v = {}, {}, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for key, t in disk.items():
+        i = key.split(".")[2] if key.startswith("model.layers.") else None
+        if m := _EXP.fullmatch(key):  # one tensor per expert on disk: stacked in slot order
+            experts[int(m[1]), int(m[2]), m[3]] = t
+        elif key.endswith("kv_b_proj.weight"):  # the converter's split: per head [nope | v] rows
+            k_b, v_b = t.view(cfg.num_attention_heads, nope + v, -1).split([nope, v], dim=1)
+            expected[f"blk.{i}.attn_k_b.weight"], expected[f"blk.{i}.attn_v_b.weight"] = (
+                k_b.transpose(1, 2),
+                v_b,
+            )
+        elif key.endswith("mlp.gate.weight"):
+            expected[f"blk.{i}.ffn_gate_inp.weight"] = t[_KEPT]
+        else:
+            expected[names.get_name(key, try_suffixes=(".weight", ".bias"))] = t
+    for i, part in {(l, p) for l, _, p in experts}:
+        expected[f"blk.{i}.ffn_{part}_exps.weight"] = torch.stack([experts[i, e, part] for e in _KEPT])
+    return expected
+
+
+def test_deepseek_v2_is_written_as_llamacpps_converter_writes_mla(tmp_path):
+    """DeepSeek-V2 (greedy routing, q_proj, one leading dense layer, one shared expert) as llama.cpp's deepseek2
+    reads it: kv_b_proj split per head into attn_k_b (transposed) and attn_v_b with no attn_kv_b, the dense layer's
+    ffn_gate/up/down, the shared expert's *_shexp, the router with the kept rows, and MLA's metadata."""
+    model, ckpt, plan, disk = _tiny_checkpoint(tmp_path, "deepseek_v2", topk_method="greedy")
+    assert GGUFFormat.reason(plan) is None
+    export(str(ckpt), plan, tmp_path / "g", format="gguf", quiet=True)
+    _, fields, found = _read(tmp_path / "g" / "model.gguf")
+    a = "deepseek2"
+    assert fields["general.architecture"] == a
+    expected_fields = {
+        "block_count": 3,
+        "leading_dense_block_count": 1,
+        "feed_forward_length": 48,
+        "expert_feed_forward_length": 16,
+        "expert_count": 4,
+        "expert_used_count": 2,
+        "expert_shared_count": 1,
+        "expert_weights_norm": False,
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SOFTMAX),
+        "attention.head_count": 4,
+        "attention.head_count_kv": 1,  # MLA's absorbed attention: MQA over the compressed KV
+        "attention.key_length": 16 + 8,  # kv_lora_rank + qk_rope_head_dim
+        "attention.value_length": 16,
+        "attention.key_length_mla": 8 + 8,  # qk_nope_head_dim + qk_rope_head_dim
+        "attention.value_length_mla": 8,
+        "attention.kv_lora_rank": 16,
+        "attention.q_lora_rank": 0,  # q_proj: attn_q
+        "rope.dimension_count": 8,
+        "vocab_size": 4096,
+    }
+    assert {k: fields[f"{a}.{k}"] for k in expected_fields} == expected_fields
+    assert fields[f"{a}.expert_weights_scale"] == pytest.approx(model.config.routed_scaling_factor)
+    _check_tensors(found, _deepseek_v2_expected(disk, model.config))
+    # what llama.cpp's deepseek2 loader creates (src/llama-model.cpp), no more: it refuses unused tensors
+    attention = {
+        "attn_norm",
+        "attn_q",
+        "attn_kv_a_mqa",
+        "attn_kv_a_norm",
+        "attn_k_b",
+        "attn_v_b",
+        "attn_output",
+    }
+    moe = {"ffn_gate_inp", *(f"ffn_{p}_{s}" for p in ("gate", "up", "down") for s in ("exps", "shexp"))}
+    for i, ffn in ((0, {"ffn_gate", "ffn_up", "ffn_down"}), (1, moe), (2, moe)):
+        assert {n.split(".")[2] for n in found if n.startswith(f"blk.{i}.")} == attention | ffn | {"ffn_norm"}
+
+
+def _gpt_oss_expected(disk):
+    """The GGUF tensors llama.cpp's converter (GptOssModel, unquantized experts) makes of a GPT-OSS checkpoint."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, 2)
+    expected = {}
+    for key, t in disk.items():
+        i = key.split(".")[2] if key.startswith("model.layers.") else None
+        if key.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # gate/up interleaved
+            t, kind = t[_KEPT], "bias" if key.endswith("_bias") else "weight"
+            t = (
+                t.transpose(-1, -2) if kind == "weight" else t
+            )  # [E, H, 2I] -> [E, 2I, H], as the converter does
+            expected[f"blk.{i}.ffn_gate_exps.{kind}"], expected[f"blk.{i}.ffn_up_exps.{kind}"] = (
+                t[:, ::2],
+                t[:, 1::2],
+            )
+        elif key.endswith("experts.down_proj"):
+            expected[f"blk.{i}.ffn_down_exps.weight"] = t[_KEPT].transpose(-1, -2)
+        elif key.endswith("experts.down_proj_bias"):
+            expected[f"blk.{i}.ffn_down_exps.bias"] = t[_KEPT]
+        elif key.endswith("self_attn.sinks"):
+            expected[f"blk.{i}.attn_sinks.weight"] = t
+        else:
+            expected[names.get_name(key, try_suffixes=(".weight", ".bias"))] = (
+                t[_KEPT] if ".router." in key else t
+            )
+    return expected
+
+
+def _gpt_oss_from_gguf(model, found) -> None:
+    """Set `model`'s experts and sinks from the GGUF's tensors, inverting llama.cpp's layout (gate/up re-interleaved,
+    re-transposed)."""
+    t = {n: torch.tensor(gguf.quants.dequantize(x.data, x.tensor_type)) for n, x in found.items()}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            g, u, d = (t[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+            gb, ub = t[f"blk.{i}.ffn_gate_exps.bias"], t[f"blk.{i}.ffn_up_exps.bias"]
+            layer.mlp.experts.gate_up_proj.copy_(torch.stack([g, u], dim=2).flatten(1, 2).transpose(1, 2))
+            layer.mlp.experts.gate_up_proj_bias.copy_(torch.stack([gb, ub], dim=2).flatten(1, 2))
+            layer.mlp.experts.down_proj.copy_(d.transpose(1, 2))
+            layer.mlp.experts.down_proj_bias.copy_(t[f"blk.{i}.ffn_down_exps.bias"])
+            layer.self_attn.sinks.copy_(t[f"blk.{i}.attn_sinks.weight"])
+
+
+def test_gpt_oss_experts_are_unfused_with_their_biases_and_transformers_reads_the_rest(tmp_path):
+    """GPT-OSS's fused, transposed, interleaved experts as llama.cpp's converter writes them (ffn_*_exps and their
+    *_exps.bias), sinks, router bias and sliding window; then transformers' own GGUF loader for gpt_oss, which reads
+    every tensor but the experts and sinks (it looks for ``ffn_*_projs``, not llama.cpp's names): what it reads
+    equals the hf export, and with the experts and sinks taken from the GGUF by llama.cpp's layout the logits equal
+    the hf export's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, ckpt, plan, disk = _tiny_checkpoint(tmp_path, "gpt_oss")
+    assert GGUFFormat.reason(plan) is None
+    export(str(ckpt), plan, tmp_path / "g", format="gguf", quiet=True)
+    _, fields, found = _read(tmp_path / "g" / "model.gguf")
+    a = "gpt-oss"
+    assert fields["general.architecture"] == a
+    assert fields[f"{a}.attention.sliding_window"] == 16 and fields[f"{a}.expert_feed_forward_length"] == 16
+    assert (fields[f"{a}.expert_count"], fields[f"{a}.expert_used_count"]) == (4, 2)
+    assert (fields[f"{a}.attention.head_count_kv"], fields[f"{a}.attention.key_length"]) == (2, 8)
+    _check_tensors(found, _gpt_oss_expected(disk))
+
+    export(str(ckpt), plan, tmp_path / "h", format="hf", quiet=True)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "h", dtype=torch.float32)
+    back, loading = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "g",
+        gguf_file=G.GGUF_FILE,
+        config=AutoConfig.from_pretrained(tmp_path / "h"),
+        dtype=torch.float32,
+        output_loading_info=True,
+    )
+    missing = set(loading["missing_keys"])
+    parts = ["self_attn.sinks", *(f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))]
+    parts += [f"{p}_bias" for p in parts[1:]]
+    assert missing <= {f"model.layers.{i}.{p}" for i in range(2) for p in parts}, missing
+    theirs = back.state_dict()
+    for k, t in ref.state_dict().items():
+        if k not in missing:
+            assert torch.equal(theirs[k], t), k
+    _gpt_oss_from_gguf(back, found)
+    ids = torch.randint(2, 4096, (1, 48), generator=torch.Generator().manual_seed(0))  # past the window (16)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_gpt_oss_q8_0_experts_keep_their_float_biases(tmp_path):
+    """Quantized GPT-OSS experts: Q8_0 weights from our codes, their biases F32 from the plan's tensors."""
+    model, ckpt, plan, _ = _tiny_checkpoint(tmp_path, "gpt_oss", intermediate_size=32)
+    adapter = MoEAdapter(model)
+    plan, tensors = quantize_plan(
+        plan, {}, lambda l, e: adapter.layer(l).storage.read(e), QuantConfig(quant="w8g32", algo="rtn")
+    )
+    export(str(ckpt), plan, tmp_path / "q", format="gguf", quiet=True, tensors=tensors)
+    _, _, found = _read(tmp_path / "q" / "model.gguf")
+    for lp in plan.layers:
+        sc = plan.scope(lp.scope)
+        stored = [sc.stored[t] for t in lp.slots if isinstance(t, int)]
+        for part in ("gate", "up", "down"):
+            w, b = (
+                found[f"blk.{lp.layer}.ffn_{part}_exps.weight"],
+                found[f"blk.{lp.layer}.ffn_{part}_exps.bias"],
+            )
+            assert (w.tensor_type, b.tensor_type) == (
+                gguf.GGMLQuantizationType.Q8_0,
+                gguf.GGMLQuantizationType.F32,
+            )
+            bias = torch.stack([tensors[f"{s.tensor}.{part}_bias"] for s in stored]).float().numpy()
+            assert np.array_equal(gguf.quants.dequantize(b.data, b.tensor_type), bias)
+            read = [adapter.layer(lp.layer).storage.read(e) for e in _KEPT]
+            assert np.array_equal(
+                bias, torch.stack([getattr(r, f"{part}_bias") for r in read]).detach().float().numpy()
+            )
+
+
+def test_deepseek_v2_and_gpt_oss_refusals_name_what_llamacpp_lacks(tmp_path):
+    """DeepSeek-V2's group-limited routing (groups scored by their max) and a quantized kv_b_proj (stored transposed
+    as attn_k_b); GPT-OSS configs whose sliding pattern or SwiGLU clamp llama.cpp hard-codes otherwise."""
+    from moecompress.methods.tensor_quant import quantize_tensors
+
+    grouped = CompressionPlan.identity(
+        tiny_model("deepseek_v2")
+    )  # the tiny config routes group_limited_greedy
+    assert "group-limited router (4 groups scored by their max)" in GGUFFormat.refusal(grouped)
+    model = tiny_model("deepseek_v2", topk_method="greedy", kv_lora_rank=32)
+    plan, _ = quantize_tensors(
+        CompressionPlan.identity(model),
+        {},
+        MoEAdapter(model),
+        {"attention": QuantSpec.parse("w8g32", algo="rtn")},
+    )
+    assert "'model.layers.0.self_attn.kv_b_proj.weight' is quantized" in GGUFFormat.refusal(plan)
+    for overrides, why in (
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "not the even ones"),
+        ({"swiglu_limit": 5.0}, "clamps its SwiGLU at 5.0"),
+    ):
+        model, ckpt, plan, _ = _tiny_checkpoint(tmp_path / why, "gpt_oss", **overrides)
+        with pytest.raises(MoECompressError, match=f"{why}.*format='hf'"):
+            export(str(ckpt), plan, tmp_path / why / "g", format="gguf", quiet=True)

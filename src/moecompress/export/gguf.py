@@ -14,16 +14,22 @@ architecture (`gguf.get_tensor_name_map`), metadata keys from its writer, types 
 * the tokenizer as llama.cpp's byte-level BPE (``gpt2``: tokens, token types, merges, special ids) with the
   pre-tokenizer named after the tokenizer's own splitting rule;
 * ``output.weight`` written from the embedding when the model ties them and llama.cpp's architecture has no
-  fallback (OLMoE, Qwen2-MoE); Qwen3-MoE, Mixtral (llama) and Granite-MoE fall back to ``token_embd`` themselves.
+  fallback (OLMoE, Qwen2-MoE, GPT-OSS); Qwen3-MoE, Mixtral (llama), Granite-MoE and DeepSeek-V2 fall back to
+  ``token_embd`` themselves;
+* DeepSeek-V2 (``deepseek2``: MLA split into ``attn_k_b`` / ``attn_v_b``, leading dense layers, shared experts)
+  and GPT-OSS (``gpt-oss``: un-fused experts with ``*_exps.bias``, sinks, sliding window): `gguf_arches`.
 
-Which plans a GGUF holds is `reason`; what llama.cpp computes for each architecture is `ARCHES`.
+Which plans a GGUF holds is `reason`; what llama.cpp computes for each architecture is `ARCHES` (`gguf_arches`).
+Verified (tests/test_gguf.py) by gguf's own reader and dequantizer and by transformers' GGUF loader (Qwen3-MoE,
+Qwen2-MoE; GPT-OSS but its experts and sinks, which that loader does not read); OLMoE and Qwen3-MoE files were also
+run inside llama.cpp (docs/export.md). DeepSeek-V2 and GPT-OSS files were not run inside llama.cpp here: they are
+checked against llama.cpp's converter and loader sources only.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,42 +39,22 @@ from ..errors import MoECompressError
 from ..plan import CompressionPlan
 from ..quant.spec import QuantSpec
 from ..quant.tensor import QuantizedTensor
+from .gguf_arches import (
+    ARCHES,
+    SCALES,
+    Arch,
+    add_attention_hparams,
+    add_family_hparams,
+    check_family_config,
+    dense_reason,
+    full_name,
+    native_state,
+    tensor_reason,
+)
 
 GGUF_FILE = "model.gguf"
 
 
-@dataclass(frozen=True)
-class Arch:
-    """What llama.cpp's graph for one architecture computes, where the GGUF cannot say otherwise."""
-
-    arch: str  # gguf.MODEL_ARCH member
-    renormalises: (
-        bool  # its build_moe_ffn call renormalises the top-k weights (norm_w, hard-coded per architecture)
-    )
-    output_required: bool  # it needs output.weight (no fallback to token_embd for a tied head)
-    expert_width_key: bool  # the expert width goes in expert_feed_forward_length (else feed_forward_length)
-    rope_permuted: bool = False  # q/k rows permuted to GGML's rope layout, as the converter's LlamaModel does
-
-
-# llama.cpp's src/models/{olmoe,qwen3moe,qwen2moe,llama,granite}.cpp and its converter's classes for these families
-ARCHES = {
-    "olmoe": Arch("OLMOE", renormalises=False, output_required=True, expert_width_key=False),
-    "qwen3_moe": Arch("QWEN3MOE", renormalises=True, output_required=False, expert_width_key=True),
-    "qwen2_moe": Arch("QWEN2MOE", renormalises=False, output_required=True, expert_width_key=True),
-    "mixtral": Arch(
-        "LLAMA", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True
-    ),
-    "granitemoe": Arch(
-        "GRANITE_MOE", renormalises=True, output_required=False, expert_width_key=False, rope_permuted=True
-    ),
-}
-# Granite's multipliers, as its converter names them in the GGUF (llama.cpp requires the logit scale)
-_SCALES = (
-    ("attention_multiplier", "add_attention_scale"),
-    ("embedding_multiplier", "add_embedding_scale"),
-    ("residual_multiplier", "add_residual_scale"),
-    ("logits_scaling", "add_logit_scale"),
-)
 BLOCK = 32  # Q8_0 / Q4_0: 32 weights a block, one fp16 scale
 
 
@@ -98,8 +84,10 @@ def reason(plan: CompressionPlan) -> str | None:
             )
         if tq.shape[1] % BLOCK:
             return f"its {tq.kind} weight '{name}' is {tq.shape[1]} wide, not a multiple of the {BLOCK}-weight block"
-    if len(plan.layers) != info.num_hidden_layers:
-        return f"some of its decoder layers are dense, which llama.cpp's {arch.arch.lower()} cannot hold"
+        if (why := tensor_reason(info.model_type, name)) is not None:
+            return why
+    if (why := dense_reason(plan, arch)) is not None:
+        return why
     counts, widths = set(), set()
     for lp in sorted(plan.layers, key=lambda x: x.layer):
         why = _layer_reason(plan, lp, arch)
@@ -133,8 +121,13 @@ def _layer_reason(plan: CompressionPlan, lp, arch: Arch) -> str | None:
     ids = lp.stored_ids()
     if len(set(ids)) != len(ids):
         return f"layer {lp.layer} maps several slots to one stored expert"
-    if li.n_group > 1 or info.expert_bias:
-        return f"layer {lp.layer} has a grouped router or expert biases"
+    if li.n_group > 1:
+        return (
+            f"layer {lp.layer} has a group-limited router ({li.n_group} groups scored by their {li.group_score}), "
+            f"which llama.cpp's {arch.arch.lower()} does not compute"
+        )
+    if info.expert_bias and not arch.expert_bias:
+        return f"layer {lp.layer}'s experts carry biases, which llama.cpp's {arch.arch.lower()} does not read"
     stored = [sc.stored[s] for s in ids]
     if any(plan.stored_width(sc, s) != li.intermediate_size for s in stored):
         return f"layer {lp.layer} stores an expert of a different width"
@@ -329,6 +322,7 @@ class GGUFFile:
                 "This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
                 f"{self.arch.arch.lower()} does not; export it with format='hf' instead."
             )
+        check_family_config(cfg, self.plan.model.model_type)
 
     def _add_hparams(self, w, rope: dict) -> None:
         """Write the model's hyperparameters (sizes, heads, rope, norm epsilon, scales, expert counts) to `w`."""
@@ -346,19 +340,16 @@ class GGUFFile:
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        head_dim = getattr(cfg, "head_dim", None)
-        if head_dim:
-            w.add_key_length(head_dim)
-            w.add_value_length(head_dim)
+        add_attention_hparams(w, cfg, info.model_type)  # KV heads, key/value lengths (DeepSeek-V2's MLA)
         if "rope_theta" in rope:
             w.add_rope_freq_base(float(rope["rope_theta"]))
         w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-        for key, add in _SCALES:
+        for key, add in SCALES:
             if getattr(cfg, key, None) is not None:
                 getattr(w, add)(float(getattr(cfg, key)))
         w.add_expert_count(k)
         w.add_expert_used_count(li.top_k)
+        add_family_hparams(w, cfg, info.model_type, info.num_hidden_layers - len(self.plan.layers))
 
     def _file_type(self):
         """The GGUF file type: the experts' type when they all have one, else the model's float dtype."""
@@ -408,7 +399,7 @@ class GGUFFile:
         from ..runtime.tensor_quant import packed_of
 
         embedding = None
-        for name, t in sorted(state.items()):
+        for name, t in sorted(native_state(self.plan.model.model_type, state, self.config).items()):
             gname = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
             if gname is None:
                 raise MoECompressError(
@@ -429,6 +420,7 @@ class GGUFFile:
                 t = _rows(t, lambda x: _permute(x, self.config.num_attention_heads))
             elif self.arch.rope_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _rows(t, lambda x: _permute(x, self.config.num_key_value_heads))
+            gname = full_name(gname)  # GPT-OSS's sinks: attn_sinks.weight
             self._put(gname, t)
             if gname == "token_embd.weight":
                 embedding = t
@@ -442,6 +434,16 @@ class GGUFFile:
         spec = stored[0].quant
         for part in ("gate", "up", "down"):
             name = self.exps[part].format(bid=layer) + ".weight"
+            # GPT-OSS: ffn_*_exps.bias [E, I] / [E, H] in F32 (quantized experts keep their float biases)
+            if self.arch.expert_bias:
+                self._put(
+                    self.exps[part].format(bid=layer) + ".bias",
+                    torch.stack(
+                        [getattr(w, f"{part}_bias") for w in weights]
+                        if spec is None
+                        else [self.tensors[f"{s.tensor}.{part}_bias"] for s in stored]
+                    ),
+                )
             if spec is None:
                 self._put(name, torch.stack([getattr(w, part).to(dtype) for w in weights]))
                 continue
