@@ -407,3 +407,19 @@ def test_shared_experts_run_on_a_layer_read_as_stored(tmp_path):
     assert view.layer(i).shared is not None
     assert torch.equal(view.moe_forward(i, x), ref.moe_forward(i, x))
     assert view.layer(i).storage.module.gate_up_proj.dtype == torch.bfloat16
+
+
+def test_spilled_tensors_survive_deletions_and_later_batches():
+    """A batch written after a deletion does not overwrite an earlier batch's file (the part name was once the
+    live file count), and reads through the kept-open part file return each tensor as written."""
+    from moecompress.methods.streamed import SpilledTensors
+
+    store = SpilledTensors()
+    a, b, c = torch.arange(6.0).view(2, 3), torch.ones(4), torch.full((2,), 7.0)
+    store.update({"a": a})
+    store.update({"b": b})
+    del store["a"]
+    store.update({"c": c})
+    assert sorted(store) == ["b", "c"]
+    assert torch.equal(store["b"], b) and torch.equal(store["c"], c) and torch.equal(store["b"], b)
+    assert len(list(store.dir.iterdir())) == 3
