@@ -2,6 +2,7 @@
 """GPTQ at scale, side by side (issue 32 item 3): moecompress vs llm-compressor on the wide model.
 
     python benchmarks/bench_gptq_scale.py run [--model DIR]   # both sides at once, one thread each, then the JSON
+    python benchmarks/bench_gptq_scale.py run-auto [--model DIR]  # our pure GPTQ and `auto --budget 25%` at once
     python benchmarks/bench_gptq_scale.py report              # writes "## GPTQ at scale: ..."
 
 The default model is `benchmarks/bench_calibration.py build` (random Qwen3-MoE, 24 layers, 4.98 GB, bf16,
@@ -35,13 +36,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import load_results, machine, model_shape, save_results, write_section  # noqa: E402
+from _bench_md import load_results, machine, model_shape, results_path, save_results, write_section  # noqa: E402
 
 WIDE = ROOT / "build" / "wide_moe_4gb"
 OUT = ROOT / "build" / "bench_gptq_scale"
 PEER_PY = ROOT / "build" / "peer-venv" / "bin" / "python"
 PEER_SCRIPT = ROOT / "benchmarks" / "peer" / "llmc_gptq.py"
 RESULTS = "gptq_scale.json"
+RESULTS_AUTO = "gptq_scale_auto.json"  # `run-auto`: our pure GPTQ beside our `auto --budget 25%`
+AUTO_BUDGET = "25%"
+TARGET_AUTO = 2.0  # auto's wall ÷ our pure GPTQ's (issue 32)
 SECTION = "## GPTQ at scale: moecompress vs llm-compressor (issue 32)"
 TARGET_WALL, TARGET_RSS = 0.5, 0.35  # ours ÷ theirs; our peak RSS ÷ checkpoint bytes (issue 32)
 
@@ -61,7 +65,7 @@ def _tokens(model: Path, sequences: int, seq_len: int) -> Path:
 
 
 def _commands(model: Path, tokens: Path, sequences: int, seq_len: int) -> dict[str, list[str]]:
-    ours = [
+    base = [
         sys.executable,
         "-m",
         "moecompress",
@@ -70,23 +74,28 @@ def _commands(model: Path, tokens: Path, sequences: int, seq_len: int) -> dict[s
         "--calib",
         f"fixture-calib:{sequences}",
     ]
-    ours += ["--seq-len", str(seq_len), "--method", "quant", "--quant", "w4g128"]
-    ours += ["--out", str(OUT / "ours"), "--overwrite"]
+    base += ["--seq-len", str(seq_len)]
+    ours = [*base, "--method", "quant", "--quant", "w4g128", "--out", str(OUT / "ours"), "--overwrite"]
     theirs = [str(PEER_PY), str(PEER_SCRIPT), "--model", str(model), "--tokens", str(tokens), "--bits", "4"]
     theirs += ["--group", "128", "--save", str(OUT / "theirs"), "--out", str(OUT / "theirs.json")]
     theirs += ["--threads", "1", "--actorder", "static"]
-    return {"moecompress": ours, "llm-compressor": theirs}
+    auto = [*base, "--method", "auto", "--budget", AUTO_BUDGET, "--out", str(OUT / "auto"), "--overwrite"]
+    return {"moecompress": ours, "llm-compressor": theirs, "moecompress auto": auto}
 
 
-def run(model: Path, sequences: int, seq_len: int) -> dict:
-    if not PEER_PY.is_file():
+def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False) -> dict:
+    """Two sides at once: ours and llm-compressor's GPTQ, or (`with_auto`) our pure GPTQ and our `auto`."""
+    if not with_auto and not PEER_PY.is_file():
         sys.exit(f"No peer virtualenv at {PEER_PY}; create it as docs/peer_check.md describes.")
     OUT.mkdir(parents=True, exist_ok=True)
     tokens = _tokens(model, sequences, seq_len)
+    names = ("moecompress", "moecompress auto") if with_auto else ("moecompress", "llm-compressor")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
     procs, logs, t0 = {}, {}, {}
     for side, cmd in _commands(model, tokens, sequences, seq_len).items():
+        if side not in names:
+            continue
         logs[side] = (OUT / f"{side}.log").open("w")
         t0[side] = time.perf_counter()
         procs[side] = subprocess.Popen(cmd, stdout=logs[side], stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -118,7 +127,7 @@ def run(model: Path, sequences: int, seq_len: int) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "sides": sides,
     }
-    save_results(RESULTS, res)
+    save_results(RESULTS_AUTO if with_auto else RESULTS, res)
     print(json.dumps(res, indent=1))
     return res
 
@@ -157,19 +166,53 @@ def report() -> None:
         f"(target ≤ {TARGET_WALL}: {'met' if wall is not None and wall <= TARGET_WALL else 'not met'}).",
         f"- our peak RSS ÷ checkpoint: {rss:.3f}. The ≤ {TARGET_RSS} target is set on the 24-layer 4.98 GB model; "
         'its row is in "Streaming compress: peak memory (issue 19)" (family GPTQ w4g128).',
+        *_auto_lines(),
     ]
     write_section(SECTION, "\n".join(lines) + "\n")
 
 
+def _auto_lines() -> list[str]:
+    """The `run-auto` sub-section: our `auto` beside our pure GPTQ, when its results exist."""
+    if not results_path(RESULTS_AUTO).is_file():
+        return []
+    d = load_results(RESULTS_AUTO)
+    gptq, auto = d["sides"]["moecompress"], d["sides"]["moecompress auto"]
+    ok = gptq["rc"] == 0 and auto["rc"] == 0
+    wall = auto["wall_s"] / gptq["wall_s"] if ok else None
+    cpu = auto["cpu_s"] / gptq["cpu_s"] if ok else None
+    rows = [
+        f"| {side} | {s['wall_s']:.0f} | {s['cpu_s']:.0f} | {s['peak_rss_bytes'] / 1e9:.2f} | {s['rc']} |"
+        for side, s in d["sides"].items()
+    ]
+    verdict = "not measured (a side failed)" if wall is None else f"{wall:.2f}"
+    met = "met" if wall is not None and wall <= TARGET_AUTO else "not met"
+    return [
+        "",
+        f"### `auto --budget {AUTO_BUDGET}` beside our pure GPTQ",
+        "",
+        f"`python benchmarks/bench_gptq_scale.py run-auto` ({d['date']}, model `{d['model']}`, calibration "
+        f"`{d['calib']}` in {d['seq_len']}-token sequences): the two `compress` runs at the same time, one thread "
+        "each; `auto` with its defaults (every candidate, measured sensitivities).",
+        "",
+        "| side | wall s | CPU s | peak RSS GB | exit |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"- auto ÷ pure GPTQ, wall: {verdict} (target ≤ {TARGET_AUTO}: {met}); CPU: "
+        f"{'—' if cpu is None else f'{cpu:.2f}'}. Once the shorter run ends the longer has a core to itself, so "
+        "the CPU ratio is the one to read.",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["run", "report"])
+    ap.add_argument("what", choices=["run", "run-auto", "report"])
     ap.add_argument("--model", default=str(WIDE))
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args()
-    if a.what == "run":
-        run(Path(a.model), a.sequences, a.seq_len)
+    if a.what in ("run", "run-auto"):
+        run(Path(a.model), a.sequences, a.seq_len, with_auto=a.what == "run-auto")
     else:
         report()
 
