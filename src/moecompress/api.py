@@ -420,7 +420,8 @@ def export(
 
 
 def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
-    """Load any export (compact/packed into the runtime; hf / materialized with plain transformers).
+    """Load any export (compact/packed into the runtime; hf / materialized with plain transformers; gguf with
+    transformers' GGUF loader where it reads the architecture, else refused in one sentence).
 
     max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate)."""
     from .export import load as _load
@@ -431,7 +432,7 @@ def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None
 
 
 def _load_for_eval(source: str, dtype: str, device: str | None, trust_remote_code: bool):
-    """A local export (compact into the runtime, hf/materialized) through `load`, else `models.load_model`."""
+    """A local export (compact into the runtime, hf/materialized, gguf) through `load`, else `models.load_model`."""
     if Path(source).expanduser().is_dir() and not trust_remote_code:
         return load(source, device_map=device, dtype=dtype)
     from .models import load_model
