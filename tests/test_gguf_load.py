@@ -104,12 +104,17 @@ def test_a_q4_0_gguf_is_dequantized_to_the_hf_exports_weights(tmp_path, capsys):
     assert torch.equal(lg.argmax(-1), lh.argmax(-1))
 
 
-def test_a_pruned_tied_qwen2_moe_gguf_loads_with_its_hf_exports_logits(tmp_path):
-    """Shared expert and its gate, a tied head, 4 of 8 experts kept: the GGUF loads as the hf export of the plan."""
-    model = tiny_model("qwen2_moe", dtype=torch.bfloat16, vocab_size=4096, tie_word_embeddings=True)
+def _tiny_checkpoint(tmp_path, family, **overrides):
+    model = tiny_model(family, dtype=torch.bfloat16, vocab_size=4096, **overrides)
     model.save_pretrained(tmp_path / "m")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(fixture_dir("olmoe-tiny") / f, tmp_path / "m" / f)
+    return model
+
+
+def test_a_pruned_tied_qwen2_moe_gguf_loads_with_its_hf_exports_logits(tmp_path):
+    """Shared expert and its gate, a tied head, 4 of 8 experts kept: the GGUF loads as the hf export of the plan."""
+    model = _tiny_checkpoint(tmp_path, "qwen2_moe", tie_word_embeddings=True)
     info = ModelInfo.from_model(model, checkpoint=tmp_path / "m")
     plan = CompressionPlan.prune(info, {li.layer: [0, 2, 5, 7] for li in info.layers}, gate="renorm")
     for fmt in ("gguf", "hf"):
@@ -119,9 +124,19 @@ def test_a_pruned_tied_qwen2_moe_gguf_loads_with_its_hf_exports_logits(tmp_path)
     assert torch.equal(_logits(g), _logits(h))
 
 
+def test_a_gpt_oss_gguf_whose_experts_transformers_skips_is_refused(tmp_path):
+    """gpt_oss is among transformers' GGUF architectures, but its loader looks for the experts and sinks under other
+    names than llama.cpp's and initialises them at random: refused in one sentence, not returned."""
+    model = _tiny_checkpoint(tmp_path, "gpt_oss")
+    export(str(tmp_path / "m"), CompressionPlan.identity(model), tmp_path / "g", format="gguf", quiet=True)
+    with pytest.raises(MoECompressError) as exc:
+        load(tmp_path / "g")
+    msg = _sentence(str(exc.value))
+    assert "weights of" in msg and "unread" in msg and "partly random" in msg and "llama-cli -m" in msg
+
+
 def test_weights_the_gguf_loader_leaves_unread_are_refused(exports, monkeypatch):
-    """transformers' GGUF loader initialises what it does not find under its own names (gpt-oss's experts and
-    sinks, say) at random; such a model is refused, not returned."""
+    """The same guard for any architecture: whatever the loader reports missing is refused."""
     from transformers import AutoModelForCausalLM
 
     def partial(*args, **kwargs):
