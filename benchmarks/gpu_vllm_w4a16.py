@@ -104,19 +104,21 @@ def problem_of(probe: dict | None, python: str) -> str | None:
     """Why the vLLM side cannot run (None when it can), from the child's probe."""
     if probe is None:
         return f"{python} could not be run to look for them"
+    vllm = "no vllm" if not probe.get("vllm_error") else f"vllm does not import ({probe['vllm_error']})"
     missing = [
-        what for what, ok in (("no CUDA device", probe.get("cuda")), ("no vllm", probe.get("vllm"))) if not ok
+        what for what, ok in (("no CUDA device", probe.get("cuda")), (vllm, probe.get("vllm"))) if not ok
     ]
     return f"{' and '.join(missing)} for {python}" if missing else None
 
 
 # ----------------------------------------------------------------------------- the vLLM child
 def child_probe() -> None:
-    """Print {"cuda": bool, "vllm": version or None} as one JSON line."""
+    """Print {"cuda": bool, "vllm": version or None, "vllm_error": why it does not import} as one JSON line; vLLM
+    is imported only where there is a CUDA device (an import takes seconds)."""
     import importlib.metadata as md
     import importlib.util
 
-    out = {"cuda": False, "vllm": None}
+    out = {"cuda": False, "vllm": None, "vllm_error": None}
     try:
         import torch
 
@@ -124,11 +126,21 @@ def child_probe() -> None:
     except ImportError:
         pass
     spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.origin is not None:  # a namespace directory named vllm is not vLLM
+    if spec is None or spec.origin is None:  # a namespace directory named vllm is not vLLM
+        print(json.dumps(out))
+        return
+    try:
+        out["vllm"] = md.version("vllm")
+    except md.PackageNotFoundError:
+        out["vllm"] = "unknown version"
+    if out["cuda"]:
         try:
-            out["vllm"] = md.version("vllm")
-        except md.PackageNotFoundError:
-            out["vllm"] = "unknown version"
+            import vllm  # noqa: F401
+        except Exception as exc:  # a broken install: reported in the exit-2 sentence
+            out["vllm"], out["vllm_error"] = (
+                None,
+                f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:150]}",
+            )
     print(json.dumps(out))
 
 

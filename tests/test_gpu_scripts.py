@@ -85,6 +85,8 @@ def test_problem_of():
     assert problem_of({"cuda": False, "vllm": None}, "py") == "no CUDA device and no vllm for py"
     assert problem_of({"cuda": True, "vllm": None}, "py") == "no vllm for py"
     assert problem_of(None, "py") == "py could not be run to look for them"
+    broken = {"cuda": True, "vllm": None, "vllm_error": "ImportError: libcudart.so.13"}
+    assert problem_of(broken, "py") == "vllm does not import (ImportError: libcudart.so.13) for py"
 
 
 def test_the_wide_model_is_the_fixture_zero_padded(tmp_path):
