@@ -354,7 +354,7 @@ def run_compare_part(fixture: str, out: Path, max_tokens: int = 16384) -> dict:
     # one calibration for every arm, kept beside the results (reruns reuse it); every arm's plan is built
     # once before the long run so that a bad arm fails in seconds, not after an hour of evaluation
     from moecompress.models import MoEAdapter
-    from moecompress.pipeline import build_plan, needs_for
+    from moecompress.workflows.pipeline import build_plan, needs_for
 
     needs = sorted({n for a in arms for n in needs_for(a["method"], a["params"])})
     stats_dir = out / f"stats-compare-{Path(fixture).name}"

@@ -7,7 +7,7 @@
 On each shipped fixture, the three corpora inside `fixture-calib` (technical docs, scripture, aphorisms) are
 the domains. Each is drawn `--draws` times on disjoint passages, every draw the same number of tokens (the
 most the smallest corpus can fill that many times), calibrated once per draw, and pruned by REAP and by
-frequency at 25 % and 50 % (`moecompress.drift.mask_drift`, the masks `compress --method prune` builds).
+frequency at 25 % and 50 % (`moecompress.workflows.drift.mask_drift`, the masks `compress --method prune` builds).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PAPER_RATIO = (4.9, 9.3)
 
 
 def run(args) -> None:
-    from moecompress.drift import mask_drift, plot_drift
+    from moecompress.workflows.drift import mask_drift, plot_drift
 
     specs = [f"fixture-calib/{d}" for d in DOMAINS]
     out = {

@@ -110,7 +110,7 @@ def heldout_windows(model: str):
 
 
 def build_plan(model: str, arm: str, stats):
-    from moecompress.pipeline import make_plan
+    from moecompress.workflows.pipeline import make_plan
 
     method, params, quant = ARMS[arm]
     if params.get("quant", "") is None:  # the original: the identity plan
@@ -318,8 +318,8 @@ def speed_runs(d: Path, ids) -> dict:
 
 
 def run_fixture(fixture: str, work: Path) -> dict:
-    from moecompress.pipeline import needs_for, resolve_calibration
     from moecompress.testing import fixture_dir
+    from moecompress.workflows.pipeline import needs_for, resolve_calibration
 
     model = str(fixture_dir(fixture))
     t0 = time.perf_counter()

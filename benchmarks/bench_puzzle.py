@@ -88,8 +88,8 @@ def run_clamp(fixture: str, out: Path) -> dict:
 
     from moecompress.methods.puzzle import _layer_seed, layer_norms
     from moecompress.models import ExpertWeights, MoEAdapter, load_model
-    from moecompress.pipeline import resolve_calibration
     from moecompress.puzzle import clamp_exponent, clamp_report, merge_expert_pair, random_pairing
+    from moecompress.workflows.pipeline import resolve_calibration
 
     path = _fixture_path(fixture)
     tok = AutoTokenizer.from_pretrained(path)

@@ -26,7 +26,7 @@ import sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
 import moecompress
-from moecompress import pipeline
+from moecompress.workflows import pipeline
 from moecompress.calibrate import calibrate
 from moecompress.models import resolve_source
 from moecompress.recipe import load_recipe

@@ -6,10 +6,10 @@ import struct
 import pytest
 import torch
 
-from moecompress.analysis import analyze_model, nearest_neighbours
 from moecompress.models import ExpertWeights, MoEAdapter
 from moecompress.scoring.distance import pairwise_distance
 from moecompress.testing import run_cli, save_tiny, tiny_model
+from moecompress.workflows.analysis import analyze_model, nearest_neighbours
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +79,8 @@ def test_cli_writes_json_and_a_readable_png(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "olmoe-tiny"])
 def test_analysis_of_the_trained_fixtures(name, tmp_path):
-    from moecompress.analysis import write_analysis
     from moecompress.testing import fixture_dir
+    from moecompress.workflows.analysis import write_analysis
 
     path = fixture_dir(name)
     if not (path / "model.safetensors").exists():

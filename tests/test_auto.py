@@ -28,9 +28,9 @@ from moecompress.methods.auto.measure import sample_layer_error, sig
 from moecompress.methods.auto.moments import LayerMoments
 from moecompress.methods.auto.solver import LayerPoint, allocate, pareto
 from moecompress.models import MoEAdapter, expert_intermediate, load_model
-from moecompress.pipeline import choose_format
 from moecompress.plan import CompressionPlan, ModelInfo
 from moecompress.testing import calibrated_tiny, save_tiny
+from moecompress.workflows.pipeline import choose_format
 
 EXTRA = [
     "out_mean",

@@ -19,9 +19,9 @@ from moecompress.methods.auto.quant import expert_quant_bytes, quant_candidates
 from moecompress.methods.auto.setup import prepare
 from moecompress.methods.auto.solver import Candidate, LayerPoint, allocate, uniform_bits_check
 from moecompress.models import expert_intermediate, load_model
-from moecompress.pipeline import choose_format
 from moecompress.plan import ModelInfo
 from moecompress.testing import calibrated_tiny
+from moecompress.workflows.pipeline import choose_format
 
 FAST = dict(sensitivity="uniform", measure=False, ranks=[4], budget_scope="routed")  # the experts' solver
 

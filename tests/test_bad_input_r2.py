@@ -446,7 +446,7 @@ def _recipe():
 def test_dangling_symlink_out_is_refused_before_compute(ws, capsys, monkeypatch):
     """Item 7: `atomic.check_output` refuses it with the other output checks (it used to fail with
     NotADirectoryError at the rename, after all the compute); the link is left as it was."""
-    import moecompress.pipeline as pipeline
+    import moecompress.workflows.pipeline as pipeline
 
     monkeypatch.chdir(ws / "w")
     monkeypatch.setattr(pipeline, "make_plan", lambda *a, **k: pytest.fail("computed before refusing"))

@@ -16,8 +16,8 @@ from moecompress.disk import read_header, stored_tensors
 from moecompress.methods import MethodContext, get_method, parse_config
 from moecompress.methods.auto import config as A
 from moecompress.models import MoEAdapter, load_model
-from moecompress.pipeline import choose_format
 from moecompress.testing import run_cli, tiny_model
+from moecompress.workflows.pipeline import choose_format
 
 SIZES = {"BF16": 2, "F32": 4, "F16": 2, "I16": 2, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
 FAST = dict(

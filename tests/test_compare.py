@@ -249,7 +249,7 @@ def test_an_interrupted_compare_resumes_without_recomputing_finished_arms(
 ):
     """Ctrl-C after the first arm keeps it (and the calibration) in .OUT.partial; --resume computes only the
     arm left and writes the same report; a resume with another recipe is refused in one sentence."""
-    import moecompress.pipeline as pipeline
+    import moecompress.workflows.pipeline as pipeline
     from moecompress.api import compare
 
     files = _recipe(

@@ -9,9 +9,9 @@ import pytest
 
 from moecompress.data import disjoint_resamples, load_tokenizer
 from moecompress.data.sources import FIXTURE_DOMAINS, fixture_documents, fixture_path, text_documents
-from moecompress.drift import drift_summary, jaccard_distance, mask_drift
 from moecompress.errors import MoECompressError
 from moecompress.models.loading import resolve_fixture
+from moecompress.workflows.drift import drift_summary, jaccard_distance, mask_drift
 
 DOMAINS = [f"fixture-calib/{d}" for d in FIXTURE_DOMAINS["fixture-calib"]]
 

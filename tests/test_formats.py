@@ -13,10 +13,10 @@ from moecompress.methods.puzzle import PuzzleConfig, build_puzzle
 from moecompress.methods.quantize import QuantConfig, quantize_plan
 from moecompress.methods.registry import MethodContext
 from moecompress.models import MoEAdapter
-from moecompress.pipeline import choose_format
 from moecompress.plan import CompressionPlan, ModelInfo
 from moecompress.runtime import CompressedMoEBlock
 from moecompress.testing import tiny_model
+from moecompress.workflows.pipeline import choose_format
 
 
 @pytest.fixture(scope="module")

@@ -204,8 +204,8 @@ def test_a_data_free_criterion_is_one_registry_call(tmp_path, monkeypatch):
     """docs/architecture.md's worked example: a criterion that scores the experts' weights (here ‖W‖_F² of
     gate, up and down) is one `register_criterion(..., weights=True)` call; prune serves it by name, with no
     statistics at all, and keeps each layer's largest-norm experts."""
-    from moecompress.pipeline import build_plan
     from moecompress.scoring import registry
+    from moecompress.workflows.pipeline import build_plan
 
     def weight_norm(g, layer, seed):
         ws = [g.weights(e) for e in range(g.num_experts)]

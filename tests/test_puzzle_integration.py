@@ -18,13 +18,13 @@ from moecompress.methods.puzzle import (
 )
 from moecompress.methods.registry import MethodContext
 from moecompress.models import MoEAdapter
-from moecompress.pipeline import choose_format
 from moecompress.plan import CompressionPlan, ModelInfo
 from moecompress.puzzle import InputNorms, merge_expert_group, merge_expert_pair
 from moecompress.puzzle.merge import GroupMerge, reconstruct_pair
 from moecompress.puzzle.quant import dequantize_magnitudes, quantize_magnitudes
 from moecompress.runtime.packed import PackedScopeExperts
 from moecompress.testing import tiny_model
+from moecompress.workflows.pipeline import choose_format
 
 IDS = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(0))
 

@@ -13,10 +13,10 @@ from moecompress.errors import MoECompressError
 from moecompress.export.formats import HFFormat
 from moecompress.methods.quantize import QuantConfig, quantize_plan
 from moecompress.models import MoEAdapter, load_model
-from moecompress.pipeline import build_plan
 from moecompress.plan import CompressionPlan
 from moecompress.runtime import CompressedMoEBlock, apply_plan
 from moecompress.testing import calibrated_tiny, run_cli, save_tiny, tiny_model
+from moecompress.workflows.pipeline import build_plan
 
 IDS = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -51,7 +51,7 @@ COMPOSED = [
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from moecompress.pipeline import needs_for
+    from moecompress.workflows.pipeline import needs_for
 
     needs = {
         s

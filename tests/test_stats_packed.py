@@ -10,13 +10,13 @@ import warnings
 import pytest
 import torch
 
-from moecompress import pipeline
 from moecompress.calibrate import StatsStore, calibrate
 from moecompress.calibrate.symmetric import pack, packed_size, unpack
 from moecompress.disk import read_header, write_tensors
 from moecompress.errors import MoECompressError
 from moecompress.models import resolve_source
 from moecompress.testing import run_cli
+from moecompress.workflows import pipeline
 
 MODEL = "fixture:olmoe-tiny"
 SPEC, SEQ = "fixture-calib:4", 32

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 import moecompress
-from moecompress import pipeline
 from moecompress.api import export
 from moecompress.calibrate import calibrate
+from moecompress.checkpoint import view as streamed
 from moecompress.data import CalibrationData
 from moecompress.errors import MoECompressError
-from moecompress.methods import streamed
 from moecompress.methods.merging import install_merged_router
 from moecompress.models import MoEAdapter, load_model
 from moecompress.testing import save_tiny
+from moecompress.workflows import pipeline
 
 ARMS = [
     ("prune", {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}),
@@ -216,8 +216,8 @@ def test_dry_run_estimates_and_max_memory_refuses(tiny, capsys):
 
 
 def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
-    from moecompress.compress_dryrun import estimate_compress
     from moecompress.testing import run_cli
+    from moecompress.workflows.compress_dryrun import estimate_compress
 
     root, path = tiny
     view = pipeline.open_view(str(path))
@@ -256,7 +256,7 @@ def test_dry_run_counts_what_the_method_holds_of_the_view(tiny, capsys):
 
 
 def test_dry_run_counts_the_statistics_a_data_spec_calibration_gathers(tiny):
-    from moecompress.compress_dryrun import estimate_compress
+    from moecompress.workflows.compress_dryrun import estimate_compress
 
     root, path = tiny
     params = {"criterion": "mone", "ratio": 0.5, "operator": "tilt", "rank": 4}
@@ -412,7 +412,7 @@ def test_shared_experts_run_on_a_layer_read_as_stored(tmp_path):
 def test_spilled_tensors_survive_deletions_and_later_batches():
     """A batch written after a deletion does not overwrite an earlier batch's file (the part name was once the
     live file count), and reads through the kept-open part file return each tensor as written."""
-    from moecompress.methods.streamed import SpilledTensors
+    from moecompress.checkpoint.view import SpilledTensors
 
     store = SpilledTensors()
     a, b, c = torch.arange(6.0).view(2, 3), torch.ones(4), torch.full((2,), 7.0)

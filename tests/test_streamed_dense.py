@@ -8,8 +8,8 @@ from moecompress.testing import fixture_dir
 
 
 def test_dense_streams_teacher_one_layer_at_a_time_and_matches_loaded_path(tmp_path, monkeypatch):
+    from moecompress.checkpoint.view import StreamedAdapter
     from moecompress.distill.dense_export import export_dense
-    from moecompress.methods.streamed import StreamedAdapter
     from moecompress.models import load_model
 
     path = fixture_dir("olmoe-tiny")

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moecompress import pipeline
 from moecompress.calibrate import calibrate
 from moecompress.calibrate.streamed import StreamedStats
 from moecompress.models import resolve_source
+from moecompress.workflows import pipeline
 
 MODEL = "fixture:olmoe-tiny"
 SPEC, SEQ = "fixture-calib:4", 32
@@ -72,7 +72,7 @@ def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup):
 
 
 def test_dry_run_counts_streamed_statistics_in_memory_not_on_disk(setup):
-    from moecompress.compress_dryrun import estimate_compress
+    from moecompress.workflows.compress_dryrun import estimate_compress
 
     _, model, needs, _ = setup
     assert (
@@ -136,8 +136,8 @@ def test_gptq_on_streamed_hessians_equals_the_store_and_stores_nothing(setup, tm
     from dataclasses import replace
 
     from moecompress.calibrate import streamed
-    from moecompress.compress_dryrun import estimate_compress
     from moecompress.methods.registry import METHODS, get_method
+    from moecompress.workflows.compress_dryrun import estimate_compress
 
     if chunk is not None:
         monkeypatch.setitem(METHODS, "quant", replace(get_method("quant"), streamed_chunk=chunk))

@@ -38,7 +38,8 @@ from .compare import run_compare
 from .errors import MoECompressError
 from .eval import request as evaluation_request
 from .methods import parse_config, stats_to_gather
-from .pipeline import (
+from .plan import CompressionPlan
+from .workflows.pipeline import (
     calibrate_for,
     check_calib_mode,
     check_format_name,
@@ -50,7 +51,6 @@ from .pipeline import (
     quant_config,
     target_format,
 )
-from .plan import CompressionPlan
 
 if TYPE_CHECKING:
     from .recipe import Recipe

@@ -1,6 +1,6 @@
 """Statistics of several groups of calibration sequences from one streamed pass (resampling studies).
 
-A study of how statistics vary between draws of calibration text (`moecompress.drift`) needs each draw's
+A study of how statistics vary between draws of calibration text (`moecompress.workflows.drift`) needs each draw's
 statistics separately. Calibrating each draw on its own streams the checkpoint once per draw; here the
 draws are concatenated into one `CalibrationData` and pushed through the checkpoint once. Every MoE layer
 gets one set of collectors per group, and each batch feeds its own group's set: the group sizes must be

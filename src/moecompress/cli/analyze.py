@@ -7,11 +7,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..analysis import analyze_model, write_analysis
 from ..atomic import check_output, claim, fingerprint_inputs
 from ..errors import MoECompressError
 from ..models.loading import resolve_fixture
 from ..validate import check_range, check_seed
+from ..workflows.analysis import analyze_model, write_analysis
 
 FIXTURE_DOMAINS = ["fixture-calib/technical", "fixture-calib/scripture", "fixture-calib/aphorisms"]
 
@@ -86,7 +86,7 @@ def _reads(model):
 def _mask_drift(
     source, model, out, data, criterion, ratio, draws, sequences, seq_len, seed, bootstrap, overwrite
 ) -> None:
-    from ..drift import mask_drift, write_drift
+    from ..workflows.drift import mask_drift, write_drift
 
     check_range("--draws", draws, 2, hint="two draws or more")
     check_seed("--seed", seed)

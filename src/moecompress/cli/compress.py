@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..api import compress
-from ..compress_dryrun import estimate_compress, refuse_if_over
 from ..errors import MoECompressError
 from ..export.formats import FORMATS
-from ..pipeline import moment_fraction, needs_for, streamed_chunk
 from ..validate import check_range, check_seed, parse_size
+from ..workflows.compress_dryrun import estimate_compress, refuse_if_over
+from ..workflows.pipeline import moment_fraction, needs_for, streamed_chunk
 
 
 def parse_params(pairs: list[str]) -> dict:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..atomic import human_bytes
 from ..models.loading import resolve_fixture
-from ..summary import inspect_model
+from ..workflows.summary import inspect_model
 
 
 def inspect_command(

@@ -64,8 +64,8 @@ def check_distill_settings(recipe: Recipe) -> None:
 
 def _check_arms(recipe: Recipe) -> None:
     """Every arm's name, `distill:` block and export format, refused in a sentence before any compute."""
-    from ..pipeline import check_format_name
     from ..validate import check_name
+    from ..workflows.pipeline import check_format_name
 
     for arm in recipe.arms:
         check_name(arm.display_name())
@@ -98,7 +98,7 @@ def _journalled(
 def _identity(recipe: Recipe, model_path: str, keep_checkpoints: bool) -> dict:
     """What a resumed run must share with the interrupted one: the recipe, the model's fingerprint and whether
     checkpoints are kept (`ArmJournal`)."""
-    from ..pipeline import model_fingerprint
+    from ..workflows.pipeline import model_fingerprint
 
     return dict(
         recipe=recipe.model_dump(mode="json"),

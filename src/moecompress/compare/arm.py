@@ -107,7 +107,7 @@ def plan_arm(
     evaluated; paths in the entry name the report's `out`."""
     from ..eval.runner import plan_arm_fields
     from ..export import export, load
-    from ..pipeline import choose_format, make_plan
+    from ..workflows.pipeline import choose_format, make_plan
 
     recipe, progress = ev.recipe, ev.progress
     t1 = time.perf_counter()  # the arm's plan streams from the checkpoint, one layer at a time

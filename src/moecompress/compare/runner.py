@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the recipe schema imports the quantizer and through it the 
 
 def _calibrate(model_path: str, spec, arms, where: Path, progress: bool):
     """The statistics every one of `arms` needs, calibrated on `spec` into `where`; returns (stats, seconds)."""
-    from ..pipeline import needs_for, resolve_calibration
+    from ..workflows.pipeline import needs_for, resolve_calibration
 
     needs = sorted({s for arm in arms for s in needs_for(arm.method, arm.params, arm.quant)})
     t = time.perf_counter()

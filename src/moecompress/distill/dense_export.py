@@ -25,7 +25,7 @@ student (or a student tensor with no source) is refused: that is the check that 
 norm path really is identical.
 
 A teacher given as a checkpoint path is never loaded whole: it is read through the streamed view
-(`methods.streamed.StreamedAdapter`), one decoder layer resident at a time — once for the conversion,
+(`checkpoint.view.StreamedAdapter`), one decoder layer resident at a time — once for the conversion,
 once more to copy that layer's attention and norm tensors into the student — so the peak is one
 teacher layer plus the student being built (and the converted FFNs, float64, until they are written).
 """
@@ -37,10 +37,10 @@ import shutil
 from pathlib import Path
 
 from ..atomic import atomic_dir, dir_bytes
+from ..checkpoint.view import is_streamed
 from ..errors import MoECompressError
 from ..methods.dense_convert import convert
 from ..methods.dense_fit import DenseConfig
-from ..methods.streamed import is_streamed
 from ..models import MoEAdapter
 from .student import build_student
 from .student_config import StudentTarget, student_target
@@ -272,8 +272,8 @@ def _summary(out, student, target: StudentTarget, plan: dict, source, adapter) -
 def teacher_view(source: str, dtype: str = "auto"):
     """The streamed, read-only view of teacher checkpoint `source` in `dtype` ("auto": its stored dtype)."""
     from ..checkpoint import CheckpointReader
+    from ..checkpoint.view import StreamedAdapter
     from ..disk import stored_dtype
-    from ..methods.streamed import StreamedAdapter
     from ..models import parse_dtype
 
     reader = CheckpointReader(source)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.view import is_streamed
 from ..errors import MoECompressError
 from ..methods.dense_convert import DenseConversion, mlp_weights
 from ..methods.dense_fit import ffn_apply, pad_ffn
-from ..methods.streamed import is_streamed
 from ..models import ExpertWeights, MoEAdapter
 from .student_config import StudentTarget, student_config, student_target
 

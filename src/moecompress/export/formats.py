@@ -32,8 +32,9 @@ from ..models.families import expert_count_keys
 from ..plan import CompressionPlan, Scope
 from ..runtime import build_ops, native_tensors, runtime_layout
 from ..runtime.build import _complete_bias, scope_from_weights, stored_weights
-from .gguf import GGUFFile, load_gguf
+from .gguf import GGUFFile
 from .gguf import reason as gguf_reason
+from .gguf_load import load_gguf_dir
 from .naming import child_name, revert_names
 from .readers import SCOPE_PREFIX, load_runtime, load_transformers
 
@@ -438,7 +439,7 @@ class GGUFFormat(Format):
     """llama.cpp's GGUF: one model.gguf in llama.cpp's names, layouts and types (export/gguf.py)."""
 
     name = "gguf"
-    load = staticmethod(load_gguf)
+    load = staticmethod(load_gguf_dir)
 
     @classmethod
     def reason(cls, plan):

@@ -147,13 +147,6 @@ def _layer_reason(plan: CompressionPlan, lp, arch: Arch) -> str | None:
     return None
 
 
-def load_gguf(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
-    raise MoECompressError(
-        f"{d} holds a GGUF file for llama.cpp (llama-cli -m {d / GGUF_FILE}), which moecompress "
-        "does not load; evaluate the plan in Python with format='compact' or apply_plan."
-    )
-
-
 # ----------------------------------------------------------------------------- tensor encodings
 def fp16_scales(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Our bf16 group scales as the fp16 that Q8_0/Q4_0 store, and how many of them fp16 does not hold exactly.

@@ -4,7 +4,7 @@ A moecompress export records its format in ``moecompress.json``; the format clas
 checkpoints load (`Format.load`: the runtime's for compact/packed, plain transformers for hf /
 materialized). A directory without the marker but with a config.json is a plain HF checkpoint.
 A GGUF export (one ``model.gguf``) loads through transformers' own GGUF loader for the architectures that
-loader reads, and is refused in one sentence for the others (`load_gguf_dir`).
+loader reads, and is refused in one sentence for the others (`gguf_load.load_gguf_dir`, also `GGUFFormat.load`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MoECompressError
-from ..models import parse_dtype
-from ..models.families import expert_count_keys
-from ..plan import PLAN_FILE, CompressionPlan
 from .core import MARKER_FILE
 from .formats import FORMATS
 from .gguf import GGUF_FILE
+from .gguf_load import load_gguf_dir
 from .readers import load_transformers, read_json
 
 
@@ -40,8 +38,6 @@ def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=No
                 f"{marker_file} names format '{name}', which this moecompress cannot read; "
                 "upgrade moecompress or re-export."
             )
-        if name == "gguf":
-            return load_gguf_dir(d, device_map, dtype, max_memory, offload_folder)
         return fmt.load(d, device_map, dtype, max_memory, offload_folder)
     safetensors = ("model.safetensors", "model.safetensors.index.json")
     if (d / GGUF_FILE).is_file() and not any((d / n).is_file() for n in safetensors):
@@ -54,99 +50,3 @@ def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=No
             f"{MARKER_FILE} or config.json); pass the directory an export wrote."
         )
     return load_transformers(d, device_map, dtype, max_memory, offload_folder)
-
-
-def _gguf_header(path: Path) -> tuple[str, int | None]:
-    """The GGUF's ``general.architecture`` and ``{arch}.expert_count`` (None when it has none)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-        arch = reader.fields["general.architecture"].contents()
-        field = reader.fields.get(f"{arch}.expert_count")
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        raise MoECompressError(
-            f"{path} is not a readable GGUF file (corrupted or truncated); re-export it with --format gguf."
-        ) from None
-    return str(arch), None if field is None else int(field.contents())
-
-
-def _refuse_unreadable(path: Path, arch: str, model_type: str):
-    raise MoECompressError(
-        f"{path} is a llama.cpp GGUF of architecture '{arch}' ({model_type}), which transformers' GGUF loader "
-        f"(and so moecompress.load) does not load; run it in llama.cpp (llama-cli -m {path}) or export the plan "
-        "with --format hf to load it here."
-    )
-
-
-def gguf_config(d: Path):
-    """The config transformers builds a GGUF export with: the directory's config.json (transformers' GGUF config
-    mapping ignores ``expert_feed_forward_length``) with the expert count the GGUF holds (a pruned export's
-    config.json is the original's); refused when transformers' GGUF loader does not read the architecture."""
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    path = d / GGUF_FILE
-    arch, experts = _gguf_header(path)
-    if not (d / "config.json").is_file():
-        raise MoECompressError(
-            f"{d} holds {GGUF_FILE} but no config.json beside it; copy the original model's config.json there "
-            f"or run it in llama.cpp (llama-cli -m {path})."
-        )
-    try:
-        config = AutoConfig.from_pretrained(d)
-    except (OSError, ValueError, KeyError):
-        raise MoECompressError(
-            f"{d}/config.json is not a config transformers reads; re-export the checkpoint."
-        ) from None
-    if config.model_type not in GGUF_SUPPORTED_ARCHITECTURES:
-        _refuse_unreadable(path, arch, config.model_type)
-    if experts is not None:
-        for key in expert_count_keys(config):
-            setattr(config, key, experts)
-    return config
-
-
-def _gguf_kwargs(dtype, device_map, max_memory, offload_folder) -> dict:
-    kwargs = {"dtype": parse_dtype(dtype or "auto"), "output_loading_info": True}
-    for key, value in (
-        ("device_map", device_map),
-        ("max_memory", max_memory),
-        ("offload_folder", offload_folder),
-    ):
-        if value is not None:
-            kwargs[key] = value
-    return kwargs
-
-
-def load_gguf_dir(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
-    """A directory holding ``model.gguf`` through ``AutoModelForCausalLM.from_pretrained(d, gguf_file=...)``
-    (which dequantizes Q8_0 / Q4_0 to floats); the plan, when present, is attached as ``model._moecompress_plan``.
-    A model some of whose weights transformers' loader did not find in the GGUF under the names it looks for
-    (gpt-oss's experts and sinks: it expects other names than llama.cpp's) is refused, not returned half random."""
-    from transformers import AutoModelForCausalLM
-
-    path = d / GGUF_FILE
-    config = gguf_config(d)
-    kwargs = _gguf_kwargs(dtype, device_map, max_memory, offload_folder)
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, config=config, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise MoECompressError(
-            f"transformers could not load {path} ({first}); run it in llama.cpp (llama-cli -m {path}) or "
-            "export the plan with --format hf."
-        ) from None
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        raise MoECompressError(
-            f"transformers' GGUF loader left {len(missing)} weights of {path} unread (first: {missing[0]}), so the "
-            f"model would be partly random; run it in llama.cpp (llama-cli -m {path}) or export the plan with "
-            "--format hf to load it here."
-        )
-    model.eval()
-    if (d / PLAN_FILE).is_file():
-        model._moecompress_plan = CompressionPlan.from_json(
-            (d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE)
-        )
-    return model

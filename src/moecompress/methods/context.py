@@ -1,7 +1,7 @@
 """What a method's build function receives besides its config: the model view and the statistics.
 
 Two typed seams. The adapter is an `MoEAdapter` (during `compress`, its streamed subclass
-`methods.streamed.StreamedAdapter`: structure from a meta skeleton, one decoder layer of weights at a
+`checkpoint.view.StreamedAdapter`: structure from a meta skeleton, one decoder layer of weights at a
 time). The statistics are a `StatsView`: the few things methods read from calibration, which a
 `calibrate.StatsStore` offers and `MappingStats` offers for in-memory ``{layer: {name: tensor}}``
 statistics (dense's full-forward statistics, tests).

@@ -84,8 +84,8 @@ def build(config: DenseConfig, context: MethodContext):
     The dense method's real output is the dense checkpoint (`moecompress dense`,
     `moecompress.distill.dense_export.export_dense`).
     """
+    from ..checkpoint.view import plan_tensor_store
     from ..plan import CompressionPlan, ModelInfo
-    from .streamed import plan_tensor_store
 
     adapter = context.adapter
     stats = stats_mapping(context.stats)

@@ -364,7 +364,7 @@ def build_puzzle(config: PuzzleConfig, context: MethodContext):
         from rich.progress import track
 
         layers_iter = track(layers_iter, description="PuzzleMoE merging", transient=True)
-    from .streamed import plan_tensor_store
+    from ..checkpoint.view import plan_tensor_store
 
     scopes, layer_plans = [], []
     tensors = plan_tensor_store(

@@ -397,7 +397,7 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
         return quantize_plan(plan, {}, source, config, ctx.stats, ctx.progress)
     from rich.progress import track
 
-    from .streamed import plan_tensor_store
+    from ..checkpoint.view import plan_tensor_store
 
     # the streamed view keeps finished layers' codes on disk: all of them would be a third of a 4-bit checkpoint
     spec, tensors, layers = config.spec(), plan_tensor_store(ctx.adapter), ctx.adapter.moe_layers

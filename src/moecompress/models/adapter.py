@@ -288,7 +288,7 @@ class MoEAdapter:
 
     def experts_at_rest(self, i: int) -> ExpertWeights:
         """Layer i's experts for a method that holds several layers at once (a ConMoE scope): in memory they are
-        `experts(i)`; a streamed view (`methods/streamed.py`) copies them at the checkpoint's precision."""
+        `experts(i)`; a streamed view (`checkpoint/view.py`) copies them at the checkpoint's precision."""
         return self.experts(i)
 
     def expert_part_at_rest(self, i: int, name: str) -> torch.Tensor:

@@ -168,7 +168,7 @@ def plan_layer_by_layer(
     part of the plan made and its tensors put in the method's tensor store (on disk for a streamed view).
     on_layer(i, part, part_tensors), if given, runs while layer i's part is still in memory (and a streamed
     view still lends the layer): a plan whose other layers are kept whole, and that layer's tensors."""
-    from ..streamed import plan_tensor_store
+    from ...checkpoint.view import plan_tensor_store
 
     keeps = {li.layer: keep_point_of(li) for li in info.layers}
     source = lambda l, e: adapter.layer(l).storage.read(e)

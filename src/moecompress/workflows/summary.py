@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .atomic import dir_bytes
-from .models import MoEAdapter, load_config, skeleton
+from ..atomic import dir_bytes
+from ..models import MoEAdapter, load_config, skeleton
 
 
 def _numel(module) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MoECompressError
+from ..errors import MoECompressError
 
 
 @dataclass
@@ -74,8 +74,8 @@ def analyze_scopes(
     progress: bool = False,
 ) -> CrossLayerAnalysis:
     """Run the analysis with `experts_of(layer)` giving that layer's stacked ExpertWeights."""
-    from .methods.conmoe_distance import scope_distance
-    from .methods.conmoe_select import scopes
+    from ..methods.conmoe_distance import scope_distance
+    from ..methods.conmoe_select import scopes
 
     groups = scopes(moe_layers, scope_size)
     res = CrossLayerAnalysis(
@@ -186,8 +186,8 @@ def _plot(plt, res: CrossLayerAnalysis, path) -> Path:
 
 def _stream_experts(source: str, trust_remote_code: bool):
     """(moe_layers, experts_of) reading one decoder layer at a time from the safetensors shards."""
-    from .checkpoint import CheckpointReader
-    from .models import MoEAdapter, skeleton
+    from ..checkpoint import CheckpointReader
+    from ..models import MoEAdapter, skeleton
 
     reader = CheckpointReader(source, trust_remote_code=trust_remote_code)
     model = skeleton(reader.config)
@@ -212,7 +212,7 @@ def analyze_model(
     model=None,
 ) -> CrossLayerAnalysis:
     """The analysis of a checkpoint directory / hub id (streamed layer by layer), or of a loaded `model`."""
-    from .models import MoEAdapter
+    from ..models import MoEAdapter
 
     if scope_size < 1:
         raise MoECompressError(f"--scope must be at least 1 (got {scope_size}); use e.g. --scope 4.")
@@ -223,7 +223,7 @@ def analyze_model(
         try:
             layers, experts_of = _stream_experts(source, trust_remote_code)
         except ImportError:  # no streaming reader: load the whole model
-            from .models import load_model
+            from ..models import load_model
 
             adapter = MoEAdapter(load_model(source, trust_remote_code=trust_remote_code))
             layers, experts_of = adapter.moe_layers, lambda i: adapter.experts(i).map(lambda t: t.detach())
@@ -235,7 +235,7 @@ def write_analysis(
 ) -> Path:
     """analysis.json + nn_heatmap.png into `out` (atomically). `inputs`: the model's fingerprint from when the
     analysis started (`atomic.fingerprint_inputs`), checked before the rename."""
-    from .atomic import atomic_dir
+    from ..atomic import atomic_dir
 
     with atomic_dir(out, overwrite=overwrite, protect=protect, kind="analysis", inputs=inputs) as tmp:
         (Path(tmp) / "analysis.json").write_text(json.dumps(res.to_dict(), indent=1, sort_keys=True) + "\n")

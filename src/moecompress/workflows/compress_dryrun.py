@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import human_bytes
-from .disk import free_bytes, tag_bytes
-from .errors import MoECompressError
+from ..atomic import human_bytes
+from ..disk import free_bytes, tag_bytes
+from ..errors import MoECompressError
 
 
 @dataclass
@@ -118,8 +118,8 @@ class _ConfigOnly:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
 
-        from .checkpoint import CheckpointReader
-        from .models import MoEAdapter, load_config, skeleton
+        from ..checkpoint import CheckpointReader
+        from ..models import MoEAdapter, load_config, skeleton
 
         self.path = path
         self.config = load_config(str(path))
@@ -185,7 +185,7 @@ def estimate_compress(
     phases' memory adds up); two calibration passes. The time counts checkpoint reads only, not a method's
     own arithmetic (auto's fits and GPTQ dominate on wide layers). out: the output directory, whose disk's free
     space is reported (not refused: the output is usually well below its upper bound)."""
-    from .methods.registry import get_method, parse_config
+    from ..methods.registry import get_method, parse_config
 
     entry = get_method(method)
     view = entry.view_for(parse_config(method, params))
@@ -244,8 +244,8 @@ def _measure_checkpoint(model: str) -> _Measured:
     read timed."""
     import psutil
 
-    from .checkpoint import CheckpointReader
-    from .models import MoEAdapter
+    from ..checkpoint import CheckpointReader
+    from ..models import MoEAdapter
 
     config_dir = _config_only(model)
     reader = CheckpointReader(model) if config_dir is None else _ConfigOnly(config_dir)
@@ -279,7 +279,7 @@ def _first_layer_read(reader, moe: list[int], config_dir: Path | None):
     the seconds one timed read of that layer takes (None and the config's numbers for a config-only model)."""
     from safetensors import safe_open
 
-    from .memory import release_freed_memory
+    from ..memory import release_freed_memory
 
     if config_dir is not None:
         return reader.elem, 0, reader.total_bytes, None
@@ -320,7 +320,7 @@ def _calibration_memory(
 
 def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: float | None) -> dict:
     """The statistics' disk and memory streamed (when `entry` can stream them) and kept as a store (module doc)."""
-    from .calibrate.streamed import CHUNK
+    from ..calibrate.streamed import CHUNK
 
     acc, kept = _statistics(adapter, stats, moment_fraction)
     _, full = _statistics(adapter, stats, moment_fraction, packed=False)
@@ -345,9 +345,9 @@ def _statistics(
     """(largest one-layer collector sums, statistics of every layer) in bytes, from the collectors' shapes;
     with `moment_fraction`, the moments are a second pass over that fraction of each layer's experts.
     `packed`: symmetric statistics as a store keeps them (upper triangles); False: full matrices (format 1)."""
-    from .calibrate.collectors import MomentCollector
-    from .calibrate.dryrun import stat_sizes
-    from .calibrate.registry import collectors_for
+    from ..calibrate.collectors import MomentCollector
+    from ..calibrate.dryrun import stat_sizes
+    from ..calibrate.registry import collectors_for
 
     moe = adapter.moe_layers
     moments = [s for s in stats if s in MomentCollector.provides]
@@ -363,8 +363,8 @@ def _statistics(
 def _streamed_statistics(adapter, stats: list[str], chunk: int) -> int:
     """Largest one-layer bytes of streamed statistics: the layer's sums without their square rows, plus the
     square rows of `chunk` experts (`calibrate.streamed.LayerStats`)."""
-    from .calibrate.dryrun import stat_sizes
-    from .calibrate.registry import collectors_for
+    from ..calibrate.dryrun import stat_sizes
+    from ..calibrate.registry import collectors_for
 
     moe = adapter.moe_layers
     classes = collectors_for(stats)

@@ -72,9 +72,9 @@ class StreamedAdapter(MoEAdapter):
     """A `MoEAdapter` over checkpoint `path` that holds at most one decoder layer (see the module doc)."""
 
     def __init__(self, path: str, compute_dtype: torch.dtype = torch.float32, reader=None):
-        from ..checkpoint import CheckpointReader
         from ..models import skeleton
         from ..models.loading import DEFAULT_DTYPE_LOCK
+        from .reader import CheckpointReader
 
         self.reader = reader or CheckpointReader(str(path))
         self.compute_dtype = compute_dtype
@@ -157,7 +157,7 @@ class StreamedAdapter(MoEAdapter):
         """Put each (native name, tensor) of `named` into layer i's modules in the compute dtype; `at_rest`: the
         routed experts' tensors (the bulk of the layer) as given, the rest (router, shared experts, attention,
         norms) still upcast, so the layer's own modules run on compute-dtype inputs either way."""
-        from ..checkpoint import _recreate_buffers
+        from .reader import _recreate_buffers
 
         stored = set()
         for name, t in named:

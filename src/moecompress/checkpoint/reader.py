@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .disk import read_weight_map, tag_bytes
-from .errors import MoECompressError
-from .memory import release_freed_memory
+from ..disk import read_weight_map, tag_bytes
+from ..errors import MoECompressError
+from ..memory import release_freed_memory
 
 __all__ = ["CheckpointReader", "checkpoint_fingerprint"]
 
 
 def _checkpoint_dir(path: str) -> Path:
     """A local directory for `path` (a hub id is resolved through the local cache / hub snapshot)."""
-    from .models.loading import hub_reachable, resolve_source
+    from ..models.loading import hub_reachable, resolve_source
 
     src = resolve_source(path)
     if Path(src).is_dir():
@@ -143,7 +143,7 @@ class CheckpointReader:
             rename_source_key,
         )
 
-        from .models import MoEAdapter, load_config, skeleton
+        from ..models import MoEAdapter, load_config, skeleton
 
         self.path = _checkpoint_dir(str(path))
         self.config = load_config(str(self.path), trust_remote_code)
@@ -363,7 +363,7 @@ class CheckpointReader:
 def parse_dtype_or_none(dtype):
     if dtype is None or dtype == "auto":
         return None
-    from .models import parse_dtype
+    from ..models import parse_dtype
 
     return parse_dtype(dtype)
 

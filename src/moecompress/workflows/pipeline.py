@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .errors import MoECompressError
-from .methods import MethodContext, get_method, parse_config
-from .models import MoEAdapter
+from ..errors import MoECompressError
+from ..methods import MethodContext, get_method, parse_config
+from ..models import MoEAdapter
 
 
 def resolve_calibration(
@@ -41,7 +41,7 @@ def resolve_calibration(
     interrupted one leaves no ``.NAME.partial`` behind. Returns None when the method needs no statistics
     and none was given.
     """
-    from .calibrate import StatsStore, calibrate
+    from ..calibrate import StatsStore, calibrate
 
     if calib is None:
         if needs:
@@ -96,13 +96,13 @@ def calibrate_for(
     first every other statistic, then the moments of the experts that first pass's selection names
     (`work_dir/stats-moments`). Moments are per-expert sums over the same tokens either way, so the plan is
     bit-identical to one pass over every expert; the heaviest statistics shrink to the removed experts."""
-    from .calibrate.collectors import MomentCollector
-    from .methods.context import ChainedStats
+    from ..calibrate.collectors import MomentCollector
+    from ..methods.context import ChainedStats
 
     needs = needs_for(method, params, quant)
     check_calib_mode(calib_mode, method, calib, quant)
     if streams_statistics(method, calib, quant):
-        from .calibrate.streamed import StreamedStats
+        from ..calibrate.streamed import StreamedStats
 
         return StreamedStats(
             model,
@@ -156,7 +156,7 @@ def streams_statistics(method: str, calib, quant=None) -> bool:
 
 def streamed_chunk(method: str, calib, quant=None) -> int | None:
     """For the dry-run: the experts per square-statistics pass when `streams_statistics`, else None."""
-    from .calibrate.streamed import CHUNK
+    from ..calibrate.streamed import CHUNK
 
     if not streams_statistics(method, calib, quant):
         return None
@@ -174,7 +174,7 @@ def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:
 def model_structure(model: str) -> tuple[list[int], dict[int, int], int, dict[int, int]]:
     """(MoE layers, experts per MoE layer, hidden size, top-k per MoE layer) of checkpoint `model`, from its config
     alone (a meta skeleton: no weights read): what a stats store's tensors must fit (`StatsStore.check_model`)."""
-    from .models import load_config, skeleton
+    from ..models import load_config, skeleton
 
     adapter = MoEAdapter(skeleton(load_config(model)))
     layers = adapter.moe_layers
@@ -188,8 +188,8 @@ def model_structure(model: str) -> tuple[list[int], dict[int, int], int, dict[in
 
 def model_fingerprint(model: str) -> str | None:
     """The checkpoint fingerprint a stats store records (None for a hub id, which has no local files)."""
-    from .checkpoint import checkpoint_fingerprint
-    from .models import resolve_source
+    from ..checkpoint import checkpoint_fingerprint
+    from ..models import resolve_source
 
     src = resolve_source(model)
     return checkpoint_fingerprint(src) if Path(src).is_dir() else None
@@ -211,7 +211,7 @@ def build_plan(
 
 def needs_for(method: str, params: dict[str, Any] | None, quant: dict[str, Any] | None = None) -> list[str]:
     """Statistics `method` (and the quantization stage, when asked) read."""
-    from .methods.quantize import quant_stats
+    from ..methods.quantize import quant_stats
 
     entry = get_method(method)
     return sorted(set(entry.stats_for(parse_config(method, params))) | set(quant_stats(quant_config(quant))))
@@ -232,8 +232,8 @@ def quantize(adapter: MoEAdapter, plan, tensors, quant, stats=None, progress: bo
     config = quant_config(quant)
     if config is None:
         return plan, tensors
-    from .methods.quantize import quantize_plan
-    from .methods.tensor_quant import hessian_source, quantize_tensors
+    from ..methods.quantize import quantize_plan
+    from ..methods.tensor_quant import hessian_source, quantize_tensors
 
     source = lambda l, e: adapter.layer(l).storage.read(e)
     if config.quant is not None:
@@ -253,14 +253,14 @@ def check_quant_classes(
         config = parse_config("quant", params)
     if config is None or not config.has_tensor_classes():
         return
-    from .models import load_config, skeleton
+    from ..models import load_config, skeleton
 
     config.class_specs(MoEAdapter(skeleton(load_config(model))))
 
 
 def check_format_name(requested: str) -> None:
     """Refuse an unknown format name before any compute (`choose_format` meets it only after the plan)."""
-    from .export.formats import format_class
+    from ..export.formats import format_class
 
     if requested != "auto":
         format_class(requested)
@@ -286,7 +286,7 @@ def target_format(plan, target: str, requested: str = "auto") -> str:
     naming why (whatever method made it)."""
     if target == "moecompress":
         return choose_format(plan, requested)
-    from .export.formats import format_class
+    from ..export.formats import format_class
 
     fmt = TARGET_FORMAT[target]
     why = format_class(fmt).reason(plan)
@@ -303,8 +303,8 @@ def check_imatrix(calib, format: str, target: str) -> None:
     """Refuse, before any compute and in one sentence, an ``--imatrix`` this run cannot write: it needs a GGUF
     output and a statistics store with the experts' channel norms, gathered from calibration text it can re-read
     (the other linears' input moments come from one more pass over it)."""
-    from .calibrate.store import load_stats
-    from .export.imatrix import EXPERT_STATS
+    from ..calibrate.store import load_stats
+    from ..export.imatrix import EXPERT_STATS
 
     if not (format == "gguf" or (format == "auto" and target == "llama.cpp")):
         raise MoECompressError(
@@ -329,16 +329,16 @@ def imatrix_writer(model: str, plan, stats):
     """The `export` extra that writes llama.cpp's importance matrix (`export.imatrix`) into a GGUF output: the
     experts' entries from the store's channel norms and routed counts, the other linears' from the diagonal of
     their input Hessians, streamed over the calibration data the store records (`check_imatrix` first)."""
-    from .export.imatrix import IMATRIX_FILE, expert_entries, linear_entries, write_imatrix
+    from ..export.imatrix import IMATRIX_FILE, expert_entries, linear_entries, write_imatrix
 
     entries = expert_entries(plan, stats)
 
     def write(directory: Path) -> None:
         import gguf
 
-        from .export.gguf import ARCHES
-        from .methods.auto.tensors import hessians
-        from .models.tensor_classes import quantizable, tensor_classes, tensor_shapes
+        from ..export.gguf import ARCHES
+        from ..methods.auto.tensors import hessians
+        from ..models.tensor_classes import quantizable, tensor_classes, tensor_shapes
 
         adapter = open_view(model)
         cls, shapes = tensor_classes(adapter), tensor_shapes(adapter)
@@ -372,7 +372,7 @@ def choose_format(plan, requested: str = "auto") -> str:
     """The export format for `plan`: for ``auto`` the first of `export.formats.AUTO_ORDER` that holds it (`hf`
     when a vanilla config can express it, else `compact`, else `packed` for PuzzleMoE packed merges); a named
     format when it holds the plan, else one sentence naming the format `auto` would use."""
-    from .export.formats import auto_format, format_class
+    from ..export.formats import auto_format, format_class
 
     if requested == "auto":
         return auto_format(plan)
@@ -385,10 +385,10 @@ def choose_format(plan, requested: str = "auto") -> str:
 
 
 def open_view(model: str, dtype: str = "float32"):
-    """The streamed, read-only method view of checkpoint `model` (`methods.streamed.StreamedAdapter`):
+    """The streamed, read-only method view of checkpoint `model` (`checkpoint.view.StreamedAdapter`):
     weights one decoder layer at a time, handed out in `dtype` (the arithmetic dtype of the methods)."""
-    from .methods.streamed import StreamedAdapter
-    from .models import parse_dtype
+    from ..checkpoint.view import StreamedAdapter
+    from ..models import parse_dtype
 
     return StreamedAdapter(model, compute_dtype=parse_dtype(dtype))
 

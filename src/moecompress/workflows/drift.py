@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MoECompressError
+from ..errors import MoECompressError
 
 Mask = dict[int, list[int]]  # MoE layer -> pruned experts (sorted)
 
@@ -164,10 +164,10 @@ def mask_drift(
 
     sequences: windows of `seq_len` per draw (None: the most that every spec can fill `draws` times).
     Each spec's draws are calibrated together in one streamed pass (`calibrate.groups`)."""
-    from .data import disjoint_resamples, load_tokenizer
-    from .methods import get_method, parse_config
-    from .methods.streamed import StreamedAdapter
-    from .models.loading import resolve_fixture, resolve_source
+    from ..checkpoint.view import StreamedAdapter
+    from ..data import disjoint_resamples, load_tokenizer
+    from ..methods import get_method, parse_config
+    from ..models.loading import resolve_fixture, resolve_source
 
     if draws < 2 or not specs:
         raise MoECompressError(
@@ -209,8 +209,8 @@ def _calibrate_draws(
 ):
     """The statistics `needs` of each of one spec's `draws` draws `picked`, calibrated together in one streamed
     pass (`calibrate.groups`) in batches of `step` sequences."""
-    from .calibrate.groups import calibrate_groups
-    from .data import CalibrationData
+    from ..calibrate.groups import calibrate_groups
+    from ..data import CalibrationData
 
     joined = CalibrationData(
         torch.cat([d.data.input_ids for d in picked]),
@@ -224,8 +224,8 @@ def _calibrate_draws(
 
 def _add_masks(result: MaskDrift, label: str, configs: dict, per_draw, view) -> None:
     """Add to `result.masks` each config's prune mask (dropped experts per layer) of every draw of spec `label`."""
-    from .methods.context import MappingStats
-    from .methods.prune import select_experts
+    from ..methods.context import MappingStats
+    from ..methods.prune import select_experts
 
     all_experts = {i: set(range(view.num_experts(i))) for i in view.moe_layers}
     for name, cfg in configs.items():
@@ -275,7 +275,7 @@ def write_drift(
 ) -> Path:
     """drift.json and one heatmap per criterion × ratio (drift_<criterion>_<ratio>.png) into `out`, atomically.
     `inputs`: the model's fingerprint from when the run started, checked before the rename."""
-    from .atomic import atomic_dir
+    from ..atomic import atomic_dir
 
     with atomic_dir(out, overwrite=overwrite, protect=protect, kind="analysis", inputs=inputs) as tmp:
         (Path(tmp) / "drift.json").write_text(json.dumps(res.to_dict(), indent=1, sort_keys=True) + "\n")
