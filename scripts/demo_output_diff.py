@@ -26,7 +26,10 @@ import sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
 import moecompress
-from moecompress.workflows import pipeline
+try:
+    from moecompress.workflows import pipeline
+except ImportError:  # a tree from before the workflows/ package (issue 34)
+    from moecompress import pipeline
 from moecompress.calibrate import calibrate
 from moecompress.models import resolve_source
 from moecompress.recipe import load_recipe

@@ -434,9 +434,16 @@ def _merged_router_tensors(adapter, layer: int, gs: list[list[int]], w: torch.Te
     return tensors
 
 
+def _plan_of(config: MSMoEConfig | HCSMoEConfig, adapter, groups, weights, method: str):
+    """`merged_plan` of a merge method's groups, under its config's router mode, recording the config."""
+    from ..plan import ModelInfo
+
+    info = ModelInfo.from_model(adapter)
+    return merged_plan(info, groups, weights, config.router, adapter, method, config.model_dump(mode="json"))
+
+
 def build_msmoe(config: MSMoEConfig, context: MethodContext, method: str = "m-smoe"):
     """Registry entry: M-SMoE plan (+ tensors) from counts and router-logit correlations."""
-    from ..plan import ModelInfo
     from ..scoring.budget import num_kept
 
     adapter, stats = context.adapter, context.stats
@@ -446,20 +453,11 @@ def build_msmoe(config: MSMoEConfig, context: MethodContext, method: str = "m-sm
         sim = stat(stats, i, "router_logit_corr").double()
         groups[i] = msmoe_groups(usage, sim, num_kept(adapter.num_experts(i), config.ratio))
         weights[i] = usage
-    return merged_plan(
-        ModelInfo.from_model(adapter),
-        groups,
-        weights,
-        config.router,
-        adapter,
-        method,
-        config.model_dump(mode="json"),
-    )
+    return _plan_of(config, adapter, groups, weights, method)
 
 
 def build_hcsmoe(config: HCSMoEConfig, context: MethodContext, method: str = "hc-smoe"):
     """Registry entry: HC-SMoE plan (+ tensors) from all-token mean outputs and counts."""
-    from ..plan import ModelInfo
     from ..scoring.budget import num_kept
 
     adapter, stats = context.adapter, context.stats
@@ -474,15 +472,7 @@ def build_hcsmoe(config: HCSMoEConfig, context: MethodContext, method: str = "hc
             config.backend,
         )
         weights[i] = stat(stats, i, "counts").double()
-    return merged_plan(
-        ModelInfo.from_model(adapter),
-        groups,
-        weights,
-        config.router,
-        adapter,
-        method,
-        config.model_dump(mode="json"),
-    )
+    return _plan_of(config, adapter, groups, weights, method)
 
 
 def _register() -> None:
