@@ -6,8 +6,9 @@
     python benchmarks/bench_gptq_scale.py report              # writes "## GPTQ at scale: ..."
 
 The default model is `benchmarks/bench_calibration.py build` (random Qwen3-MoE, 24 layers, 4.98 GB, bf16,
-per-expert keys); the committed results are from a 4-layer copy of it (same widths: `WIDE_SHAPE` with
-num_hidden_layers=4), where llm-compressor finishes in minutes instead of hours on 2 shared cores. Both sides
+per-expert keys), its results `gptq_scale.json`; another model's (`--model build/wide4`, a 4-layer copy with the
+same widths: `WIDE_SHAPE` with num_hidden_layers=4) go to `gptq_scale_<dir>.json`, and the report shows each.
+On an idle machine both sides finish the 4-layer copy in minutes; on a shared one they took ~4x longer. Both sides
 quantize the routed experts to 4 bits, symmetric, group 128, from the same calibration token ids
 (`fixture-calib:<n>` at `--seq-len`, tokenized once by `moecompress.data.load_calibration` and written to
 `build/bench_gptq_scale/tokens.safetensors`; our CLI tokenizes the same spec the same way):
@@ -127,13 +128,19 @@ def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False) -> d
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "sides": sides,
     }
-    save_results(RESULTS_AUTO if with_auto else RESULTS, res)
+    save_results(RESULTS_AUTO if with_auto else _results_name(model), res)
     print(json.dumps(res, indent=1))
     return res
 
 
-def report() -> None:
-    d = load_results(RESULTS)
+def _results_name(model: Path) -> str:
+    """The 24-layer wide model's side by side is `RESULTS`; another model's is named after its directory."""
+    return RESULTS if model.resolve() == WIDE.resolve() else f"gptq_scale_{model.name}.json"
+
+
+def _model_lines(name: str) -> list[str]:
+    """One model's side by side: its table and the ratios against the targets."""
+    d = load_results(name)
     ours, theirs = d["sides"]["moecompress"], d["sides"]["llm-compressor"]
     gb, sh = 1e9, d["shape"]
     rows = [
@@ -145,18 +152,13 @@ def report() -> None:
     ok = ours["rc"] == 0 and theirs["rc"] == 0
     wall = ours["wall_s"] / theirs["wall_s"] if ok else None
     rss = ours["peak_rss_bytes"] / d["disk_bytes"]
-    lines = [
-        SECTION,
+    return [
+        f"### `{Path(d['model']).name}`",
         "",
-        "Measured by `python -m benchmarks gptq-scale` (`benchmarks/bench_gptq_scale.py`); results "
-        f"`benchmarks/results/{RESULTS}`. Machine: {d['machine']}, no GPU; {d['date']}. Both sides ran at the same "
-        "time, one thread each, so they saw the same load; wall is the whole process, peak RSS its own "
-        "`ru_maxrss`.",
-        "",
-        f"Model: `{d['model']}`, random Qwen3-MoE, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers × "
-        f"{sh['num_experts']} experts of width {sh['moe_intermediate_size']}, top-{sh['num_experts_per_tok']}, "
-        f"{sh['dtype']}, {d['disk_bytes'] / gb:.2f} GB on disk. Routed experts to W4 group 128 on both sides, "
-        f"calibration `{d['calib']}` in {d['seq_len']}-token sequences (the same token ids).",
+        f"Results `benchmarks/results/{name}`; {d['date']}. Model: `{d['model']}`, random Qwen3-MoE, hidden "
+        f"{sh['hidden_size']}, {sh['num_hidden_layers']} layers × {sh['num_experts']} experts of width "
+        f"{sh['moe_intermediate_size']}, top-{sh['num_experts_per_tok']}, {sh['dtype']}, "
+        f"{d['disk_bytes'] / gb:.2f} GB on disk. Calibration `{d['calib']}` in {d['seq_len']}-token sequences.",
         "",
         "| side | command | wall s | CPU s | peak RSS GB | ÷ checkpoint | exit |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -164,11 +166,30 @@ def report() -> None:
         "",
         f"- ours ÷ llm-compressor, wall: {f'{wall:.3f}' if wall is not None else 'not measured (a side failed)'} "
         f"(target ≤ {TARGET_WALL}: {'met' if wall is not None and wall <= TARGET_WALL else 'not met'}).",
-        f"- our peak RSS ÷ checkpoint: {rss:.3f}. The ≤ {TARGET_RSS} target is set on the 24-layer 4.98 GB model; "
-        'its row is in "Streaming compress: peak memory (issue 19)" (family GPTQ w4g128).',
+        f"- our peak RSS ÷ checkpoint: {rss:.3f} (target ≤ {TARGET_RSS}, set on the 24-layer 4.98 GB model).",
+        "",
+    ]
+
+
+def report() -> None:
+    d = load_results(RESULTS)
+    names = [RESULTS] + sorted(
+        p.name
+        for p in results_path(RESULTS).parent.glob("gptq_scale_*.json")
+        if p.name not in (RESULTS, RESULTS_AUTO)
+    )
+    lines = [
+        SECTION,
+        "",
+        "Measured by `python -m benchmarks gptq-scale` (`benchmarks/bench_gptq_scale.py run [--model DIR]`). "
+        f"Machine: {d['machine']}, no GPU. Both sides ran at the same time, one thread each, so they saw the same "
+        "load; wall is the whole process, peak RSS its own `ru_maxrss`. Routed experts to W4 group 128 on both "
+        "sides from the same token ids.",
+        "",
+        *(line for name in names for line in _model_lines(name)),
         *_auto_lines(),
     ]
-    write_section(SECTION, "\n".join(lines) + "\n")
+    write_section(SECTION, "\n".join(lines).rstrip("\n") + "\n")
 
 
 def _auto_lines() -> list[str]:
@@ -187,7 +208,6 @@ def _auto_lines() -> list[str]:
     verdict = "not measured (a side failed)" if wall is None else f"{wall:.2f}"
     met = "met" if wall is not None and wall <= TARGET_AUTO else "not met"
     return [
-        "",
         f"### `auto --budget {AUTO_BUDGET}` beside our pure GPTQ",
         "",
         f"`python benchmarks/bench_gptq_scale.py run-auto` ({d['date']}, model `{d['model']}`, calibration "

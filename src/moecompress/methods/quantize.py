@@ -429,10 +429,11 @@ register_method(
     build_quant,
     quant_stats,
     family="quant",
-    # the default chunk of 4 experts' Hessians per extra pass: 16 was not faster on a 4-layer copy of the wide
-    # benchmark model (205.6 CPU s beside llm-compressor vs 198.0 s for 4 alone: one run each, different load)
-    # and peaked 0.32 GB higher
     streamed_stats=True,
+    # 16 experts' Hessians per extra pass, not 4: on the idle machine, the 4-layer copy of the wide benchmark model
+    # took 51.9 / 54.3 s wall at 16 vs 57.8 s at 4 (55.5 at 8, 48.1 at 32), peaking 0.27 GB higher (32: 0.63 GB,
+    # over the 0.35x-checkpoint bound on the 24-layer model); Qwen3-30B-A3B's --dry-run: 1.14 GiB of statistics
+    streamed_chunk=16,
 )
 # `calibrate --for-method gptq` / `gptq-g2`: the Hessians of each weighting (`quant` reads the default's)
 register_method_stats("gptq", quant_stats(QuantConfig()))
