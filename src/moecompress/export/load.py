@@ -40,10 +40,9 @@ def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=No
             )
         return fmt.load(d, device_map, dtype, max_memory, offload_folder)
     safetensors = ("model.safetensors", "model.safetensors.index.json")
+    # a GGUF beside its config.json, no marker
     if (d / GGUF_FILE).is_file() and not any((d / n).is_file() for n in safetensors):
-        return load_gguf_dir(
-            d, device_map, dtype, max_memory, offload_folder
-        )  # a GGUF with its config, no marker
+        return load_gguf_dir(d, device_map, dtype, max_memory, offload_folder)
     if not (d / "config.json").is_file():
         raise MoECompressError(
             f"{path} is neither a moecompress export nor a HuggingFace checkpoint (no "
