@@ -3,6 +3,7 @@
 
     python benchmarks/bench_gptq_scale.py run [--model DIR]   # both sides at once, one thread each, then the JSON
     python benchmarks/bench_gptq_scale.py run-auto [--model DIR]  # our pure GPTQ and `auto --budget 25%` at once
+    python benchmarks/bench_gptq_scale.py chunks [--model DIR]    # our GPTQ at streamed chunks 4, 8, 16, 32
     python benchmarks/bench_gptq_scale.py report              # writes "## GPTQ at scale: ..."
 
 The default model is `benchmarks/bench_calibration.py build` (random Qwen3-MoE, 24 layers, 4.98 GB, bf16,
@@ -47,6 +48,22 @@ RESULTS = "gptq_scale.json"
 RESULTS_AUTO = "gptq_scale_auto.json"  # `run-auto`: our pure GPTQ beside our `auto --budget 25%`
 AUTO_BUDGET = "25%"
 TARGET_AUTO = 2.0  # auto's wall ÷ our pure GPTQ's (issue 32)
+RESULTS_CHUNKS = (
+    "gptq_scale_chunks.json"  # `chunks`: quant's streamed chunk (MethodEntry.streamed_chunk) swept
+)
+CHUNKS = (4, 8, 16, 32)
+_CHUNK_CHILD = """
+import dataclasses, sys
+from moecompress.cli import app
+from moecompress.cli.entry import run
+from moecompress.methods.registry import METHODS, _load_builtin_methods
+_load_builtin_methods()
+METHODS["quant"] = dataclasses.replace(METHODS["quant"], streamed_chunk=int(sys.argv[1]))
+try:
+    run(app, sys.argv[2:])
+except SystemExit as exc:
+    sys.exit(exc.code or 0)
+"""
 SECTION = "## GPTQ at scale: moecompress vs llm-compressor (issue 32)"
 TARGET_WALL, TARGET_RSS = 0.5, 0.35  # ours ÷ theirs; our peak RSS ÷ checkpoint bytes (issue 32)
 
@@ -176,7 +193,7 @@ def report() -> None:
     names = [RESULTS] + sorted(
         p.name
         for p in results_path(RESULTS).parent.glob("gptq_scale_*.json")
-        if p.name not in (RESULTS, RESULTS_AUTO)
+        if p.name not in (RESULTS, RESULTS_AUTO, RESULTS_CHUNKS)
     )
     lines = [
         SECTION,
@@ -188,8 +205,55 @@ def report() -> None:
         "",
         *(line for name in names for line in _model_lines(name)),
         *_auto_lines(),
+        *_chunk_lines(),
     ]
     write_section(SECTION, "\n".join(lines).rstrip("\n") + "\n")
+
+
+def chunks(model: Path, sequences: int, seq_len: int) -> dict:
+    """Our pure GPTQ at each streamed chunk of `CHUNKS`, one after the other, one thread: wall and peak RSS."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
+    base = _commands(model, OUT / "tokens.safetensors", sequences, seq_len)["moecompress"][3:]
+    runs = {}
+    for c in CHUNKS:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", _CHUNK_CHILD, str(c), *base], env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        runs[str(c)] = {
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "rc": os.waitstatus_to_exitcode(status),
+        }
+    res = {"model": str(model), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
+    save_results(RESULTS_CHUNKS, res)
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def _chunk_lines() -> list[str]:
+    """The `chunks` sub-section, when its results exist."""
+    if not results_path(RESULTS_CHUNKS).is_file():
+        return []
+    d = load_results(RESULTS_CHUNKS)
+    rows = [
+        f"| {c} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} | {r['rc']} |"
+        for c, r in d["runs"].items()
+    ]
+    return [
+        "",
+        "### Streamed chunk of our GPTQ",
+        "",
+        f"`python benchmarks/bench_gptq_scale.py chunks` ({d['date']}, model `{Path(d['model']).name}`): our pure "
+        "GPTQ with `quant`'s streamed chunk (experts whose Hessians one extra pass gathers) set to each value, one "
+        "run after another, one thread.",
+        "",
+        "| chunk | wall s | CPU s | peak RSS GB | exit |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
 
 
 def _auto_lines() -> list[str]:
@@ -226,13 +290,15 @@ def _auto_lines() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["run", "run-auto", "report"])
+    ap.add_argument("what", choices=["run", "run-auto", "chunks", "report"])
     ap.add_argument("--model", default=str(WIDE))
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args()
     if a.what in ("run", "run-auto"):
         run(Path(a.model), a.sequences, a.seq_len, with_auto=a.what == "run-auto")
+    elif a.what == "chunks":
+        chunks(Path(a.model), a.sequences, a.seq_len)
     else:
         report()
 

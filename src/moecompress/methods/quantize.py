@@ -430,9 +430,8 @@ register_method(
     quant_stats,
     family="quant",
     streamed_stats=True,
-    # 16 experts' Hessians per extra pass, not 4: on the idle machine, the 4-layer copy of the wide benchmark model
-    # took 51.9 / 54.3 s wall at 16 vs 57.8 s at 4 (55.5 at 8, 48.1 at 32), peaking 0.27 GB higher (32: 0.63 GB,
-    # over the 0.35x-checkpoint bound on the 24-layer model); Qwen3-30B-A3B's --dry-run: 1.14 GiB of statistics
+    # 16 experts' Hessians per extra pass, not 4: a few % faster on the wide benchmark model's 4-layer copy for
+    # ~0.27 GB more, and 32 was no faster for 0.7 GB (BENCHMARKS.md, "Streamed chunk of our GPTQ"; one run each)
     streamed_chunk=16,
 )
 # `calibrate --for-method gptq` / `gptq-g2`: the Hessians of each weighting (`quant` reads the default's)
