@@ -627,3 +627,13 @@ def test_finished_layers_statistics_are_not_kept_in_memory(models, tmp_path):
     assert all(not earlier for earlier in alive.values()), alive  # none, from the second layer on
     meta = json.loads((store.path / "stats.json").read_text())
     assert meta["shapes"]["input_moment"] == list(store.get(layers[0], "input_moment").shape)
+
+
+def test_all_finite_decides_by_the_sum_and_falls_back_on_overflow():
+    from moecompress.calibrate.layer_pass import _all_finite
+
+    assert _all_finite(torch.ones(4, 4))
+    assert not _all_finite(torch.tensor([1.0, float("nan"), 2.0]))
+    assert not _all_finite(torch.tensor([float("inf"), float("-inf")]))  # the sum is NaN
+    big = torch.full((4,), 3e38)  # finite values whose float32 sum overflows
+    assert not bool(torch.isfinite(big.sum())) and _all_finite(big)

@@ -9,12 +9,19 @@ import torch
 from ..errors import MoECompressError
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is finite. A NaN or infinite element makes the sum non-finite, so the sum
+    decides alone when it is finite; only an overflowing sum of finite values needs the element-wise check,
+    whose boolean copy of `t` cost 4 % of an `auto` run on the wide model (py-spy)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _check_finite(layer: int, stats: dict[str, torch.Tensor], dtype=None, weights=()) -> None:
     """Refuse non-finite statistics. Collectors never divide by zero, so the model itself produced them:
     NaN / infinite `weights` (the layer's, still loaded), or in a 16-bit dtype an overflow (float32 helps).
     Advising --dtype float32 for broken weights did not help, so that advice is given only where it can."""
     for name, t in stats.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not _all_finite(t):
             if any(
                 w.is_floating_point() and not w.is_meta and not bool(torch.isfinite(w).all()) for w in weights
             ):

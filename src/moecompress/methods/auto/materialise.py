@@ -131,21 +131,19 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
     quant = [e for e in todo if point.choice[e].kind == "quant"]
     if quant:
         m = LayerMoments(layer, None, None, None, sample=stats.get(layer, "auto_sample"))
-        widths = sorted({point.choice[e].param for e in quant}, reverse=True)
-        for b in widths:
-            ids = [e for e in quant if point.choice[e].param == b]
-            got = quant_candidates(
-                adapter,
-                stats,
-                m,
-                [b],
-                config.quant_group,
-                config.quant_algo,
-                config.quant_weighting,
-                info.element_size,
-                experts=ids,
-            )
-            rebuilt |= {(e, "quant", b): got[e][0] for e in ids}
+        width = {e: point.choice[e].param for e in quant}
+        got = quant_candidates(
+            adapter,
+            stats,
+            m,
+            sorted(set(width.values())),
+            config.quant_group,
+            config.quant_algo,
+            config.quant_weighting,
+            info.element_size,
+            experts=width,
+        )
+        rebuilt |= {(e, "quant", c.param): c for e in quant for c in got[e]}
     choice = list(point.choice)
     for e in todo:
         c = point.choice[e]

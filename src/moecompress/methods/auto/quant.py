@@ -83,13 +83,14 @@ def quant_candidates(
     algo: str,
     weighting: str,
     el: int,
-    experts: list[int] | None = None,
+    experts: list[int] | dict[int, int] | None = None,
     keep_codes: bool = True,
     chunk: int = 8,
 ) -> list[list[Candidate]]:
     """Per slot of layer m.layer, one ``Candidate("quant", loss, bits, bytes, op=QuantKeep)`` per bit width < 16
     (ordered by decreasing bits); `experts` and the others of their chunks only (None: every slot; the others get
-    no candidates).
+    no candidates). `experts` as {expert: width}: each chunk only at the widths its asked experts have, its
+    Hessians gathered and factorised once for all of them (`restore`: one pass per chunk, not one per width).
 
     The layer is quantized `chunk` experts at a time (GPTQ batched over a chunk equals per-matrix runs,
     tests/test_quant_core.py), each chunk's Hessians read row by row, so a layer of big experts never has
@@ -107,6 +108,11 @@ def quant_candidates(
     todo = [e for e in range(e_all) if chunks is None or e // chunk in chunks]
     if not widths or not todo:
         return out
+
+    def chunk_widths(ids: list[int]) -> list[int]:
+        if not isinstance(experts, dict):
+            return widths
+        return [b for b in widths if any(experts.get(e) == b for e in ids)]
     n_tok = float(stats.get(layer, "tokens").double().sum().clamp(min=1))
     with torch.no_grad():
         routed = _routed_sample(adapter, m, todo)
@@ -114,7 +120,7 @@ def quant_candidates(
         for lo in range(0, len(todo), chunk):
             ids = todo[lo : lo + chunk]
             job = _Chunk(adapter, stats, layer, w, ids, quant_spec(widths[0], group, algo), weighting)
-            for b in widths:
+            for b in chunk_widths(ids):
                 for e, c in zip(ids, job.candidates(b, routed, n_tok, len(m.sample), el, keep_codes)):
                     out[e].append(c)
     return out

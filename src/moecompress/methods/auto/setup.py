@@ -95,7 +95,10 @@ def _layer_setup(
     the noise sensitivity, unless a probe replaces it; 1 with per-kind sensitivities, its losses in KL units)."""
     info, ids, ref = setup.info, setup.ids, setup.ref
     stored = config.accounting == "stored"
-    prob, m = layer_problem(config, adapter, stats, info, i, stored, keep_codes=keep_tensors)
+    # the codes stay until the probes below have run: rebuilding each probe's codes (`restore`) was a GPTQ of
+    # the layer per quantized kind; one layer's int8 codes at every width are held at a time
+    probing = config.sensitivity in ("kind", "probe")
+    prob, m = layer_problem(config, adapter, stats, info, i, stored, keep_codes=keep_tensors or probing)
     target = ratio * prob.expert_bytes * prob.num_experts
 
     def measure(pt: LayerPoint) -> float:  # the layer alone compressed to `pt`
