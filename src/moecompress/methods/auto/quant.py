@@ -113,6 +113,7 @@ def quant_candidates(
         if not isinstance(experts, dict):
             return widths
         return [b for b in widths if any(experts.get(e) == b for e in ids)]
+
     n_tok = float(stats.get(layer, "tokens").double().sum().clamp(min=1))
     with torch.no_grad():
         routed = _routed_sample(adapter, m, todo)
