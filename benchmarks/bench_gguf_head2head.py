@@ -11,7 +11,7 @@ Per bf16 fixture:
   at Q8_0, Q4_K_M, Q3_K_M, Q2_K, IQ2_XXS and IQ1_M. llama.cpp's converter refuses the fixtures' custom BPE
   tokenizer (../shared/notes/llama-cpp-and-vllm-cpu.md), so the bf16 GGUF is our writer's identity export, which
   the "GGUF inside llama.cpp" section checks against our runtime inside llama.cpp.
-* **ours**: `auto --target llama.cpp` (one expert count, one Q8_0 / Q4_0 / bf16 type per layer tensor, the whole
+* **ours**: `auto --target llama.cpp` (one expert count, one Q8_0 / Q5_0 / Q4_0 / bf16 type per layer tensor, the whole
   file in the budget) with the budget set to each llama.cpp file's weight bytes, minus what our writer adds to
   the plan's bytes on the identity (F32 norms and routers, the metadata: measured on the bf16 GGUF); and
   llama.cpp's quantizer fed with *our* importance matrix (`compress --imatrix`) at the same types, which shows

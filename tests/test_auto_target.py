@@ -1,5 +1,5 @@
 """`auto --target llama.cpp` (issue 31, item 3): the plan is one llama.cpp runs — one expert count in every layer,
-one Q8_0 / Q4_0 / 16-bit type per layer tensor, non-expert weights at those types — within a whole-file budget;
+one Q8_0 / Q5_0 / Q4_0 / 16-bit type per layer tensor, non-expert weights at those types — within a whole-file budget;
 `compress --target` writes the runtime's format and refuses, in one sentence, a plan the runtime cannot run."""
 
 import pytest
@@ -61,7 +61,7 @@ def test_plan_is_one_llama_cpp_runs_within_the_whole_file_budget(calibrated, bud
     assert len(kept) == 1  # one expert count in every layer
     for sc in plan.scopes:
         assert len({s.quant for s in sc.stored}) == 1 and exact_type(sc.stored[0].quant) is not None
-    assert all(exact_type(tq.quant) in ("Q8_0", "Q4_0") for tq in plan.tensor_quant.values())
+    assert all(exact_type(tq.quant) in ("Q8_0", "Q5_0", "Q4_0") for tq in plan.tensor_quant.values())
     a = plan.params["auto"]
     assert plan.logical_bytes(tensors, accounting="stored").total == a["whole_bytes"] <= a["budget_bytes"]
     if budget == 0.3:
@@ -73,7 +73,7 @@ def test_target_fills_the_search_space_and_refuses_what_llama_cpp_cannot_run():
     assert (config.candidates, config.gates, config.bits, config.quant_group) == (
         ["reroute"],
         ["renorm"],
-        [16, 8, 4],
+        [16, 8, 5, 4],
         32,
     )
     with pytest.raises(MoECompressError, match="llama.cpp cannot use bits="):

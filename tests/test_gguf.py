@@ -164,8 +164,8 @@ def test_file_bytes_against_the_plans(written, name, capsys):
         assert abs(data / logical - 1) < 0.01
 
 
-@pytest.mark.parametrize("spec", ["w8g32", "w4g32"])
-def test_q8_0_and_q4_0_are_our_codes_exactly(spec):
+@pytest.mark.parametrize("spec", ["w8g32", "w5g32", "w4g32"])
+def test_q8_0_q5_0_and_q4_0_are_our_codes_exactly(spec):
     """Known answer: gguf's own dequantizer gives back exactly our dequantized weights (float32), including scales of
     every magnitude fp16 holds exactly; a scale below 2^-17 is counted as rounded."""
     spec = QuantSpec.parse(spec, algo="rtn")
@@ -177,13 +177,14 @@ def test_q8_0_and_q4_0_are_our_codes_exactly(spec):
     q = rtn(w.to(torch.bfloat16), spec)
     data, kind, inexact = G.encode_quantized(q)
     qtype = getattr(gguf.GGMLQuantizationType, kind)
-    assert kind == f"Q{spec.bits}_0" and data.shape == (3, 16, 4 * (34 if spec.bits == 8 else 18))
+    block = {8: 34, 5: 22, 4: 18}[spec.bits]  # fp16 d + 32 codes of 8 bits, 4 + 16 bytes of 5, 16 bytes of 4
+    assert kind == f"Q{spec.bits}_0" and data.shape == (3, 16, 4 * block)
     ours = q.dequantize(torch.float32).numpy()
     assert inexact == 0 and (q.scale.float() >= 2.0**-17).all()
     assert np.array_equal(gguf.quants.dequantize(data, qtype), ours)
     assert np.array_equal(gguf.quants.dequantize(data, qtype), q.dequantize(torch.float32).numpy())
-    # gguf's quantizer, by contrast, picks its own codes (Q4_0: d = max/-8), so its weights are not ours
-    if spec.bits == 4:
+    # gguf's quantizer, by contrast, picks its own codes (Q4_0: d = max/-8, Q5_0: max/-16), so its weights are not ours
+    if spec.bits in (4, 5):
         assert not np.array_equal(
             gguf.quants.dequantize(gguf.quants.quantize(ours.reshape(-1, 128), qtype), qtype),
             ours.reshape(-1, 128),
@@ -192,7 +193,7 @@ def test_q8_0_and_q4_0_are_our_codes_exactly(spec):
     assert G.encode_quantized(tiny)[2] > 0
 
 
-@pytest.mark.parametrize("spec", ["w8g32", "w4g32"])
+@pytest.mark.parametrize("spec", ["w8g32", "w5g32", "w4g32"])
 def test_a_quantized_plan_writes_q_blocks_that_dequantize_to_the_runtimes_weights(tmp_path, spec):
     name = "olmoe-tiny"
     model = _model(name)
@@ -206,9 +207,7 @@ def test_a_quantized_plan_writes_q_blocks_that_dequantize_to_the_runtimes_weight
     result = export(str(fixture_dir(name)), plan, tmp_path / "q", format="gguf", quiet=True, tensors=tensors)
     _, fields, found = _read(tmp_path / "q" / "model.gguf")
     qtype = getattr(gguf.GGMLQuantizationType, f"Q{spec[1]}_0")
-    assert fields["general.file_type"] == (
-        gguf.LlamaFileType.MOSTLY_Q8_0 if spec == "w8g32" else gguf.LlamaFileType.MOSTLY_Q4_0
-    )
+    assert fields["general.file_type"] == getattr(gguf.LlamaFileType, f"MOSTLY_Q{spec[1]}_0")
     assert "moecompress.inexact_fp16_scales" not in fields  # every scale of the fixture is an fp16 value
     from moecompress.quant.tensor import QuantizedTensor
 

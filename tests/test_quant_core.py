@@ -62,9 +62,13 @@ def test_parse_fields():
     s = QuantSpec.parse("w3g64a")
     assert (s.bits, s.group_size, s.symmetric, s.algo) == (3, 64, False, "gptq")
     assert QuantSpec.parse("w8c").group_size is None
+    assert (QuantSpec.parse("w5g32").qmin, QuantSpec.parse("w5g32").qmax) == (
+        -16,
+        15,
+    )  # llama.cpp's Q5_0 grid
 
 
-@pytest.mark.parametrize("text", ["w5g128", "w4g100", "4g128", "w4g128x", "", "w4", "w16c", "w4g0"])
+@pytest.mark.parametrize("text", ["w6g128", "w4g100", "4g128", "w4g128x", "", "w4", "w16c", "w4g0"])
 def test_bad_spec_is_one_sentence(text):
     with pytest.raises(MoECompressError) as e:
         QuantSpec.parse(text)

@@ -55,14 +55,16 @@ from .gguf_arches import (
 GGUF_FILE = "model.gguf"
 
 
-BLOCK = 32  # Q8_0 / Q4_0: 32 weights a block, one fp16 scale
+BLOCK = 32  # Q8_0 / Q5_0 / Q4_0: 32 weights a block, one fp16 scale
+EXACT_BITS = (8, 5, 4)  # the symmetric group-32 widths a GGUF type holds exactly
 
 
 def exact_type(spec: QuantSpec | None) -> str | None:
-    """The GGUF type whose grid is exactly `spec`'s (``Q8_0`` / ``Q4_0``), ``"float"`` for unquantized, or None."""
+    """The GGUF type whose grid is exactly `spec`'s (``Q8_0`` / ``Q5_0`` / ``Q4_0``), ``"float"`` for unquantized, or
+    None."""
     if spec is None:
         return "float"
-    if spec.symmetric and spec.group_size == BLOCK and spec.bits in (8, 4):
+    if spec.symmetric and spec.group_size == BLOCK and spec.bits in EXACT_BITS:
         return f"Q{spec.bits}_0"
     return None
 
@@ -80,7 +82,7 @@ def reason(plan: CompressionPlan) -> str | None:
         if exact_type(tq.quant) is None:
             return (
                 f"its {tq.kind} weight '{name}' is {tq.quant.name()}, which matches no GGUF type exactly: only "
-                "symmetric w8g32 and w4g32 do, as Q8_0 and Q4_0"
+                "symmetric w8g32, w5g32 and w4g32 do, as Q8_0, Q5_0 and Q4_0"
             )
         if tq.shape[1] % BLOCK:
             return f"its {tq.kind} weight '{name}' is {tq.shape[1]} wide, not a multiple of the {BLOCK}-weight block"
@@ -141,7 +143,7 @@ def _layer_reason(plan: CompressionPlan, lp, arch: Arch) -> str | None:
             "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet"
         )
     if spec is not None and (info.hidden_size % BLOCK or li.intermediate_size % BLOCK):
-        return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q4_0 block"
+        return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q5_0/Q4_0 block"
     if len(ids) < li.top_k:
         return f"layer {lp.layer} keeps fewer experts ({len(ids)}) than it routes to ({li.top_k})"
     return None
@@ -149,7 +151,7 @@ def _layer_reason(plan: CompressionPlan, lp, arch: Arch) -> str | None:
 
 # ----------------------------------------------------------------------------- tensor encodings
 def fp16_scales(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Our bf16 group scales as the fp16 that Q8_0/Q4_0 store, and how many of them fp16 does not hold exactly.
+    """Our bf16 group scales as the fp16 that Q8_0/Q5_0/Q4_0 store, and how many of them fp16 does not hold exactly.
 
     bf16 has 8 significant bits, fp16 11: every bf16 scale from 2^-17 (fp16's subnormals still carry the 8 bits)
     up to 65504 is exact. A smaller one (a group whose largest |w| is below about 1e-3 at 8 bits) is rounded."""
@@ -159,10 +161,15 @@ def fp16_scales(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def encode_quantized(q: QuantizedTensor) -> tuple[np.ndarray, str, int]:
     """Our codes and scales of [..., out, in] as GGUF blocks: (uint8 [..., out, in/32 · block bytes], type name,
-    inexact scales). Q8_0 block: fp16 d, 32 int8 codes (w = d·q). Q4_0 block: fp16 d, 16 bytes holding code j + 8
-    in the low nibble of byte j and code j + 16 (+ 8) in its high nibble (w = d·(nibble − 8))."""
+    inexact scales), in ggml's block layouts (`ggml-common.h`), every block starting with its fp16 scale d:
+
+    * Q8_0: 32 int8 codes, w = d·q;
+    * Q4_0: 16 bytes, code j + 8 in the low nibble of byte j and code j + 16 (+ 8) in its high nibble,
+      w = d·(nibble − 8);
+    * Q5_0: a little-endian uint32 qh whose bit j is bit 4 of element j's value code + 16, then Q4_0's 16 bytes
+      holding the values' low four bits, w = d·(value − 16)."""
     kind = exact_type(q.spec)
-    if kind not in ("Q8_0", "Q4_0"):
+    if kind not in ("Q8_0", "Q5_0", "Q4_0"):
         raise MoECompressError(f"No GGUF type holds {q.spec.name()} codes exactly.")
     codes = q.codes.detach().to(torch.int8)
     *lead, out, n = codes.shape
@@ -171,11 +178,18 @@ def encode_quantized(q: QuantizedTensor) -> tuple[np.ndarray, str, int]:
     d = half.contiguous().view(torch.uint8).reshape(*lead, out, groups, 2)
     blocks = codes.reshape(*lead, out, groups, BLOCK)
     if kind == "Q8_0":
-        qs = blocks.view(torch.uint8)
+        parts = [blocks.view(torch.uint8)]
     else:
-        nib = (blocks + 8).to(torch.uint8)
-        qs = nib[..., : BLOCK // 2] | (nib[..., BLOCK // 2 :] << 4)
-    data = torch.cat([d, qs], dim=-1).reshape(*lead, out, -1)
+        offset = 1 << (q.spec.bits - 1)
+        v = (blocks.to(torch.int32) + offset).to(torch.uint8)
+        low = v & 0x0F
+        parts = [low[..., : BLOCK // 2] | (low[..., BLOCK // 2 :] << 4)]
+        if kind == "Q5_0":
+            high = (v >> 4).to(torch.int64) << torch.arange(BLOCK, dtype=torch.int64)
+            qh = high.sum(-1, keepdim=True).to(torch.int64)  # 32 bits: element j at bit j
+            qh_bytes = torch.cat([(qh >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8)
+            parts.insert(0, qh_bytes)
+    data = torch.cat([d, *parts], dim=-1).reshape(*lead, out, -1)
     return data.numpy(), kind, inexact
 
 
@@ -350,7 +364,8 @@ class GGUFFile:
 
         specs = self.plan.quant_specs()  # the file type names the experts' type when they all have one
         kind = exact_type(next(iter(specs))) if len(specs) == 1 else None
-        return {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(
+        files = {k: getattr(gguf.LlamaFileType, f"MOSTLY_{k}") for k in ("Q8_0", "Q5_0", "Q4_0")}
+        return files.get(
             kind,
             {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16}.get(
                 self.plan.model.dtype, gguf.LlamaFileType.ALL_F32
@@ -359,7 +374,7 @@ class GGUFFile:
 
     # ---- tensors
     def _put(self, name: str, t: torch.Tensor | QuantizedTensor) -> None:
-        """Write one tensor: quantized ones as their Q8_0/Q4_0 blocks; float ones F32 for 1-D, norms, biases and
+        """Write one tensor: quantized ones as their Q8_0/Q5_0/Q4_0 blocks; float ones F32 for 1-D, norms, biases and
         routers (llama.cpp's converter), else as stored."""
         import gguf
 
@@ -464,7 +479,7 @@ class GGUFFile:
             self.w.add_uint64("moecompress.inexact_fp16_scales", self.inexact)
             warnings.warn(
                 f"{self.inexact} group scales lie below fp16's exact range (2^-17) and were rounded in the "
-                "GGUF's Q8_0/Q4_0 blocks.",
+                "GGUF's Q8_0/Q5_0/Q4_0 blocks.",
                 stacklevel=2,
             )
         path = Path(directory) / GGUF_FILE

@@ -119,7 +119,7 @@ def tensor_reason(model_type: str, name: str) -> str | None:
     if model_type == "deepseek_v2" and name.endswith("kv_b_proj.weight"):
         return (
             f"its attention weight '{name}' is quantized, and llama.cpp's deepseek2 stores it transposed per head "
-            "(attn_k_b), across the Q8_0/Q4_0 blocks"
+            "(attn_k_b), across the Q8_0/Q5_0/Q4_0 blocks"
         )
     return None
 

@@ -27,7 +27,7 @@ from ..errors import MoECompressError
 ALLOWED_GROUPS = (32, 64, 128)
 _SPEC_RE = re.compile(r"^w(?P<bits>\d+)(?:g(?P<group>\d+)|(?P<channel>c))(?P<asym>a?)$")
 _SPEC_HELP = (
-    "write w<bits>g<group> or w<bits>c with bits 2, 3, 4 or 8, group 32, 64 or 128, "
+    "write w<bits>g<group> or w<bits>c with bits 2, 3, 4, 5 or 8, group 32, 64 or 128, "
     "and an optional trailing 'a' for asymmetric (for example w4g128, w3g64a or w8c)"
 )
 SHAPE_BYTES = 16  # weight_shape: int64 [2], stored next to every packed weight
@@ -38,7 +38,7 @@ class QuantSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bits: Literal[2, 3, 4, 8]
+    bits: Literal[2, 3, 4, 5, 8]
     group_size: int | None = 128  # along the input dim; None = one group per output channel
     symmetric: bool = True
     algo: Literal["rtn", "gptq"] = "gptq"
@@ -84,7 +84,7 @@ class QuantSpec(BaseModel):
             raise MoECompressError(f"Quantization spec {text!r} is not valid: {_SPEC_HELP}.")
         bits = int(m["bits"])
         group = None if m["channel"] else int(m["group"])
-        if bits not in (2, 3, 4, 8) or (group is not None and group not in ALLOWED_GROUPS):
+        if bits not in (2, 3, 4, 5, 8) or (group is not None and group not in ALLOWED_GROUPS):
             raise MoECompressError(f"Quantization spec {text!r} is not valid: {_SPEC_HELP}.")
         if algo not in ("rtn", "gptq"):
             raise MoECompressError(f"Quantization algorithm {algo!r} is not known: use rtn or gptq.")

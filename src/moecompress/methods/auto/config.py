@@ -97,7 +97,7 @@ class AutoConfig(BaseModel):
     target: Literal["moecompress", "llama.cpp", "vllm", "transformers"] = Field(
         "moecompress",
         description="the runtime the plan must run in: moecompress (everything); llama.cpp (one "
-        "expert count in every layer, one Q8_0 / Q4_0 / 16-bit type per layer tensor: auto/target.py)",
+        "expert count in every layer, one Q8_0 / Q5_0 / Q4_0 / 16-bit type per layer tensor: auto/target.py)",
     )
     tensor_classes: list[str] | None = Field(
         None,
@@ -148,7 +148,7 @@ class AutoConfig(BaseModel):
         description="nearest experts tried as PuzzleMoE partners "
         "(None: every other expert up to 32 experts, else 8)",
     )
-    bits: list[Literal[16, 8, 4, 3, 2]] = Field(
+    bits: list[Literal[16, 8, 5, 4, 3, 2]] = Field(
         default_factory=lambda: list(ALL_BITS),
         description="bit widths a kept expert may take (16 = unquantized, "
         "the checkpoint's dtype); [16] is structure only",

@@ -6,9 +6,10 @@ operators, merges or cross-layer scopes (`export.gguf.reason`). So with ``target
 is:
 
 * per layer, the k experts kept (the same k in every layer; the rest rerouted with the renormalised gate, as
-  deleting router rows computes), all at one width b_l — 16 (the checkpoint's dtype), 8 or 4 bits, symmetric
-  group 32: exactly ``Q8_0`` / ``Q4_0``, which the GGUF writer stores from our codes;
-* every non-expert weight at 16, 8 or 4 bits, group 32 (`auto.tensors`, with a whole-file budget).
+  deleting router rows computes), all at one width b_l — 16 (the checkpoint's dtype), 8, 5 or 4 bits, symmetric
+  group 32: exactly ``Q8_0`` / ``Q5_0`` / ``Q4_0``, which the GGUF writer stores from our codes (5 bits fills the
+  step from 8.5 to 4.5 bits per weight where llama.cpp's own mixes use Q5_0 / Q5_K);
+* every non-expert weight at 16, 8, 5 or 4 bits, group 32 (`auto.tensors`, with a whole-file budget).
 
 Which experts a layer keeps for a given k: those with the largest estimated loss when rerouted (the `reroute`
 candidates' per-slot losses, as the unconstrained solver scores them). For each k the layers' states
@@ -24,7 +25,7 @@ from .solver import LayerPoint, allocate, pareto
 
 TARGETS = ("moecompress", "llama.cpp", "vllm", "transformers")
 # what llama.cpp's GGUF types hold exactly (export.gguf.exact_type), and how auto's search is set for it
-LLAMA_CPP = dict(candidates=["reroute"], gates=["renorm"], bits=[16, 8, 4], quant_group=32)
+LLAMA_CPP = dict(candidates=["reroute"], gates=["renorm"], bits=[16, 8, 5, 4], quant_group=32)
 
 
 def target_defaults(data: dict) -> dict:
@@ -50,7 +51,7 @@ def target_defaults(data: dict) -> dict:
         if not ok:
             raise MoECompressError(
                 f"auto --target llama.cpp cannot use {key}={given}: llama.cpp runs {key} "
-                f"{allowed} only (one GGUF type per layer tensor: Q8_0 / Q4_0 from group-32 "
+                f"{allowed} only (one GGUF type per layer tensor: Q8_0 / Q5_0 / Q4_0 from group-32 "
                 "codes); leave it out."
             )
     return out
