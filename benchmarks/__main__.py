@@ -141,6 +141,11 @@ SECTIONS: dict[str, Section] = {
         ("gguf_head2head.json", "gguf_head2head_frontier.png"),
         "bench_gguf_head2head.py",
     ),
+    "gguf-wide": _run_report(
+        "## GGUF at scale in llama.cpp: speed and memory (issue 31)",
+        ("gguf_wide.json",),
+        "bench_gguf_wide.py",
+    ),
     "gptq-scale": _run_report(
         "## GPTQ at scale: moecompress vs llm-compressor (issue 32)",
         ("gptq_scale.json",),

@@ -263,14 +263,14 @@ def probe_extra_bufts(d: Path, ids_path: Path) -> dict:
     return out
 
 
-def speed_runs(d: Path, ids) -> dict:
+def speed_runs(d: Path, ids, arms=SPEED_ARMS, repeats: int = REPEATS) -> dict:
     import numpy as np
 
     prompt = d / "prompt.npy"
     np.save(prompt, ids.reshape(-1)[:PROMPT].numpy().astype(np.int32))
-    runs = {a: [] for a in SPEED_ARMS}
-    for r in range(REPEATS):
-        order = SPEED_ARMS if r % 2 == 0 else SPEED_ARMS[::-1]  # alternate, and which goes first
+    runs = {a: [] for a in arms}
+    for r in range(repeats):
+        order = arms if r % 2 == 0 else arms[::-1]  # alternate, and which goes first
         for arm in order:
             out = d / f"speed_{arm}_{r}.json"
             load = os.getloadavg()[0]  # the machine is shared: its 1-minute load average as each run starts
@@ -307,7 +307,7 @@ def speed_runs(d: Path, ids) -> dict:
         summary[arm]["greedy_first16"] = rs[0]["greedy"][:16]
     loads = [r["loadavg"] for rs in runs.values() for r in rs]
     return dict(
-        repeats=REPEATS,
+        repeats=repeats,
         prompt_tokens=PROMPT,
         decode_tokens=DECODE,
         threads=THREADS,
