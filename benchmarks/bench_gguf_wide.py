@@ -92,7 +92,7 @@ def run(model: Path) -> None:
     }
     files = {a: OUT / a / "gguf" / "model.gguf" for a in ARMS}
     _, info = child("info", "-", "-", "-")
-    speed = speed_runs(OUT, heldout_windows(str(model)), arms=ARMS, repeats=REPEATS)
+    speed = speed_runs(OUT, heldout_windows(str(model)), arms=ARMS, repeats=REPEATS, spin=True)
     save_results(
         RESULTS,
         dict(
@@ -129,7 +129,8 @@ def markdown(d: dict) -> str:
         "on disk. original: the identity plan as GGUF (BF16). reap50-w4-all: `moecompress compress --recipe` "
         f"`{json.dumps(d['recipe'])}` `{d['calib']} --format gguf` (Q4_0 experts and attention, Q8_0 embeddings and "
         "lm_head, F32 norms and routers). Weights are random: the generated tokens mean nothing, only time and memory "
-        f'are read. llama.cpp with {sp["threads"]} threads, extra CPU buffer types off (as in "GGUF inside '
+        f"are read. llama.cpp with {sp['threads']} threads, OpenMP waiting {sp.get('omp_wait_policy', 'PASSIVE')}, "
+        'extra CPU buffer types off (as in "GGUF inside '
         f'llama.cpp"); a prompt of {sp["prompt_tokens"]} token ids in one batch, then {sp["decode_tokens"]} greedy '
         f"tokens; every run a fresh process, arms alternating, medians of {sp['repeats']}; tokens/s from llama.cpp's "
         "own timers; peak RSS is the process's VmHWM (llama.cpp maps the file: the pages it reads count); 1-minute "
