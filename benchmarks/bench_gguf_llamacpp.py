@@ -88,6 +88,7 @@ def llama_env(spin: bool = False) -> tuple[str, dict]:
     py = os.environ.get("LLAMA_VENV_PYTHON", str(ROOT / "build" / "llama-venv" / "bin" / "python"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONPATH=str(src), LLAMA_CPP_LIB_PATH=lib, PYTHONNOUSERSITE="1")
+    env.pop("OMP_WAIT_POLICY", None)  # this run's own setting is not inherited
     if not spin:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return py, env
