@@ -269,7 +269,9 @@ def probe_extra_bufts(d: Path, ids_path: Path) -> dict:
     return out
 
 
-def speed_runs(d: Path, ids, arms=SPEED_ARMS, repeats: int = REPEATS, spin: bool = False) -> dict:
+def speed_runs(
+    d: Path, ids, arms=SPEED_ARMS, repeats: int = REPEATS, spin: bool = True, extra_bufts: str = EXTRA_BUFTS
+) -> dict:
     import numpy as np
 
     prompt = d / "prompt.npy"
@@ -278,7 +280,7 @@ def speed_runs(d: Path, ids, arms=SPEED_ARMS, repeats: int = REPEATS, spin: bool
     for r in range(repeats):
         order = arms if r % 2 == 0 else arms[::-1]  # alternate, and which goes first
         for arm in order:
-            out = d / f"speed_{arm}_{r}.json"
+            out = d / f"speed_{arm}_{extra_bufts}_{r}.json"
             load = os.getloadavg()[0]  # the machine is shared: its 1-minute load average as each run starts
             child(
                 "speed",
@@ -290,7 +292,7 @@ def speed_runs(d: Path, ids, arms=SPEED_ARMS, repeats: int = REPEATS, spin: bool
                 "--decode",
                 DECODE,
                 "--extra-bufts",
-                EXTRA_BUFTS,
+                extra_bufts,
                 spin=spin,
             )
             res = json.loads(out.read_text())
@@ -315,6 +317,7 @@ def speed_runs(d: Path, ids, arms=SPEED_ARMS, repeats: int = REPEATS, spin: bool
     loads = [r["loadavg"] for rs in runs.values() for r in rs]
     return dict(
         omp_wait_policy="llama.cpp's default (spinning)" if spin else "PASSIVE",
+        extra_bufts=extra_bufts,
         repeats=repeats,
         prompt_tokens=PROMPT,
         decode_tokens=DECODE,
@@ -547,7 +550,8 @@ def speed_lines(fx: dict, t: dict) -> list[str]:
     m = sp["medians"]
     base = m[BASE]
     lines = [
-        f"Speed and memory in llama.cpp ({sp['threads']} threads; prompt of {sp['prompt_tokens']} tokens in one "
+        f"Speed and memory in llama.cpp ({sp['threads']} threads, OpenMP waiting "
+        f"{sp.get('omp_wait_policy', 'PASSIVE')}; prompt of {sp['prompt_tokens']} tokens in one "
         f"batch, then {sp['decode_tokens']} greedy tokens; every run a fresh process, arms alternating, medians "
         f"of {sp['repeats']}; tokens/s from llama.cpp's own timers, wall clock of the Python loop beside; peak RSS is "
         f"the process's VmHWM; the shared machine's 1-minute load average as runs started: median "
