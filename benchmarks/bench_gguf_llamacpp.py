@@ -15,7 +15,7 @@ computes every position's logits of held-out windows (token ids fed directly) fr
 (`moecompress.load` of the compact export, float32) from the same plan; KL(ours || llama.cpp) is averaged over
 tokens. A control GGUF per arm holds exactly the weights the runtime computes with, as F32 (dequantized; the
 experts as bf16(code·scale), which is what the runtime multiplies by), so llama.cpp's graph is checked apart from
-its arithmetic on bf16/Q8_0/Q4_0 weights. Bytes: the GGUF's tensors and whole file against
+its arithmetic on bf16/Q8_0/Q5_0/Q4_0 weights. Bytes: the GGUF's tensors and whole file against
 `CompressionPlan.logical_bytes` plus any copy llama.cpp requires (a tied lm_head's output.weight for olmoe/qwen2moe).
 Speed and memory: llama.cpp with 2 threads, prompt and greedy decode tokens/s and peak RSS, each run a fresh
 process, arms alternating, medians over repeats.
@@ -66,11 +66,13 @@ ARMS = {
     "reap50": ("prune", PRUNE, None),
     "w8": ("quant", dict(quant="w8g32", algo="rtn"), None),
     "w8-all": ("quant", dict(quant="w8g32", algo="rtn", **ALL8), None),
+    "w5": ("quant", dict(quant="w5g32", algo="rtn"), None),
     "w4": ("quant", dict(quant="w4g32", algo="rtn"), None),
     "w4-all": ("quant", dict(quant="w4g32", algo="rtn", **ALL8), None),
     "reap50-w4": ("prune", PRUNE, dict(quant="w4g32", algo="rtn")),
     "reap50-w4-all": ("prune", PRUNE, dict(quant="w4g32", algo="rtn", **ALL8)),
 }
+QUANT_TYPES = ("Q8_0", "Q5_0", "Q4_0")  # the types the writer stores from our codes
 SPEED_ARMS = ("original", "reap50-w4", "reap50-w4-all")
 BASE, SMALL = "original", "reap50-w4-all"  # the side-by-side pair the targets are about
 # llama.cpp's extra CPU buffer types (repacking, AMX) crash on Q8_0/Q4_0 matmuls on these machines (probed below):
@@ -146,11 +148,7 @@ def control_gguf(src: Path, dst: Path, runtime_rounding: bool = True) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if (
-            runtime_rounding
-            and "_exps." in t.name
-            and t.tensor_type in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)
-        ):
+        if runtime_rounding and "_exps." in t.name and t.tensor_type.name in QUANT_TYPES:
             w = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
         writer.add_tensor(t.name, np.ascontiguousarray(w))
     writer.write_header_to_file()
@@ -220,10 +218,9 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
     )
     files = {"gguf": gg, "control": d / "control.gguf"}
     control_gguf(gg, files["control"])
-    if set(row["bytes_by_type"]) & {
-        "Q8_0",
-        "Q4_0",
-    }:  # the file's own weights, without the runtime's bf16 rounding
+    if set(row["bytes_by_type"]) & set(
+        QUANT_TYPES
+    ):  # the file's own weights, without the runtime's bf16 rounding
         files["exact"] = d / "exact.gguf"
         control_gguf(gg, files["exact"], runtime_rounding=False)
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -427,8 +424,8 @@ def markdown(res: dict) -> str:
         "float32. The control is the same GGUF with every tensor F32, holding exactly the weights our runtime "
         "multiplies by (quantized experts as bf16(code·scale), the compressed-tensors convention; other "
         "quantized weights as code·scale): it checks llama.cpp's graph, names, layouts and router semantics "
-        "apart from llama.cpp's arithmetic on bf16/Q8_0/Q4_0 weights (its CPU kernels round activations to "
-        "bf16 for BF16 weights and quantize them to 8 bits per block of 32 for Q8_0/Q4_0). Quantized arms "
+        "apart from llama.cpp's arithmetic on bf16/Q8_0/Q5_0/Q4_0 weights (its CPU kernels round activations to "
+        "bf16 for BF16 weights and quantize them to 8 bits per block of 32 for Q8_0/Q5_0/Q4_0). Quantized arms "
         "are round-to-nearest: the check is the file, and GPTQ's codes land on the same grid. "
         f"Machine: {mach['machine']}, {mach['platform']}, torch {mach['torch']}, {res['threads']} llama.cpp "
         f"threads, extra buffer types {res['extra_bufts']} (below). Targets: KL ≤ {t['kl']:g} per file; "
@@ -509,7 +506,7 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
                 for a in quant
             )
             + ". Between the control and exact-weights columns lies our runtime's bf16 rounding of the "
-            "dequantized experts; between exact-weights and the file, llama.cpp's arithmetic on Q8_0/Q4_0 (8-bit "
+            "dequantized experts; between exact-weights and the file, llama.cpp's arithmetic on Q8_0/Q5_0/Q4_0 (8-bit "
             "activations) and BF16 (bf16 activations) weights."
         )
     return out
