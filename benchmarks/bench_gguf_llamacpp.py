@@ -457,10 +457,16 @@ def markdown(res: dict) -> str:
         lines += ["", *kl_lines(fx, t), *bytes_lines(fx, t), ""]
         lines += speed_lines(fx, t)
         probe = fx["extra_bufts_probe"]
+        amx = "AMX_INT8 = 1" in res["machine"]["llama_cpp"]["system_info"]
         lines += [
             "",
-            "- llama.cpp's extra CPU buffer types (its default; weight repacking and, on this AMX-capable "
-            "CPU, the AMX kernels for Q4_0/Q8_0) on, exit code of the logits run: "
+            "- llama.cpp's extra CPU buffer types (its default; weight repacking"
+            + (
+                ", and on this AMX-capable CPU the AMX kernels for Q4_0/Q8_0"
+                if amx
+                else "; this CPU has no AMX"
+            )
+            + ") on, exit code of the logits run: "
             + "; ".join(f"{k} {v}" for k, v in probe.items())
             + (
                 " (negative: killed by that signal; llama.cpp's own Q4_0 file fails the same way, so it is not "
