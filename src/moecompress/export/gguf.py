@@ -139,8 +139,8 @@ def _layer_reason(plan: CompressionPlan, lp, arch: Arch) -> str | None:
     (spec,) = specs
     if exact_type(spec) is None:
         return (
-            f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32 and w4g32 do, as "
-            "Q8_0 and Q4_0, and llama.cpp's K-quants are not written yet"
+            f"its {spec.name()} experts match no GGUF type exactly: only symmetric w8g32, w5g32 and w4g32 do, "
+            "as Q8_0, Q5_0 and Q4_0, and llama.cpp's K-quants are not written yet"
         )
     if spec is not None and (info.hidden_size % BLOCK or li.intermediate_size % BLOCK):
         return f"layer {lp.layer}'s dimensions are not multiples of {BLOCK}, the Q8_0/Q5_0/Q4_0 block"
