@@ -68,6 +68,26 @@ def test_plan_is_one_llama_cpp_runs_within_the_whole_file_budget(calibrated, bud
         assert plan.tensor_quant  # the non-expert weights share the budget
 
 
+def test_five_bit_layers_are_written_as_q5_0(calibrated, tmp_path):
+    """With 16 and 5 bits only, every quantized stack of the plan is w5g32 and the GGUF holds it as Q5_0."""
+    import gguf
+
+    from moecompress.api import export
+
+    path, store, adapter = calibrated
+    plan, tensors = get_method("auto").build(
+        parse_config("auto", dict(budget=0.45, target="llama.cpp", bits=[16, 5], **FAST)),
+        MethodContext(adapter, store),
+    )
+    specs = {s.quant for sc in plan.scopes for s in sc.stored} | {
+        tq.quant for tq in plan.tensor_quant.values()
+    }
+    assert {exact_type(q) for q in specs} - {"float"} == {"Q5_0"}
+    export(str(path), plan, tmp_path / "g", format="gguf", tensors=tensors, quiet=True)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors}
+    assert "Q5_0" in types and not types & {"Q8_0", "Q4_0"}
+
+
 def test_target_fills_the_search_space_and_refuses_what_llama_cpp_cannot_run():
     config = parse_config("auto", dict(target="llama.cpp"))
     assert (config.candidates, config.gates, config.bits, config.quant_group) == (
