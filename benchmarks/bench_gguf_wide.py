@@ -33,7 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._bench_md import load_results, machine, model_shape, save_results, write_section  # noqa: E402
-from benchmarks.bench_gguf_llamacpp import DECODE_TARGET, RSS_TARGET, child, heldout_windows, speed_runs  # noqa: E402
+from benchmarks.bench_gguf_llamacpp import (  # noqa: E402
+    DECODE_TARGET,
+    RSS_TARGET,
+    build_plan,
+    child,
+    heldout_windows,
+    speed_runs,
+)
 
 RESULTS = "gguf_wide.json"
 SECTION = "## GGUF at scale in llama.cpp: speed and memory (issue 31)"
@@ -58,18 +65,10 @@ CALIB = ["--calib", "fixture-calib:8", "--seq-len", "128"]
 
 def _write_original(model: Path, out: Path) -> float:
     from moecompress.api import export
-    from moecompress.models import load_model
-    from moecompress.plan import CompressionPlan
 
     t0 = time.perf_counter()
-    export(
-        str(model),
-        CompressionPlan.identity(load_model(str(model))),
-        out,
-        format="gguf",
-        overwrite=True,
-        quiet=True,
-    )
+    plan, tensors = build_plan(str(model), "original", None)  # the identity plan, as "GGUF inside llama.cpp"
+    export(str(model), plan, out, format="gguf", tensors=tensors, overwrite=True, quiet=True)
     return time.perf_counter() - t0
 
 

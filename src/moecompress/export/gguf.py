@@ -185,10 +185,9 @@ def encode_quantized(q: QuantizedTensor) -> tuple[np.ndarray, str, int]:
         low = v & 0x0F
         parts = [low[..., : BLOCK // 2] | (low[..., BLOCK // 2 :] << 4)]
         if kind == "Q5_0":
-            high = (v >> 4).to(torch.int64) << torch.arange(BLOCK, dtype=torch.int64)
-            qh = high.sum(-1, keepdim=True).to(torch.int64)  # 32 bits: element j at bit j
-            qh_bytes = torch.cat([(qh >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8)
-            parts.insert(0, qh_bytes)
+            # qh: element j's fifth bit at bit j, stored little-endian
+            qh = ((v >> 4).to(torch.int64) << torch.arange(BLOCK)).sum(-1, keepdim=True)
+            parts.insert(0, torch.cat([(qh >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8))
     data = torch.cat([d, *parts], dim=-1).reshape(*lead, out, -1)
     return data.numpy(), kind, inexact
 
