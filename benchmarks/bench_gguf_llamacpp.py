@@ -75,8 +75,8 @@ ARMS = {
 QUANT_TYPES = ("Q8_0", "Q5_0", "Q4_0")  # the types the writer stores from our codes
 SPEED_ARMS = ("original", "reap50-w4", "reap50-w4-all")
 BASE, SMALL = "original", "reap50-w4-all"  # the side-by-side pair the targets are about
-# llama.cpp's extra CPU buffer types (repacking, AMX) crash on Q8_0/Q4_0 matmuls on these machines (probed below):
-# every measurement runs with them off
+# llama.cpp's extra CPU buffer types (repacking, AMX) crashed on Q8_0/Q4_0 matmuls on an AMX machine here (probed
+# below on every run): the fixtures' measurements run with them off (gguf-wide times both settings)
 EXTRA_BUFTS = "off"
 
 
@@ -218,9 +218,8 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
     )
     files = {"gguf": gg, "control": d / "control.gguf"}
     control_gguf(gg, files["control"])
-    if set(row["bytes_by_type"]) & set(
-        QUANT_TYPES
-    ):  # the file's own weights, without the runtime's bf16 rounding
+    # the file's own weights, without the runtime's bf16 rounding
+    if set(row["bytes_by_type"]) & set(QUANT_TYPES):
         files["exact"] = d / "exact.gguf"
         control_gguf(gg, files["exact"], runtime_rounding=False)
     cfg = json.loads((Path(model) / "config.json").read_text())
