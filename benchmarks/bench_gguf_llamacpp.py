@@ -191,21 +191,28 @@ def gguf_facts(path: Path) -> dict:
     )
 
 
-def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
-    import numpy as np
+def runtime_logits(compact: Path, ids, arithmetic: str):
+    """Our runtime's float32 logits of `ids` from a compact export, computing with `arithmetic`."""
     import torch
 
-    from moecompress.api import export, load
+    from moecompress.api import load
+
+    model = load(compact, dtype="float32", arithmetic=arithmetic)
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
+    import numpy as np
+
+    from moecompress.api import export
 
     d = work / fixture / arm
     t0 = time.perf_counter()
     plan, tensors = build_plan(model, arm, stats)
-    export(model, plan, d / "gguf", format="gguf", tensors=tensors, overwrite=True, quiet=True)
+    written = export(model, plan, d / "gguf", format="gguf", tensors=tensors, overwrite=True, quiet=True)
     export(model, plan, d / "compact", format="compact", tensors=tensors, overwrite=True, quiet=True)
-    ours_model = load(d / "compact", dtype="float32")
-    with torch.no_grad():
-        ours = ours_model(ids).logits.float()
-    del ours_model
+    ours, emulated = (runtime_logits(d / "compact", ids, a) for a in ("exact", "llama.cpp"))
     np.save(d / "ids.npy", ids.numpy().astype(np.int32))
     gg = d / "gguf" / "model.gguf"
     row = dict(
@@ -214,6 +221,7 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
         params=ARMS[arm][1],
         quant=ARMS[arm][2],
         plan_bytes=plan.logical_bytes(tensors).total,
+        container_bytes=written.container_bytes,
         **gguf_facts(gg),
     )
     files = {"gguf": gg, "control": d / "control.gguf"}
@@ -239,12 +247,15 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
         )
         row[f"llama_{which}"] = json.loads(desc)
         row[f"{which}_kl"] = kl_stats(ours, np.load(d / f"llama_{which}.npy"))
+        if which == "gguf":
+            row["emulated_kl"] = kl_stats(emulated, np.load(d / f"llama_{which}.npy"))
         (d / f"llama_{which}.npy").unlink()
         if which != "gguf":
             path.unlink()
     row["seconds"] = round(time.perf_counter() - t0, 1)
     print(
-        f"[{fixture}] {arm}: KL {row['gguf_kl']['kl']:.3g} (control {row['control_kl']['kl']:.3g}), "
+        f"[{fixture}] {arm}: KL {row['gguf_kl']['kl']:.3g} (emulated {row['emulated_kl']['kl']:.3g}, control "
+        f"{row['control_kl']['kl']:.3g}), "
         f"tensors {row['tensor_bytes']} / plan {row['plan_bytes']}",
         flush=True,
     )

@@ -419,15 +419,29 @@ def export(
     )
 
 
-def load(path: str | os.PathLike, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
+def load(
+    path: str | os.PathLike,
+    device_map=None,
+    dtype="auto",
+    max_memory=None,
+    offload_folder=None,
+    arithmetic: str = "exact",
+):
     """Load any export (compact/packed into the runtime; hf / materialized with plain transformers; gguf with
     transformers' GGUF loader where it reads the architecture, else refused in one sentence).
 
-    max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate)."""
+    max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate).
+    arithmetic: ``exact`` (default), or ``llama.cpp``: a compact export loaded in float32 computes what llama.cpp's
+    CPU kernels compute from the plan's GGUF (activations rounded per tensor type; docs/export.md)."""
     from .export import load as _load
 
     return _load(
-        path, device_map=device_map, dtype=dtype, max_memory=max_memory, offload_folder=offload_folder
+        path,
+        device_map=device_map,
+        dtype=dtype,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
+        arithmetic=arithmetic,
     )
 
 

@@ -65,6 +65,8 @@ class ExportResult(BaseModel):
         0  # every other tensor, as the plan stores it (quantized non-expert weights: packed bytes)
     )
     original_other_bytes: int = 0  # every other tensor of the original, at its on-disk dtypes
+    # what the weight files hold beyond the plan's tensors, known before writing (a GGUF's metadata and tokenizer)
+    container_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -319,6 +321,7 @@ def _export_result(
         original_routed_bytes=written.original_routed,
         other_bytes=written.other,
         original_other_bytes=plan.model.other_bytes,
+        container_bytes=fmt.container_bytes(),
     )
     # the summary line is the caller's to print (`compress` prints it once, on stdout); printing it here too
     # put it on stdout and stderr both

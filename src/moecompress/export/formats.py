@@ -129,6 +129,11 @@ class Format:
     def other(self, state: dict) -> dict:
         return self.finalize(state)
 
+    def container_bytes(self) -> int:
+        """Bytes the format's weight files hold beyond the plan's tensors, known before any is written (a GGUF's
+        header, hyperparameters and tokenizer); safetensors headers are not counted."""
+        return 0
+
     def write_files(self, directory) -> list[str] | None:
         """The files of a format that writes its own (gguf: one .gguf), once every tensor has streamed past;
         None: the tensors the hooks returned, in safetensors shards."""
@@ -448,6 +453,10 @@ class GGUFFormat(Format):
     def check(self):
         super().check()
         self.file = GGUFFile(self.plan, self.tensors, self.source)
+        self.metadata = self.file.metadata_bytes()
+
+    def container_bytes(self):
+        return self.metadata
 
     def finalize(self, tensors):
         return revert_names(

@@ -29,6 +29,7 @@ checked against llama.cpp's converter and loader sources only.
 from __future__ import annotations
 
 import json
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -471,6 +472,20 @@ class GGUFFile:
                     torch.stack([x.codes for x in qs]), torch.stack([x.scale for x in qs]), None, spec
                 ),
             )
+
+    def metadata_bytes(self) -> int:
+        """Bytes the file holds before its tensor infos (header, hyperparameters, tokenizer), known before any tensor
+        is added: measured by writing the same key-values through a second writer of gguf's own."""
+        import gguf
+
+        probe = gguf.GGUFWriter(None, self.arch.arch.lower())
+        probe.kv_data = [dict(d) for d in self.w.kv_data]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / GGUF_FILE
+            probe.write_header_to_file(path)
+            probe.write_kv_data_to_file()
+            probe.close()
+            return path.stat().st_size
 
     def write(self, directory: Path) -> str:
         """The file itself (header, metadata, tensor infos, then the spooled tensors); returns its name."""

@@ -15,15 +15,25 @@ from ..errors import MoECompressError
 from .core import MARKER_FILE
 from .formats import FORMATS
 from .gguf import GGUF_FILE
+from .gguf_arith import ARITHMETICS, emulate_llama_cpp
 from .gguf_load import load_gguf_dir
 from .readers import load_transformers, read_json
 
 
-def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
+def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=None, arithmetic="exact"):
     """Load an export: ``compact`` / ``packed`` into the runtime, ``hf`` / ``materialized`` (or any HF checkpoint)
     with plain transformers, ``gguf`` with transformers' GGUF loader where it reads the architecture; the plan,
     when present, is attached as ``model._moecompress_plan``.
-    max_memory / offload_folder: accelerate's offloading with ``device_map="auto"``."""
+    max_memory / offload_folder: accelerate's offloading with ``device_map="auto"``.
+    arithmetic: ``exact``, or ``llama.cpp`` to compute as llama.cpp does from the plan's GGUF (a compact export in
+    float32; `gguf_arith.emulate_llama_cpp`)."""
+    if arithmetic not in ARITHMETICS:
+        raise MoECompressError(f"Arithmetic '{arithmetic}' is not known; use {' or '.join(ARITHMETICS)}.")
+    model = _load(path, device_map, dtype, max_memory, offload_folder)
+    return emulate_llama_cpp(model) if arithmetic == "llama.cpp" else model
+
+
+def _load(path, device_map, dtype, max_memory, offload_folder):
     d = Path(path).expanduser()
     if not d.exists():
         raise MoECompressError(f"No checkpoint at {path}: pass the directory an export wrote.")

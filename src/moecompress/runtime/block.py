@@ -127,6 +127,10 @@ class CompressedMoEBlock(nn.Module):
                 self._direct = [targets[e] for e in kept] == list(range(len(kept)))
         return present
 
+    def shared_module(self) -> nn.Module | None:
+        """The shared experts (added to every token's output), or None."""
+        return getattr(self, self._shared_name) if self._shared_name is not None else None
+
     def extra_repr(self) -> str:
         return f"layer={self.layer_index}, gate={self.semantics}, slots={self.slot_to_stored.numel()}"
 
@@ -165,7 +169,7 @@ class CompressedMoEBlock(nn.Module):
             if extra is not None:
                 out = out + extra
         if self._shared_name is not None:
-            shared = getattr(self, self._shared_name)(x)
+            shared = self.shared_module()(x)
             if self._shared_gate_name is not None:
                 shared = torch.sigmoid(getattr(self, self._shared_gate_name)(x)) * shared
             out = out + shared

@@ -107,7 +107,13 @@ except ImportError:  # pragma: no cover - older transformers
 
 
 class StoredExperts(nn.Module):
-    """K experts in one fused tensor set; ``forward(x, index, weight)`` like an HF experts module."""
+    """K experts in one fused tensor set; ``forward(x, index, weight)`` like an HF experts module.
+
+    ``input_rounding`` (None: exact) is applied to the input of each of the two matmuls, the hidden state and the
+    activated intermediate: what a runtime whose kernels convert activations first computes (llama.cpp's,
+    `export.gguf_arith`)."""
+
+    input_rounding = None
 
     def __init__(
         self,
@@ -185,12 +191,17 @@ class StoredExperts(nn.Module):
             return self.act(gate, up)
         return glu_activation(self.act.act)(gate) * up  # = ExpertActivation, without its per-call lookup
 
+    def _round(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.input_rounding is None else self.input_rounding(h)
+
     def forward(
         self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, may_skip: bool = True
     ) -> torch.Tensor:
         """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H].
 
         may_skip=False promises that no index is the sentinel K (saves a host sync per call)."""
+        if self.input_rounding is not None:
+            x = self.input_rounding(x)
         if self.implementation == "eager":
             return self._eager(x, index, weight)
         return self._grouped(x, index, weight, may_skip)
@@ -224,10 +235,10 @@ class StoredExperts(nn.Module):
                 cur = x[tok]
                 if self.is_transposed:
                     h = self._apply_gate(cur @ w["gate_up_proj"][s - lo] + w["gate_up_proj_bias"][s - lo])
-                    y = h @ w["down_proj"][s - lo] + w["down_proj_bias"][s - lo]
+                    y = self._round(h) @ w["down_proj"][s - lo] + w["down_proj_bias"][s - lo]
                 else:
                     h = self._apply_gate(F.linear(cur, w["gate_up_proj"][s - lo]))
-                    y = F.linear(h, w["down_proj"][s - lo])
+                    y = F.linear(self._round(h), w["down_proj"][s - lo])
                 y = y * weight[tok, pos, None]
                 out.index_add_(0, tok, y.to(out.dtype))
         return out
@@ -261,7 +272,7 @@ class StoredExperts(nn.Module):
             proj = _grouped_linear(
                 xs, w["gate_up_proj"], offsets, bias=bias1, is_transposed=self.is_transposed
             )
-            proj = self._apply_gate(proj)
+            proj = self._round(self._apply_gate(proj))
             bias2 = w["down_proj_bias"][i] if self.has_bias else None
             proj = _grouped_linear(
                 proj, w["down_proj"], offsets, bias=bias2, is_transposed=self.is_transposed

@@ -38,7 +38,12 @@ _QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero
 
 
 class StoredExpertSlot(nn.Module):
-    """One stored expert of a quantized scope: its packed integer tensors (or dense weights) and biases."""
+    """One stored expert of a quantized scope: its packed integer tensors (or dense weights) and biases.
+
+    ``weight_rounding``: the dtype code·scale is rounded through before the compute dtype; bf16 is what a
+    compressed-tensors loader computes, float32 keeps the products exact (llama.cpp's, `export.gguf_arith`)."""
+
+    weight_rounding = torch.bfloat16
 
     def __init__(self, spec: QuantSpec | None):
         super().__init__()
@@ -57,8 +62,7 @@ class StoredExpertSlot(nn.Module):
         if self.spec is None:
             parts = {p: getattr(self, p).to(dtype) for p in PARTS}
         else:
-            # bf16(code · scale), exactly what a compressed-tensors loader computes, then the compute dtype
-            parts = {p: self._quantized(p).dequantize(torch.bfloat16).to(dtype) for p in PARTS}
+            parts = {p: self._quantized(p).dequantize(self.weight_rounding).to(dtype) for p in PARTS}
         bias = {
             f"{p}_bias": getattr(self, f"{p}_bias").to(dtype) if hasattr(self, f"{p}_bias") else None
             for p in PARTS
