@@ -248,7 +248,12 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
         row[f"llama_{which}"] = json.loads(desc)
         row[f"{which}_kl"] = kl_stats(ours, np.load(d / f"llama_{which}.npy"))
         if which == "gguf":
-            row["emulated_kl"] = kl_stats(emulated, np.load(d / f"llama_{which}.npy"))
+            row["emulated_kl"] = kl_stats(emulated, np.load(d / "llama_gguf.npy"))
+            # llama.cpp against itself: the same windows one token per call (its matrix-vector kernels)
+            one = d / "llama_gguf_1by1.npy"
+            child("logits", path, d / "ids.npy", one, "--threads", THREADS, "--extra-bufts", EXTRA_BUFTS, "--batch", 1)
+            row["self_kl"] = kl_stats(np.load(d / "llama_gguf.npy"), np.load(one))
+            one.unlink()
         (d / f"llama_{which}.npy").unlink()
         if which != "gguf":
             path.unlink()
@@ -411,9 +416,9 @@ def _quant_words(arm: dict) -> str:
 
 
 def bytes_row(a: dict) -> tuple[float, float]:
-    """(tensors / (plan + required copies) − 1, file / (plan + required copies) − 1)."""
+    """(tensors / (plan + required copies) − 1, file / (plan + required copies + GGUF metadata) − 1)."""
     want = a["plan_bytes"] + a["required_extra_bytes"]
-    return a["tensor_bytes"] / want - 1, a["file_bytes"] / want - 1
+    return a["tensor_bytes"] / want - 1, a["file_bytes"] / (want + a["container_bytes"]) - 1
 
 
 def markdown(res: dict) -> str:
@@ -450,19 +455,20 @@ def markdown(res: dict) -> str:
             f"{fx['seconds'] / 60:.1f} min)",
             "",
             "| arm | weights | GGUF types | llama.cpp loads | KL | median token KL | max token KL | top-1 agree "
-            "| control KL (median) | exact-weights KL | plan bytes | GGUF tensors | GGUF file |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| KL, llama.cpp's arithmetic (median) | control KL (median) | exact-weights KL | plan bytes "
+            "(+ GGUF metadata) | GGUF tensors | GGUF file |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for a in fx["arms"]:
             tb, fb = bytes_row(a)
             types = ", ".join(sorted(a["bytes_by_type"]))
-            g, c = a["gguf_kl"], a["control_kl"]
+            g, c, e = a["gguf_kl"], a["control_kl"], a["emulated_kl"]
             exact = _g(a["exact_kl"]["kl"]) if "exact_kl" in a else "—"
             lines.append(
                 f"| {a['arm']} | {_quant_words(a)} | {types} | {a['llama_gguf']['desc']} | {_g(g['kl'])} | "
-                f"{_g(g['kl_median'])} | {_g(g['kl_max'])} | {100 * g['top1']:.2f} % | {_g(c['kl'])} "
-                f"({_g(c['kl_median'])}) | {exact} | {a['plan_bytes']:,} | {a['tensor_bytes']:,} ({_pct(tb)}) "
-                f"| {a['file_bytes']:,} ({_pct(fb)}) |"
+                f"{_g(g['kl_median'])} | {_g(g['kl_max'])} | {100 * g['top1']:.2f} % | {_g(e['kl'])} "
+                f"({_g(e['kl_median'])}) | {_g(c['kl'])} ({_g(c['kl_median'])}) | {exact} | {a['plan_bytes']:,} "
+                f"(+ {a['container_bytes']:,}) | {a['tensor_bytes']:,} ({_pct(tb)}) | {a['file_bytes']:,} ({_pct(fb)}) |"
             )
         lines += ["", *kl_lines(fx, t), *bytes_lines(fx, t), ""]
         lines += speed_lines(fx, t)
@@ -492,6 +498,7 @@ def markdown(res: dict) -> str:
 def kl_lines(fx: dict, t: dict) -> list[str]:
     arms = fx["arms"]
     over = [a for a in arms if a["gguf_kl"]["kl"] > t["kl"]]
+    emul_over = [a for a in arms if a["emulated_kl"]["kl"] > t["kl"]]
     ctrl = max(arms, key=lambda a: a["control_kl"]["kl"])
     worst = max(ctrl["control_kl"]["window_kl"])
     share = worst / (ctrl["control_kl"]["kl"] * len(ctrl["control_kl"]["window_kl"]))
@@ -504,7 +511,21 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
             else f"{len(arms) - len(over)} of {len(arms)} files; not "
             + ", ".join(f"{a['arm']} ({_g(a['gguf_kl']['kl'])})" for a in over)
             + "."
-        ),
+        )
+        + f" With our runtime computing as llama.cpp's kernels do (`load(..., arithmetic=\"llama.cpp\")`: "
+        "activations quantized to Q8_0 before Q8_0/Q5_0/Q4_0 weights and rounded to bf16 before BF16 ones, quantized "
+        "weights exactly code·d; docs/export.md): "
+        + (
+            "every file."
+            if not emul_over
+            else f"{len(arms) - len(emul_over)} of {len(arms)} files; not "
+            + ", ".join(f"{a['arm']} ({_g(a['emulated_kl']['kl'])})" for a in emul_over)
+            + "."
+        )
+        + " Median token KL with that arithmetic: "
+        + ", ".join(f"{a['arm']} {_g(a['emulated_kl']['kl_median'])}" for a in arms)
+        + f" (exact runtime: {_g(min(a['gguf_kl']['kl_median'] for a in arms))}–"
+        f"{_g(max(a['gguf_kl']['kl_median'] for a in arms))}).",
         f"- Control (llama.cpp on the weights our runtime computes with, as F32): median token KL at most "
         f"{_g(max(a['control_kl']['kl_median'] for a in arms))} over the arms; the largest mean is {ctrl['arm']}'s "
         f"{_g(ctrl['control_kl']['kl'])}, of which its worst window carries {100 * share:.0f} % (max token KL "
@@ -554,7 +575,10 @@ def bytes_lines(fx: dict, t: dict) -> list[str]:
         )
         + f". The file adds the header and alignment ({min(header) / 1e3:.0f}–{max(header) / 1e3:.0f} kB: "
         "metadata and the 4096-token tokenizer with its merges) to the tensor data; llama.cpp reads the tokenizer "
-        "from it, and its size does not grow with the model."
+        "from it, and its size does not grow with the model. The whole file is compared with the plan's bytes plus "
+        "the GGUF metadata the export reports before writing any tensor (`ExportResult.container_bytes`: header, "
+        f"hyperparameters, tokenizer; {min(a['container_bytes'] for a in arms):,}–"
+        f"{max(a['container_bytes'] for a in arms):,} bytes here)."
     ]
 
 

@@ -1,9 +1,11 @@
 """Runs inside llama.cpp (llama-cpp-python's ctypes bindings), in a virtualenv of its own: numpy and llama_cpp only,
 nothing from moecompress. Started by benchmarks/bench_gguf_llamacpp.py, one fresh process per measurement.
 
-    python child.py logits MODEL.gguf IDS.npy OUT.npy [--threads 2]
+    python child.py logits MODEL.gguf IDS.npy OUT.npy [--threads 2] [--batch 0]
         IDS.npy: int32 [windows, tokens]. Each window is evaluated from an empty context (token ids fed directly,
-        no tokenizer), every position's logits kept: OUT.npy float32 [windows, tokens, vocab].
+        no tokenizer), every position's logits kept: OUT.npy float32 [windows, tokens, vocab]. --batch: tokens per
+        llama_decode call (0: the whole window in one; 1: one at a time, as generation runs, through llama.cpp's
+        matrix-vector kernels instead of its matrix-matrix ones).
     python child.py speed MODEL.gguf PROMPT.npy OUT.json [--decode 128] [--threads 2]
         One warm-up, then the prompt (int32 [tokens]) in one batch, then greedy decoding: llama.cpp's own timers
         (llama_perf_context) and the wall clock around the same calls, and the process's peak RSS.
@@ -67,11 +69,12 @@ def logits(args) -> None:
 
     ids = np.load(args.ids)
     w, t = ids.shape
+    batch = args.batch or t
     m = Llama(
         model_path=args.model,
         n_ctx=t,
-        n_batch=t,
-        n_ubatch=t,
+        n_batch=batch,
+        n_ubatch=batch,
         n_threads=args.threads,
         n_threads_batch=args.threads,
         logits_all=True,
@@ -188,6 +191,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=0)
     ap.add_argument("--extra-bufts", choices=["on", "off"], default="on")
     args = ap.parse_args()
     _extra_bufts(args.extra_bufts == "on")

@@ -26,6 +26,7 @@ from ..plan import CompressionPlan
 from .gguf import BLOCK, exact_type, reason
 
 ARITHMETICS = ("exact", "llama.cpp")
+ATTENTION = "moecompress_llama_cpp"  # the transformers attention implementation `attention` is registered as
 
 
 def q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +59,31 @@ def weight_kind(plan: CompressionPlan, name: str) -> str:
     """The GGUF type of checkpoint weight `name` of a linear layer outside the routed experts."""
     tq = plan.tensor_quant.get(name)
     return float_kind(plan) if tq is None else exact_type(tq.quant)
+
+
+def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """llama.cpp's attention without flash attention (llama-cpp-python's default), as a transformers attention
+    function: K and V read from its F16 cache, Q and the softmax probabilities converted to fp16 for the two
+    matmuls (the cache's ``vec_dot_type``), scores and softmax in float32. query [B, H, T, D], key/value
+    [B, H_kv, S, D] -> ([B, T, H, D], probabilities)."""
+    half = _through(torch.float16)
+    groups = query.shape[1] // key.shape[1]
+    k = half(key).repeat_interleave(groups, dim=1)
+    v = half(value).repeat_interleave(groups, dim=1)
+    scores = (half(query) @ k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : k.shape[-2]]
+    probs = torch.softmax(scores, dim=-1)
+    return (half(probs) @ v).transpose(1, 2).contiguous(), probs
+
+
+def _use_attention(model: nn.Module) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)
+    model.set_attn_implementation(ATTENTION)
 
 
 def _pre_hook(fn):
@@ -97,6 +123,7 @@ def emulate_llama_cpp(model: nn.Module) -> nn.Module:
             kinds = {float_kind(plan)}
         (kind,) = kinds  # a GGUF has one type per layer's expert stack (`reason` checked it)
         stored.input_rounding = rounding_for(kind)
+    _use_attention(model)
     names = {id(p): n for n, p in model.named_parameters()}  # a tied head is the embedding's tensor
     for module in model.modules():
         if isinstance(module, nn.Linear) and id(module) not in skip:
