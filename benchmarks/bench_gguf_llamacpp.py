@@ -55,6 +55,7 @@ WINDOWS, WINDOW = 16, 128
 THREADS = 2
 PROMPT, DECODE, REPEATS = 128, 128, 11
 KL_TARGET, BYTES_TARGET = 1e-4, 0.01
+NOISE = 1e-7  # relative, about float32's rounding (2^-24 = 6e-8)
 DECODE_TARGET, RSS_TARGET = 1.3, 0.45
 PRUNE = dict(criterion="reap", ratio=0.5, gate="renorm")
 ALL8 = dict(
@@ -191,13 +192,19 @@ def gguf_facts(path: Path) -> dict:
     )
 
 
-def runtime_logits(compact: Path, ids, arithmetic: str):
-    """Our runtime's float32 logits of `ids` from a compact export, computing with `arithmetic`."""
+def runtime_logits(compact: Path, ids, arithmetic: str, noise: float = 0.0):
+    """Our runtime's float32 logits of `ids` from a compact export, computing with `arithmetic`; `noise`: the
+    embeddings' output multiplied by 1 + noise·N(0, 1) (seeded), a perturbation of float rounding's size."""
     import torch
 
     from moecompress.api import load
 
     model = load(compact, dtype="float32", arithmetic=arithmetic)
+    if noise:
+        gen = torch.Generator().manual_seed(0)
+        model.get_input_embeddings().register_forward_hook(
+            lambda mod, args, out: out * (1 + noise * torch.randn(out.shape, generator=gen))
+        )
     with torch.no_grad():
         return model(ids).logits.float()
 
@@ -213,6 +220,8 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
     written = export(model, plan, d / "gguf", format="gguf", tensors=tensors, overwrite=True, quiet=True)
     export(model, plan, d / "compact", format="compact", tensors=tensors, overwrite=True, quiet=True)
     ours, emulated = (runtime_logits(d / "compact", ids, a) for a in ("exact", "llama.cpp"))
+    # how far float noise alone moves this plan's logits under that arithmetic: a floor for any second implementation
+    noisy = runtime_logits(d / "compact", ids, "llama.cpp", noise=NOISE)
     np.save(d / "ids.npy", ids.numpy().astype(np.int32))
     gg = d / "gguf" / "model.gguf"
     row = dict(
@@ -222,6 +231,7 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
         quant=ARMS[arm][2],
         plan_bytes=plan.logical_bytes(tensors).total,
         container_bytes=written.container_bytes,
+        noise_kl=kl_stats(emulated, noisy),
         **gguf_facts(gg),
     )
     files = {"gguf": gg, "control": d / "control.gguf"}
@@ -251,7 +261,18 @@ def run_arm(model: str, fixture: str, arm: str, stats, ids, work: Path) -> dict:
             row["emulated_kl"] = kl_stats(emulated, np.load(d / "llama_gguf.npy"))
             # llama.cpp against itself: the same windows one token per call (its matrix-vector kernels)
             one = d / "llama_gguf_1by1.npy"
-            child("logits", path, d / "ids.npy", one, "--threads", THREADS, "--extra-bufts", EXTRA_BUFTS, "--batch", 1)
+            child(
+                "logits",
+                path,
+                d / "ids.npy",
+                one,
+                "--threads",
+                THREADS,
+                "--extra-bufts",
+                EXTRA_BUFTS,
+                "--batch",
+                1,
+            )
             row["self_kl"] = kl_stats(np.load(d / "llama_gguf.npy"), np.load(one))
             one.unlink()
         (d / f"llama_{which}.npy").unlink()
@@ -512,9 +533,9 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
             + ", ".join(f"{a['arm']} ({_g(a['gguf_kl']['kl'])})" for a in over)
             + "."
         )
-        + f" With our runtime computing as llama.cpp's kernels do (`load(..., arithmetic=\"llama.cpp\")`: "
+        + ' With our runtime computing as llama.cpp\'s kernels do (`load(..., arithmetic="llama.cpp")`: '
         "activations quantized to Q8_0 before Q8_0/Q5_0/Q4_0 weights and rounded to bf16 before BF16 ones, quantized "
-        "weights exactly code·d; docs/export.md): "
+        "weights exactly code·d, attention from an fp16 KV cache; docs/export.md): "
         + (
             "every file."
             if not emul_over
@@ -522,7 +543,15 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
             + ", ".join(f"{a['arm']} ({_g(a['emulated_kl']['kl'])})" for a in emul_over)
             + "."
         )
-        + " Median token KL with that arithmetic: "
+        + " llama.cpp against itself (the same windows one token per call, its matrix-vector kernels, against one "
+        "window per call): "
+        + ", ".join(f"{a['arm']} {_g(a['self_kl']['kl'])}" for a in arms)
+        + f". Our runtime computing as llama.cpp does against itself with the embeddings' output perturbed by "
+        f"{NOISE:g} relative (seeded Gaussian; float32 rounds to 6e-8): "
+        + ", ".join(f"{a['arm']} {_g(a['noise_kl']['kl'])}" for a in arms)
+        + ": where quantized activations follow one another, a perturbation of float rounding's size moves the "
+        "logits by as much as the two implementations differ. Median token KL with our runtime computing as "
+        "llama.cpp does: "
         + ", ".join(f"{a['arm']} {_g(a['emulated_kl']['kl_median'])}" for a in arms)
         + f" (exact runtime: {_g(min(a['gguf_kl']['kl_median'] for a in arms))}–"
         f"{_g(max(a['gguf_kl']['kl_median'] for a in arms))}).",
