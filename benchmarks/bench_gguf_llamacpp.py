@@ -549,9 +549,16 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
         + f". Our runtime computing as llama.cpp does against itself with the embeddings' output perturbed by "
         f"{NOISE:g} relative (seeded Gaussian; float32 rounds to 6e-8): "
         + ", ".join(f"{a['arm']} {_g(a['noise_kl']['kl'])}" for a in arms)
-        + ": where quantized activations follow one another, a perturbation of float rounding's size moves the "
-        "logits by as much as the two implementations differ. Median token KL with our runtime computing as "
-        "llama.cpp does: "
+        + (
+            ". Over the target with that arithmetic, beside the KL float-sized noise alone gives the same file: "
+            + ", ".join(
+                f"{a['arm']} {_g(a['emulated_kl']['kl'])} (noise {_g(a['noise_kl']['kl'])})"
+                for a in emul_over
+            )
+            if emul_over
+            else ""
+        )
+        + ". Median token KL with our runtime computing as llama.cpp does: "
         + ", ".join(f"{a['arm']} {_g(a['emulated_kl']['kl_median'])}" for a in arms)
         + f" (exact runtime: {_g(min(a['gguf_kl']['kl_median'] for a in arms))}–"
         f"{_g(max(a['gguf_kl']['kl_median'] for a in arms))}).",

@@ -222,3 +222,90 @@ def test_imatrix_gguf_is_llama_cpps_format_from_our_statistics(tmp_path, capsys)
     assert abs(q - ref).max() <= 1e-5 * abs(ref).max()
     code, _, err = run_cli([*args[:-1], str(tmp_path / "h"), "--format", "compact"], capsys)
     assert code == 2 and "--imatrix belongs with a GGUF output" in err and not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("target, budget", [("transformers", 0.7), ("vllm", 0.9)])
+def test_hf_targets_search_one_expert_count_and_one_expert_precision(calibrated, target, budget):
+    """transformers / vLLM load an hf checkpoint: the plan is one HFFormat holds (and, for vLLM, one its WNA16
+    kernels run), within the whole-file budget. (This model's embeddings and lm_head are 78 % of it, and stay bf16
+    for vLLM: the budgets are high.)"""
+    from moecompress.export.ct import vllm_reason
+    from moecompress.export.formats import HFFormat
+
+    _, store, adapter = calibrated
+    plan, tensors = get_method("auto").build(
+        parse_config("auto", dict(budget=budget, target=target, quant_group=32, **FAST)),
+        MethodContext(adapter, store),
+    )
+    assert HFFormat.reason(plan) is None and (target != "vllm" or vllm_reason(plan) is None)
+    assert len({len(lp.stored_ids()) for lp in plan.layers}) == 1
+    (spec,) = plan.quant_specs()
+    assert spec is not None  # the budget needs quantized experts
+    assert target != "vllm" or spec.bits in (4, 8)
+    assert "embeddings" not in {tq.kind for tq in plan.tensor_quant.values()}
+    a = plan.params["auto"]
+    assert plan.logical_bytes(tensors, accounting="stored").total == a["whole_bytes"] <= a["budget_bytes"]
+
+
+def test_hf_targets_refuse_what_their_runtime_cannot_load(calibrated, tmp_path, capsys):
+    config = parse_config("auto", dict(target="vllm"))
+    assert (config.candidates, config.gates, config.bits) == (["reroute"], ["renorm"], [16, 8, 4])
+    with pytest.raises(
+        MoECompressError, match=r"vllm cannot use bits=\[16, 5\]: vllm runs bits \[16, 8, 4\] only"
+    ):
+        parse_config("auto", dict(target="vllm", bits=[16, 5]))
+    _, store, adapter = calibrated
+    with pytest.raises(
+        MoECompressError, match=r"quant_group 128 leaves a shorter last group .* pass quant_group=32"
+    ):
+        get_method("auto").build(
+            parse_config("auto", dict(budget=0.4, target="transformers", **FAST)),
+            MethodContext(adapter, store),
+        )
+    path = str(calibrated[0])
+    code, _, err = run_cli(
+        [
+            "compress",
+            path,
+            "--method",
+            "quant",
+            "--quant",
+            "w3g32",
+            "--quant-algo",
+            "rtn",
+            "--target",
+            "vllm",
+            "--out",
+            str(tmp_path / "v"),
+        ],
+        capsys,
+    )
+    assert code == 2 and "This plan cannot run in vllm: its experts w3g32 is not one of vLLM's WNA16" in err
+    assert not (tmp_path / "v").exists()
+    code, _, err = run_cli(
+        [
+            "compress",
+            path,
+            "--method",
+            "auto",
+            "--budget",
+            "0.7",
+            "--target",
+            "transformers",
+            "--calib",
+            str(store.path),
+            "--param",
+            "sensitivity=uniform",
+            "--param",
+            "measure=false",
+            "--param",
+            "quant_group=32",
+            "--out",
+            str(tmp_path / "t"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "t").config.quantization_config is not None

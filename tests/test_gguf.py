@@ -151,11 +151,18 @@ def test_the_gguf_holds_the_checkpoint_in_llamacpp_names_layouts_and_types(writt
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_file_bytes_against_the_plans(written, name, capsys):
-    """The tensors' bytes against `CompressionPlan.logical_bytes`: within 1 % (norms and routers are F32 in GGUF)."""
+    """The tensors' bytes against `CompressionPlan.logical_bytes`: within 1 % (norms and routers are F32 in GGUF); the
+    metadata bytes the export reports are exactly where the file's tensor infos start, and the whole file is within
+    1 % of the plan's bytes plus them."""
     for kind in ("identity", "half"):
-        plan, d, _ = written[name, kind]
+        plan, d, result = written[name, kind]
         data = G.tensor_bytes(d / "model.gguf")
         logical = plan.logical_bytes().total
+        reader = gguf.GGUFReader(d / "model.gguf")
+        assert (
+            result.container_bytes == min(t.field.offset for t in reader.tensors) > 100_000
+        )  # the tokenizer
+        assert abs((d / "model.gguf").stat().st_size / (logical + result.container_bytes) - 1) < 0.01
         with capsys.disabled():
             print(
                 f"\n{name} {kind}: GGUF tensor bytes {data} / file {(d / 'model.gguf').stat().st_size} vs plan "

@@ -24,11 +24,18 @@ def test_q8_0_is_ggmls_activation_quantizer():
     x = torch.zeros(2, 32)
     x[0, :6] = torch.tensor([254.0, -127.0, 1.0, 3.0, 4.8, -0.9])  # max 254: d = 2, x · 127/254 = x / 2
     want = torch.zeros(2, 32)
-    want[0, :6] = torch.tensor([127.0, -64.0, 0.0, 2.0, 2.0, 0.0]) * 2  # -63.5 -> -64, 0.5 -> 0, 1.5 -> 2: to even
+    want[0, :6] = (
+        torch.tensor([127.0, -64.0, 0.0, 2.0, 2.0, 0.0]) * 2
+    )  # -63.5 -> -64, 0.5 -> 0, 1.5 -> 2: to even
     assert torch.equal(q8_0(x), want)
-    assert q8_0(torch.full((32,), 0.1))[0] == torch.tensor(0.1 / 127).half().float() * 127  # d is stored in fp16
+    assert (
+        q8_0(torch.full((32,), 0.1))[0] == torch.tensor(0.1 / 127).half().float() * 127
+    )  # d is stored in fp16
     y = torch.randn(3, 5, 64)
-    codes = q8_0(y).reshape(3, 5, 2, 32) / (y.reshape(3, 5, 2, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+    codes = (
+        q8_0(y).reshape(3, 5, 2, 32)
+        / (y.reshape(3, 5, 2, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+    )
     assert torch.equal(codes, codes.round()) and codes.abs().max() <= 127
     assert torch.equal(q8_0(q8_0(y)), q8_0(y))  # the grid is a fixed point
 
@@ -80,12 +87,16 @@ def test_every_linear_input_is_rounded_by_its_weights_gguf_type():
     emulate_llama_cpp(model)
     seen = {}
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj", "lm_head"):
-        model.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0]))
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: seen.__setitem__(name, a[0])
+        )
     ids = torch.randint(0, model.config.vocab_size, (1, 24))
     with torch.no_grad():
         logits = model(ids).logits
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"):
-        assert torch.equal(seen[name], q8_0(seen[name])) and not torch.equal(seen[name], seen[name].bfloat16().float())
+        assert torch.equal(seen[name], q8_0(seen[name])) and not torch.equal(
+            seen[name], seen[name].bfloat16().float()
+        )
     head = seen["lm_head"]
     assert torch.equal(head, head.bfloat16().float()) and not torch.equal(head, q8_0(head))
     # causal: a later token changes no earlier position's logits

@@ -93,9 +93,9 @@ def compress_command(
     target: str = typer.Option(
         "moecompress",
         help="The runtime that serves the output: moecompress (every plan) | "
-        "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q4_0 / 16-bit "
-        "type per layer tensor) | vllm | transformers (write hf); a plan the runtime cannot "
-        "run is refused.",
+        "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q5_0 / Q4_0 / 16-bit "
+        "type per layer tensor) | transformers | vllm (write hf; auto searches one expert count and one "
+        "expert precision, 4 or 8 bits for vllm); a plan the runtime cannot run is refused.",
     ),
     imatrix: bool = typer.Option(
         False,

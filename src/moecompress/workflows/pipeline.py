@@ -290,8 +290,12 @@ def target_format(plan, target: str, requested: str = "auto") -> str:
 
     fmt = TARGET_FORMAT[target]
     why = format_class(fmt).reason(plan)
+    if why is None and target == "vllm":
+        from ..export.ct import vllm_reason
+
+        why = vllm_reason(plan)
     if why is not None:
-        hint = " (auto --target llama.cpp searches only what it runs)" if target == "llama.cpp" else ""
+        hint = f" (auto --target {target} searches only what it runs)"
         raise MoECompressError(
             f"This plan cannot run in {target}: {why}; change the method's settings{hint}, or "
             "drop --target to write it for moecompress's runtime."

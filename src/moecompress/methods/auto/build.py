@@ -16,7 +16,7 @@ from .materialise import plan_layer_by_layer
 from .measure import calibration_ids, kl_to, logprobs, plan_installed, sample_layer_error, sig
 from .setup import AutoSetup, prepare
 from .solver import allocate, uniform_bits_check
-from .target import allocate_for_target
+from .target import allocate_for_target, check_groups, unquantized_classes
 from .tensors import WholeFile, chosen_classes, dequantized_weights, hessians, weights_installed
 
 
@@ -30,7 +30,11 @@ def whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup) -> WholeFil
             stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len, config.seed
         )
         ref = logprobs(adapter.model, ids)
-    classes = chosen_classes(adapter, config.tensor_classes)
+    classes = [
+        c
+        for c in chosen_classes(adapter, config.tensor_classes)
+        if c not in unquantized_classes(config.target)
+    ]
     return WholeFile.price(
         adapter,
         stats,
@@ -52,9 +56,10 @@ def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dic
         {b: dict(v) for b, v in setup.uniform.items()},
     )
     budget = setup.budget
-    if config.target == "llama.cpp":
+    if config.target != "moecompress":
         extra = whole.fronts() if whole is not None else {}
-        fronts, chosen, _ = allocate_for_target(config, setup, extra, budget - (whole.fixed if whole else 0))
+        fixed = whole.fixed if whole else 0
+        fronts, chosen, _ = allocate_for_target(config, setup, extra, budget - fixed, fixed)
         return fronts, chosen
     if whole is not None:
         tf = whole.fronts()
@@ -86,6 +91,7 @@ def build_auto(config: AutoConfig, context: MethodContext):
         )
     stats.require(*needs_stats(config), method="auto")
     info = ModelInfo.from_model(adapter)
+    check_groups(config, info)
     budget = routed_budget(config, info)
     if scope_bytes(config, info) <= budget:
         return report.identity(config, adapter, info, budget)

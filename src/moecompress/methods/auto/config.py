@@ -97,7 +97,8 @@ class AutoConfig(BaseModel):
     target: Literal["moecompress", "llama.cpp", "vllm", "transformers"] = Field(
         "moecompress",
         description="the runtime the plan must run in: moecompress (everything); llama.cpp (one "
-        "expert count in every layer, one Q8_0 / Q5_0 / Q4_0 / 16-bit type per layer tensor: auto/target.py)",
+        "expert count in every layer, one Q8_0 / Q5_0 / Q4_0 / 16-bit type per layer tensor); transformers, "
+        "vllm (an hf checkpoint: one expert count and one expert precision; vllm: 4 or 8 bits): auto/target.py",
     )
     tensor_classes: list[str] | None = Field(
         None,

@@ -1,4 +1,4 @@
-"""`auto` within what a runtime runs (issue 31, item 3): ``target: llama.cpp``.
+"""`auto` within what a runtime runs (issue 31, item 3): ``target: llama.cpp | transformers | vllm``.
 
 A GGUF holds, per MoE layer, the kept experts of every layer stacked into one tensor per projection, with one
 type for the whole tensor, the same expert count in every layer, and a router with the kept rows only; no
@@ -11,21 +11,68 @@ is:
   step from 8.5 to 4.5 bits per weight where llama.cpp's own mixes use Q5_0 / Q5_K);
 * every non-expert weight at 16, 8, 5 or 4 bits, group 32 (`auto.tensors`, with a whole-file budget).
 
+An ``hf`` checkpoint (what transformers and vLLM load; `export.formats.HFFormat.reason`) holds the same structure
+with ONE precision for every stored expert of the model (compressed-tensors), quantized non-expert weights only
+beside quantized experts, and never quantized embeddings. So ``target: transformers`` searches the same k with one
+expert width b for all layers (any of ``bits``), non-expert weights but the embeddings at any width when b < 16
+and unquantized when b = 16; ``target: vllm`` narrows that to what vLLM's compressed-tensors loader runs
+(`export.ct.vllm_reason`): WNA16 at 4 or 8 bits (its Marlin kernels), groups 32 / 64 / 128 or per channel, and
+no quantized lm_head.
+
 Which experts a layer keeps for a given k: those with the largest estimated loss when rerouted (the `reroute`
-candidates' per-slot losses, as the unconstrained solver scores them). For each k the layers' states
-(k, b_l) form fronts and the ordinary allocation (`solver.allocate`) picks one per layer within the budget; the k
-with the least total estimated loss wins. Estimates, sensitivities and the plan's construction are the
-unconstrained solver's (`setup.prepare`, `materialise.restore`).
+candidates' per-slot losses, as the unconstrained solver scores them). For each k (and, for hf targets, each
+expert width) the layers' states form fronts and the ordinary allocation (`solver.allocate`) picks one per layer
+within the budget; the choice with the least total estimated loss wins. Estimates, sensitivities and the plan's
+construction are the unconstrained solver's (`setup.prepare`, `materialise.restore`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from ...errors import MoECompressError
 from .solver import LayerPoint, allocate, pareto
 
 TARGETS = ("moecompress", "llama.cpp", "vllm", "transformers")
-# what llama.cpp's GGUF types hold exactly (export.gguf.exact_type), and how auto's search is set for it
-LLAMA_CPP = dict(candidates=["reroute"], gates=["renorm"], bits=[16, 8, 5, 4], quant_group=32)
+STRUCTURE = dict(candidates=["reroute"], gates=["renorm"])  # what a standard router expresses
+
+
+@dataclass(frozen=True)
+class Space:
+    """What `auto` may search for a target: fields filled in where not given (`defaults`), the values a given
+    field may take (`allowed`: a list field must be a subset), whether every stored expert shares one width, the
+    non-expert classes never quantized, and the clause a refusal gives."""
+
+    defaults: dict
+    allowed: dict
+    one_expert_width: bool
+    unquantized_classes: tuple[str, ...] = field(default=())
+    why: str = ""
+
+
+SPACES = {
+    # what llama.cpp's GGUF types hold exactly (export.gguf.exact_type)
+    "llama.cpp": Space(
+        dict(STRUCTURE, bits=[16, 8, 5, 4], quant_group=32),
+        dict(STRUCTURE, bits=[16, 8, 5, 4], quant_group=[32]),
+        one_expert_width=False,
+        why="one GGUF type per layer tensor: Q8_0 / Q5_0 / Q4_0 from group-32 codes",
+    ),
+    "transformers": Space(
+        dict(STRUCTURE),
+        dict(STRUCTURE),
+        one_expert_width=True,
+        unquantized_classes=("embeddings",),
+        why="an hf checkpoint has one expert count and one expert precision, compressed-tensors for quantized weights",
+    ),
+    "vllm": Space(
+        dict(STRUCTURE, bits=[16, 8, 4]),
+        dict(STRUCTURE, bits=[16, 8, 4], quant_group=[32, 64, 128, None]),
+        one_expert_width=True,
+        unquantized_classes=("embeddings", "lm_head"),
+        why="its compressed-tensors loader runs WNA16 at 4 or 8 bits, groups 32 / 64 / 128 or per channel",
+    ),
+}
 
 
 def target_defaults(data: dict) -> dict:
@@ -36,25 +83,40 @@ def target_defaults(data: dict) -> dict:
     target = data["target"]
     if target not in TARGETS:
         raise MoECompressError(f"Target '{target}' is not known; use {', '.join(TARGETS)}.")
-    if target != "llama.cpp":
-        raise MoECompressError(
-            f"auto --target {target} is not implemented yet (issue 31): use --target llama.cpp "
-            "or moecompress, and check the plan with --format hf."
-        )
-    out = dict(data)
-    for key, allowed in LLAMA_CPP.items():
-        given = out.get(key)
-        if given is None:
-            out[key] = allowed
+    space = SPACES[target]
+    out = {**space.defaults, **{k: v for k, v in data.items() if v is not None}}
+    for key, allowed in space.allowed.items():
+        given = out.get(key, "unset")
+        if given == "unset":
             continue
-        ok = set(given) <= set(allowed) if isinstance(allowed, list) else given == allowed
+        ok = set(given) <= set(allowed) if isinstance(given, list) else given in allowed
         if not ok:
             raise MoECompressError(
-                f"auto --target llama.cpp cannot use {key}={given}: llama.cpp runs {key} "
-                f"{allowed} only (one GGUF type per layer tensor: Q8_0 / Q5_0 / Q4_0 from group-32 "
-                "codes); leave it out."
+                f"auto --target {target} cannot use {key}={given}: {target} runs {key} {allowed} only "
+                f"({space.why}); leave it out."
             )
     return out
+
+
+def unquantized_classes(target: str) -> tuple[str, ...]:
+    """The non-expert classes `target` loads only unquantized."""
+    return SPACES[target].unquantized_classes if target in SPACES else ()
+
+
+def check_groups(config, info) -> None:
+    """Refuse, before any search, a quantization group that leaves a shorter last group on one of the model's
+    input dimensions: compressed-tensors cannot load it, nor llama.cpp's 32-weight blocks hold it."""
+    group = config.quant_group
+    if config.target == "moecompress" or group is None:
+        return
+    dims = {info.hidden_size} | {li.intermediate_size for li in info.layers}
+    if any(d % group for d in dims):
+        fits = [g for g in (128, 64, 32) if all(d % g == 0 for d in dims)]
+        hint = f"pass quant_group={fits[0]}" if fits else "no group fits; use --target moecompress"
+        raise MoECompressError(
+            f"auto --target {config.target} with quant_group {group} leaves a shorter last group on input "
+            f"dimensions {sorted(dims)}, which {config.target} cannot load; {hint}."
+        )
 
 
 def kept_counts(setup) -> list[int]:
@@ -96,24 +158,37 @@ def layer_states(prob, k: int, widths: list[int]):
     return pareto(points)
 
 
-def allocate_for_target(config, setup, extra_fronts: dict, budget: int):
-    """(fronts, chosen index per item, k) minimising the scaled estimated loss over every common expert count k;
-    `extra_fronts` are the non-expert items (their losses already in KL units)."""
+def allocate_for_target(config, setup, extra_fronts: dict, budget: int, fixed: int = 0):
+    """(fronts, chosen index per item, k) minimising the scaled estimated loss over every common expert count k
+    (and, where the target holds one expert precision, every expert width); `extra_fronts` are the non-expert
+    items (their losses already in KL units), `fixed` the bytes no choice changes (outside `budget`)."""
     widths = sorted({16, *config.quant_bits}, reverse=True)
-    best = None
+    space = SPACES[config.target]
+    best, smallest = None, None
     for k in kept_counts(setup):
-        fronts = {i: layer_states(p, k, widths) for i, p in setup.problems.items()}
-        fronts.update(extra_fronts)
-        scale = {i: setup.sens.get(i, 1.0) for i in fronts}
-        if sum(f[0].bytes for f in fronts.values()) > budget:
-            continue
-        chosen = allocate(fronts, scale, budget)
-        cost = sum(fronts[i][j].loss * scale[i] for i, j in chosen.items())
-        if best is None or cost < best[0] * (1 - 1e-12):
-            best = (cost, fronts, chosen, k)
+        for ws in [[b] for b in widths] if space.one_expert_width else [widths]:
+            fronts = {i: layer_states(p, k, ws) for i, p in setup.problems.items()}
+            if not all(fronts.values()):  # a width some kept slot has no candidate for
+                continue
+            if space.one_expert_width and ws == [
+                16
+            ]:  # an hf checkpoint quantizes other weights only with experts
+                fronts.update({i: [p for p in f if p.option.spec is None] for i, f in extra_fronts.items()})
+            else:
+                fronts.update(extra_fronts)
+            scale = {i: setup.sens.get(i, 1.0) for i in fronts}
+            least = sum(f[0].bytes for f in fronts.values())
+            smallest = least if smallest is None else min(smallest, least)
+            if least > budget:
+                continue
+            chosen = allocate(fronts, scale, budget)
+            cost = sum(fronts[i][j].loss * scale[i] for i, j in chosen.items())
+            if best is None or cost < best[0] * (1 - 1e-12):
+                best = (cost, fronts, chosen, k)
     if best is None:
         raise MoECompressError(
-            f"The budget of {budget} bytes is below the smallest plan llama.cpp can run (every "
-            "layer at the largest top-k, 4 bits); raise the budget."
+            f"The budget of {budget + fixed} bytes is below the smallest file {config.target} can run "
+            f"({(smallest or 0) + fixed} bytes: every layer at the largest top-k and {min(widths)} bits, the weights "
+            f"{config.target} loads unquantized as they are); raise the budget."
         )
     return best[1], best[2], best[3]
