@@ -16,6 +16,7 @@ from safetensors import safe_open
 from moecompress.api import export
 from moecompress.errors import MoECompressError
 from moecompress.export import gguf as G
+from moecompress.export import gguf_tokenizer as T
 from moecompress.export.formats import FORMATS, GGUFFormat
 from moecompress.methods.quantize import QuantConfig, quantize_plan
 from moecompress.models import MoEAdapter
@@ -401,8 +402,8 @@ def test_the_pre_tokenizer_is_named_after_the_tokenizers_splitting_rule():
     """GPT-2's regex is llama.cpp's `gpt-2` (not `default`, which splits punctuation and digits differently); the
     Qwen2/Qwen3 Split regex is `qwen2`; Llama-3's (digits in runs of 1-3) is not named, so it is refused."""
     fixture = json.loads((fixture_dir("olmoe-tiny") / "tokenizer.json").read_text())
-    assert G.pre_tokenizer(fixture) == "gpt-2"
-    assert G.pre_tokenizer({**fixture, "normalizer": {"type": "NFC"}}) is None
+    assert T.pre_tokenizer(fixture) == "gpt-2"
+    assert T.pre_tokenizer({**fixture, "normalizer": {"type": "NFC"}}) is None
 
     def split(regex):
         return {
@@ -420,8 +421,8 @@ def test_the_pre_tokenizer_is_named_after_the_tokenizers_splitting_rule():
             }
         }
 
-    assert G.pre_tokenizer(split(G._QWEN2_SPLIT)) == "qwen2"
-    assert G.pre_tokenizer(split(G._QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"))) is None
+    assert T.pre_tokenizer(split(T._QWEN2_SPLIT)) == "qwen2"
+    assert T.pre_tokenizer(split(T._QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"))) is None
 
 
 def test_transformers_gguf_loader_reads_back_the_same_qwen3_moe(written, tmp_path):

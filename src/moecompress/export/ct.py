@@ -92,3 +92,27 @@ def vllm_reason(plan) -> str | None:
                 "32, 64, 128 or per channel)"
             )
     return None
+
+
+def tensor_quant_problem(plan) -> str | None:
+    """Why compressed-tensors cannot hold the plan's quantized non-expert weights, or None."""
+    if plan.tensor_quant and None in plan.quant_specs():
+        # measured (transformers 5.24, compressed-tensors 0.20.1): with a quantization_config, the loader finds
+        # no tensors for unquantized fused experts ("Concatenate on tensors destined for ...gate_up_proj")
+        return (
+            "it quantizes non-expert weights but keeps routed experts unquantized, which transformers' "
+            "compressed-tensors loader cannot read: quantize the experts too, e.g. with --quant w4c"
+        )
+    for name, tq in plan.tensor_quant.items():
+        if tq.kind == "embeddings":
+            return (
+                "it quantizes the embeddings, and compressed-tensors stores quantized Linear layers only "
+                "(keep the embeddings out of the quantization or use the compact format)"
+            )
+        group = tq.quant.group_size
+        if group is not None and tq.shape[1] % group:
+            return (
+                f"its quantization group {group} leaves a shorter last group on {name} (input dimension "
+                f"{tq.shape[1]}), which compressed-tensors cannot load"
+            )
+    return None

@@ -32,6 +32,7 @@ from ..models.families import expert_count_keys
 from ..plan import CompressionPlan, Scope
 from ..runtime import build_ops, native_tensors, runtime_layout
 from ..runtime.build import _complete_bias, scope_from_weights, stored_weights
+from .ct import tensor_quant_problem
 from .gguf import GGUFFile
 from .gguf import reason as gguf_reason
 from .gguf_load import load_gguf_dir
@@ -156,30 +157,6 @@ class Format:
         return {f"{base}.{k}": v for k, v in t.items()}
 
 
-def _tensor_quant_problem(plan: CompressionPlan) -> str | None:
-    """Why compressed-tensors cannot hold the plan's quantized non-expert weights, or None."""
-    if plan.tensor_quant and None in plan.quant_specs():
-        # measured (transformers 5.24, compressed-tensors 0.20.1): with a quantization_config, the loader finds
-        # no tensors for unquantized fused experts ("Concatenate on tensors destined for ...gate_up_proj")
-        return (
-            "it quantizes non-expert weights but keeps routed experts unquantized, which transformers' "
-            "compressed-tensors loader cannot read: quantize the experts too, e.g. with --quant w4c"
-        )
-    for name, tq in plan.tensor_quant.items():
-        if tq.kind == "embeddings":
-            return (
-                "it quantizes the embeddings, and compressed-tensors stores quantized Linear layers only "
-                "(keep the embeddings out of the quantization or use the compact format)"
-            )
-        group = tq.quant.group_size
-        if group is not None and tq.shape[1] % group:
-            return (
-                f"its quantization group {group} leaves a shorter last group on {name} (input dimension "
-                f"{tq.shape[1]}), which compressed-tensors cannot load"
-            )
-    return None
-
-
 class HFFormat(Format):
     name = "hf"
 
@@ -189,7 +166,7 @@ class HFFormat(Format):
         layout; quantized: compressed-tensors)? None if so, else why not."""
         if plan.has_packed():
             return "it stores packed element-wise merges"
-        problem = _tensor_quant_problem(plan)
+        problem = tensor_quant_problem(plan)
         if problem is not None:
             return problem
         specs = plan.quant_specs()
