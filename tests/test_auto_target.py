@@ -263,48 +263,23 @@ def test_hf_targets_refuse_what_their_runtime_cannot_load(calibrated, tmp_path, 
             MethodContext(adapter, store),
         )
     path = str(calibrated[0])
-    code, _, err = run_cli(
-        [
-            "compress",
-            path,
-            "--method",
-            "quant",
-            "--quant",
-            "w3g32",
-            "--quant-algo",
-            "rtn",
-            "--target",
-            "vllm",
-            "--out",
-            str(tmp_path / "v"),
-        ],
-        capsys,
-    )
+    quant = "--method quant --quant w3g32 --quant-algo rtn --target vllm --out".split()
+    code, _, err = run_cli(["compress", path, *quant, str(tmp_path / "v")], capsys)
     assert code == 2 and "This plan cannot run in vllm: its experts w3g32 is not one of vLLM's WNA16" in err
     assert not (tmp_path / "v").exists()
-    code, _, err = run_cli(
-        [
-            "compress",
-            path,
-            "--method",
-            "auto",
-            "--budget",
-            "0.7",
-            "--target",
-            "transformers",
-            "--calib",
-            str(store.path),
-            "--param",
-            "sensitivity=uniform",
-            "--param",
-            "measure=false",
-            "--param",
-            "quant_group=32",
-            "--out",
-            str(tmp_path / "t"),
-        ],
-        capsys,
-    )
+    fast = "--param sensitivity=uniform --param measure=false --param quant_group=32".split()
+    auto = [
+        "--method",
+        "auto",
+        "--budget",
+        "0.7",
+        "--target",
+        "transformers",
+        "--calib",
+        str(store.path),
+        *fast,
+    ]
+    code, _, err = run_cli(["compress", path, *auto, "--out", str(tmp_path / "t")], capsys)
     assert code == 0, err
     from transformers import AutoModelForCausalLM
 

@@ -106,6 +106,8 @@ def emulate_llama_cpp(model: nn.Module) -> nn.Module:
         raise MoECompressError(f"llama.cpp cannot run this plan ({why}), so its arithmetic is not emulated.")
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise MoECompressError("llama.cpp's arithmetic is emulated in float32: load with dtype='float32'.")
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        raise MoECompressError("arithmetic='llama.cpp' does not cover attention sinks (GPT-OSS) yet.")
     if any(tq.kind == "router" for tq in plan.tensor_quant.values()):
         raise MoECompressError(
             "arithmetic='llama.cpp' does not cover a quantized router; keep routers unquantized."

@@ -200,8 +200,7 @@ class StoredExperts(nn.Module):
         """x [N, H]; index [N, k] stored ids (K = skip); weight [N, k] gate weights -> [N, H].
 
         may_skip=False promises that no index is the sentinel K (saves a host sync per call)."""
-        if self.input_rounding is not None:
-            x = self.input_rounding(x)
+        x = self._round(x)
         if self.implementation == "eager":
             return self._eager(x, index, weight)
         return self._grouped(x, index, weight, may_skip)
