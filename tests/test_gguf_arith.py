@@ -132,3 +132,35 @@ def test_refusals_are_one_sentence(tmp_path):
         load(tmp_path / "q", dtype="bfloat16", arithmetic="llama.cpp")
     with pytest.raises(MoECompressError, match=r"needs a model that runs a plan in moecompress's runtime"):
         load(fixture_dir(NAME), arithmetic="llama.cpp")
+
+
+def test_eval_reads_the_quality_llama_cpp_will_have(tmp_path, capsys):
+    """`eval --arithmetic llama.cpp`: the compact export's KL under llama.cpp's arithmetic, recorded in the results;
+    anything but an export directory is refused in one sentence."""
+    from moecompress.api import evaluate
+    from moecompress.testing import run_cli
+
+    _, plan, tensors = _plan()
+    export(str(fixture_dir(NAME)), plan, tmp_path / "c", format="compact", tensors=tensors, quiet=True)
+    kw = dict(
+        ppl="fixture-heldout", reference=str(fixture_dir(NAME)), max_tokens=256, window=128, dtype="float32"
+    )
+    kl = {}
+    for arithmetic in ("exact", "llama.cpp"):
+        res = evaluate(str(tmp_path / "c"), arithmetic=arithmetic, progress=False, **kw)
+        assert res["settings"]["arithmetic"] == arithmetic
+        kl[arithmetic] = res["arms"][0]["metrics"]["ppl:fixture-heldout"]["aggregate"]["kl"]
+    # exact weights with 8-bit activations, against bf16-rounded weights: another KL, neither zero
+    assert kl["llama.cpp"] != kl["exact"] and min(kl.values()) > 0
+    code, _, err = run_cli(
+        ["eval", str(fixture_dir(NAME)), "--ppl", "fixture-heldout", "--arithmetic", "llama.cpp"], capsys
+    )
+    assert (
+        code == 2
+        and "needs a model that runs a plan in moecompress's runtime" in err
+        and "Traceback" not in err
+    )
+    code, _, err = run_cli(
+        ["eval", str(tmp_path / "c"), "--ppl", "fixture-heldout", "--arithmetic", "ggml"], capsys
+    )
+    assert code == 2 and "Arithmetic 'ggml' is not known" in err

@@ -275,10 +275,14 @@ def evaluate(
     progress: bool = True,
     trust_task_code: bool = False,
     allow_nan: bool = False,
+    arithmetic: str = "exact",
 ) -> dict:
     """Perplexity, next-token accuracy and KL to `reference` on `ppl`, and lm-eval `tasks`, of checkpoint
     `model` (an export of any format, or an original); returns the results dict (schema moecompress.results/1,
     one arm, per-item values).
+
+    arithmetic: ``llama.cpp`` evaluates a compact export computing as llama.cpp's CPU kernels compute the same
+    plan's GGUF (`load`; with dtype float32): the quality the GGUF will have, read in Python.
 
     out: also write the results as JSON to this file; report: also write report.md + PNGs into this directory.
     Both are checked before any model is loaded (an existing one is replaced only with `overwrite`, and only
@@ -293,7 +297,10 @@ def evaluate(
 
     from .atomic import fingerprint_inputs
     from .checkpoint import checkpoint_fingerprint
+    from .export.gguf_arith import ARITHMETICS
 
+    if arithmetic not in ARITHMETICS:
+        raise MoECompressError(f"Arithmetic '{arithmetic}' is not known; use {' or '.join(ARITHMETICS)}.")
     evaluation_request.check_request(tasks, ppl, reference, include_path, trust_task_code)
     evaluation_request.check_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed)
     model, reference, out, reads = evaluation_request.resolve_paths(
@@ -305,21 +312,22 @@ def evaluate(
     with ExitStack() as held:
         evaluation_request.claim_outputs(held, out, report)
         inputs = fingerprint_inputs(reads, checkpoint_fingerprint)
-        results = _evaluate(model, reference, measure, dtype, device, trust_remote_code, progress, allow_nan)
+        loading = dict(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        results = _evaluate(model, reference, measure, loading, arithmetic, progress, allow_nan)
         inputs.check()
         evaluation_request.write_evaluation(results, out, report, overwrite, reads, inputs)
     return results
 
 
-def _evaluate(model, reference, measure: dict, dtype, device, trust_remote_code, progress, allow_nan) -> dict:
+def _evaluate(model, reference, measure: dict, loading: dict, arithmetic: str, progress, allow_nan) -> dict:
     """`evaluate`'s computation, once its outputs are checked and claimed: the results dict. measure: the
     keywords of `eval.runner.evaluate_model` (tasks, ppl, limit, num_fewshot, batch_size, include_path, window,
-    stride, max_tokens, seed)."""
+    stride, max_tokens, seed); loading: dtype, device, trust_remote_code."""
     from .eval.runner import check_finite, evaluate_model, model_info
 
-    m = _load_for_eval(model, dtype, device, trust_remote_code)
-    tok = _tokenizer(model, trust_remote_code)
-    ref = _load_for_eval(reference, dtype, device, trust_remote_code) if reference else None
+    m = _load_for_eval(model, **loading, arithmetic=arithmetic)
+    tok = _tokenizer(model, loading["trust_remote_code"])
+    ref = _load_for_eval(reference, **loading) if reference else None
     metrics = evaluate_model(m, tok, reference=ref, progress=progress, **measure)
     info = model_info(m, model)
     check_finite(info["name"], metrics, allow_nan)
@@ -335,6 +343,7 @@ def _evaluate(model, reference, measure: dict, dtype, device, trust_remote_code,
             "num_fewshot": measure["num_fewshot"],
             "seed": measure["seed"],
             "reference": reference,
+            "arithmetic": arithmetic,
         },
     }
 
@@ -445,10 +454,16 @@ def load(
     )
 
 
-def _load_for_eval(source: str, dtype: str, device: str | None, trust_remote_code: bool):
+def _load_for_eval(
+    source: str, dtype: str, device: str | None, trust_remote_code: bool, arithmetic: str = "exact"
+):
     """A local export (compact into the runtime, hf/materialized, gguf) through `load`, else `models.load_model`."""
     if Path(source).expanduser().is_dir() and not trust_remote_code:
-        return load(source, device_map=device, dtype=dtype)
+        return load(source, device_map=device, dtype=dtype, arithmetic=arithmetic)
+    if arithmetic != "exact":
+        raise MoECompressError(
+            f"arithmetic='{arithmetic}' evaluates a compact export directory; {source} is not one."
+        )
     from .models import load_model
 
     return load_model(source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code)

@@ -56,6 +56,11 @@ def eval_command(
         None, "--max-tokens", help="Evaluate only the first N tokens of --ppl."
     ),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    arithmetic: str = typer.Option(
+        "exact",
+        help="exact, or llama.cpp: a compact export computed as llama.cpp's CPU kernels compute the "
+        "same plan's GGUF (with --dtype float32; docs/export.md).",
+    ),
     device: str | None = typer.Option(None, help="Device map, e.g. cpu, cuda, auto."),
     seed: int = typer.Option(1234, help="Seed for lm-eval sampling."),
     trust_remote_code: bool = typer.Option(False, help="Allow the checkpoint's own modeling code."),
@@ -90,6 +95,7 @@ def eval_command(
         overwrite=overwrite,
         trust_task_code=trust_task_code,
         allow_nan=allow_nan,
+        arithmetic=arithmetic,
     )
     _print_results(results, out, report)
 
