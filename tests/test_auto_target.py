@@ -284,3 +284,19 @@ def test_hf_targets_refuse_what_their_runtime_cannot_load(calibrated, tmp_path, 
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "t").config.quantization_config is not None
+
+
+def test_a_group_the_target_cannot_load_is_refused_naming_one_it_can():
+    from types import SimpleNamespace
+
+    from moecompress.methods.auto.target import check_groups
+
+    info = SimpleNamespace(hidden_size=192, layers=[SimpleNamespace(intermediate_size=64)])
+    with pytest.raises(
+        MoECompressError, match=r"quant_group 128 leaves .* \[64, 192\], .*; pass quant_group=64\.$"
+    ):
+        check_groups(parse_config("auto", dict(target="vllm")), info)
+    check_groups(parse_config("auto", dict(target="llama.cpp")), info)  # 32 divides both
+    odd = SimpleNamespace(hidden_size=192, layers=[SimpleNamespace(intermediate_size=48)])
+    with pytest.raises(MoECompressError, match="no group it loads fits; use --target moecompress"):
+        check_groups(parse_config("auto", dict(target="llama.cpp")), odd)

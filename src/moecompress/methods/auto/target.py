@@ -111,8 +111,9 @@ def check_groups(config, info) -> None:
         return
     dims = {info.hidden_size} | {li.intermediate_size for li in info.layers}
     if any(d % group for d in dims):
-        fits = [g for g in (128, 64, 32) if all(d % g == 0 for d in dims)]
-        hint = f"pass quant_group={fits[0]}" if fits else "no group fits; use --target moecompress"
+        allowed = SPACES[config.target].allowed.get("quant_group", [128, 64, 32])
+        fits = [g for g in (128, 64, 32) if g in allowed and all(d % g == 0 for d in dims)]
+        hint = f"pass quant_group={fits[0]}" if fits else "no group it loads fits; use --target moecompress"
         raise MoECompressError(
             f"auto --target {config.target} with quant_group {group} leaves a shorter last group on input "
             f"dimensions {sorted(dims)}, which {config.target} cannot load; {hint}."
