@@ -279,10 +279,8 @@ def evaluate(
 ) -> dict:
     """Perplexity, next-token accuracy and KL to `reference` on `ppl`, and lm-eval `tasks`, of checkpoint
     `model` (an export of any format, or an original); returns the results dict (schema moecompress.results/1,
-    one arm, per-item values).
-
-    arithmetic: ``llama.cpp`` evaluates a compact export computing as llama.cpp's CPU kernels compute the same
-    plan's GGUF (`load`; with dtype float32): the quality the GGUF will have, read in Python.
+    one arm, per-item values). arithmetic: ``llama.cpp`` computes a compact export as llama.cpp computes its
+    plan's GGUF (`load`, float32).
 
     out: also write the results as JSON to this file; report: also write report.md + PNGs into this directory.
     Both are checked before any model is loaded (an existing one is replaced only with `overwrite`, and only
@@ -297,11 +295,8 @@ def evaluate(
 
     from .atomic import fingerprint_inputs
     from .checkpoint import checkpoint_fingerprint
-    from .export.gguf_arith import ARITHMETICS
 
-    if arithmetic not in ARITHMETICS:
-        raise MoECompressError(f"Arithmetic '{arithmetic}' is not known; use {' or '.join(ARITHMETICS)}.")
-    evaluation_request.check_request(tasks, ppl, reference, include_path, trust_task_code)
+    evaluation_request.check_request(tasks, ppl, reference, include_path, trust_task_code, arithmetic)
     evaluation_request.check_ranges(limit, batch_size, num_fewshot, window, stride, max_tokens, seed)
     model, reference, out, reads = evaluation_request.resolve_paths(
         model, reference, ppl, include_path, out, report, overwrite

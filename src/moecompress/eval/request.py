@@ -10,8 +10,12 @@ from pathlib import Path
 from ..errors import MoECompressError
 
 
-def check_request(tasks, ppl, reference, include_path, trust_task_code) -> None:
-    """`evaluate` refuses a run with nothing to measure, KL without a text stream, and task code not trusted."""
+def check_request(tasks, ppl, reference, include_path, trust_task_code, arithmetic: str = "exact") -> None:
+    """`evaluate` refuses a run with nothing to measure, KL without a text stream, task code not trusted, and an
+    arithmetic `load` does not know."""
+    from ..export.gguf_arith import check_arithmetic
+
+    check_arithmetic(arithmetic)
     if not tasks and not ppl:
         raise MoECompressError(
             "Nothing to evaluate; pass --tasks (e.g. fixture_cloze,fixture_nextword) and/or --ppl FILE."

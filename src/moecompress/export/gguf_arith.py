@@ -29,6 +29,12 @@ ARITHMETICS = ("exact", "llama.cpp")
 ATTENTION = "moecompress_llama_cpp"  # the transformers attention implementation `attention` is registered as
 
 
+def check_arithmetic(name: str) -> None:
+    """One sentence for an arithmetic `load` / `evaluate` do not know."""
+    if name not in ARITHMETICS:
+        raise MoECompressError(f"Arithmetic '{name}' is not known; use {' or '.join(ARITHMETICS)}.")
+
+
 def q8_0(x: torch.Tensor) -> torch.Tensor:
     """x (float32, last dim a multiple of 32) through llama.cpp's Q8_0 activation quantizer and back."""
     *lead, n = x.shape

@@ -15,7 +15,7 @@ from ..errors import MoECompressError
 from .core import MARKER_FILE
 from .formats import FORMATS
 from .gguf import GGUF_FILE
-from .gguf_arith import ARITHMETICS, emulate_llama_cpp
+from .gguf_arith import check_arithmetic, emulate_llama_cpp
 from .gguf_load import load_gguf_dir
 from .readers import load_transformers, read_json
 
@@ -27,8 +27,7 @@ def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=No
     max_memory / offload_folder: accelerate's offloading with ``device_map="auto"``.
     arithmetic: ``exact``, or ``llama.cpp`` to compute as llama.cpp does from the plan's GGUF (a compact export in
     float32; `gguf_arith.emulate_llama_cpp`)."""
-    if arithmetic not in ARITHMETICS:
-        raise MoECompressError(f"Arithmetic '{arithmetic}' is not known; use {' or '.join(ARITHMETICS)}.")
+    check_arithmetic(arithmetic)
     model = _load(path, device_map, dtype, max_memory, offload_folder)
     return emulate_llama_cpp(model) if arithmetic == "llama.cpp" else model
 
