@@ -164,3 +164,25 @@ def test_eval_reads_the_quality_llama_cpp_will_have(tmp_path, capsys):
         ["eval", str(tmp_path / "c"), "--ppl", "fixture-heldout", "--arithmetic", "ggml"], capsys
     )
     assert code == 2 and "Arithmetic 'ggml' is not known" in err
+
+
+def test_shared_experts_are_rounded_and_their_gate_is_not():
+    """Qwen2-MoE: the shared experts' BF16 linears see bf16 inputs; the shared-expert gate (F32 in a GGUF, as
+    routers are) and the router see the exact hidden state."""
+    from moecompress.testing import tiny_model
+
+    model = tiny_model("qwen2_moe", dtype=torch.bfloat16, vocab_size=4096)
+    plan = CompressionPlan.identity(model)  # a bf16 checkpoint: BF16 linears in its GGUF
+    model = model.float()
+    apply_plan(model, plan)
+    emulate_llama_cpp(model)
+    block = next(m for m in model.modules() if isinstance(m, CompressedMoEBlock))
+    seen = {}
+    for name in ("shared_expert.gate_proj", "shared_expert_gate"):
+        block.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: seen.__setitem__(name, a[0])
+        )
+    with torch.no_grad():
+        model(torch.randint(0, 4096, (1, 12)))
+    shared, gate = seen["shared_expert.gate_proj"], seen["shared_expert_gate"]
+    assert torch.equal(shared, shared.bfloat16().float()) and not torch.equal(gate, gate.bfloat16().float())
