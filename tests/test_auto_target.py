@@ -250,6 +250,9 @@ def test_hf_targets_search_one_expert_count_and_one_expert_precision(calibrated,
 def test_hf_targets_refuse_what_their_runtime_cannot_load(calibrated, tmp_path, capsys):
     config = parse_config("auto", dict(target="vllm"))
     assert (config.candidates, config.gates, config.bits) == (["reroute"], ["renorm"], [16, 8, 4])
+    assert (
+        parse_config("auto", dict(target="vllm", quant_group=None)).quant_group is None
+    )  # per channel, kept
     with pytest.raises(
         MoECompressError, match=r"vllm cannot use bits=\[16, 5\]: vllm runs bits \[16, 8, 4\] only"
     ):

@@ -84,7 +84,10 @@ def target_defaults(data: dict) -> dict:
     if target not in TARGETS:
         raise MoECompressError(f"Target '{target}' is not known; use {', '.join(TARGETS)}.")
     space = SPACES[target]
-    out = {**space.defaults, **{k: v for k, v in data.items() if v is not None}}
+    out = dict(data)
+    for key, value in space.defaults.items():
+        if out.get(key) is None:
+            out[key] = value
     for key, allowed in space.allowed.items():
         given = out.get(key, "unset")
         if given == "unset":
