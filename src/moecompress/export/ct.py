@@ -81,10 +81,10 @@ VLLM_BITS, VLLM_GROUPS = (4, 8), (32, 64, 128, None)
 def vllm_reason(plan) -> str | None:
     """Why vLLM cannot run `plan` from an hf checkpoint beyond what compressed-tensors itself holds (a clause), or
     None when it can."""
-    quantized = [("experts", s) for s in plan.quant_specs() if s is not None]
-    quantized += [(f"{tq.kind} weight '{name}'", tq.quant) for name, tq in plan.tensor_quant.items()]
-    for what, spec in quantized:
-        if what.startswith("lm_head"):
+    quantized = [("experts", "experts", s) for s in plan.quant_specs() if s is not None]
+    quantized += [(tq.kind, f"{tq.kind} weight '{name}'", tq.quant) for name, tq in plan.tensor_quant.items()]
+    for kind, what, spec in quantized:
+        if kind == "lm_head":
             return f"its {what} is quantized, and vLLM loads a compressed-tensors lm_head unquantized only"
         if spec.bits not in VLLM_BITS or not spec.symmetric or spec.group_size not in VLLM_GROUPS:
             return (

@@ -110,7 +110,7 @@ def emulate_llama_cpp(model: nn.Module) -> nn.Module:
     blocks = [m for m in model.modules() if isinstance(m, CompressedMoEBlock)]
     if plan is None or not blocks:
         raise MoECompressError(
-            "arithmetic='llama.cpp' needs a model that runs a plan in moecompress's runtime: load a compact export."
+            "arithmetic='llama.cpp' needs a model that runs a plan in moecompress's runtime: use a compact export."
         )
     if (why := reason(plan)) is not None:
         raise MoECompressError(f"llama.cpp cannot run this plan ({why}), so its arithmetic is not emulated.")

@@ -174,12 +174,14 @@ def allocate_for_target(config, setup, extra_fronts: dict, budget: int, fixed: i
             fronts = {i: layer_states(p, k, ws) for i, p in setup.problems.items()}
             if not all(fronts.values()):  # a width some kept slot has no candidate for
                 continue
-            if space.one_expert_width and ws == [
-                16
-            ]:  # an hf checkpoint quantizes other weights only with experts
-                fronts.update({i: [p for p in f if p.option.spec is None] for i, f in extra_fronts.items()})
-            else:
-                fronts.update(extra_fronts)
+            # an hf checkpoint quantizes other weights only beside quantized experts
+            unquantized = space.one_expert_width and ws == [16]
+            fronts.update(
+                {
+                    i: [p for p in f if p.option.spec is None] if unquantized else f
+                    for i, f in extra_fronts.items()
+                }
+            )
             scale = {i: setup.sens.get(i, 1.0) for i in fronts}
             least = sum(f[0].bytes for f in fronts.values())
             smallest = least if smallest is None else min(smallest, least)
