@@ -151,6 +151,9 @@ SECTIONS: dict[str, Section] = {
         ("gptq_scale.json",),
         "bench_gptq_scale.py",
     ),
+    "auto-search": _run_report(
+        "## auto: fast vs full search (issue 32)", ("auto_search.json",), "bench_auto_search.py"
+    ),
     "slow-tests": Section(None, (), run=((PY, "-m", "pytest", "-m", "slow"),)),
 }
 

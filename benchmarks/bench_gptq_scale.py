@@ -2,7 +2,8 @@
 """GPTQ at scale, side by side (issue 32 item 3): moecompress vs llm-compressor on the wide model.
 
     python benchmarks/bench_gptq_scale.py run [--model DIR]   # both sides at once, one thread each, then the JSON
-    python benchmarks/bench_gptq_scale.py run-auto [--model DIR]  # our pure GPTQ and `auto --budget 25%` at once
+    python benchmarks/bench_gptq_scale.py run-auto [--model DIR] [--search fast]  # our pure GPTQ and `auto
+                                                              # --budget 25%` (its full or fast search) at once
     python benchmarks/bench_gptq_scale.py chunks [--model DIR]    # our GPTQ at streamed chunks 4, 8, 16, 32
     python benchmarks/bench_gptq_scale.py report              # writes "## GPTQ at scale: ..."
 
@@ -46,6 +47,7 @@ PEER_PY = ROOT / "build" / "peer-venv" / "bin" / "python"
 PEER_SCRIPT = ROOT / "benchmarks" / "peer" / "llmc_gptq.py"
 RESULTS = "gptq_scale.json"
 RESULTS_AUTO = "gptq_scale_auto.json"  # `run-auto`: our pure GPTQ beside our `auto --budget 25%`
+RESULTS_AUTO_FAST = "gptq_scale_auto_fast.json"  # `run-auto --search fast`: the same with `search=fast`
 AUTO_BUDGET = "25%"
 TARGET_AUTO = 2.0  # auto's wall ÷ our pure GPTQ's (issue 32)
 RESULTS_CHUNKS = (
@@ -82,7 +84,7 @@ def _tokens(model: Path, sequences: int, seq_len: int) -> Path:
     return path
 
 
-def _commands(model: Path, tokens: Path, sequences: int, seq_len: int) -> dict[str, list[str]]:
+def _commands(model: Path, tokens: Path, sequences: int, seq_len: int, search: str) -> dict[str, list[str]]:
     base = [
         sys.executable,
         "-m",
@@ -98,10 +100,11 @@ def _commands(model: Path, tokens: Path, sequences: int, seq_len: int) -> dict[s
     theirs += ["--group", "128", "--save", str(OUT / "theirs"), "--out", str(OUT / "theirs.json")]
     theirs += ["--threads", "1", "--actorder", "static"]
     auto = [*base, "--method", "auto", "--budget", AUTO_BUDGET, "--out", str(OUT / "auto"), "--overwrite"]
+    auto += ["--param", f"search={search}"]
     return {"moecompress": ours, "llm-compressor": theirs, "moecompress auto": auto}
 
 
-def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False) -> dict:
+def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False, search: str = "full") -> dict:
     """Two sides at once: ours and llm-compressor's GPTQ, or (`with_auto`) our pure GPTQ and our `auto`."""
     if not with_auto and not PEER_PY.is_file():
         sys.exit(f"No peer virtualenv at {PEER_PY}; create it as docs/peer_check.md describes.")
@@ -111,7 +114,7 @@ def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False) -> d
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
     procs, logs, t0 = {}, {}, {}
-    for side, cmd in _commands(model, tokens, sequences, seq_len).items():
+    for side, cmd in _commands(model, tokens, sequences, seq_len, search).items():
         if side not in names:
             continue
         logs[side] = (OUT / f"{side}.log").open("w")
@@ -145,7 +148,8 @@ def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False) -> d
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "sides": sides,
     }
-    save_results(RESULTS_AUTO if with_auto else _results_name(model), res)
+    auto_results = RESULTS_AUTO_FAST if search == "fast" else RESULTS_AUTO
+    save_results(auto_results if with_auto else _results_name(model), res)
     print(json.dumps(res, indent=1))
     return res
 
@@ -193,7 +197,7 @@ def report() -> None:
     names = [RESULTS] + sorted(
         p.name
         for p in results_path(RESULTS).parent.glob("gptq_scale_*.json")
-        if p.name not in (RESULTS, RESULTS_AUTO, RESULTS_CHUNKS)
+        if p.name not in (RESULTS, RESULTS_AUTO, RESULTS_AUTO_FAST, RESULTS_CHUNKS)
     )
     lines = [
         SECTION,
@@ -204,7 +208,8 @@ def report() -> None:
         "sides from the same token ids.",
         "",
         *(line for name in names for line in _model_lines(name)),
-        *_auto_lines(),
+        *_auto_lines(RESULTS_AUTO),
+        *_auto_lines(RESULTS_AUTO_FAST),
         *_chunk_lines(),
     ]
     write_section(SECTION, "\n".join(lines).rstrip("\n") + "\n")
@@ -256,11 +261,12 @@ def _chunk_lines() -> list[str]:
     ]
 
 
-def _auto_lines() -> list[str]:
-    """The `run-auto` sub-section: our `auto` beside our pure GPTQ, when its results exist."""
-    if not results_path(RESULTS_AUTO).is_file():
+def _auto_lines(name: str) -> list[str]:
+    """A `run-auto` sub-section (results `name`): our `auto` beside our pure GPTQ, when its results exist."""
+    if not results_path(name).is_file():
         return []
-    d = load_results(RESULTS_AUTO)
+    d = load_results(name)
+    fast = name == RESULTS_AUTO_FAST
     gptq, auto = d["sides"]["moecompress"], d["sides"]["moecompress auto"]
     ok = gptq["rc"] == 0 and auto["rc"] == 0
     wall = auto["wall_s"] / gptq["wall_s"] if ok else None
@@ -272,11 +278,17 @@ def _auto_lines() -> list[str]:
     verdict = "not measured (a side failed)" if wall is None else f"{wall:.2f}"
     met = "met" if wall is not None and wall <= TARGET_AUTO else "not met"
     return [
-        f"### `auto --budget {AUTO_BUDGET}` beside our pure GPTQ",
+        f"### `auto --budget {AUTO_BUDGET}{' --param search=fast' if fast else ''}` beside our pure GPTQ",
         "",
-        f"`python benchmarks/bench_gptq_scale.py run-auto` ({d['date']}, model `{d['model']}`, calibration "
-        f"`{d['calib']}` in {d['seq_len']}-token sequences): the two `compress` runs at the same time, one thread "
-        "each; `auto` with its defaults (every candidate, measured sensitivities).",
+        f"`python benchmarks/bench_gptq_scale.py run-auto{' --search fast' if fast else ''}` ({d['date']}, model "
+        f"`{d['model']}`, calibration `{d['calib']}` in {d['seq_len']}-token sequences): the two `compress` runs "
+        "at the same time, one thread each; `auto` "
+        + (
+            "with its fast search (RTN-priced widths scaled by one GPTQ chunk per layer, reroute and drop, one "
+            "global sensitivity)."
+            if fast
+            else "with its defaults (every candidate, measured sensitivities)."
+        ),
         "",
         "| side | wall s | CPU s | peak RSS GB | exit |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -294,9 +306,10 @@ def main() -> None:
     ap.add_argument("--model", default=str(WIDE))
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--search", choices=["full", "fast"], default="full", help="run-auto: auto's search")
     a = ap.parse_args()
     if a.what in ("run", "run-auto"):
-        run(Path(a.model), a.sequences, a.seq_len, with_auto=a.what == "run-auto")
+        run(Path(a.model), a.sequences, a.seq_len, with_auto=a.what == "run-auto", search=a.search)
     elif a.what == "chunks":
         chunks(Path(a.model), a.sequences, a.seq_len)
     else:

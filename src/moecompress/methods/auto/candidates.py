@@ -84,6 +84,7 @@ def _quant_options(config: AutoConfig, adapter, stats, m: LayerMoments, el: int,
         config.quant_weighting,
         el,
         keep_codes=keep_codes,
+        proxy=config.proxy_pricing,
     )
 
 

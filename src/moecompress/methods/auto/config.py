@@ -129,11 +129,19 @@ class AutoConfig(BaseModel):
         description="bytes as the compact checkpoint "
         "stores them (padding included) or the plan's logical bytes",
     )
-    sensitivity: Literal["kind", "probe", "noise", "uniform"] = Field(
+    search: Literal["full", "fast"] = Field(
+        "full",
+        description="full: every candidate, GPTQ of every expert at every width, probes per layer; fast (for "
+        "large models): quantized keeps priced from round-to-nearest codes scaled by one GPTQ chunk per layer, GPTQ "
+        "only for the chosen widths, and unless given candidates [reroute, drop] and sensitivity global "
+        "(docs/auto.md, 'Fast search')",
+    )
+    sensitivity: Literal["kind", "probe", "noise", "global", "uniform"] = Field(
         "kind",
         description="KL per unit of estimated error: kind = per layer and representation (probe of the "
         "layer compressed with that representation alone at the budget ratio); probe = per layer (the layer's own "
-        "frontier state at the budget ratio); noise = per layer, Gaussian noise of known energy; uniform = 1",
+        "frontier state at the budget ratio); noise = per layer, Gaussian noise of known energy; global = one "
+        "factor for every layer, from noise in all of them at once; uniform = 1",
     )
     sensitivity_sequences: int = Field(
         8, ge=1, description="calibration sequences for sensitivity/measurement"
@@ -142,7 +150,9 @@ class AutoConfig(BaseModel):
     noise: float = Field(
         0.05, gt=0.0, description="sensitivity noise energy relative to the layer's output energy"
     )
-    measure: bool = Field(True, description="measure each layer's KL and the whole plan's (a few forwards)")
+    measure: bool = Field(
+        True, description="measure each layer's KL (full search only) and the whole plan's (a few forwards)"
+    )
     pair_partners: int | None = Field(
         None,
         ge=1,
@@ -170,7 +180,7 @@ class AutoConfig(BaseModel):
     def _budget(cls, data):
         """``budget`` may be a size: it then becomes ``budget_bytes`` (one sentence if it is neither); a target
         fills in its search space (`target.target_defaults`)."""
-        data = target_defaults(data)
+        data = search_defaults(target_defaults(data))
         if isinstance(data, dict) and data.get("budget") is not None:
             fraction, nbytes = parse_budget(data["budget"])
             if nbytes is not None:
@@ -202,9 +212,24 @@ class AutoConfig(BaseModel):
         return self
 
     @property
+    def proxy_pricing(self) -> bool:
+        """Quantized keeps priced from round-to-nearest codes, GPTQ only for the chosen widths (fast search)."""
+        return self.search == "fast" and self.quant_algo == "gptq"
+
+    @property
     def quant_bits(self) -> list[int]:
         """The bit widths below 16, decreasing."""
         return sorted({b for b in self.bits if b < 16}, reverse=True)
+
+
+FAST_DEFAULTS = {"candidates": ["reroute", "drop"], "sensitivity": "global"}
+
+
+def search_defaults(data):
+    """``search: fast`` fills in its candidates and sensitivity where not given."""
+    if not isinstance(data, dict) or data.get("search") != "fast":
+        return data
+    return {**data, **{k: v for k, v in FAST_DEFAULTS.items() if data.get(k) is None}}
 
 
 def needs_stats(config: AutoConfig) -> list[str]:

@@ -4,6 +4,8 @@ scored; the chosen state's are computed again) and `plan_layer_by_layer` (the pl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ...calibrate.streamed import each_layer
@@ -12,7 +14,7 @@ from .candidates import layer_problem
 from .config import AutoConfig
 from .frontier import STORED_KINDS, LayerProblem, keep_point_of
 from .moments import LayerMoments
-from .quant import quant_candidates
+from .quant import gptq_codes, quant_candidates
 from .solver import Candidate, LayerPoint
 
 
@@ -129,7 +131,11 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
         )
         rebuilt |= {(e, c.kind, c.param): c for e in todo for c in prob.options[e]}
     quant = [e for e in todo if point.choice[e].kind == "quant"]
-    if quant:
+    if quant and config.proxy_pricing:  # priced by proxy: the codes only, the estimate stays
+        width = {e: point.choice[e].param for e in quant}
+        codes = gptq_codes(adapter, stats, layer, width, config.quant_group, config.quant_weighting)
+        rebuilt |= {(e, "quant", width[e]): replace(point.choice[e], op=codes[e]) for e in quant}
+    elif quant:
         m = LayerMoments(layer, None, None, None, sample=stats.get(layer, "auto_sample"))
         width = {e: point.choice[e].param for e in quant}
         got = quant_candidates(

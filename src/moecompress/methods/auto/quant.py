@@ -26,7 +26,7 @@ as they are (``quantize_experts(..., done=...)``), so what is estimated is what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,7 @@ def quant_candidates(
     experts: list[int] | dict[int, int] | None = None,
     keep_codes: bool = True,
     chunk: int = 8,
+    proxy: bool = False,
 ) -> list[list[Candidate]]:
     """Per slot of layer m.layer, one ``Candidate("quant", loss, bits, bytes, op=QuantKeep)`` per bit width < 16
     (ordered by decreasing bits); `experts` and the others of their chunks only (None: every slot; the others get
@@ -98,7 +99,9 @@ def quant_candidates(
     whichever of them are asked for: batched products on several threads need not round alike for another
     batch, and `auto.materialise.restore` must get back the codes `auto.setup.prepare` estimated bit for bit.
     keep_codes=False leaves ``op`` None (the estimate only: `restore` computes the codes of the experts a plan
-    keeps quantized)."""
+    keeps quantized). proxy (``search: fast`` with GPTQ): `proxy_candidates` instead, without codes."""
+    if proxy and experts is None:
+        return proxy_candidates(adapter, stats, m, bits, group, weighting, el, chunk)
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
@@ -166,9 +169,11 @@ class _Chunk:
             self.f_in = factor(stats.get_rows(layer, hin_name, ids), first)
             self.f_mid = factor(stats.get_rows(layer, hmid_name, ids), first)
 
-    def candidates(self, b: int, routed: dict, n_tok: float, s_n: int, el: int, keep_codes: bool):
-        """The chunk's experts' candidates at `b` bits, in the order of `ids`."""
-        spec = quant_spec(b, self.group, self.algo)
+    def candidates(
+        self, b: int, routed: dict, n_tok: float, s_n: int, el: int, keep_codes: bool, algo: str | None = None
+    ):
+        """The chunk's experts' candidates at `b` bits, in the order of `ids` (`algo`: another than the chunk's)."""
+        spec = quant_spec(b, self.group, algo or self.algo)
         q = {
             "gate": _quantize(self.gate, self.f_in, spec),
             "up": _quantize(self.up, self.f_in, spec),
@@ -208,3 +213,63 @@ def _codes_of(q: dict[str, QuantizedTensor], k: int, spec: QuantSpec) -> QuantKe
             for n, v in q.items()
         },
     )
+
+
+def proxy_candidates(
+    adapter, stats, m: LayerMoments, bits: list[int], group: int | None, weighting: str, el: int, chunk: int
+) -> list[list[Candidate]]:
+    """``search: fast``: every slot's quantized keeps priced without GPTQ on every expert. The layer's first chunk
+    is quantized both ways at each width b, giving r_{l,b} = Σ L_e(GPTQ) / Σ L_e(RTN) over it; those experts keep
+    their GPTQ estimates, every other expert's is r_{l,b} · L_e(RTN) (the same estimator, on round-to-nearest
+    codes). One chunk's GPTQ per layer and width instead of every expert's; no codes are kept (`gptq_codes`
+    computes the chosen widths')."""
+    layer = m.layer
+    widths = sorted({b for b in bits if b < 16}, reverse=True)
+    e_all = adapter.num_experts(layer)
+    out: list[list[Candidate]] = [[] for _ in range(e_all)]
+    if not widths:
+        return out
+    chunk = min(chunk, stats.chunk or chunk)
+    n_tok = float(stats.get(layer, "tokens").double().sum().clamp(min=1))
+    ratio: dict[int, float] = {}
+    with torch.no_grad():
+        routed = _routed_sample(adapter, m, list(range(e_all)))
+        w = adapter.experts_at_rest(layer)
+        for lo in range(0, e_all, chunk):
+            ids = list(range(lo, min(lo + chunk, e_all)))
+            algo = "gptq" if lo == 0 else "rtn"  # only the first chunk factorises its Hessians
+            job = _Chunk(adapter, stats, layer, w, ids, quant_spec(widths[0], group, algo), weighting)
+            for b in widths:
+                got = job.candidates(b, routed, n_tok, len(m.sample), el, False, algo="rtn")
+                if lo == 0:  # GPTQ's own estimates here, and the ratio every later chunk takes
+                    rtn_sum = sum(c.loss for c in got)
+                    got = job.candidates(b, routed, n_tok, len(m.sample), el, False)
+                    ratio[b] = sum(c.loss for c in got) / rtn_sum if rtn_sum > 0 else 1.0
+                else:
+                    got = [replace(c, loss=c.loss * ratio[b]) for c in got]
+                for e, c in zip(ids, got):
+                    out[e].append(c)
+    return out
+
+
+def gptq_codes(
+    adapter, stats, layer: int, width: dict[int, int], group: int | None, weighting: str, chunk: int = 8
+) -> dict[int, QuantKeep]:
+    """GPTQ codes of the experts `width` asks for ({expert: bits}), each at its width: the experts of one width
+    quantized `chunk` at a time (``search: fast``'s `restore`; no estimate is computed again)."""
+    chunk = min(chunk, stats.chunk or chunk)
+    hin_name, hmid_name = HESSIANS[weighting]
+    w = adapter.experts_at_rest(layer)
+    out: dict[int, QuantKeep] = {}
+    with torch.no_grad():
+        for b in sorted(set(width.values()), reverse=True):
+            spec = quant_spec(b, group, "gptq")
+            asked = sorted(e for e, eb in width.items() if eb == b)
+            for lo in range(0, len(asked), chunk):
+                ids = asked[lo : lo + chunk]
+                f_in = factor(stats.get_rows(layer, hin_name, ids), spec)
+                f_mid = factor(stats.get_rows(layer, hmid_name, ids), spec)
+                q = {n: gptq(getattr(w, n)[ids].float(), None, spec, f_in) for n in ("gate", "up")}
+                q["down"] = gptq(w.down[ids].float(), None, spec, f_mid)
+                out.update({e: _codes_of(q, k, spec) for k, e in enumerate(ids)})
+    return out

@@ -98,7 +98,8 @@ def _layer_row(
         row["probe"] = dict(bytes=b, est_error=sig(err), measured_kl=sig(kl))
     if i in sample_error:
         row["sample_error"] = sample_error[i]
-    if any(c.kind != "keep" for c in pt.choice) and config.measure:
+    # one forward per layer, each through every layer: the fast search measures the whole plan only
+    if any(c.kind != "keep" for c in pt.choice) and config.measure and config.search == "full":
         with plan_installed(adapter, plan, tensors, [i]):
             row["measured_kl"] = sig(kl_to(setup.ref, adapter.model, setup.ids))
     return row

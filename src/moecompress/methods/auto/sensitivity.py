@@ -1,6 +1,7 @@
 """`auto`'s sensitivities (docs/auto.md, "Sensitivity"): the factors that turn a layer's estimated errors into KL.
 
 * noise (`layer_sensitivity`): KL per unit of Gaussian noise energy added to the layer's MoE output;
+* global (`global_sensitivity`): one such factor for every layer, the noise added to all of them at once;
 * kind (`kind_sensitivity`): per layer and representation, the layer compressed with that representation alone
   at the budget ratio, its measured KL over its estimated error; `apply_kind_scale` puts every candidate's loss
   in KL units;
@@ -60,16 +61,41 @@ def layer_sensitivity(
             continue
         total = 0.0
         for s in range(seeds):
-            gen = torch.Generator().manual_seed(1000 * i + s)
-
-            def noisy(o, gen=gen, eps=eps):
-                noise = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype)
-                return o + noise * (eps / o.shape[-1]) ** 0.5
-
-            with perturbed(adapter, i, noisy):
+            with perturbed(adapter, i, _noisy(1000 * i + s, eps)):
                 total += kl_to(ref, model, ids)
         out[i] = total / seeds / eps
     return out
+
+
+def global_sensitivity(
+    adapter, ids: torch.Tensor, rel: float = 0.05, ref: torch.Tensor | None = None
+) -> dict[int, float]:
+    """One s for every layer: s = KL(original ‖ noisy) / Σ_l ε_l with the noise of `layer_sensitivity` added to
+    every MoE layer's output at once (``search: fast``). Two forwards whatever the depth, where per-layer noise
+    takes one per layer, each through every layer; the allocation then trades layers by their estimated errors
+    alone."""
+    model = adapter.model
+    ref = logprobs(model, ids) if ref is None else ref
+    energy = output_energy(adapter, ids)
+    eps = {i: rel * energy[i] for i in adapter.moe_layers if rel * energy[i] > 0}
+    if not eps:
+        return dict.fromkeys(adapter.moe_layers, 0.0)
+    with contextlib.ExitStack() as stack:
+        for i, e in eps.items():
+            stack.enter_context(perturbed(adapter, i, _noisy(1000 * i, e)))
+        kl = kl_to(ref, model, ids)
+    return dict.fromkeys(adapter.moe_layers, kl / sum(eps.values()))
+
+
+def _noisy(seed: int, eps: float):
+    """o + isotropic Gaussian noise of mean per-token energy `eps` (a fixed draw per seed)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def fn(o):
+        noise = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype)
+        return o + noise * (eps / o.shape[-1]) ** 0.5
+
+    return fn
 
 
 def measure_states(

@@ -17,6 +17,7 @@ from .measure import calibration_ids, logprobs, sig
 from .moments import LayerMoments
 from .sensitivity import (
     apply_kind_scale,
+    global_sensitivity,
     kind_sensitivity,
     layer_sensitivity,
     measure_states,
@@ -68,7 +69,9 @@ def prepare(
         )
         ref = logprobs(adapter.model, ids)
     noise = {i: 1.0 for i in layers}
-    if config.sensitivity != "uniform":
+    if config.sensitivity == "global":
+        noise = global_sensitivity(adapter, ids, rel=config.noise, ref=ref)
+    elif config.sensitivity != "uniform":
         noise = layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
     noise_sens = {i: sig(v, 4) for i, v in noise.items()}
