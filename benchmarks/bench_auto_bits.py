@@ -76,14 +76,14 @@ def arms_for(path: str) -> list[dict]:
             dict(
                 name=f"auto-{t}",
                 method="auto",
-                params={"budget": p, "budget_scope": "routed", "quant_group": GROUP},
+                params={"budget": p, "budget_scope": "routed", "quant_group": GROUP, "search": "full"},
                 family="auto",
                 budget=p,
             )
         )
         # structure-only auto: below 7/16 of the routed bytes its walks end in "every slot paired" (a packed pair
         # is final, and a bf16 pair costs half of its two experts), so there it runs without pair candidates
-        p16 = {"budget": p, "budget_scope": "routed", "bits": [16]}
+        p16 = {"budget": p, "budget_scope": "routed", "bits": [16], "search": "full"}
         if p < PAIR_FLOOR:
             p16["candidates"] = [c for c in ALL_CANDIDATES if c != "pair"]
         out.append(dict(name=f"auto16-{t}", method="auto", params=p16, family="auto 16-bit", budget=p))
@@ -250,7 +250,7 @@ def run_spearman(
     from moecompress.testing import fixture_dir
 
     path = str(fixture_dir(fixture))
-    store = calibrated(path, out / f"stats-{fixture}", needs_stats(AutoConfig()))
+    store = calibrated(path, out / f"stats-{fixture}", needs_stats(AutoConfig(search="full")))
     stream = _stream_ids(token_stream("fixture-heldout", load_tokenizer(path)))
     n = len(stream) // seq_len
     step = max(1, n // windows)
@@ -260,7 +260,7 @@ def run_spearman(
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
     setup = prepare(
-        AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP), adapter, store, keep_tensors=True
+        AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP, search="full"), adapter, store, keep_tensors=True
     )
     prepare_s = time.perf_counter() - t0
     info, problems = setup.info, setup.problems

@@ -135,7 +135,7 @@ def run_fixture(fixture: str, work: Path) -> dict:
     moecompress.compress(
         model,
         "auto",
-        {"budget": 1.0},
+        {"budget": 1.0, "search": "full"},
         calib=str(stats),
         out=orig,
         format="gguf",
@@ -206,7 +206,7 @@ def run_fixture(fixture: str, work: Path) -> dict:
             moecompress.compress(
                 model,
                 "auto",
-                {"budget": f"{budget}B"},
+                {"budget": f"{budget}B", "search": "full"},
                 calib=str(stats),
                 out=dest,
                 target="llama.cpp",

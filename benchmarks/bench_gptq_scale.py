@@ -47,7 +47,8 @@ PEER_PY = ROOT / "build" / "peer-venv" / "bin" / "python"
 PEER_SCRIPT = ROOT / "benchmarks" / "peer" / "llmc_gptq.py"
 RESULTS = "gptq_scale.json"
 RESULTS_AUTO = "gptq_scale_auto.json"  # `run-auto`: our pure GPTQ beside our `auto --budget 25%`
-RESULTS_AUTO_FAST = "gptq_scale_auto_fast.json"  # `run-auto --search fast`: the same with `search=fast`
+# `run-auto --search fast`: the same with `search=fast`, one file per model (the 24-layer one's, then wide4's)
+RESULTS_AUTO_FAST = ("gptq_scale_auto_fast.json", "gptq_scale_auto_fast_wide4.json")
 AUTO_BUDGET = "25%"
 TARGET_AUTO = 2.0  # auto's wall ÷ our pure GPTQ's (issue 32)
 RESULTS_CHUNKS = (
@@ -148,10 +149,20 @@ def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False, sear
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "sides": sides,
     }
-    auto_results = RESULTS_AUTO_FAST if search == "fast" else RESULTS_AUTO
-    save_results(auto_results if with_auto else _results_name(model), res)
+    save_results(_auto_results(model, search) if with_auto else _results_name(model), res)
     print(json.dumps(res, indent=1))
     return res
+
+
+def _auto_results(model: Path, search: str) -> str:
+    """`run-auto`'s results: the full search's (one file), or the fast search's of the 24-layer or another model."""
+    if search == "full":
+        return RESULTS_AUTO
+    return (
+        RESULTS_AUTO_FAST[0]
+        if model.resolve() == WIDE.resolve()
+        else f"gptq_scale_auto_fast_{model.name}.json"
+    )
 
 
 def _results_name(model: Path) -> str:
@@ -197,7 +208,7 @@ def report() -> None:
     names = [RESULTS] + sorted(
         p.name
         for p in results_path(RESULTS).parent.glob("gptq_scale_*.json")
-        if p.name not in (RESULTS, RESULTS_AUTO, RESULTS_AUTO_FAST, RESULTS_CHUNKS)
+        if p.name not in (RESULTS, RESULTS_AUTO, *RESULTS_AUTO_FAST, RESULTS_CHUNKS)
     )
     lines = [
         SECTION,
@@ -209,7 +220,11 @@ def report() -> None:
         "",
         *(line for name in names for line in _model_lines(name)),
         *_auto_lines(RESULTS_AUTO),
-        *_auto_lines(RESULTS_AUTO_FAST),
+        *(
+            line
+            for name in RESULTS_AUTO_FAST
+            for line in ([""] if results_path(name).is_file() else []) + _auto_lines(name)
+        ),
         *_chunk_lines(),
     ]
     write_section(SECTION, "\n".join(lines).rstrip("\n") + "\n")
@@ -266,7 +281,7 @@ def _auto_lines(name: str) -> list[str]:
     if not results_path(name).is_file():
         return []
     d = load_results(name)
-    fast = name == RESULTS_AUTO_FAST
+    fast = name in RESULTS_AUTO_FAST
     gptq, auto = d["sides"]["moecompress"], d["sides"]["moecompress auto"]
     ok = gptq["rc"] == 0 and auto["rc"] == 0
     wall = auto["wall_s"] / gptq["wall_s"] if ok else None

@@ -33,7 +33,7 @@ STRUCTURES = {
     "reap": lambda r: ("prune", {"criterion": "reap", "ratio": r, "gate": "renorm"}),
     "puzzlemoe": lambda r: ("puzzlemoe", {"ratio": r}),
     "conmoe": lambda r: ("conmoe", {"ratio": r}),
-    "auto": lambda r: ("auto", {"budget": round(1 - r, 4), "budget_scope": "routed"}),
+    "auto": lambda r: ("auto", {"budget": round(1 - r, 4), "budget_scope": "routed", "search": "full"}),
 }
 
 

@@ -43,8 +43,9 @@ EXTRA = [
     "mid_channel_norm",
     "mid_mean",
 ]
+# this module tests the full search (tests/test_auto_fast.py the fast one, the default)
 FAST = dict(
-    sensitivity="uniform", measure=False, budget_scope="routed"
+    sensitivity="uniform", measure=False, budget_scope="routed", search="full"
 )  # no forward passes: the experts' solver
 DTYPE_BYTES = {
     "F64": 8,
@@ -62,7 +63,7 @@ DTYPE_BYTES = {
 
 
 def _setup(root, family, seed):
-    return calibrated_tiny(root, family, seed, needs_stats(AutoConfig()) + EXTRA)
+    return calibrated_tiny(root, family, seed, needs_stats(AutoConfig(search="full")) + EXTRA)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def olmoe(tmp_path_factory):  # softmax, top-k not renormalised: keep and renorm
 
 def _build(setup, **params):
     _, store, adapter, _ = setup
-    config = parse_config("auto", params)
+    config = parse_config("auto", {"search": "full", **params})
     return get_method("auto").build(config, MethodContext(adapter, store))
 
 
@@ -128,7 +129,7 @@ def test_closed_form_losses_equal_direct_evaluation(olmoe):
     m = LayerMoments.load(store, i)
     info = ModelInfo.from_model(adapter)
     prob, _ = layer_problem(
-        AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16]), adapter, store, info, i, True
+        AutoConfig(ranks=[4, 8], cross_fit=False, bits=[16], search="full"), adapter, store, info, i, True
     )
     checked = set()
     for e in (0, 3, 5):

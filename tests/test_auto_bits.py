@@ -23,17 +23,22 @@ from moecompress.plan import ModelInfo
 from moecompress.testing import calibrated_tiny
 from moecompress.workflows.pipeline import choose_format
 
-FAST = dict(sensitivity="uniform", measure=False, ranks=[4], budget_scope="routed")  # the experts' solver
+# the full search's experts' solver (tests/test_auto_fast.py tests the fast one)
+FAST = dict(sensitivity="uniform", measure=False, ranks=[4], budget_scope="routed", search="full")
 
 
 @pytest.fixture(scope="module")
 def olmoe(tmp_path_factory):
-    return calibrated_tiny(tmp_path_factory.mktemp("auto_bits"), "olmoe", 3, needs_stats(AutoConfig()))
+    return calibrated_tiny(
+        tmp_path_factory.mktemp("auto_bits"), "olmoe", 3, needs_stats(AutoConfig(search="full"))
+    )
 
 
 def _build(setup, **params):
     _, store, adapter, _ = setup
-    return get_method("auto").build(parse_config("auto", params), MethodContext(adapter, store))
+    return get_method("auto").build(
+        parse_config("auto", {"search": "full", **params}), MethodContext(adapter, store)
+    )
 
 
 @torch.no_grad()
@@ -45,7 +50,7 @@ def test_quantized_keep_loss_down_part_is_exact_and_bits_are_ordered(olmoe):
     r = adapter.route(i, h)
     info = ModelInfo.from_model(adapter)
     prob, m = layer_problem(
-        AutoConfig(bits=[16, 8, 4, 3, 2], candidates=["drop"]), adapter, store, info, i, True
+        AutoConfig(bits=[16, 8, 4, 3, 2], candidates=["drop"], search="full"), adapter, store, info, i, True
     )
     act = adapter.layer(i).act
     reached = 0
@@ -91,7 +96,7 @@ def test_bits_16_is_the_structure_only_solver(olmoe):
     removed from every slot of a default-bits problem (adding bits changes nothing else)."""
     _, store, adapter, _ = olmoe
     assert not {"hessian_mid_g2", "hessian_in_g2"} & set(needs_stats(AutoConfig(bits=[16])))
-    assert {"hessian_mid_g2", "hessian_in_g2"} <= set(needs_stats(AutoConfig()))
+    assert {"hessian_mid_g2", "hessian_in_g2"} <= set(needs_stats(AutoConfig(search="full")))
     plan16, tensors16 = _build(olmoe, budget=0.4, bits=[16], **FAST)
     assert all(s.quant is None for sc in plan16.scopes for s in sc.stored)
     assert all(set(row["bits"]) <= {"16"} for row in plan16.params["auto"]["layers"])

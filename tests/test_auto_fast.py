@@ -6,6 +6,7 @@ import torch
 
 from moecompress.errors import MoECompressError
 from moecompress.methods import MethodContext, get_method, parse_config
+from moecompress.methods.auto import quant
 from moecompress.methods.auto.config import ALL_CANDIDATES, AutoConfig, needs_stats, routed_budget
 from moecompress.methods.auto.measure import calibration_ids
 from moecompress.methods.auto.moments import LayerMoments
@@ -19,7 +20,9 @@ WIDTHS = [8, 4, 2]
 
 @pytest.fixture(scope="module")
 def olmoe(tmp_path_factory):
-    return calibrated_tiny(tmp_path_factory.mktemp("auto_fast"), "olmoe", 3, needs_stats(AutoConfig()))
+    return calibrated_tiny(
+        tmp_path_factory.mktemp("auto_fast"), "olmoe", 3, needs_stats(AutoConfig(search="full"))
+    )
 
 
 def _candidates(olmoe, algo: str, **kw):
@@ -34,26 +37,33 @@ def test_fast_search_fills_in_its_defaults_only_where_not_given():
     given = AutoConfig(search="fast", candidates=["drop", "tilt"], sensitivity="noise")
     assert given.candidates == ["drop", "tilt"] and given.sensitivity == "noise"
     assert not AutoConfig(search="fast", quant_algo="rtn").proxy_pricing  # nothing to price by proxy
-    full = AutoConfig()
+    assert AutoConfig().search == "fast" and AutoConfig().candidates == fast.candidates  # the default
+    full = AutoConfig(search="full")
     assert full.candidates == list(ALL_CANDIDATES) and full.sensitivity == "kind" and not full.proxy_pricing
     with pytest.raises(MoECompressError, match="search"):
         parse_config("auto", {"search": "quick"})
 
 
-def test_proxy_prices_the_first_chunk_by_gptq_and_the_rest_by_rtn_times_their_ratio(olmoe):
-    chunk = 3
-    exact = _candidates(olmoe, "gptq", chunk=chunk, keep_codes=False)
-    rtn = _candidates(olmoe, "rtn", chunk=chunk, keep_codes=False)
-    proxy = _candidates(olmoe, "gptq", chunk=chunk, proxy=True)
+def test_proxy_prices_a_few_experts_by_gptq_and_the_rest_by_rtn_times_their_ratio(olmoe, monkeypatch):
+    n = 3  # of the tiny model's 8 experts (RATIO_EXPERTS would take them all)
+    monkeypatch.setattr(quant, "RATIO_EXPERTS", n)
+    exact = _candidates(olmoe, "gptq", chunk=3, keep_codes=False)
+    rtn = _candidates(olmoe, "rtn", chunk=3, keep_codes=False)
+    proxy = _candidates(olmoe, "gptq", chunk=3, proxy=True)
+    assert len(proxy) > n  # some experts are priced by the ratio
     for k, b in enumerate(WIDTHS):
-        ratio = sum(exact[e][k].loss for e in range(chunk)) / sum(rtn[e][k].loss for e in range(chunk))
+        ratio = sum(exact[e][k].loss for e in range(n)) / sum(rtn[e][k].loss for e in range(n))
         # GPTQ's codes are no worse than rounding's, give or take the estimate's gate/up part
         assert 0 < ratio < 1.5, (b, ratio)
         for e, slot in enumerate(proxy):
             c = slot[k]
             assert (c.kind, c.param, c.bytes, c.op) == ("quant", b, exact[e][k].bytes, None)
-            want = exact[e][k].loss if e < chunk else ratio * rtn[e][k].loss
+            want = exact[e][k].loss if e < n else ratio * rtn[e][k].loss
             assert c.loss == pytest.approx(want, rel=1e-12), (e, b)
+    # the same prices whatever the chunk the statistics are read in (a streamed store reads 4 experts at a time)
+    for chunk in (2, 8):
+        other = _candidates(olmoe, "gptq", chunk=chunk, proxy=True)
+        assert [[c.loss for c in slot] for slot in other] == [[c.loss for c in slot] for slot in proxy]
 
 
 def test_gptq_codes_of_the_chosen_widths_are_the_full_searchs_codes(olmoe):

@@ -25,7 +25,9 @@ FAST = dict(sensitivity="uniform", measure=False, ranks=[4])
 
 @pytest.fixture(scope="module")
 def olmoe(tmp_path_factory):
-    return calibrated_tiny(tmp_path_factory.mktemp("auto_whole"), "olmoe", 3, needs_stats(AutoConfig()))
+    return calibrated_tiny(
+        tmp_path_factory.mktemp("auto_whole"), "olmoe", 3, needs_stats(AutoConfig(search="full"))
+    )
 
 
 def _build(setup, **params):

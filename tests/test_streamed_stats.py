@@ -14,7 +14,14 @@ from moecompress.workflows import pipeline
 
 MODEL = "fixture:olmoe-tiny"
 SPEC, SEQ = "fixture-calib:4", 32
-PARAMS = {"budget": 0.5, "ranks": [4], "bits": [16, 4], "sensitivity_sequences": 2, "sensitivity_seq_len": 16}
+PARAMS = {
+    "budget": 0.5,
+    "ranks": [4],
+    "bits": [16, 4],
+    "sensitivity_sequences": 2,
+    "sensitivity_seq_len": 16,
+    "search": "full",  # every statistic the full search reads; the fast one's are a subset
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +63,13 @@ def test_streamed_statistics_equal_the_store_bit_for_bit(setup):
         seen[0].get_row(seen[0].layer, "auto_g2_xx", 0)
 
 
-def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup):
+@pytest.mark.parametrize("search", ["full", "fast"])
+def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup, search):
     root, model, _, store = setup
     # every statistic and candidate as PARAMS has them; the sensitivity forwards and the measured KL (what made this
-    # test take 90 s) read no statistic, so they are left out
-    params = dict(PARAMS, sensitivity="uniform", measure=False)
+    # test take 90 s) read no statistic, so they are left out. The fast search reads the Hessians of the experts it
+    # keeps quantized a few at a time, in another order than the full one (`quant.gptq_codes`)
+    params = dict(PARAMS, sensitivity="uniform", measure=False, search=search)
     a, a_tensors = pipeline.make_plan(model, "auto", params, store)
     stats = pipeline.calibrate_for(model, SPEC, "auto", params, seq_len=SEQ, work_dir=root / "unused")
     assert isinstance(stats, StreamedStats)
@@ -69,6 +78,7 @@ def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup):
     assert sorted(a_tensors) == sorted(b_tensors)
     assert all(torch.equal(a_tensors[k], b_tensors[k]) for k in a_tensors)
     assert not (root / "unused").exists()  # nothing was stored (compress passes <out>-calib as work_dir)
+    assert any(s.quant is not None for sc in a.scopes for s in sc.stored)  # something was quantized
 
 
 def test_dry_run_counts_streamed_statistics_in_memory_not_on_disk(setup):

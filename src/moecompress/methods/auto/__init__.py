@@ -50,7 +50,8 @@ register_method(
 def _register_stats():
     from ..needs import register_method_stats
 
-    register_method_stats("auto", needs_stats(AutoConfig()))
+    # a store for either search: the full one needs every statistic the fast one does, and its operators' moments
+    register_method_stats("auto", needs_stats(AutoConfig(search="full")))
 
 
 _register_stats()

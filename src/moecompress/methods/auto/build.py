@@ -83,7 +83,7 @@ def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dic
 def build_auto(config: AutoConfig, context: MethodContext):
     """CompressionPlan (+ tensors) of the budget-optimal mixed representation; see the package doc."""
     # the operator fits' H × H float64 temporaries fragment the heap (memory.py); without them a fixed mmap
-    # threshold only costs page faults: about a third of the fast search's CPU time on the wide model
+    # threshold only costs page faults (docs/auto.md, "Fast search")
     fits = {"constant", "tilt", "partial"} & set(config.candidates)
     with large_blocks_mmapped() if fits else contextlib.nullcontext():
         return _build_auto(config, context)

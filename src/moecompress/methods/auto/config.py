@@ -130,10 +130,10 @@ class AutoConfig(BaseModel):
         "stores them (padding included) or the plan's logical bytes",
     )
     search: Literal["full", "fast"] = Field(
-        "full",
-        description="full: every candidate, GPTQ of every expert at every width, probes per layer; fast (for "
-        "large models): quantized keeps priced from round-to-nearest codes scaled by one GPTQ chunk per layer, GPTQ "
-        "only for the chosen widths, and unless given candidates [reroute, drop] and sensitivity global "
+        "fast",
+        description="fast: quantized keeps priced from round-to-nearest codes scaled by one GPTQ chunk per layer, "
+        "GPTQ only for the chosen widths, and unless given candidates [reroute, drop] and sensitivity global; "
+        "full: every candidate, GPTQ of every expert at every width, probes per layer and kind "
         "(docs/auto.md, 'Fast search')",
     )
     sensitivity: Literal["kind", "probe", "noise", "global", "uniform"] = Field(
@@ -226,8 +226,8 @@ FAST_DEFAULTS = {"candidates": ["reroute", "drop"], "sensitivity": "global"}
 
 
 def search_defaults(data):
-    """``search: fast`` fills in its candidates and sensitivity where not given."""
-    if not isinstance(data, dict) or data.get("search") != "fast":
+    """``search: fast`` (the default) fills in its candidates and sensitivity where not given."""
+    if not isinstance(data, dict) or data.get("search", "fast") != "fast":
         return data
     return {**data, **{k: v for k, v in FAST_DEFAULTS.items() if data.get(k) is None}}
 

@@ -215,14 +215,18 @@ def _codes_of(q: dict[str, QuantizedTensor], k: int, spec: QuantSpec) -> QuantKe
     )
 
 
+RATIO_EXPERTS = 8  # experts per layer quantized both ways for r_{l,b} (`proxy_candidates`)
+
+
 def proxy_candidates(
     adapter, stats, m: LayerMoments, bits: list[int], group: int | None, weighting: str, el: int, chunk: int
 ) -> list[list[Candidate]]:
-    """``search: fast``: every slot's quantized keeps priced without GPTQ on every expert. The layer's first chunk
-    is quantized both ways at each width b, giving r_{l,b} = Σ L_e(GPTQ) / Σ L_e(RTN) over it; those experts keep
-    their GPTQ estimates, every other expert's is r_{l,b} · L_e(RTN) (the same estimator, on round-to-nearest
-    codes). One chunk's GPTQ per layer and width instead of every expert's; no codes are kept (`gptq_codes`
-    computes the chosen widths')."""
+    """``search: fast``: every slot's quantized keeps priced without GPTQ on every expert. The layer's first
+    `RATIO_EXPERTS` experts are quantized both ways at each width b, giving r_{l,b} = Σ L_e(GPTQ) / Σ L_e(RTN) over
+    them; they keep their GPTQ estimates, every other expert's is r_{l,b} · L_e(RTN) (the same estimator, on
+    round-to-nearest codes). A few experts' GPTQ per layer and width instead of every expert's; no codes are kept
+    (`gptq_codes` computes the chosen widths'). The experts are read `chunk` at a time, and the result does not
+    depend on `chunk` (a streamed store's or an in-memory one's)."""
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
@@ -231,22 +235,37 @@ def proxy_candidates(
         return out
     chunk = min(chunk, stats.chunk or chunk)
     n_tok = float(stats.get(layer, "tokens").double().sum().clamp(min=1))
-    ratio: dict[int, float] = {}
+    n_ratio = min(RATIO_EXPERTS, e_all)
+    groups = [list(range(lo, min(lo + chunk, n_ratio))) for lo in range(0, n_ratio, chunk)]
+    groups += [list(range(lo, min(lo + chunk, e_all))) for lo in range(n_ratio, e_all, chunk)]
+    losses: dict[str, dict[int, list[float]]] = {
+        "rtn": {b: [] for b in widths},
+        "gptq": {b: [] for b in widths},
+    }
     with torch.no_grad():
         routed = _routed_sample(adapter, m, list(range(e_all)))
         w = adapter.experts_at_rest(layer)
-        for lo in range(0, e_all, chunk):
-            ids = list(range(lo, min(lo + chunk, e_all)))
-            algo = "gptq" if lo == 0 else "rtn"  # only the first chunk factorises its Hessians
-            job = _Chunk(adapter, stats, layer, w, ids, quant_spec(widths[0], group, algo), weighting)
+        for ids in groups:
+            sample = ids[0] < n_ratio  # the ratio's experts come first: r_{l,b} is known for the rest
+            job = _Chunk(
+                adapter,
+                stats,
+                layer,
+                w,
+                ids,
+                quant_spec(widths[0], group, "gptq" if sample else "rtn"),
+                weighting,
+            )
             for b in widths:
                 got = job.candidates(b, routed, n_tok, len(m.sample), el, False, algo="rtn")
-                if lo == 0:  # GPTQ's own estimates here, and the ratio every later chunk takes
-                    rtn_sum = sum(c.loss for c in got)
+                if sample:
+                    losses["rtn"][b] += [c.loss for c in got]
                     got = job.candidates(b, routed, n_tok, len(m.sample), el, False)
-                    ratio[b] = sum(c.loss for c in got) / rtn_sum if rtn_sum > 0 else 1.0
+                    losses["gptq"][b] += [c.loss for c in got]
                 else:
-                    got = [replace(c, loss=c.loss * ratio[b]) for c in got]
+                    rtn_sum = sum(losses["rtn"][b])  # in expert order, whatever the chunk
+                    ratio = sum(losses["gptq"][b]) / rtn_sum if rtn_sum > 0 else 1.0
+                    got = [replace(c, loss=c.loss * ratio) for c in got]
                 for e, c in zip(ids, got):
                     out[e].append(c)
     return out
