@@ -104,7 +104,9 @@ def run_spearman(
     path = fixture if Path(fixture).is_dir() else str(fixture_dir(fixture))
     tok = load_tokenizer(path)
     t0 = time.perf_counter()
-    store = calibrated(path, out / f"stats-{Path(fixture).name}", needs_stats(AutoConfig(search="full")) + EXTRA_STATS)
+    store = calibrated(
+        path, out / f"stats-{Path(fixture).name}", needs_stats(AutoConfig(search="full")) + EXTRA_STATS
+    )
     calib_s = time.perf_counter() - t0
     stream = _stream_ids(token_stream("fixture-heldout", tok))
     n = len(stream) // seq_len
@@ -291,7 +293,11 @@ def arms_for(level: int, with_puzzle: bool, info) -> list[dict]:
     inter = info.layers[0].intermediate_size
     width = min((32 * 2 * h) // (3 * h), inter)
     arms = [
-        dict(name=f"auto-{level}", method="auto", params=dict(budget=level / 100, budget_scope="routed", search="full")),
+        dict(
+            name=f"auto-{level}",
+            method="auto",
+            params=dict(budget=level / 100, budget_scope="routed", search="full"),
+        ),
         dict(
             name=f"reap-keep-{level}", method="prune", params=dict(criterion="reap", ratio=ratio, gate="keep")
         ),

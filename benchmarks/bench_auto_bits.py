@@ -260,7 +260,10 @@ def run_spearman(
     adapter = MoEAdapter(load_model(path, dtype="float32"))
     t0 = time.perf_counter()
     setup = prepare(
-        AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP, search="full"), adapter, store, keep_tensors=True
+        AutoConfig(budget=0.25, budget_scope="routed", quant_group=GROUP, search="full"),
+        adapter,
+        store,
+        keep_tensors=True,
     )
     prepare_s = time.perf_counter() - t0
     info, problems = setup.info, setup.problems
