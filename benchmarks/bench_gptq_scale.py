@@ -2,7 +2,7 @@
 """GPTQ at scale, side by side (issue 32 item 3): moecompress vs llm-compressor on the wide model.
 
     python benchmarks/bench_gptq_scale.py run [--model DIR]   # both sides at once, one thread each, then the JSON
-    python benchmarks/bench_gptq_scale.py run-auto [--model DIR] [--search fast]  # our pure GPTQ and `auto
+    python benchmarks/bench_gptq_scale.py run-auto [--model DIR] [--search full|fast]  # our pure GPTQ and `auto
                                                               # --budget 25%` (its full or fast search) at once
     python benchmarks/bench_gptq_scale.py chunks [--model DIR]    # our GPTQ at streamed chunks 4, 8, 16, 32
     python benchmarks/bench_gptq_scale.py report              # writes "## GPTQ at scale: ..."
@@ -105,7 +105,7 @@ def _commands(model: Path, tokens: Path, sequences: int, seq_len: int, search: s
     return {"moecompress": ours, "llm-compressor": theirs, "moecompress auto": auto}
 
 
-def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False, search: str = "full") -> dict:
+def run(model: Path, sequences: int, seq_len: int, with_auto: bool = False, search: str = "fast") -> dict:
     """Two sides at once: ours and llm-compressor's GPTQ, or (`with_auto`) our pure GPTQ and our `auto`."""
     if not with_auto and not PEER_PY.is_file():
         sys.exit(f"No peer virtualenv at {PEER_PY}; create it as docs/peer_check.md describes.")
@@ -293,16 +293,17 @@ def _auto_lines(name: str) -> list[str]:
     verdict = "not measured (a side failed)" if wall is None else f"{wall:.2f}"
     met = "met" if wall is not None and wall <= TARGET_AUTO else "not met"
     return [
-        f"### `auto --budget {AUTO_BUDGET}{' --param search=fast' if fast else ''}` beside our pure GPTQ",
+        f"### `auto --budget {AUTO_BUDGET} --param search={'fast' if fast else 'full'}` beside our pure GPTQ",
         "",
-        f"`python benchmarks/bench_gptq_scale.py run-auto{' --search fast' if fast else ''}` ({d['date']}, model "
-        f"`{d['model']}`, calibration `{d['calib']}` in {d['seq_len']}-token sequences): the two `compress` runs "
-        "at the same time, one thread each; `auto` "
+        f"`python benchmarks/bench_gptq_scale.py run-auto --search {'fast' if fast else 'full'}` ({d['date']}, "
+        f"model `{d['model']}`, calibration `{d['calib']}` in {d['seq_len']}-token sequences): the two `compress` "
+        "runs at the same time, one thread each; `auto` "
         + (
-            "with its fast search (RTN-priced widths scaled by one GPTQ chunk per layer, reroute and drop, one "
-            "global sensitivity)."
+            "with its fast search, the default (RTN-priced widths scaled by a few experts' GPTQ per layer, reroute "
+            "and drop, one global sensitivity)."
             if fast
-            else "with its defaults (every candidate, measured sensitivities)."
+            else "with its full search, the default when this was measured (every candidate, measured "
+            "sensitivities; the command then had no `--param search`)."
         ),
         "",
         "| side | wall s | CPU s | peak RSS GB | exit |",
@@ -321,7 +322,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(WIDE))
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--search", choices=["full", "fast"], default="full", help="run-auto: auto's search")
+    ap.add_argument("--search", choices=["full", "fast"], default="fast", help="run-auto: auto's search")
     a = ap.parse_args()
     if a.what in ("run", "run-auto"):
         run(Path(a.model), a.sequences, a.seq_len, with_auto=a.what == "run-auto", search=a.search)
