@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._bench_md import fixture_main, kept_fixtures, load_results, save_results, write_section  # noqa: E402
-from benchmarks.bench_whole_model import CALIB, GROUP, MAX_TOKENS, SEQ_LEN, WINDOW, file_bytes  # noqa: E402
+from benchmarks.bench_whole_model import CALIB, GROUP, MAX_TOKENS, SEQ_LEN, WINDOW, file_bytes, heldout  # noqa: E402
 
 RESULTS = "auto_search.json"
 SECTION = "## auto: fast vs full search (issue 32)"
@@ -56,16 +56,7 @@ def run_fixture(fixture: str, out: Path) -> dict:
                 model, "auto", params, calib=str(stats), seq_len=SEQ_LEN, out=dest, progress=False
             )
             seconds = time.perf_counter() - t0
-            res = moecompress.evaluate(
-                str(dest),
-                ppl="fixture-heldout",
-                reference=model,
-                window=WINDOW,
-                max_tokens=MAX_TOKENS,
-                batch_size=8,
-                progress=False,
-            )
-            m = res["arms"][0]["metrics"]["ppl:fixture-heldout"]
+            m = heldout(dest, model)
             size = file_bytes(dest)
             arms.append(
                 dict(

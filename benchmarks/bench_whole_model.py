@@ -66,6 +66,22 @@ def file_bytes(path: Path) -> int:
     return sum(n for _, n in stored_tensors(path).values())
 
 
+def heldout(dest: Path, model: str) -> dict:
+    """The export's held-out metrics against `model`: per window (``items``) and aggregated."""
+    import moecompress
+
+    res = moecompress.evaluate(
+        str(dest),
+        ppl="fixture-heldout",
+        reference=model,
+        window=WINDOW,
+        max_tokens=MAX_TOKENS,
+        batch_size=8,
+        progress=False,
+    )
+    return res["arms"][0]["metrics"]["ppl:fixture-heldout"]
+
+
 def arms_for(path: Path) -> list[dict]:
     from moecompress.disk import stored_tensors
 
@@ -133,16 +149,7 @@ def run_fixture(fixture: str, out: Path) -> dict:
             progress=False,
         )
         seconds = time.perf_counter() - t0
-        res = moecompress.evaluate(
-            str(dest),
-            ppl="fixture-heldout",
-            reference=model,
-            window=WINDOW,
-            max_tokens=MAX_TOKENS,
-            batch_size=8,
-            progress=False,
-        )
-        m = res["arms"][0]["metrics"]["ppl:fixture-heldout"]
+        m = heldout(dest, model)
         size = file_bytes(dest)
         arms.append(
             dict(
