@@ -31,6 +31,12 @@ def _candidates(olmoe, algo: str, **kw):
     return quant_candidates(adapter, store, LayerMoments.load(store, i), WIDTHS, 32, algo, "gate2", 2, **kw)
 
 
+def _proxy(olmoe, chunk: int):
+    _, store, adapter, _ = olmoe
+    i = adapter.moe_layers[0]
+    return quant.proxy_candidates(adapter, store, LayerMoments.load(store, i), WIDTHS, 32, "gate2", 2, chunk)
+
+
 def test_fast_search_fills_in_its_defaults_only_where_not_given():
     fast = AutoConfig(search="fast")
     assert fast.candidates == ["reroute", "drop"] and fast.sensitivity == "global" and fast.proxy_pricing
@@ -49,7 +55,7 @@ def test_proxy_prices_a_few_experts_by_gptq_and_the_rest_by_rtn_times_their_rati
     monkeypatch.setattr(quant, "RATIO_EXPERTS", n)
     exact = _candidates(olmoe, "gptq", chunk=3, keep_codes=False)
     rtn = _candidates(olmoe, "rtn", chunk=3, keep_codes=False)
-    proxy = _candidates(olmoe, "gptq", chunk=3, proxy=True)
+    proxy = _proxy(olmoe, chunk=3)
     assert len(proxy) > n  # some experts are priced by the ratio
     for k, b in enumerate(WIDTHS):
         ratio = sum(exact[e][k].loss for e in range(n)) / sum(rtn[e][k].loss for e in range(n))
@@ -62,7 +68,7 @@ def test_proxy_prices_a_few_experts_by_gptq_and_the_rest_by_rtn_times_their_rati
             assert c.loss == pytest.approx(want, rel=1e-12), (e, b)
     # the same prices whatever the chunk the statistics are read in (a streamed store reads 4 experts at a time)
     for chunk in (2, 8):
-        other = _candidates(olmoe, "gptq", chunk=chunk, proxy=True)
+        other = _proxy(olmoe, chunk=chunk)
         assert [[c.loss for c in slot] for slot in other] == [[c.loss for c in slot] for slot in proxy]
 
 

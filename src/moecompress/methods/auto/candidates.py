@@ -10,7 +10,7 @@ from .config import AutoConfig
 from .frontier import LayerProblem
 from .moments import LayerMoments
 from .pairs import pair_options
-from .quant import quant_candidates
+from .quant import proxy_candidates, quant_candidates
 from .solver import Candidate
 
 
@@ -71,9 +71,14 @@ def layer_problem(
 
 
 def _quant_options(config: AutoConfig, adapter, stats, m: LayerMoments, el: int, keep_codes: bool):
-    """Per slot, the quantized keeps of every width of ``bits`` below 16; None when there is none."""
+    """Per slot, the quantized keeps of every width of ``bits`` below 16 (priced by proxy in the fast search);
+    None when there is none."""
     if not config.quant_bits:
         return None
+    if config.proxy_pricing:
+        return proxy_candidates(
+            adapter, stats, m, config.bits, config.quant_group, config.quant_weighting, el, chunk=8
+        )
     return quant_candidates(
         adapter,
         stats,
@@ -84,7 +89,6 @@ def _quant_options(config: AutoConfig, adapter, stats, m: LayerMoments, el: int,
         config.quant_weighting,
         el,
         keep_codes=keep_codes,
-        proxy=config.proxy_pricing,
     )
 
 

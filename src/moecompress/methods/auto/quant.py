@@ -86,7 +86,6 @@ def quant_candidates(
     experts: list[int] | dict[int, int] | None = None,
     keep_codes: bool = True,
     chunk: int = 8,
-    proxy: bool = False,
 ) -> list[list[Candidate]]:
     """Per slot of layer m.layer, one ``Candidate("quant", loss, bits, bytes, op=QuantKeep)`` per bit width < 16
     (ordered by decreasing bits); `experts` and the others of their chunks only (None: every slot; the others get
@@ -99,9 +98,7 @@ def quant_candidates(
     whichever of them are asked for: batched products on several threads need not round alike for another
     batch, and `auto.materialise.restore` must get back the codes `auto.setup.prepare` estimated bit for bit.
     keep_codes=False leaves ``op`` None (the estimate only: `restore` computes the codes of the experts a plan
-    keeps quantized). proxy (``search: fast`` with GPTQ): `proxy_candidates` instead, without codes."""
-    if proxy and experts is None:
-        return proxy_candidates(adapter, stats, m, bits, group, weighting, el, chunk)
+    keeps quantized)."""
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
