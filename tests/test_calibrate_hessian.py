@@ -70,7 +70,7 @@ def calibrated(request, tmp_path_factory):
         CalibrationData.from_tokens(_ids()),
         seq_len=20,
         out=root / "stats",
-        stats=HESS,
+        stats=[*HESS, "hessian_mid_g2_diag"],
         batch_size=4,
         dtype="float32",
         progress=False,
@@ -92,6 +92,11 @@ def test_hessians_equal_explicit_hf_computation(calibrated):
         assert torch.equal(store.get(i, "counts"), counts)
         # the weighting matters on these routers (g < 1), so the g2 check is not the plain one again
         assert float((ref[i]["hessian_in"] - ref[i]["hessian_in_g2"]).abs().max()) > 1e-3
+        # the fast search's vector per expert: the gate²-weighted mid Hessian's diagonal, gathered on its own
+        want = ref[i]["hessian_mid_g2"].diagonal(dim1=-2, dim2=-1)
+        got = store.get(i, "hessian_mid_g2_diag")
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_store_round_trip(calibrated):

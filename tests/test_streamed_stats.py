@@ -9,6 +9,7 @@ import torch
 
 from moecompress.calibrate import calibrate
 from moecompress.calibrate.streamed import StreamedStats
+from moecompress.errors import MoECompressError
 from moecompress.models import resolve_source
 from moecompress.workflows import pipeline
 
@@ -61,6 +62,19 @@ def test_streamed_statistics_equal_the_store_bit_for_bit(setup):
     assert [v.layer for v in seen] == store.layers
     with pytest.raises(RuntimeError, match="was current"):  # a view read after its pass moved on is a bug
         seen[0].get_row(seen[0].layer, "auto_g2_xx", 0)
+
+
+def test_a_pass_restricted_to_some_statistics_gathers_those_alone_and_equal(setup):
+    _, model, needs, store = setup
+    streamed = StreamedStats(model, SPEC, needs, seq_len=SEQ, chunk=8)
+    only = {"hessian_in_g2", "hessian_mid_g2"}  # what `auto`'s fast search reads again for its codes
+    for view in streamed.layers(only):
+        i = view.layer
+        assert sorted(view.meta["stats"]) == sorted(only) and not view.has("auto_sample")
+        for name in only:
+            assert torch.equal(view.get_rows(i, name, [9, 1]), store.get(i, name)[[9, 1]]), (i, name)
+        with pytest.raises(MoECompressError, match="lack 'auto_g2_yy'"):  # the other collectors did not run
+            view.get(i, "auto_g2_yy")
 
 
 @pytest.mark.parametrize("search", ["full", "fast"])

@@ -137,6 +137,32 @@ class GateSquaredHessianMidCollector(_HessianBase):
     needs = frozenset({"routing", "intermediate"})
 
 
+class GateSquaredMidDiagCollector(Collector):
+    r"""hessian_mid_g2_diag_e = diag(hessian_mid_g2_e) = Σ_{t∈T_e} g_e(t)² a_e ⊙ a_e [E, I]: one vector per
+    expert, gathered in the layer's own pass (not a square statistic). `auto`'s fast search prices
+    round-to-nearest codes from it without reading any expert's [I, I] Hessian (methods/auto/quant.py)."""
+
+    name, provides = "hessian_mid_g2_diag", ("hessian_mid_g2_diag",)
+    needs = frozenset({"routing", "intermediate"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.zeros("diag", self.E, self.adapter.intermediate_size(self.layer))
+
+    def update(self, obs: Observation) -> None:
+        for e in range(self.E):
+            tok, _ = obs.routed(e)
+            if tok.numel():
+                ga = obs.gate(e).to(torch.float64)[:, None] * obs.intermediate(e).to(torch.float64)
+                self.sums["diag"][e] += ga.square().sum(0)
+
+    def finalize(self) -> dict[str, torch.Tensor]:
+        return {"hessian_mid_g2_diag": self.sums["diag"].to(torch.float32)}
+
+    def counts(self):
+        return None
+
+
 def _stat(stats, layer: int, name: str) -> torch.Tensor:
     if hasattr(stats, "get") and not isinstance(stats, dict):  # a StatsStore
         return stats.get(layer, name)

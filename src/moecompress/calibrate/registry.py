@@ -41,6 +41,7 @@ BUILTIN_COLLECTORS: tuple[type[Collector], ...] = (
     hessian.HessianMidCollector,  # GPTQ
     hessian.GateSquaredHessianInCollector,
     hessian.GateSquaredHessianMidCollector,
+    hessian.GateSquaredMidDiagCollector,  # auto's fast search
 )
 
 DEFAULT_STATS = ("counts", "tokens", "routing_mass", "pp", "cp")

@@ -187,15 +187,19 @@ class StreamedStats(_Named):
             "calib_mode": "sequential" if sequential else "one-pass",
         }
 
-    def layers(self) -> Iterator[LayerStats]:
-        """One pass: a `LayerStats` per MoE layer in order, valid until the next one is asked for."""
+    def layers(self, only: set[str] | None = None) -> Iterator[LayerStats]:
+        """One pass: a `LayerStats` per MoE layer in order, valid until the next one is asked for. `only`: the
+        pass gathers just the collectors providing these statistics (a reader that needs a few of them again,
+        e.g. `auto`'s fast search rebuilding GPTQ codes, skips the others' work); None: every statistic."""
         from .runner import SequentialRunner
 
         cal = self.cal
         runner = SequentialRunner(
             cal.reader, cal.calib, cal.device, cal.dtype, cal.options.batch_size, double_buffer=True
         )  # a layer's inputs stay for its square-statistics passes
-        squares = [cls for cls in cal.classes if cls.square]
+        classes = [c for c in cal.classes if only is None or set(c.provides) & only]
+        meta = self.meta if only is None else {**self.meta, "stats": sorted(only & set(self.meta["stats"]))}
+        squares = [cls for cls in classes if cls.square]
         try:
             runner.embed()
             for i in runner.moe_passes():
@@ -203,7 +207,7 @@ class StreamedStats(_Named):
                 stats_i = gather(
                     runner,
                     i,
-                    cal.classes,
+                    classes,
                     {**cal.params, "square_experts": []},
                     cal.device,
                     write=not self.sequential,
@@ -231,7 +235,7 @@ class StreamedStats(_Named):
                         with torch.no_grad():
                             runner.adapter.layer(i).storage.write(e, w)
 
-                view = LayerStats(i, stats_i, rows, self.square, self.meta, self.chunk, weights, replace)
+                view = LayerStats(i, stats_i, rows, self.square, meta, self.chunk, weights, replace)
                 del stats_i, weights  # held by the view only: freeing the layer must free its tensors
                 yield view
                 view.close()
@@ -242,14 +246,16 @@ class StreamedStats(_Named):
             runner.cache.clear()
 
 
-def each_layer(stats, layers: list[int], adapter=None) -> Iterator[tuple[int, object]]:
+def each_layer(
+    stats, layers: list[int], adapter=None, only: set[str] | None = None
+) -> Iterator[tuple[int, object]]:
     """(layer, statistics to read it from) for each of `layers` in order: a store (or None) answers for every
     layer; `StreamedStats` runs a pass and answers with each layer's `LayerStats`. The pass holds that layer's
     weights already: a streamed method view (`adapter` with ``lend``) is lent them while the consumer works on
     the layer, so the layer is in memory once, not once per reader; the view gives them back before the pass
-    goes on to the next layer."""
+    goes on to the next layer. `only`: the statistics a pass needs gather (`StreamedStats.layers`)."""
     if isinstance(stats, StreamedStats):
-        for view in stats.layers():
+        for view in stats.layers(only):
             if view.layer not in layers:
                 continue
             lent = (

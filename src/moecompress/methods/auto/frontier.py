@@ -56,20 +56,22 @@ class LayerProblem:
         return True
 
     def bytes_of(self, choice: list[Candidate]) -> int:
-        keep = sum(1 for c in choice if c.kind == "keep")
-        if not self.stored:
-            return keep * self.expert_bytes + sum(c.bytes for c in choice if c.kind != "keep")
-        # quantized keeps are stored at their own width, unpadded (QuantizedStoredExperts)
-        total = keep * self.expert_bytes + sum(
-            c.bytes for c in choice if c.kind in ("constant", "pair", "quant")
-        )
-        tilts = [c.param for c in choice if c.kind == "tilt"]
-        if tilts:
-            total += len(tilts) * (2 * self.h * max(tilts) + self.h) * self.el
-        parts = [c.param for c in choice if c.kind == "partial"]
-        if parts:
-            total += len(parts) * (3 * max(parts) * self.h + self.h) * self.el
-        return total
+        """The layer's bytes in state `choice` (one pass: the greedy walk prices every move of every step)."""
+        total, tilts, tilt_r, parts, part_r = 0, 0, 0, 0, 0
+        for c in choice:
+            kind = c.kind
+            if kind == "keep":
+                total += self.expert_bytes
+            elif not self.stored:
+                total += c.bytes
+            elif kind in ("constant", "pair", "quant"):  # quantized keeps: at their own width, unpadded
+                total += c.bytes
+            elif kind == "tilt":  # stored tilts and partial copies are padded to the layer's largest rank
+                tilts, tilt_r = tilts + 1, max(tilt_r, c.param)
+            elif kind == "partial":
+                parts, part_r = parts + 1, max(part_r, c.param)
+        total += tilts * (2 * self.h * tilt_r + self.h) * self.el if tilts else 0
+        return total + (parts * (3 * part_r * self.h + self.h) * self.el if parts else 0)
 
 
 def remap_to(prob: LayerProblem, e: int, kept: list[int], exclude: int = -1) -> Candidate | None:
@@ -98,6 +100,9 @@ class _Walk:
         self.opts = [[c for c in slot if c.kind in kinds] for slot in prob.options]
         self.zero_kinds = [k for k in ("reroute", "drop") if k in kinds]
         self.reroute_mode = mode.startswith("reroute")
+        self.remaps = any(
+            c.kind == "remap" for slot in self.opts for c in slot
+        )  # else no fallback to look for
         self.group = prob.num_experts // prob.n_group if prob.n_group > 1 else prob.num_experts
         self.pair_moves = self._pair_moves() if "pair" in kinds else []
 
@@ -120,7 +125,7 @@ class _Walk:
         kept = [i for i in range(e_all) if new[i].kind in STORED_KINDS]
         if not kept and not any(c.kind == "pair" for c in new):
             return None  # the runtime needs one stored expert per layer
-        for s in range(e_all):
+        for s in range(e_all) if self.remaps else ():
             if new[s].kind == "remap" and new[s].param not in kept:
                 fb = self.fallback(s, kept)
                 if fb is None:

@@ -14,7 +14,7 @@ from .candidates import layer_problem
 from .config import AutoConfig
 from .frontier import STORED_KINDS, LayerProblem, keep_point_of
 from .moments import LayerMoments
-from .quant import gptq_codes, quant_candidates
+from .quant import HESSIANS, gptq_codes, quant_candidates
 from .solver import Candidate, LayerPoint
 
 
@@ -165,6 +165,12 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
     return LayerPoint(point.mode, choice, point.bytes, point.loss)
 
 
+def _codes_only(config: AutoConfig) -> bool:
+    """Whether `restore` reads no statistic but GPTQ's Hessians: the fast search's codes, and no other candidate
+    than those a plan states without tensors (reroute, drop)."""
+    return config.proxy_pricing and set(config.candidates) <= {"reroute", "drop"}
+
+
 def plan_layer_by_layer(
     config: AutoConfig, adapter, stats, info: ModelInfo, chosen: dict[int, LayerPoint], on_layer=None
 ) -> tuple[CompressionPlan, object]:
@@ -178,7 +184,8 @@ def plan_layer_by_layer(
     source = lambda l, e: adapter.layer(l).storage.read(e)
     tensors = plan_tensor_store(adapter)
     scopes, layers = [], []
-    for i, layer_stats in each_layer(stats, [li.layer for li in info.layers], adapter):
+    only = set(HESSIANS[config.quant_weighting]) if _codes_only(config) else None
+    for i, layer_stats in each_layer(stats, [li.layer for li in info.layers], adapter, only):
         pt = restore(config, adapter, layer_stats, info, i, chosen[i])
         part, part_tensors = plan_from_points(info, {**keeps, i: pt}, source=source)
         if on_layer is not None:

@@ -45,7 +45,10 @@ def input_device(model) -> torch.device:
     return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
-def logprobs(model, ids: torch.Tensor, batch: int = 4) -> torch.Tensor:
+def logprobs(model, ids: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """Log-probs (float64) of `model` on `ids`, `batch` sequences per forward: the streamed view reads every layer
+    once per forward, so the default probe set (8 sequences) takes one read of the checkpoint, not two; its
+    logits cost 8 × seq_len × vocab float64 values once (as much as the reference kept)."""
     out = []
     device = input_device(model)
     with torch.no_grad():

@@ -39,6 +39,7 @@ from .moments import LayerMoments
 from .solver import Candidate
 
 HESSIANS = {"uniform": ("hessian_in", "hessian_mid"), "gate2": ("hessian_in_g2", "hessian_mid_g2")}
+MID_DIAG = "hessian_mid_g2_diag"  # diag(H_mid_g2) [E, I]
 
 
 @dataclass
@@ -65,8 +66,8 @@ def quant_stats(bits: list[int], algo: str, weighting: str) -> set[str]:
     if all(b == 16 for b in bits):
         return set()
     names = {"tokens", "counts", "auto_sample", "hessian_mid_g2"}
-    if algo == "gptq":
-        names |= set(HESSIANS[weighting])
+    if algo == "gptq":  # + the fast search's RTN pricing (`proxy_candidates`): one vector per expert
+        names |= {*HESSIANS[weighting], MID_DIAG}
     return names
 
 
@@ -150,14 +151,28 @@ class _Chunk:
     """`chunk` experts of one layer in float32, their gate²-weighted mid Hessians and (GPTQ) the factorised
     Hessians, shared by every width."""
 
-    def __init__(self, adapter, stats, layer: int, w, ids: list[int], first: QuantSpec, weighting: str):
+    def __init__(
+        self,
+        adapter,
+        stats,
+        layer: int,
+        w,
+        ids: list[int],
+        first: QuantSpec,
+        weighting: str,
+        h_mid: bool = True,
+        diag: bool = False,
+    ):
+        """h_mid: read the experts' [I, I] H_mid_g2 (the exact down part); diag: read diag(H_mid_g2) (its
+        diagonal estimate, `candidates(diag=True)`)."""
         self.ids, self.act = ids, adapter.layer(layer).act
         self.i_dim, self.h = w.gate.shape[1:]
         self.has_bias = w.gate_bias is not None
         self.group, self.algo = first.group_size, first.algo
         self.gate, self.up, self.down = (getattr(w, n)[ids].float() for n in ("gate", "up", "down"))
         self.biases = [None if t is None else t[ids].float() for t in (w.gate_bias, w.up_bias, w.down_bias)]
-        self.h_mid = stats.get_rows(layer, "hessian_mid_g2", ids).double()  # [C, I, I] Σ g² a aᵀ
+        self.h_mid = stats.get_rows(layer, "hessian_mid_g2", ids).double() if h_mid else None  # [C, I, I]
+        self.mid_diag = stats.get(layer, MID_DIAG)[ids].double() if diag else None  # [C, I] Σ g² a ⊙ a
         self.f_in = self.f_mid = None
         if (
             first.algo == "gptq"
@@ -167,9 +182,18 @@ class _Chunk:
             self.f_mid = factor(stats.get_rows(layer, hmid_name, ids), first)
 
     def candidates(
-        self, b: int, routed: dict, n_tok: float, s_n: int, el: int, keep_codes: bool, algo: str | None = None
+        self,
+        b: int,
+        routed: dict,
+        n_tok: float,
+        s_n: int,
+        el: int,
+        keep_codes: bool,
+        algo: str | None = None,
+        diag: bool = False,
     ):
-        """The chunk's experts' candidates at `b` bits, in the order of `ids` (`algo`: another than the chunk's)."""
+        """The chunk's experts' candidates at `b` bits, in the order of `ids` (`algo`: another than the chunk's;
+        `diag`: the down part's diagonal estimate, `_down_part`)."""
         spec = quant_spec(b, self.group, algo or self.algo)
         q = {
             "gate": _quantize(self.gate, self.f_in, spec),
@@ -177,8 +201,7 @@ class _Chunk:
             "down": _quantize(self.down, self.f_mid, spec),
         }
         deq = {k: v.dequantize(torch.float32) for k, v in q.items()}  # bf16 grid values, exact in float32
-        d_down = self.down.double() - deq["down"].double()  # [C, H, I]
-        down_part = ((d_down @ self.h_mid) * d_down).sum((-2, -1)) / n_tok  # tr(ΔW H ΔWᵀ)/N per expert
+        down_part = self._down_part(deq["down"], diag) / n_tok
         nbytes = expert_quant_bytes(spec, self.i_dim, self.h, self.has_bias, el)
         out = []
         for k, e in enumerate(self.ids):
@@ -186,6 +209,15 @@ class _Chunk:
             op = _codes_of(q, k, spec) if keep_codes else None
             out.append(Candidate("quant", loss, b, nbytes, op=op))
         return out
+
+    def _down_part(self, deq_down: torch.Tensor, diag: bool) -> torch.Tensor:
+        """tr(ΔW_d H_mid_g2 ΔW_dᵀ) per expert [C]; with `diag` its diagonal part Σ_j H_jj Σ_i ΔW_ij², which
+        the cross terms of independent rounding errors leave unbiased (round-to-nearest codes only,
+        `proxy_candidates`), from one vector per expert instead of its [I, I] Hessian."""
+        if diag:  # the bf16 grid values' difference is exact in float32
+            return ((self.down - deq_down).square().sum(1).double() * self.mid_diag).sum(-1)
+        d_down = self.down.double() - deq_down.double()  # [C, H, I]
+        return ((d_down @ self.h_mid) * d_down).sum((-2, -1))
 
     def _gate_up_part(self, k: int, deq: dict, routed: tuple, s_n: int) -> float:
         """(1/S) Σ g² ‖Q_d (a − â)‖² of expert k of the chunk on its sampled tokens (0 when none reach it)."""
@@ -220,10 +252,12 @@ def proxy_candidates(
 ) -> list[list[Candidate]]:
     """``search: fast``: every slot's quantized keeps priced without GPTQ on every expert. The layer's first
     `RATIO_EXPERTS` experts are quantized both ways at each width b, giving r_{l,b} = Σ L_e(GPTQ) / Σ L_e(RTN) over
-    them; they keep their GPTQ estimates, every other expert's is r_{l,b} · L_e(RTN) (the same estimator, on
-    round-to-nearest codes). A few experts' GPTQ per layer and width instead of every expert's; no codes are kept
-    (`gptq_codes` computes the chosen widths'). The experts are read `chunk` at a time, and the result does not
-    depend on `chunk` (a streamed store's or an in-memory one's)."""
+    them; they keep their GPTQ estimates, every other expert's is r_{l,b} · L_e(RTN). L_e(RTN) takes the down
+    part's diagonal estimate (`_Chunk._down_part`) from diag(H_mid_g2), so only the ratio's experts read their
+    [I, I] Hessians (on streamed statistics: two square-statistics passes of a layer, not one per chunk of every
+    expert), and r_{l,b} also absorbs what the diagonal leaves out. A few experts' GPTQ per layer and width
+    instead of every expert's; no codes are kept (`gptq_codes` computes the chosen widths'). The experts are read
+    `chunk` at a time, and the result does not depend on `chunk` (a streamed store's or an in-memory one's)."""
     layer = m.layer
     widths = sorted({b for b in bits if b < 16}, reverse=True)
     e_all = adapter.num_experts(layer)
@@ -252,9 +286,11 @@ def proxy_candidates(
                 ids,
                 quant_spec(widths[0], group, "gptq" if sample else "rtn"),
                 weighting,
+                h_mid=sample,
+                diag=True,
             )
             for b in widths:
-                got = job.candidates(b, routed, n_tok, len(m.sample), el, False, algo="rtn")
+                got = job.candidates(b, routed, n_tok, len(m.sample), el, False, algo="rtn", diag=True)
                 if sample:
                     losses["rtn"][b] += [c.loss for c in got]
                     got = job.candidates(b, routed, n_tok, len(m.sample), el, False)

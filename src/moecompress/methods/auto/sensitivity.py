@@ -22,8 +22,9 @@ from .measure import kl_to, logprobs, perturbed, plan_installed, sig
 from .solver import LayerPoint, pareto
 
 
-def output_energy(adapter, ids: torch.Tensor) -> dict[int, float]:
-    """Mean per-token ‖MoE block output‖² of every MoE layer on `ids`."""
+def output_energy(adapter, ids: torch.Tensor) -> tuple[dict[int, float], torch.Tensor]:
+    """Mean per-token ‖MoE block output‖² of every MoE layer on `ids`, and the original's log-probs on `ids` (the
+    forward that measured them, unperturbed)."""
     acc: dict[int, list[float]] = {i: [0.0, 0] for i in adapter.moe_layers}
 
     def make(i):
@@ -37,8 +38,8 @@ def output_energy(adapter, ids: torch.Tensor) -> dict[int, float]:
     with contextlib.ExitStack() as stack:
         for i in adapter.moe_layers:
             stack.enter_context(perturbed(adapter, i, make(i)))
-        logprobs(adapter.model, ids)
-    return {i: a / max(n, 1) for i, (a, n) in acc.items()}
+        ref = logprobs(adapter.model, ids)
+    return {i: a / max(n, 1) for i, (a, n) in acc.items()}, ref
 
 
 def layer_sensitivity(
@@ -51,8 +52,8 @@ def layer_sensitivity(
     the factor that turns the per-token errors L_e of layer l into a KL estimate.
     """
     model = adapter.model
-    ref = logprobs(model, ids) if ref is None else ref
-    energy = output_energy(adapter, ids)
+    energy, own = output_energy(adapter, ids)
+    ref = own if ref is None else ref
     out = {}
     for i in adapter.moe_layers:
         eps = rel * energy[i]
@@ -68,15 +69,16 @@ def layer_sensitivity(
 
 
 def global_sensitivity(
-    adapter, ids: torch.Tensor, rel: float = 0.05, ref: torch.Tensor | None = None
+    adapter, ids: torch.Tensor, rel: float = 0.05, ref: torch.Tensor | None = None, energy=None
 ) -> dict[int, float]:
     """One s for every layer: s = KL(original ‖ noisy) / Σ_l ε_l with the noise of `layer_sensitivity` added to
     every MoE layer's output at once (``search: fast``). Two forwards whatever the depth, where per-layer noise
     takes one per layer, each through every layer; the allocation then trades layers by their estimated errors
-    alone."""
+    alone. `ref`, `energy`: `output_energy`'s, if measured already."""
     model = adapter.model
-    ref = logprobs(model, ids) if ref is None else ref
-    energy = output_energy(adapter, ids)
+    if energy is None:
+        energy, own = output_energy(adapter, ids)
+        ref = own if ref is None else ref
     eps = {i: rel * energy[i] for i in adapter.moe_layers if rel * energy[i] > 0}
     if not eps:
         return dict.fromkeys(adapter.moe_layers, 0.0)

@@ -21,6 +21,7 @@ from .sensitivity import (
     kind_sensitivity,
     layer_sensitivity,
     measure_states,
+    output_energy,
     probe_sensitivity,
 )
 from .solver import LayerPoint
@@ -67,11 +68,13 @@ def prepare(
         ids, ids_note = calibration_ids(
             stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len, config.seed
         )
-        ref = logprobs(adapter.model, ids)
     noise = {i: 1.0 for i in layers}
-    if config.sensitivity == "global":
-        noise = global_sensitivity(adapter, ids, rel=config.noise, ref=ref)
-    elif config.sensitivity != "uniform":
+    if config.sensitivity == "global":  # the reference log-probs from the forward that measures the energies
+        energy, ref = output_energy(adapter, ids)
+        noise = global_sensitivity(adapter, ids, rel=config.noise, ref=ref, energy=energy)
+    elif ids is not None:
+        ref = logprobs(adapter.model, ids)
+    if config.sensitivity not in ("global", "uniform"):
         noise = layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
     noise_sens = {i: sig(v, 4) for i, v in noise.items()}
