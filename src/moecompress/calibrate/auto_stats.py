@@ -19,6 +19,7 @@ auto_mid (routing + intermediate): the same for the down projection's input (par
     auto_g2_aa_e = (1/N) Σ_{T_e} g² a aᵀ                 [E, I, I]
 auto_substitute (all experts on every token):
     auto_remap_{e,p} = (1/N) Σ_{T_e} g_e² ‖f_e − f_p‖²   [E, E]   (slot e served by expert p)
+auto_reroute (routing; each expert run only on the tokens a removal sends to it):
     auto_reroute_keep_e / auto_reroute_renorm_e = (1/N) Σ_{t: e∈K(t)} ‖ŷ_t − y_t‖²   [E]
         where y_t = Σ_{j∈K(t)} g_j(t) f_j(h_t) is the routed output and ŷ_t the routed output when
         only e is removed from the router (``allowed`` mask = keep gate, ``present`` = renorm): the
@@ -169,15 +170,13 @@ _SUBSTITUTE_ROWS = 32  # tokens per block of the remap distances
 
 class AutoSubstituteCollector(Collector):
     name = "auto_substitute"
-    provides = ("auto_remap", "auto_reroute_keep", "auto_reroute_renorm")
+    provides = ("auto_remap",)
     needs = frozenset({"routing", "all_outputs"})
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.zeros("tokens", 1, dtype=torch.int64)
         self.zeros("auto_remap", self.E, self.E)
-        self.zeros("auto_reroute_keep", self.E)
-        self.zeros("auto_reroute_renorm", self.E)
 
     def update(self, obs: Observation) -> None:
         self.sums["tokens"] += obs.num_tokens
@@ -185,12 +184,6 @@ class AutoSubstituteCollector(Collector):
     def update_all(self, obs: Observation, rows: slice, outputs: torch.Tensor) -> None:
         idx, wt = obs.routing.index[rows], obs.routing.weight[rows].to(torch.float64)
         f = outputs.permute(1, 0, 2).to(torch.float64)  # [c, E, H]
-        c, k = idx.shape
-        h = f.shape[-1]
-        picked = f.gather(1, idx[..., None].expand(c, k, h))  # [c, k, H]
-        y = (picked * wt[..., None]).sum(1)  # the routed output of every token
-        x = obs.x[rows]
-        s = self.sums
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             g2 = wt[tok, slot].square()
@@ -198,22 +191,77 @@ class AutoSubstituteCollector(Collector):
             d2 = torch.cat(
                 [(f[t] - f[t, e][:, None, :]).square().sum(-1) for t in tok.split(_SUBSTITUTE_ROWS)]
             )
-            s["auto_remap"][e] += g2 @ d2
-            mask = torch.ones(self.E, dtype=torch.bool, device=idx.device)
-            mask[e] = False
-            for gate, kw in (("keep", "allowed"), ("renorm", "present")):
-                r = self.adapter.route(self.layer, x[tok], **{kw: mask})
-                picked = f[
-                    tok[:, None], r.index
-                ]  # [n, k, H]: the substitutes only, not every expert's output
-                new = (picked * r.weight.to(torch.float64)[..., None]).sum(1)
-                s[f"auto_reroute_{gate}"][e] += (new - y[tok]).square().sum()
+            self.sums["auto_remap"][e] += g2 @ d2
 
     def finalize(self):
         return _per_token(self, self.provides)
 
     def counts(self):
         return None
+
+
+class AutoRerouteCollector(Collector):
+    """auto_reroute_keep / auto_reroute_renorm (module doc). Removing e from a token's router brings in one
+    substitute, so each expert runs on its routed tokens and on those a removal sends it, about k + 1 expert
+    evaluations per token instead of every expert's (``all_outputs``: E on every token, most of an `auto` pass's
+    time on the 64-expert wide model)."""
+
+    name = "auto_reroute"
+    provides = ("auto_reroute_keep", "auto_reroute_renorm")
+    needs = frozenset({"routing"})
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.zeros("tokens", 1, dtype=torch.int64)
+        for name in self.provides:
+            self.zeros(name, self.E)
+
+    def update(self, obs: Observation) -> None:
+        self.sums["tokens"] += obs.num_tokens
+        idx, x = obs.routing.index, obs.x
+        if not obs.num_tokens:
+            return
+        routes = []  # (e, gate, tokens routed to e, their routing with e removed)
+        for e in idx.unique().tolist():
+            tok, _ = torch.where(idx == e)
+            mask = torch.ones(self.E, dtype=torch.bool, device=idx.device)
+            mask[e] = False
+            for gate, kw in (("keep", "allowed"), ("renorm", "present")):
+                routes.append((e, gate, tok, self.adapter.route(self.layer, x[tok], **{kw: mask})))
+        need = torch.zeros(self.E, obs.num_tokens, dtype=torch.bool, device=idx.device)  # [E, N]
+        need[idx, torch.arange(obs.num_tokens, device=idx.device)[:, None].expand_as(idx)] = True
+        for _, _, tok, r in routes:
+            need[r.index, tok[:, None].expand_as(r.index)] = True
+        outputs = _Outputs(self.adapter, self.layer, x, need)
+        y = outputs.mix(torch.arange(obs.num_tokens, device=idx.device), idx, obs.routing.weight)
+        for e, gate, tok, r in routes:
+            new = outputs.mix(tok, r.index, r.weight)
+            self.sums[f"auto_reroute_{gate}"][e] += (new - y[tok]).square().sum()
+
+    def finalize(self):
+        return _per_token(self, self.provides)
+
+    def counts(self):
+        return None
+
+
+class _Outputs:
+    """f_p(h_t) in float64 for the (expert p, token t) pairs of `need` [E, N], each expert run once."""
+
+    def __init__(self, adapter, layer: int, x: torch.Tensor, need: torch.Tensor):
+        self.row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)  # [E, N] -> row of f
+        parts, start = [], 0
+        for p in torch.where(need.any(1))[0].tolist():
+            tok = torch.where(need[p])[0]
+            parts.append(adapter.expert_forward(layer, p, x[tok]).to(torch.float64))
+            self.row[p, tok] = torch.arange(start, start + len(tok), device=need.device)
+            start += len(tok)
+        self.f = torch.cat(parts)  # [rows, H]
+
+    def mix(self, tok: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Σ_j weight[:, j] f_{index[:, j]}(h_tok) [n, H]: the block's routed output for that routing."""
+        picked = self.f[self.row[index, tok[:, None].expand_as(index)]]  # [n, k, H]
+        return (picked * weight.to(torch.float64)[..., None]).sum(1)
 
 
 class AutoSampleCollector(Collector):

@@ -36,6 +36,7 @@ BUILTIN_COLLECTORS: tuple[type[Collector], ...] = (
     auto_stats.AutoAffineCollector,
     auto_stats.AutoMidCollector,  # auto
     auto_stats.AutoSubstituteCollector,
+    auto_stats.AutoRerouteCollector,
     auto_stats.AutoSampleCollector,
     hessian.HessianInCollector,
     hessian.HessianMidCollector,  # GPTQ

@@ -252,8 +252,10 @@ def needs_stats(config: AutoConfig) -> list[str]:
         names |= {"auto_g2_a", "auto_g2_aa"}
         if config.fit == "unweighted":
             names |= {"mid_channel_norm", "mid_mean"}
-    if c & {"remap", "reroute"}:
-        names |= {"auto_remap", "auto_reroute_keep", "auto_reroute_renorm"}
+    if "remap" in c:
+        names.add("auto_remap")
+    if "reroute" in c:
+        names |= {"auto_reroute_keep", "auto_reroute_renorm"}
     if "pair" in c:
         names |= {"in_channel_norm", "mid_channel_norm"}  # PuzzleMoE saliency
     if config.cross_fit and config.fit == "weighted" and c & {"constant", "tilt", "partial"}:

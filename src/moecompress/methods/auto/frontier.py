@@ -55,6 +55,12 @@ class LayerProblem:
                 return False
         return True
 
+    def slot_bytes(self, c: Candidate) -> int:
+        """One slot's bytes in a layer without tilts or partial copies (`bytes_of` adds these up)."""
+        if c.kind == "keep":
+            return self.expert_bytes
+        return c.bytes if not self.stored or c.kind in ("constant", "pair", "quant") else 0
+
     def bytes_of(self, choice: list[Candidate]) -> int:
         """The layer's bytes in state `choice` (one pass: the greedy walk prices every move of every step)."""
         total, tilts, tilt_r, parts, part_r = 0, 0, 0, 0, 0
@@ -100,9 +106,9 @@ class _Walk:
         self.opts = [[c for c in slot if c.kind in kinds] for slot in prob.options]
         self.zero_kinds = [k for k in ("reroute", "drop") if k in kinds]
         self.reroute_mode = mode.startswith("reroute")
-        self.remaps = any(
-            c.kind == "remap" for slot in self.opts for c in slot
-        )  # else no fallback to look for
+        kinds_here = {c.kind for slot in self.opts for c in slot}
+        self.remaps = "remap" in kinds_here  # else no fallback to look for
+        self.additive = not kinds_here & {"tilt", "partial"}  # every slot's bytes its own (`_bytes`)
         self.group = prob.num_experts // prob.n_group if prob.n_group > 1 else prob.num_experts
         self.pair_moves = self._pair_moves() if "pair" in kinds else []
 
@@ -122,9 +128,9 @@ class _Walk:
         new = list(state)
         for s, c in moves.items():
             new[s] = c
-        kept = [i for i in range(e_all) if new[i].kind in STORED_KINDS]
-        if not kept and not any(c.kind == "pair" for c in new):
+        if not any(c.kind in STORED_KINDS or c.kind == "pair" for c in new):
             return None  # the runtime needs one stored expert per layer
+        kept = [i for i in range(e_all) if new[i].kind in STORED_KINDS] if self.remaps else []
         for s in range(e_all) if self.remaps else ():
             if new[s].kind == "remap" and new[s].param not in kept:
                 fb = self.fallback(s, kept)
@@ -194,6 +200,14 @@ class _Walk:
             new = self.change(state, grp)
         return new
 
+    def _bytes(self, state: list[Candidate], new: list[Candidate], cur_bytes: int) -> int:
+        """`bytes_of(new)`: from the slots that changed where every slot's bytes are its own (no padded tilt or
+        partial copy in the layer's options); integers, so the same number either way."""
+        if not self.additive:
+            return self.prob.bytes_of(new)
+        own = self.prob.slot_bytes
+        return cur_bytes + sum(own(b) - own(a) for a, b in zip(state, new) if a is not b)
+
     def step(self, state: list[Candidate], cur_bytes: int, cur_loss: float, pairs_first: bool):
         """(best loss-lowering change that saves nothing, best change by added loss per byte saved), each as
         (key, state, bytes, loss) or None."""
@@ -202,7 +216,7 @@ class _Walk:
             new = self.apply(state, move)
             if new is None:
                 continue
-            nb = self.prob.bytes_of(new)
+            nb = self._bytes(state, new, cur_bytes)
             nl = sum(c.loss for c in new)
             db, dl = nb - cur_bytes, nl - cur_loss
             if db <= 0 and dl < -1e-15 * (1 + abs(cur_loss)):
