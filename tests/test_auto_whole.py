@@ -65,6 +65,45 @@ def test_objective_is_gptq_loss_on_the_real_inputs(olmoe):
         assert o.raw == pytest.approx(float(d[ids.reshape(-1)].double().square().sum()), rel=1e-6)
 
 
+@torch.no_grad()
+def test_fast_search_prices_tensors_by_one_layers_gptq_and_rtn_elsewhere(olmoe):
+    """proxy: a class's first-layer tensors keep GPTQ's objective; every other tensor costs r_{c,b} times its
+    round-to-nearest codes' diagonal objective, r_{c,b} = Σ L(GPTQ) / Σ diagonal L(RTN) over the first layer's."""
+    _, store, adapter, _ = olmoe
+    ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    args = (adapter, store, ["attention"], [4, 2], 32, "gptq", ids, None)
+    exact, proxy = tensor_items(*args), tensor_items(*args, proxy=True)
+    hs = {}
+    handles = [
+        adapter.model.get_submodule(it.name.removesuffix(".weight")).register_forward_pre_hook(
+            lambda m, a, n=it.name: hs.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]).double())
+        )
+        for it in exact
+    ]
+    adapter.model(ids)
+    for h in handles:
+        h.remove()
+    first = min(it.layer for it in exact)
+    assert {it.layer for it in exact} != {first}  # some tensors are priced by the ratio
+    for k, b in enumerate([4, 2], start=1):
+        diag = {}
+        for it in exact:
+            w = adapter.model.get_parameter(it.name).float()
+            x = torch.cat(hs[it.name])
+            d = w - rtn(
+                w, it.options[k].spec.model_copy(update={"algo": "rtn", "actorder": False})
+            ).dequantize(torch.float32)
+            diag[it.name] = float((d.double().square().sum(0) * x.square().sum(0)).sum())
+        ratio = sum(it.options[k].raw for it in exact if it.layer == first) / sum(
+            diag[it.name] for it in exact if it.layer == first
+        )
+        assert 0 < ratio < 1.5, ratio  # GPTQ's codes beat rounding's, give or take the cross terms
+        for e, p in zip(exact, proxy):
+            assert p.options[k].spec == e.options[k].spec and p.options[k].bytes == e.options[k].bytes
+            want = e.options[k].raw if e.layer == first else ratio * diag[e.name]
+            assert p.options[k].raw == pytest.approx(want, rel=1e-5), (e.name, b)
+
+
 def test_whole_file_budget_goes_below_the_non_expert_share(olmoe):
     _, _, adapter, _ = olmoe
     info = ModelInfo.from_model(adapter)

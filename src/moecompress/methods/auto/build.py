@@ -45,6 +45,7 @@ def whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup) -> WholeFil
         config.quant_algo,
         ids,
         ref,
+        proxy=config.proxy_pricing,
     )
 
 

@@ -174,9 +174,15 @@ def tensor_items(
     algo: str,
     ids: torch.Tensor,
     disk: dict[str, tuple[str, int]] | None,
+    proxy: bool = False,
 ) -> list[TensorItem]:
     """Every quantizable tensor of `classes` with its options and their raw objectives (one Hessian pass; each
-    layer's Hessians dropped once its tensors are priced). `disk`: name -> (dtype, bytes) on disk, if known."""
+    layer's Hessians dropped once its tensors are priced). `disk`: name -> (dtype, bytes) on disk, if known.
+
+    proxy (``search: fast``): as for the experts (`quant.proxy_candidates`), a class's tensors in the first layer
+    holding it are quantized by GPTQ and by round-to-nearest at each width b, r_{c,b} = Σ L_W(GPTQ) / Σ L_W(RTN)
+    over them, and every other tensor of the class costs r_{c,b} · L_W(RTN) with L_W(RTN)'s diagonal estimate
+    Σ_j H_jj Σ_i ΔW_ij² (`_diag_objective`): one GPTQ per class and width instead of one per tensor."""
     cls_of, shapes = tensor_classes(adapter), tensor_shapes(adapter)
     prefix = _layers_prefix(adapter)
     names = [n for n, c in cls_of.items() if c in classes and quantizable(n, shapes[n], c)]
@@ -187,6 +193,8 @@ def tensor_items(
     items = {n: TensorItem(n, cls_of[n], _layer_of(n, prefix), tuple(shapes[n])) for n in names}
     need_h = [n for n in names if cls_of[n] != "embeddings"]
     done: set[str] = set()
+    ratio_layer: dict[str, int] = {}  # proxy: class -> the layer whose tensors give r_{c,b}
+    sums: dict[tuple[str, int], list[float]] = {}  # proxy: (class, b) -> [Σ L(GPTQ), Σ L(RTN)] over them
 
     def price(name: str, w: torch.Tensor, h: torch.Tensor | None) -> None:
         it = items[name]
@@ -194,18 +202,21 @@ def tensor_items(
         it.options.append(TensorOption(None, kept, 0.0))
         w = w.float()
         probe_spec = spec_for(it.cls, probe, group, "rtn")
+        exact = not proxy or ratio_layer.setdefault(it.cls, it.layer) == it.layer
         for b in bits:
             spec = spec_for(it.cls, b, group, algo)
             if h is None or it.cls == "embeddings" or not bool(h.diagonal().gt(0).any()):
-                spec = (
-                    spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
-                )
-                q = rtn(w, spec)
+                spec = _as_rtn(spec)
+                raw = _objective(it, w, rtn(w, spec), h, counts)
+            elif exact:
+                raw = _objective(it, w, gptq(w, h, spec), h, counts)
+                if proxy:
+                    acc = sums.setdefault((it.cls, b), [0.0, 0.0])
+                    acc[0], acc[1] = acc[0] + raw, acc[1] + _diag_objective(w, rtn(w, _as_rtn(spec)), h)
             else:
-                q = gptq(w, h, spec)
-            it.options.append(
-                TensorOption(spec, spec.tensor_bytes(*it.shape), _objective(it, w, q, h, counts))
-            )
+                gq, rq = sums.get((it.cls, b), (0.0, 0.0))
+                raw = (gq / rq if rq > 0 else 1.0) * _diag_objective(w, rtn(w, _as_rtn(spec)), h)
+            it.options.append(TensorOption(spec, spec.tensor_bytes(*it.shape), raw))
         it.probe_raw = _objective(it, w, rtn(w, probe_spec), h, counts)
         done.add(name)
 
@@ -223,6 +234,17 @@ def tensor_items(
     for n, w in _read(adapter, rest).items() if rest else ():
         price(n, w, None)
     return [items[n] for n in names]
+
+
+def _as_rtn(spec: QuantSpec) -> QuantSpec:
+    return spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+
+
+def _diag_objective(w: torch.Tensor, q, h: torch.Tensor) -> float:
+    """Σ_j H_jj Σ_i (W − Q)_ij²: GPTQ's objective without the cross terms of different input columns, which
+    independent rounding errors average out (the fast search's round-to-nearest prices)."""
+    d = (w - q.dequantize(torch.float32)).square().sum(0).double()
+    return float((d * h.diagonal().double()).sum())
 
 
 def _objective(it: TensorItem, w: torch.Tensor, q, h: torch.Tensor | None, counts: torch.Tensor) -> float:
@@ -331,11 +353,13 @@ class WholeFile:
         algo: str,
         ids: torch.Tensor,
         ref: torch.Tensor,
+        proxy: bool = False,
     ) -> WholeFile:
+        """`tensor_items` (`proxy`: priced as the fast search prices them) and their class sensitivities."""
         from ..tensor_quant import on_disk_dtypes
 
         disk = on_disk_dtypes(info)
-        items = tensor_items(adapter, stats, classes, bits, group, algo, ids, disk) if bits else []
+        items = tensor_items(adapter, stats, classes, bits, group, algo, ids, disk, proxy) if bits else []
         sens = class_sensitivity(adapter, items, bits, group, ids, ref) if items else {}
         scale_items(items, sens)
         fixed = info.other_bytes - sum(it.options[0].bytes for it in items)
