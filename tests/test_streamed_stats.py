@@ -99,9 +99,12 @@ def test_dry_run_counts_streamed_statistics_in_memory_not_on_disk(setup):
     from moecompress.workflows.compress_dryrun import estimate_compress
 
     _, model, needs, _ = setup
+    # GPTQ's Hessians alone come 16 experts at a time (the fast search's default candidates), operators' moments 4
     assert (
-        pipeline.streamed_chunk("auto", SPEC) == 4 and pipeline.streamed_chunk("auto", SPEC, "w4g128") is None
+        pipeline.streamed_chunk("auto", SPEC) == 16
+        and pipeline.streamed_chunk("auto", SPEC, "w4g128") is None
     )
+    assert pipeline.streamed_chunk("auto", SPEC, None, PARAMS) == 4
     stored = estimate_compress(model, "auto", PARAMS, SPEC, SEQ, stats=needs)
     streamed = estimate_compress(model, "auto", PARAMS, SPEC, SEQ, stats=needs, streamed_chunk=4)
     assert stored.disk_bytes > stored.checkpoint_bytes == streamed.disk_bytes == streamed.checkpoint_bytes

@@ -249,7 +249,7 @@ def _estimate(
         seq_len,
         stats=needs_for(method, params, quant_setting),
         moment_fraction=moment_fraction(method, params),
-        streamed_chunk=streamed_chunk(method, calib, quant_setting),
+        streamed_chunk=streamed_chunk(method, calib, quant_setting, params),
         out=out,
     )
     if dry_run and as_json:

@@ -423,6 +423,10 @@ def _quantize_experts(config: QuantConfig, ctx: MethodContext):
     return plan, tensors
 
 
+# 16 experts' Hessians per extra pass, not 4: a few % faster on the wide benchmark model's 4-layer copy for ~0.27 GB
+# more, and 32 was no faster for 0.7 GB (BENCHMARKS.md, "Streamed chunk of our GPTQ"; one run each)
+HESSIAN_CHUNK = 16
+
 register_method(
     "quant",
     QuantConfig,
@@ -430,9 +434,7 @@ register_method(
     quant_stats,
     family="quant",
     streamed_stats=True,
-    # 16 experts' Hessians per extra pass, not 4: a few % faster on the wide benchmark model's 4-layer copy for
-    # ~0.27 GB more, and 32 was no faster for 0.7 GB (BENCHMARKS.md, "Streamed chunk of our GPTQ"; one run each)
-    streamed_chunk=16,
+    streamed_chunk=HESSIAN_CHUNK,
 )
 # `calibrate --for-method gptq` / `gptq-g2`: the Hessians of each weighting (`quant` reads the default's)
 register_method_stats("gptq", quant_stats(QuantConfig()))

@@ -53,12 +53,17 @@ class MethodEntry:
     streamed_stats: bool = False
     # config -> what the build holds of the streamed view (`ViewUse`); None: the conservative default
     view_use: Callable[[BaseModel], ViewUse] | None = None
-    # streamed, the experts whose square statistics one extra pass gathers (None: `calibrate.streamed.CHUNK`)
-    streamed_chunk: int | None = None
+    # streamed, the experts whose square statistics one extra pass gathers (None: `calibrate.streamed.CHUNK`), or
+    # config -> that number (a build whose square statistics' size depends on its config)
+    streamed_chunk: int | Callable[[BaseModel], int | None] | None = None
 
     def stats_for(self, config: BaseModel) -> list[str]:
         """The statistic names a build with `config` reads."""
         return list(self.needs_stats(config) if callable(self.needs_stats) else self.needs_stats)
+
+    def chunk_for(self, config: BaseModel) -> int | None:
+        """The experts per square-statistics pass of a build with `config` (None: the default)."""
+        return self.streamed_chunk(config) if callable(self.streamed_chunk) else self.streamed_chunk
 
     def view_for(self, config: BaseModel) -> ViewUse:
         """What a build with `config` holds of the streamed view (`ViewUse`)."""
@@ -77,7 +82,7 @@ def register_method(
     moment_experts=None,
     streamed_stats: bool = False,
     view_use: Callable[[BaseModel], ViewUse] | None = None,
-    streamed_chunk: int | None = None,
+    streamed_chunk: int | Callable[[BaseModel], int | None] | None = None,
 ) -> None:
     METHODS[name] = MethodEntry(
         name,

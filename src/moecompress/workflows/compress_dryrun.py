@@ -188,7 +188,8 @@ def estimate_compress(
     from ..methods.registry import get_method, parse_config
 
     entry = get_method(method)
-    view = entry.view_for(parse_config(method, params))
+    config = parse_config(method, params)
+    view = entry.view_for(config)
     ck = _measure_checkpoint(model)
     scale = dtype_bytes / ck.disk_elem
     calib_bytes, calib_passes, stats_bytes = _calibration_memory(
@@ -206,7 +207,8 @@ def estimate_compress(
     )
     peak = ck.baseline + max(overlap, export_bytes)
     passes = calib_passes + 1 + (1 if view.stored or view.compute else 0)  # + export, + the view's reads
-    each_way = _statistics_each_way(ck.adapter, entry, list(stats), moment_fraction) if stats else {}
+    chunk = entry.chunk_for(config)
+    each_way = _statistics_each_way(ck.adapter, entry, chunk, list(stats), moment_fraction) if stats else {}
     return CompressEstimate(
         peak_memory_bytes=int(peak),
         calibration_bytes=calib_bytes,
@@ -318,7 +320,9 @@ def _calibration_memory(
     return calib_bytes, calib_passes, stats_bytes
 
 
-def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: float | None) -> dict:
+def _statistics_each_way(
+    adapter, entry, chunk: int | None, stats: list[str], moment_fraction: float | None
+) -> dict:
     """The statistics' disk and memory streamed (when `entry` can stream them) and kept as a store (module doc)."""
     from ..calibrate.streamed import CHUNK
 
@@ -332,9 +336,7 @@ def _statistics_each_way(adapter, entry, stats: list[str], moment_fraction: floa
     if entry.streamed_stats:
         out.update(
             stats_streamed_disk_bytes=0,
-            stats_streamed_memory_bytes=int(
-                2 * _streamed_statistics(adapter, stats, entry.streamed_chunk or CHUNK)
-            ),
+            stats_streamed_memory_bytes=int(2 * _streamed_statistics(adapter, stats, chunk or CHUNK)),
         )
     return out
 

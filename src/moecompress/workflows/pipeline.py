@@ -110,7 +110,7 @@ def calibrate_for(
             needs,
             seq_len=seq_len,
             seed=seed,
-            chunk=streamed_chunk(method, calib, quant),
+            chunk=streamed_chunk(method, calib, quant, params),
             sequential=calib_mode == "sequential",
         )
     entry, moments = get_method(method), sorted(set(needs) & set(MomentCollector.provides))
@@ -154,13 +154,13 @@ def streams_statistics(method: str, calib, quant=None) -> bool:
     )
 
 
-def streamed_chunk(method: str, calib, quant=None) -> int | None:
-    """For the dry-run: the experts per square-statistics pass when `streams_statistics`, else None."""
+def streamed_chunk(method: str, calib, quant=None, params: dict[str, Any] | None = None) -> int | None:
+    """The experts per square-statistics pass when `streams_statistics` (for `params`), else None."""
     from ..calibrate.streamed import CHUNK
 
     if not streams_statistics(method, calib, quant):
         return None
-    return get_method(method).streamed_chunk or CHUNK
+    return get_method(method).chunk_for(parse_config(method, params or {})) or CHUNK
 
 
 def moment_fraction(method: str, params: dict[str, Any] | None) -> float | None:

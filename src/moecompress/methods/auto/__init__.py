@@ -27,10 +27,15 @@ the bytes it saves (issue 9; docs/auto.md, whose "Code layout" lists the modules
 Byte accounting and the budget: config.py. The entry point, `build.build_auto`, is registered here.
 """
 
+from ..quantize import HESSIAN_CHUNK
 from ..registry import ViewUse, register_method
 from .build import build_auto
-from .config import AutoConfig, needs_stats
+from .config import AutoConfig, hessians_only, needs_stats
 
+# streamed, square statistics come `HESSIAN_CHUNK` experts per extra pass of the layer when GPTQ's Hessians are
+# the only ones (as quant's); the operators' [H, H] moments keep the default chunk (8 experts held 2.2 GB on the
+# wide model). Each extra pass runs the whole decoder layer again: 16 of them per layer and pass were a fifth of the
+# fast search's codes pass on the 4-layer wide model (py-spy, stop 43).
 # the view: a layer as stored and one float32 layer, the embeddings and head (sensitivity probes and measured KL
 # are full-model forwards). The statistics passes lend their own layer, and the sampled layer errors now run in
 # the restore pass on it; measured KL (measure=True) still reads each layer again after the plan. The stored
@@ -44,6 +49,7 @@ register_method(
     family="auto",
     streamed_stats=True,
     view_use=lambda config: ViewUse(stored=1.0, compute=1.0, forwards=True),
+    streamed_chunk=lambda config: HESSIAN_CHUNK if hessians_only(config) else None,
 )
 
 

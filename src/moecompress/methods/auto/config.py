@@ -232,6 +232,11 @@ def search_defaults(data):
     return {**data, **{k: v for k, v in FAST_DEFAULTS.items() if data.get(k) is None}}
 
 
+def hessians_only(config: AutoConfig) -> bool:
+    """Whether GPTQ's Hessians are the only square statistics `config` reads (no operator fit, remap or pair)."""
+    return set(config.candidates) <= {"reroute", "drop"}
+
+
 def needs_stats(config: AutoConfig) -> list[str]:
     c = set(config.candidates)
     names = {"counts", "tokens", "auto_g2", "auto_g2_y", "auto_g2_yy", "auto_sample"}

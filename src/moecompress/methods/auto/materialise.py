@@ -11,7 +11,7 @@ import torch
 from ...calibrate.streamed import each_layer
 from ...plan import CompressionPlan, LayerPlan, ModelInfo, Scope, StoredExpert
 from .candidates import layer_problem
-from .config import AutoConfig
+from .config import AutoConfig, hessians_only
 from .frontier import STORED_KINDS, LayerProblem, keep_point_of
 from .moments import LayerMoments
 from .quant import HESSIANS, gptq_codes, quant_candidates
@@ -168,7 +168,7 @@ def restore(config: AutoConfig, adapter, stats, info: ModelInfo, layer: int, poi
 def _codes_only(config: AutoConfig) -> bool:
     """Whether `restore` reads no statistic but GPTQ's Hessians: the fast search's codes, and no other candidate
     than those a plan states without tensors (reroute, drop)."""
-    return config.proxy_pricing and set(config.candidates) <= {"reroute", "drop"}
+    return config.proxy_pricing and hessians_only(config)
 
 
 def plan_layer_by_layer(

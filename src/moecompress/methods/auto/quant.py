@@ -305,7 +305,7 @@ def proxy_candidates(
 
 
 def gptq_codes(
-    adapter, stats, layer: int, width: dict[int, int], group: int | None, weighting: str, chunk: int = 8
+    adapter, stats, layer: int, width: dict[int, int], group: int | None, weighting: str, chunk: int = 16
 ) -> dict[int, QuantKeep]:
     """GPTQ codes of the experts `width` asks for ({expert: bits}), each at its width: the experts of one width
     quantized `chunk` at a time (``search: fast``'s `restore`; no estimate is computed again)."""

@@ -178,11 +178,7 @@ def tensor_items(
 ) -> list[TensorItem]:
     """Every quantizable tensor of `classes` with its options and their raw objectives (one Hessian pass; each
     layer's Hessians dropped once its tensors are priced). `disk`: name -> (dtype, bytes) on disk, if known.
-
-    proxy (``search: fast``): as for the experts (`quant.proxy_candidates`), a class's tensors in the first layer
-    holding it are quantized by GPTQ and by round-to-nearest at each width b, r_{c,b} = Σ L_W(GPTQ) / Σ L_W(RTN)
-    over them, and every other tensor of the class costs r_{c,b} · L_W(RTN) with L_W(RTN)'s diagonal estimate
-    Σ_j H_jj Σ_i ΔW_ij² (`_diag_objective`): one GPTQ per class and width instead of one per tensor."""
+    proxy: priced as the fast search prices them (`_Linears`)."""
     cls_of, shapes = tensor_classes(adapter), tensor_shapes(adapter)
     prefix = _layers_prefix(adapter)
     names = [n for n, c in cls_of.items() if c in classes and quantizable(n, shapes[n], c)]
@@ -193,8 +189,7 @@ def tensor_items(
     items = {n: TensorItem(n, cls_of[n], _layer_of(n, prefix), tuple(shapes[n])) for n in names}
     need_h = [n for n in names if cls_of[n] != "embeddings"]
     done: set[str] = set()
-    ratio_layer: dict[str, int] = {}  # proxy: class -> the layer whose tensors give r_{c,b}
-    sums: dict[tuple[str, int], list[float]] = {}  # proxy: (class, b) -> [Σ L(GPTQ), Σ L(RTN)] over them
+    linears = _Linears(proxy, counts)
 
     def price(name: str, w: torch.Tensor, h: torch.Tensor | None) -> None:
         it = items[name]
@@ -202,20 +197,13 @@ def tensor_items(
         it.options.append(TensorOption(None, kept, 0.0))
         w = w.float()
         probe_spec = spec_for(it.cls, probe, group, "rtn")
-        exact = not proxy or ratio_layer.setdefault(it.cls, it.layer) == it.layer
         for b in bits:
             spec = spec_for(it.cls, b, group, algo)
             if h is None or it.cls == "embeddings" or not bool(h.diagonal().gt(0).any()):
                 spec = _as_rtn(spec)
                 raw = _objective(it, w, rtn(w, spec), h, counts)
-            elif exact:
-                raw = _objective(it, w, gptq(w, h, spec), h, counts)
-                if proxy:
-                    acc = sums.setdefault((it.cls, b), [0.0, 0.0])
-                    acc[0], acc[1] = acc[0] + raw, acc[1] + _diag_objective(w, rtn(w, _as_rtn(spec)), h)
             else:
-                gq, rq = sums.get((it.cls, b), (0.0, 0.0))
-                raw = (gq / rq if rq > 0 else 1.0) * _diag_objective(w, rtn(w, _as_rtn(spec)), h)
+                raw = linears.raw(it, w, h, spec)
             it.options.append(TensorOption(spec, spec.tensor_bytes(*it.shape), raw))
         it.probe_raw = _objective(it, w, rtn(w, probe_spec), h, counts)
         done.add(name)
@@ -234,6 +222,32 @@ def tensor_items(
     for n, w in _read(adapter, rest).items() if rest else ():
         price(n, w, None)
     return [items[n] for n in names]
+
+
+class _Linears:
+    """L_W of a linear's option, from its Hessian: GPTQ's objective on its GPTQ codes, or with `proxy` (``search:
+    fast``) priced as the experts are (`quant.proxy_candidates`): a class's tensors in the first layer holding it
+    are quantized by GPTQ and by round-to-nearest at each width b, r_{c,b} = Σ L_W(GPTQ) / Σ L_W(RTN) over them,
+    and every other tensor of the class costs r_{c,b} · L_W(RTN), L_W(RTN) taken as its diagonal estimate
+    Σ_j H_jj Σ_i ΔW_ij² (`_diag_objective`): one GPTQ per class and width instead of one per tensor. The tensors
+    come layer by layer in order, so r_{c,b} is known before it is needed."""
+
+    def __init__(self, proxy: bool, counts: torch.Tensor):
+        self.proxy, self.counts = proxy, counts
+        self.first: dict[str, int] = {}  # class -> the layer whose tensors give r_{c,b}
+        self.sums: dict[tuple[str, int], list[float]] = {}  # (class, b) -> [Σ L(GPTQ), Σ L(RTN)] over them
+
+    def raw(self, it: TensorItem, w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> float:
+        if not self.proxy:
+            return _objective(it, w, gptq(w, h, spec), h, self.counts)
+        diag = _diag_objective(w, rtn(w, _as_rtn(spec)), h)
+        if self.first.setdefault(it.cls, it.layer) == it.layer:
+            exact = _objective(it, w, gptq(w, h, spec), h, self.counts)
+            acc = self.sums.setdefault((it.cls, spec.bits), [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + exact, acc[1] + diag
+            return exact
+        gq, rq = self.sums.get((it.cls, spec.bits), (0.0, 0.0))
+        return (gq / rq if rq > 0 else 1.0) * diag
 
 
 def _as_rtn(spec: QuantSpec) -> QuantSpec:
