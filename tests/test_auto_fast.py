@@ -51,7 +51,7 @@ def test_fast_search_fills_in_its_defaults_only_where_not_given():
 
 
 def test_proxy_prices_a_few_experts_by_gptq_and_the_rest_by_rtn_times_their_ratio(olmoe, monkeypatch):
-    n = 3  # of the tiny model's 8 experts (RATIO_EXPERTS would take them all)
+    n = 3  # of the tiny model's 8 experts
     monkeypatch.setattr(quant, "RATIO_EXPERTS", n)
     _, store, adapter, _ = olmoe
     i = adapter.moe_layers[0]

@@ -104,6 +104,33 @@ def test_fast_search_prices_tensors_by_one_layers_gptq_and_rtn_elsewhere(olmoe):
             assert p.options[k].raw == pytest.approx(want, rel=1e-5), (e.name, b)
 
 
+@torch.no_grad()
+def test_class_probes_in_one_forward_equal_one_forward_each(olmoe):
+    """class_sensitivity runs every class's probe in its own rows of one batch; each equals the class rounded alone."""
+    from moecompress.methods.auto.measure import kl_to, logprobs
+    from moecompress.methods.auto.tensors import class_sensitivity, spec_for, weights_installed
+    from moecompress.methods.tensor_quant import _read
+
+    _, store, adapter, _ = olmoe
+    ids = torch.randint(3, 96, (3, 16), generator=torch.Generator().manual_seed(2))
+    items = tensor_items(
+        adapter, store, ["attention", "embeddings", "lm_head"], [4, 2], 32, "gptq", ids, None
+    )
+    ref = logprobs(adapter.model, ids)
+    got = class_sensitivity(adapter, items, [4, 2], 32, ids, ref)
+    assert sorted(got) == ["attention", "embeddings", "lm_head"]
+    for cls, s in got.items():
+        mine = [it for it in items if it.cls == cls]
+        spec = spec_for(cls, 4, 32, "rtn")
+        weights = {
+            n: rtn(w.float(), spec).dequantize(torch.float32)
+            for n, w in _read(adapter, [it.name for it in mine]).items()
+        }
+        with weights_installed(adapter, weights):
+            kl = kl_to(ref, adapter.model, ids)
+        assert kl > 0 and s == pytest.approx(kl / sum(it.probe_raw for it in mine), rel=1e-3), cls
+
+
 def test_whole_file_budget_goes_below_the_non_expert_share(olmoe):
     _, _, adapter, _ = olmoe
     info = ModelInfo.from_model(adapter)

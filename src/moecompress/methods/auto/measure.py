@@ -64,6 +64,21 @@ def kl_to(ref: torch.Tensor, model, ids: torch.Tensor) -> float:
     return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
 
+def kl_per_slice(ref: torch.Tensor, model, ids: torch.Tensor, n: int) -> list[float]:
+    """`kl_to` of n variants in one forward: `ids` repeated n times along the batch, variant v's hooks acting on
+    rows v·len(ids) … (v+1)·len(ids) (`tensors.rounded_installed`). One read of a streamed checkpoint instead of n;
+    its logits are n × len(ids) × seq_len × vocab float32 values at once, each variant's log-probs in float64
+    after the other."""
+    b = len(ids)
+    with torch.no_grad():
+        logits = model(ids.repeat(n, 1).to(input_device(model))).logits
+        out = []
+        for v in range(n):
+            lp = torch.log_softmax(logits[v * b : (v + 1) * b].double(), -1).cpu()
+            out.append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
+    return out
+
+
 @contextlib.contextmanager
 def perturbed(adapter, layer: int, fn):
     """Temporarily replace layer `layer`'s MoE output o by fn(o) (a forward hook on its block)."""

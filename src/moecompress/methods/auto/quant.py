@@ -244,7 +244,7 @@ def _codes_of(q: dict[str, QuantizedTensor], k: int, spec: QuantSpec) -> QuantKe
     )
 
 
-RATIO_EXPERTS = 8  # experts per layer quantized both ways for r_{l,b} (`proxy_candidates`)
+RATIO_EXPERTS = 4  # experts per layer quantized both ways for r_{l,b} (`proxy_candidates`; docs/auto.md)
 
 
 def proxy_candidates(

@@ -39,7 +39,7 @@ from ...quant import gptq, rtn
 from ...quant.gptq import gptq_loss
 from ...quant.spec import QuantSpec
 from ..tensor_quant import ROUTER_MIN_BITS, _layer_of, _layers_prefix, _read, hessian_source
-from .measure import kl_to, logprobs
+from .measure import kl_per_slice, logprobs
 
 # classes auto may give a precision; the router keeps its dtype (ROUTER_MIN_BITS is above every width auto tries)
 AUTO_CLASSES = tuple(c for c in QUANTIZABLE if c != "router")
@@ -304,23 +304,43 @@ def class_sensitivity(
     """s_c (module doc) for every class of `items`: the class rounded to the probe width in every layer, KL on
     `ids`, over Σ L_W(probe). A class whose probe moves nothing measurable takes the median of the others (1.0
     when none is measurable)."""
-    probe = probe_width(bits)
+    probe, classes, n = probe_width(bits), sorted({it.cls for it in items}), len(ids)
+    with contextlib.ExitStack() as stack:  # one forward: class v's probe in batch rows v·n … (v+1)·n
+        for v, cls in enumerate(classes):
+            names = [it.name for it in items if it.cls == cls]
+            spec = spec_for(cls, probe, group, "rtn")
+            stack.enter_context(rounded_installed(adapter, names, spec, slice(v * n, (v + 1) * n)))
+        kls = kl_per_slice(ref, adapter.model, ids, len(classes))
     found: dict[str, float] = {}
-    for cls in sorted({it.cls for it in items}):
-        mine = [it for it in items if it.cls == cls]
-        raw = sum(it.probe_raw for it in mine)
-        spec = spec_for(cls, probe, group, "rtn")
-        weights = {
-            n: rtn(w.float(), spec).dequantize(torch.float32)
-            for n, w in _read(adapter, [it.name for it in mine]).items()
-        }
-        with weights_installed(adapter, weights):
-            kl = kl_to(ref, adapter.model, ids)
-        del weights
+    for cls, kl in zip(classes, kls):
+        raw = sum(it.probe_raw for it in items if it.cls == cls)
         if raw > 0 and kl > 0 and math.isfinite(kl):
             found[cls] = float(f"{kl / raw:.4g}")
     fallback = sorted(found.values())[len(found) // 2] if found else 1.0
-    return {cls: found.get(cls, fallback) for cls in sorted({it.cls for it in items})}
+    return {cls: found.get(cls, fallback) for cls in classes}
+
+
+@contextlib.contextmanager
+def rounded_installed(adapter, names: list[str], spec: QuantSpec, rows: slice):
+    """Batch rows `rows` computed with every weight of `names` rounded to `spec` (round-to-nearest of the weight
+    the module holds when it runs: nothing is kept between forwards, and the streamed view reads it anyway); the
+    other rows as they were. Forward hooks chain, so probes of other weights on other rows stack."""
+
+    def fn(module, args, output):
+        w = rtn(module.weight.float(), spec).dequantize(torch.float32)
+        out = output.clone()
+        if isinstance(module, nn.Embedding):
+            out[rows] = F.embedding(args[0][rows], w.to(out.dtype), module.padding_idx)
+        else:
+            out[rows] = F.linear(args[0][rows], w.to(args[0].dtype), module.bias)
+        return out
+
+    handles = [mod.register_forward_hook(fn) for name in names for mod in _modules_of(adapter, name)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def scale_items(items: list[TensorItem], sens: dict[str, float]) -> None:
