@@ -114,6 +114,26 @@ def test_global_sensitivity_is_one_factor_near_the_energy_weighted_per_layer_one
     assert s == pytest.approx(mean, rel=0.2)
 
 
+@torch.no_grad()
+def test_global_noise_probe_beside_the_class_probes_measures_what_it_measures_alone(olmoe):
+    """With a whole-file budget the global noise probe runs in the class probes' forward, in its own rows."""
+    from moecompress.methods.auto.sensitivity import noise_energies, noise_installed
+    from moecompress.methods.auto.tensors import class_sensitivity, tensor_items
+
+    _, store, adapter, _ = olmoe
+    ids, _ = calibration_ids(store, adapter, 4, 24, 0)
+    energy, ref = output_energy(adapter, ids)
+    alone = global_sensitivity(adapter, ids, ref=ref, energy=energy)
+    eps = noise_energies(adapter, energy, 0.05)
+    items = tensor_items(adapter, store, ["attention"], [4], 32, "gptq", ids, None)
+    sens, kl = class_sensitivity(
+        adapter, items, [4], 32, ids, ref, extra=lambda rows: noise_installed(adapter, eps, rows)
+    )
+    assert sorted(sens) == ["attention"] and kl > 0
+    s = kl / sum(eps.values())
+    assert all(v == pytest.approx(s, rel=1e-4) for v in alone.values())
+
+
 def test_fast_search_plan_fits_its_budget_and_stores_gptq_codes(olmoe):
     _, store, adapter, _ = olmoe
     config = parse_config("auto", dict(budget=0.35, search="fast", budget_scope="routed", quant_group=32))

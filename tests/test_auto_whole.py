@@ -117,8 +117,8 @@ def test_class_probes_in_one_forward_equal_one_forward_each(olmoe):
         adapter, store, ["attention", "embeddings", "lm_head"], [4, 2], 32, "gptq", ids, None
     )
     ref = logprobs(adapter.model, ids)
-    got = class_sensitivity(adapter, items, [4, 2], 32, ids, ref)
-    assert sorted(got) == ["attention", "embeddings", "lm_head"]
+    got, none = class_sensitivity(adapter, items, [4, 2], 32, ids, ref)
+    assert sorted(got) == ["attention", "embeddings", "lm_head"] and none is None
     for cls, s in got.items():
         mine = [it for it in items if it.cls == cls]
         spec = spec_for(cls, 4, 32, "rtn")

@@ -14,6 +14,7 @@ from . import report
 from .config import AutoConfig, needs_stats, routed_budget, scope_bytes
 from .materialise import plan_layer_by_layer
 from .measure import calibration_ids, kl_to, logprobs, plan_installed, sample_layer_error, sig
+from .sensitivity import noise_installed
 from .setup import AutoSetup, prepare
 from .solver import allocate, uniform_bits_check
 from .target import allocate_for_target, check_groups, unquantized_classes
@@ -46,6 +47,9 @@ def whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup) -> WholeFil
         ids,
         ref,
         proxy=config.proxy_pricing,
+        extra=None
+        if setup.noise_eps is None
+        else lambda rows: noise_installed(adapter, setup.noise_eps, rows),
     )
 
 
@@ -106,6 +110,7 @@ def _build_auto(config: AutoConfig, context: MethodContext):
 
     setup = prepare(config, adapter, stats, context.progress)
     whole = whole_file(config, adapter, stats, setup)
+    setup.finish_global(adapter, whole.extra_kl if whole is not None else None)
     fronts, chosen_idx = allocate_all(config, setup, whole)
     chosen = {i: fronts[i][chosen_idx[i]] for i in adapter.moe_layers}
     sample_error: dict[int, float] = {}

@@ -79,23 +79,48 @@ def global_sensitivity(
     if energy is None:
         energy, own = output_energy(adapter, ids)
         ref = own if ref is None else ref
-    eps = {i: rel * energy[i] for i in adapter.moe_layers if rel * energy[i] > 0}
+    eps = noise_energies(adapter, energy, rel)
     if not eps:
         return dict.fromkeys(adapter.moe_layers, 0.0)
+    with noise_installed(adapter, eps):
+        kl = kl_to(ref, model, ids)
+    return global_from(adapter, eps, kl)
+
+
+def noise_energies(adapter, energy: dict[int, float], rel: float) -> dict[int, float]:
+    """ε_l = rel × layer l's mean output energy, for the layers whose output is not 0."""
+    return {i: rel * energy[i] for i in adapter.moe_layers if rel * energy[i] > 0}
+
+
+def global_from(adapter, eps: dict[int, float], kl: float) -> dict[int, float]:
+    """`global_sensitivity` from the KL its probe measured (0 when no layer has noise)."""
+    return dict.fromkeys(adapter.moe_layers, kl / sum(eps.values()) if eps else 0.0)
+
+
+@contextlib.contextmanager
+def noise_installed(adapter, eps: dict[int, float], rows: slice | None = None):
+    """`global_sensitivity`'s probe: noise of energy ε_l on every layer l's MoE output (batch rows `rows` only, to
+    run beside other probes in one forward, `tensors.class_sensitivity`)."""
     with contextlib.ExitStack() as stack:
         for i, e in eps.items():
-            stack.enter_context(perturbed(adapter, i, _noisy(1000 * i, e)))
-        kl = kl_to(ref, model, ids)
-    return dict.fromkeys(adapter.moe_layers, kl / sum(eps.values()))
+            stack.enter_context(perturbed(adapter, i, _noisy(1000 * i, e, rows)))
+        yield
 
 
-def _noisy(seed: int, eps: float):
-    """o + isotropic Gaussian noise of mean per-token energy `eps` (a fixed draw per seed)."""
+def _noisy(seed: int, eps: float, rows: slice | None = None):
+    """o + isotropic Gaussian noise of mean per-token energy `eps` (a fixed draw per seed), on `rows` only if given
+    (the draw of those rows alone: a probe in its own rows draws what it draws alone)."""
     gen = torch.Generator().manual_seed(seed)
 
     def fn(o):
-        noise = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype)
-        return o + noise * (eps / o.shape[-1]) ** 0.5
+        part = o if rows is None else o[rows]
+        noise = torch.randn(part.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype)
+        noisy = part + noise * (eps / o.shape[-1]) ** 0.5
+        if rows is None:
+            return noisy
+        out = o.clone()
+        out[rows] = noisy
+        return out
 
     return fn
 

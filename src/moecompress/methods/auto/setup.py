@@ -13,14 +13,17 @@ from .candidates import layer_problem
 from .config import AutoConfig, routed_budget, scope_bytes
 from .frontier import LayerProblem, layer_front, uniform_state
 from .materialise import restore, shed
-from .measure import calibration_ids, logprobs, sig
+from .measure import calibration_ids, kl_to, logprobs, sig
 from .moments import LayerMoments
 from .sensitivity import (
     apply_kind_scale,
+    global_from,
     global_sensitivity,
     kind_sensitivity,
     layer_sensitivity,
     measure_states,
+    noise_energies,
+    noise_installed,
     output_energy,
     probe_sensitivity,
 )
@@ -46,6 +49,20 @@ class AutoSetup:
     uniform: dict[int, dict[int, int]] = field(
         default_factory=dict
     )  # bits -> layer -> bytes of pure quantization
+    noise_eps: dict[int, float] | None = (
+        None  # the global noise probe's ε_l while it has not run (`finish_global`)
+    )
+
+    def finish_global(self, adapter, kl: float | None) -> None:
+        """The global noise sensitivity from `kl`, its probe's KL measured beside the class probes (`build`), or
+        measured now when that forward did not run; nothing to do unless `prepare` left the probe to run."""
+        if self.noise_eps is None:
+            return
+        if kl is None:
+            with noise_installed(adapter, self.noise_eps):
+                kl = kl_to(self.ref, adapter.model, self.ids)
+        s = {i: sig(v, 4) for i, v in global_from(adapter, self.noise_eps, kl).items()}
+        self.sens, self.noise_sens, self.noise_eps = s, dict(s), None
 
 
 def prepare(
@@ -68,17 +85,20 @@ def prepare(
         ids, ids_note = calibration_ids(
             stats, adapter, config.sensitivity_sequences, config.sensitivity_seq_len, config.seed
         )
-    noise = {i: 1.0 for i in layers}
+    noise, pending = {i: 1.0 for i in layers}, None
     if config.sensitivity == "global":  # the reference log-probs from the forward that measures the energies
         energy, ref = output_energy(adapter, ids)
-        noise = global_sensitivity(adapter, ids, rel=config.noise, ref=ref, energy=energy)
+        if config.budget_scope == "whole":  # its probe runs in the class probes' forward (`finish_global`)
+            pending = noise_energies(adapter, energy, config.noise)
+        else:
+            noise = global_sensitivity(adapter, ids, rel=config.noise, ref=ref, energy=energy)
     elif ids is not None:
         ref = logprobs(adapter.model, ids)
     if config.sensitivity not in ("global", "uniform"):
         noise = layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
     noise_sens = {i: sig(v, 4) for i, v in noise.items()}
-    setup = AutoSetup(info, budget, {}, {}, {}, {}, noise_sens, {}, ids, ids_note, ref)
+    setup = AutoSetup(info, budget, {}, {}, {}, {}, noise_sens, {}, ids, ids_note, ref, noise_eps=pending)
     ratio = min(1.0, budget / scope_bytes(config, info))
     for i, layer_stats in track(
         each_layer(stats, layers, adapter),
@@ -89,7 +109,7 @@ def prepare(
     ):
         raw[i] = _layer_setup(config, adapter, layer_stats, setup, i, ratio, raw[i], keep_tensors)
         del layer_stats
-    setup.sens = {i: sig(raw[i], 4) for i in layers}
+    setup.sens = {i: sig(raw[i], 4) for i in layers}  # global and pending: 1 until `finish_global`
     setup.uniform = _uniform_bytes(config, setup.problems, layers)
     return setup
 

@@ -299,25 +299,36 @@ def weights_installed(adapter, weights: dict[str, torch.Tensor]):
 
 
 def class_sensitivity(
-    adapter, items: list[TensorItem], bits: list[int], group: int | None, ids: torch.Tensor, ref: torch.Tensor
-) -> dict[str, float]:
+    adapter,
+    items: list[TensorItem],
+    bits: list[int],
+    group: int | None,
+    ids: torch.Tensor,
+    ref: torch.Tensor,
+    extra=None,
+) -> tuple[dict[str, float], float | None]:
     """s_c (module doc) for every class of `items`: the class rounded to the probe width in every layer, KL on
     `ids`, over Σ L_W(probe). A class whose probe moves nothing measurable takes the median of the others (1.0
-    when none is measurable)."""
+    when none is measurable). `extra`: one more probe (rows -> context manager, e.g. `sensitivity.noise_installed`) run in the
+    same forward, in the first rows; its KL is returned beside the sensitivities (None without it)."""
     probe, classes, n = probe_width(bits), sorted({it.cls for it in items}), len(ids)
-    with contextlib.ExitStack() as stack:  # one forward: class v's probe in batch rows v·n … (v+1)·n
-        for v, cls in enumerate(classes):
-            names = [it.name for it in items if it.cls == cls]
-            spec = spec_for(cls, probe, group, "rtn")
-            stack.enter_context(rounded_installed(adapter, names, spec, slice(v * n, (v + 1) * n)))
-        kls = kl_per_slice(ref, adapter.model, ids, len(classes))
+    probes = [extra] if extra is not None else []
+    for cls in classes:
+        names = [it.name for it in items if it.cls == cls]
+        spec = spec_for(cls, probe, group, "rtn")
+        probes.append(lambda rows, names=names, spec=spec: rounded_installed(adapter, names, spec, rows))
+    with contextlib.ExitStack() as stack:  # one forward: probe v in batch rows v·n … (v+1)·n
+        for v, make in enumerate(probes):
+            stack.enter_context(make(slice(v * n, (v + 1) * n)))
+        kls = kl_per_slice(ref, adapter.model, ids, len(probes))
+    extra_kl = kls.pop(0) if extra is not None else None
     found: dict[str, float] = {}
     for cls, kl in zip(classes, kls):
         raw = sum(it.probe_raw for it in items if it.cls == cls)
         if raw > 0 and kl > 0 and math.isfinite(kl):
             found[cls] = float(f"{kl / raw:.4g}")
     fallback = sorted(found.values())[len(found) // 2] if found else 1.0
-    return {cls: found.get(cls, fallback) for cls in classes}
+    return {cls: found.get(cls, fallback) for cls in classes}, extra_kl
 
 
 @contextlib.contextmanager
@@ -374,6 +385,7 @@ class WholeFile:
     sens: dict[str, float]
     fixed: int
     ids: torch.Tensor  # the token ids the in-memory Hessians and the class probes ran on
+    extra_kl: float | None = None  # the KL of `price`'s extra probe, when it ran
 
     @classmethod
     def price(
@@ -388,16 +400,20 @@ class WholeFile:
         ids: torch.Tensor,
         ref: torch.Tensor,
         proxy: bool = False,
+        extra=None,
     ) -> WholeFile:
-        """`tensor_items` (`proxy`: priced as the fast search prices them) and their class sensitivities."""
+        """`tensor_items` (`proxy`: priced as the fast search prices them) and their class sensitivities, whose
+        forward also runs `extra` (`class_sensitivity`) when there are tensors to price."""
         from ..tensor_quant import on_disk_dtypes
 
         disk = on_disk_dtypes(info)
         items = tensor_items(adapter, stats, classes, bits, group, algo, ids, disk, proxy) if bits else []
-        sens = class_sensitivity(adapter, items, bits, group, ids, ref) if items else {}
+        sens, extra_kl = (
+            class_sensitivity(adapter, items, bits, group, ids, ref, extra) if items else ({}, None)
+        )
         scale_items(items, sens)
         fixed = info.other_bytes - sum(it.options[0].bytes for it in items)
-        return cls(items, sens, fixed, ids)
+        return cls(items, sens, fixed, ids, extra_kl)
 
     def fronts(self) -> dict[int, list[TensorPoint]]:
         """key -> the item's options by increasing bytes with strictly decreasing loss."""
