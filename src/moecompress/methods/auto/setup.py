@@ -49,16 +49,15 @@ class AutoSetup:
     uniform: dict[int, dict[int, int]] = field(
         default_factory=dict
     )  # bits -> layer -> bytes of pure quantization
-    noise_eps: dict[int, float] | None = (
-        None  # the global noise probe's ε_l while it has not run (`finish_global`)
-    )
+    # the global noise probe's ε_l while it has not run (`finish_global`)
+    noise_eps: dict[int, float] | None = None
 
     def finish_global(self, adapter, kl: float | None) -> None:
         """The global noise sensitivity from `kl`, its probe's KL measured beside the class probes (`build`), or
         measured now when that forward did not run; nothing to do unless `prepare` left the probe to run."""
         if self.noise_eps is None:
             return
-        if kl is None:
+        if kl is None and self.noise_eps:
             with noise_installed(adapter, self.noise_eps):
                 kl = kl_to(self.ref, adapter.model, self.ids)
         s = {i: sig(v, 4) for i, v in global_from(adapter, self.noise_eps, kl).items()}
