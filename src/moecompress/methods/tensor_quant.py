@@ -186,7 +186,7 @@ def _quantize_weight(w: torch.Tensor, spec: QuantSpec, h):
     reached the weight, else round-to-nearest (the spec then says ``algo: rtn``)."""
     if spec.algo == "gptq" and h is not None and bool(h.diagonal().gt(0).any()):
         return gptq(w.float(), h, spec), spec
-    spec = spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
+    spec = spec.as_rtn()
     return rtn(w.float(), spec), spec
 
 

@@ -148,6 +148,14 @@ def gptq(w: Tensor, H: Tensor | None, spec: QuantSpec, hf: HessianFactor | None 
     return QuantizedTensor(codes=codes, scale=scale, zero=zero, spec=spec)
 
 
+def diagonal_loss(w: Tensor, q: Tensor, h_diag: Tensor) -> Tensor:
+    """Σ_j H_jj Σ_i (W − Q)_ij² per matrix of a batch [..., out, in] (float64): `gptq_loss` without the cross
+    terms of different input columns, which independent rounding errors average out (`auto`'s fast search prices
+    round-to-nearest codes with it). Q dequantized in W's dtype, `h_diag` [..., in]; a bf16 weight's difference
+    with grid values is exact in float32."""
+    return ((w - q).square().sum(-2).double() * h_diag.double()).sum(-1)
+
+
 def gptq_loss(w: Tensor, q: QuantizedTensor | Tensor, H: Tensor) -> float:
     """tr((W - Q) H (W - Q)^T) summed over any batch, in float64; Q is a QuantizedTensor or a dense tensor.
 

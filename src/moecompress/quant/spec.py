@@ -90,6 +90,10 @@ class QuantSpec(BaseModel):
             raise MoECompressError(f"Quantization algorithm {algo!r} is not known: use rtn or gptq.")
         return cls(bits=bits, group_size=group, symmetric=not m["asym"], algo=algo, **gptq_options)
 
+    def as_rtn(self) -> QuantSpec:
+        """This spec as round-to-nearest (no column order): what a weight without a Hessian gets."""
+        return self if self.algo == "rtn" else self.model_copy(update={"algo": "rtn", "actorder": False})
+
     def name(self) -> str:
         """Inverse of ``parse`` (the algorithm is not part of the name)."""
         grouping = f"g{self.group_size}" if self.group_size is not None else "c"

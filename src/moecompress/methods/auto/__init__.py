@@ -34,8 +34,7 @@ from .config import AutoConfig, hessians_only, needs_stats
 
 # streamed, square statistics come `HESSIAN_CHUNK` experts per extra pass of the layer when GPTQ's Hessians are
 # the only ones (as quant's); the operators' [H, H] moments keep the default chunk (8 experts held 2.2 GB on the
-# wide model). Each extra pass runs the whole decoder layer again: 16 of them per layer and pass were a fifth of the
-# fast search's codes pass on the 4-layer wide model (py-spy, stop 43).
+# wide model). Each extra pass runs the whole decoder layer again, so fewer passes are fewer layer forwards.
 # the view: a layer as stored and one float32 layer, the embeddings and head (sensitivity probes and measured KL
 # are full-model forwards). The statistics passes lend their own layer, and the sampled layer errors now run in
 # the restore pass on it; measured KL (measure=True) still reads each layer again after the plan. The stored

@@ -56,28 +56,25 @@ class LayerProblem:
         return True
 
     def slot_bytes(self, c: Candidate) -> int:
-        """One slot's bytes in a layer without tilts or partial copies (`bytes_of` adds these up)."""
+        """One slot's own bytes (a stored tilt or partial copy: 0, `bytes_of` pads them per layer); quantized keeps
+        at their own width, unpadded (QuantizedStoredExperts)."""
         if c.kind == "keep":
             return self.expert_bytes
         return c.bytes if not self.stored or c.kind in ("constant", "pair", "quant") else 0
 
     def bytes_of(self, choice: list[Candidate]) -> int:
-        """The layer's bytes in state `choice` (one pass: the greedy walk prices every move of every step)."""
-        total, tilts, tilt_r, parts, part_r = 0, 0, 0, 0, 0
-        for c in choice:
-            kind = c.kind
-            if kind == "keep":
-                total += self.expert_bytes
-            elif not self.stored:
-                total += c.bytes
-            elif kind in ("constant", "pair", "quant"):  # quantized keeps: at their own width, unpadded
-                total += c.bytes
-            elif kind == "tilt":  # stored tilts and partial copies are padded to the layer's largest rank
-                tilts, tilt_r = tilts + 1, max(tilt_r, c.param)
-            elif kind == "partial":
-                parts, part_r = parts + 1, max(part_r, c.param)
-        total += tilts * (2 * self.h * tilt_r + self.h) * self.el if tilts else 0
-        return total + (parts * (3 * part_r * self.h + self.h) * self.el if parts else 0)
+        """The layer's bytes in state `choice`: every slot's own (`slot_bytes`), plus the stored tilts and partial
+        copies, padded to the layer's largest rank."""
+        total = sum(self.slot_bytes(c) for c in choice)
+        if not self.stored:
+            return total
+        tilts = [c.param for c in choice if c.kind == "tilt"]
+        if tilts:
+            total += len(tilts) * (2 * self.h * max(tilts) + self.h) * self.el
+        parts = [c.param for c in choice if c.kind == "partial"]
+        if parts:
+            total += len(parts) * (3 * max(parts) * self.h + self.h) * self.el
+        return total
 
 
 def remap_to(prob: LayerProblem, e: int, kept: list[int], exclude: int = -1) -> Candidate | None:

@@ -60,7 +60,10 @@ def logprobs(model, ids: torch.Tensor, batch: int = 8) -> torch.Tensor:
 
 def kl_to(ref: torch.Tensor, model, ids: torch.Tensor) -> float:
     """Mean over tokens of KL(original ‖ model) given the original's log-probs `ref`."""
-    lp = logprobs(model, ids)
+    return _kl(ref, logprobs(model, ids))
+
+
+def _kl(ref: torch.Tensor, lp: torch.Tensor) -> float:
     return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
 
@@ -75,7 +78,7 @@ def kl_per_slice(ref: torch.Tensor, model, ids: torch.Tensor, n: int) -> list[fl
         out = []
         for v in range(n):
             lp = torch.log_softmax(logits[v * b : (v + 1) * b].double(), -1).cpu()
-            out.append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
+            out.append(_kl(ref, lp))
     return out
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ...models.storage import ExpertWeights, expert_intermediate
 from ...quant import QuantizedTensor, gptq, rtn
-from ...quant.gptq import factor
+from ...quant.gptq import diagonal_loss, factor
 from ...quant.spec import QuantSpec
 from .moments import LayerMoments
 from .solver import Candidate
@@ -214,8 +214,8 @@ class _Chunk:
         """tr(ΔW_d H_mid_g2 ΔW_dᵀ) per expert [C]; with `diag` its diagonal part Σ_j H_jj Σ_i ΔW_ij², which
         the cross terms of independent rounding errors leave unbiased (round-to-nearest codes only,
         `proxy_candidates`), from one vector per expert instead of its [I, I] Hessian."""
-        if diag:  # the bf16 grid values' difference is exact in float32
-            return ((self.down - deq_down).square().sum(1).double() * self.mid_diag).sum(-1)
+        if diag:
+            return diagonal_loss(self.down, deq_down, self.mid_diag)
         d_down = self.down.double() - deq_down.double()  # [C, H, I]
         return ((d_down @ self.h_mid) * d_down).sum((-2, -1))
 

@@ -36,7 +36,7 @@ from torch import nn
 from ...errors import MoECompressError
 from ...models.tensor_classes import QUANTIZABLE, quantizable, tensor_classes, tensor_shapes
 from ...quant import gptq, rtn
-from ...quant.gptq import gptq_loss
+from ...quant.gptq import diagonal_loss, gptq_loss
 from ...quant.spec import QuantSpec
 from ..tensor_quant import ROUTER_MIN_BITS, _layer_of, _layers_prefix, _read, hessian_source
 from .measure import kl_per_slice, logprobs
@@ -200,7 +200,7 @@ def tensor_items(
         for b in bits:
             spec = spec_for(it.cls, b, group, algo)
             if h is None or it.cls == "embeddings" or not bool(h.diagonal().gt(0).any()):
-                spec = _as_rtn(spec)
+                spec = spec.as_rtn()
                 raw = _objective(it, w, rtn(w, spec), h, counts)
             else:
                 raw = linears.raw(it, w, h, spec)
@@ -240,7 +240,7 @@ class _Linears:
     def raw(self, it: TensorItem, w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> float:
         if not self.proxy:
             return _objective(it, w, gptq(w, h, spec), h, self.counts)
-        diag = _diag_objective(w, rtn(w, _as_rtn(spec)), h)
+        diag = _diag_objective(w, rtn(w, spec.as_rtn()), h)
         if self.first.setdefault(it.cls, it.layer) == it.layer:
             exact = _objective(it, w, gptq(w, h, spec), h, self.counts)
             acc = self.sums.setdefault((it.cls, spec.bits), [0.0, 0.0])
@@ -250,15 +250,8 @@ class _Linears:
         return (gq / rq if rq > 0 else 1.0) * diag
 
 
-def _as_rtn(spec: QuantSpec) -> QuantSpec:
-    return spec if spec.algo == "rtn" else spec.model_copy(update={"algo": "rtn", "actorder": False})
-
-
 def _diag_objective(w: torch.Tensor, q, h: torch.Tensor) -> float:
-    """Σ_j H_jj Σ_i (W − Q)_ij²: GPTQ's objective without the cross terms of different input columns, which
-    independent rounding errors average out (the fast search's round-to-nearest prices)."""
-    d = (w - q.dequantize(torch.float32)).square().sum(0).double()
-    return float((d * h.diagonal().double()).sum())
+    return float(diagonal_loss(w, q.dequantize(torch.float32), h.diagonal()))
 
 
 def _objective(it: TensorItem, w: torch.Tensor, q, h: torch.Tensor | None, counts: torch.Tensor) -> float:
@@ -273,25 +266,35 @@ def _objective(it: TensorItem, w: torch.Tensor, q, h: torch.Tensor | None, count
 def weights_installed(adapter, weights: dict[str, torch.Tensor]):
     """Temporarily compute every module of `weights` (weight name -> replacement) with its replacement: forward
     hooks recompute the output, so it works on the streamed view too (where a layer's weights are re-read)."""
+    hooks = {
+        name: (lambda module, args, output, w=w: _recomputed(module, args, output, w))
+        for name, w in weights.items()
+    }
+    with _hooked(adapter, hooks):
+        yield
 
-    def linear(w):
-        def fn(module, args, output):
-            return F.linear(args[0], w.to(args[0].dtype), module.bias)
 
-        return fn
+def _recomputed(module, args, output, w: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    """`module`'s output computed with weight `w` instead of its own (on batch rows `rows` only, if given)."""
+    x = args[0] if rows is None else args[0][rows]
+    if isinstance(module, nn.Embedding):
+        new = F.embedding(x, w.to(output.dtype), module.padding_idx)
+    else:
+        new = F.linear(x, w.to(x.dtype), module.bias)
+    if rows is None:
+        return new
+    out = output.clone()
+    out[rows] = new
+    return out
 
-    def embedding(w):
-        def fn(module, args, output):
-            return F.embedding(args[0], w.to(output.dtype), module.padding_idx)
 
-        return fn
-
-    handles = []
+@contextlib.contextmanager
+def _hooked(adapter, hooks: dict):
+    """Forward hook `hooks[name]` on every module computing with weight `name` (`_modules_of`), removed after."""
+    handles = [
+        mod.register_forward_hook(fn) for name, fn in hooks.items() for mod in _modules_of(adapter, name)
+    ]
     try:
-        for name, w in weights.items():
-            for mod in _modules_of(adapter, name):
-                make = embedding if isinstance(mod, nn.Embedding) else linear
-                handles.append(mod.register_forward_hook(make(w)))
         yield
     finally:
         for h in handles:
@@ -339,19 +342,10 @@ def rounded_installed(adapter, names: list[str], spec: QuantSpec, rows: slice):
 
     def fn(module, args, output):
         w = rtn(module.weight.float(), spec).dequantize(torch.float32)
-        out = output.clone()
-        if isinstance(module, nn.Embedding):
-            out[rows] = F.embedding(args[0][rows], w.to(out.dtype), module.padding_idx)
-        else:
-            out[rows] = F.linear(args[0][rows], w.to(args[0].dtype), module.bias)
-        return out
+        return _recomputed(module, args, output, w, rows)
 
-    handles = [mod.register_forward_hook(fn) for name in names for mod in _modules_of(adapter, name)]
-    try:
+    with _hooked(adapter, dict.fromkeys(names, fn)):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def scale_items(items: list[TensorItem], sens: dict[str, float]) -> None:
