@@ -272,26 +272,10 @@ class CheckpointReader:
         return self._state(self._by_layer.get(None, []))
 
     # ------------------------------------------------------------------ materialising
-    def _cast_plan(self, model: nn.Module, dtype):
-        """name -> dtype following from_pretrained's keep-in-fp32 rules for the requested dtype."""
-        from transformers.core_model_loading import build_glob_alternation
-
-        def target(name: str, t: torch.Tensor):
-            if not t.is_floating_point():
-                return t.dtype
-            want = dtype or t.dtype
-            plan = model._get_dtype_plan(want) if hasattr(model, "_get_dtype_plan") else {}
-            if plan:
-                alt, by_group, _ = build_glob_alternation(list(plan))
-                m = alt.search(name)
-                if m is not None:
-                    return plan[by_group[m.lastgroup]]
-            return want
-
-        return target
-
     def _install(self, model: nn.Module, state: dict[str, torch.Tensor], device, dtype) -> None:
-        target = self._cast_plan(model, dtype)
+        from ..models.loading import dtype_target
+
+        target = dtype_target(model, dtype)
         expected = dict(model.state_dict(keep_vars=True))
         for name, t in state.items():
             ref = expected.get(name)

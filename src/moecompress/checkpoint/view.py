@@ -30,6 +30,7 @@ layer plus the embeddings.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,23 @@ class StreamedAdapter(MoEAdapter):
             release_freed_memory()
 
     # ---------------------------------------------------------------- streaming forwards
+    @contextlib.contextmanager
+    def computing_in(self, dtype: torch.dtype):
+        """Forwards compute in `dtype` until the block exits: layers and the non-layer modules are read again in
+        it (one more read of each for the forwards inside), and in the compute dtype after."""
+        previous = self.compute_dtype
+        self._recast(dtype)
+        try:
+            yield
+        finally:
+            self._recast(previous)
+
+    def _recast(self, dtype: torch.dtype) -> None:
+        self.release()
+        self.compute_dtype = dtype
+        if self._non_layer:
+            self.reader.load_non_layer(self.model, "cpu", dtype)
+
     def _pre_model(self, module, args) -> None:
         if not self._non_layer:
             self.reader.load_non_layer(self.model, "cpu", self.compute_dtype)

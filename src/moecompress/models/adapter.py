@@ -8,6 +8,7 @@ orientation documented in `storage.py`, and re-implements routing + experts so t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -315,6 +316,27 @@ class MoEAdapter:
     def hold_layer(self, i: int) -> None:
         """Make layer i's modules usable directly, not only through this adapter's reads (a streamed view brings
         the layer in, in its compute dtype); a model in memory always is."""
+
+    @contextlib.contextmanager
+    def computing_in(self, dtype: torch.dtype):
+        """Forwards compute in `dtype` until the block exits, as a model loaded in `dtype` computes: every
+        floating parameter cast as from_pretrained casts it (`loading.dtype_target`; buffers such as rotary
+        frequencies keep theirs), then given back its own tensor. For a model whose weights came from a `dtype`
+        checkpoint the forward is the one the served model runs (auto's divergence probe)."""
+        from .loading import dtype_target
+
+        target = dtype_target(self.model, dtype)
+        saved = []
+        try:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if not p.is_meta and target(name, p) != p.dtype:
+                        saved.append((p, p.data))
+                        p.data = p.data.to(target(name, p))
+            yield
+        finally:
+            for p, data in saved:
+                p.data = data
 
     def set_block(self, i: int, module: nn.Module) -> None:
         """Install `module` in place of layer i's MoE block (used by the runtime)."""

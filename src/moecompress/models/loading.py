@@ -116,6 +116,27 @@ def load_config(source: str, trust_remote_code: bool = False):
 DEFAULT_DTYPE_LOCK = threading.RLock()
 
 
+def dtype_target(model, dtype: torch.dtype | None):
+    """(name, tensor) -> the dtype from_pretrained gives that tensor when `model` loads in `dtype` (None: the
+    tensor's own): floating tensors take `dtype` unless the model class keeps them in float32
+    (``_keep_in_fp32_modules_strict``, through ``_get_dtype_plan``); others keep theirs."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    def target(name: str, t: torch.Tensor) -> torch.dtype:
+        if not t.is_floating_point():
+            return t.dtype
+        want = dtype or t.dtype
+        plan = model._get_dtype_plan(want) if hasattr(model, "_get_dtype_plan") else {}
+        if plan:
+            alt, by_group, _ = build_glob_alternation(list(plan))
+            m = alt.search(name)
+            if m is not None:
+                return plan[by_group[m.lastgroup]]
+        return want
+
+    return target
+
+
 def skeleton(config):
     """The model with every parameter on the meta device: structure without memory."""
     from transformers import AutoModelForCausalLM

@@ -12,6 +12,7 @@ from ..context import MethodContext
 from ..tensor_quant import quantize_tensors
 from . import report
 from .config import AutoConfig, needs_stats, routed_budget, scope_bytes
+from .divergence import SERVED_DTYPES, choose, prefix_allocations, stages
 from .materialise import plan_layer_by_layer
 from .measure import calibration_ids, kl_to, logprobs, plan_installed, sample_layer_error, sig
 from .sensitivity import noise_installed
@@ -53,6 +54,31 @@ def whole_file(config: AutoConfig, adapter, stats, setup: AutoSetup) -> WholeFil
     )
 
 
+def exact_stages(config: AutoConfig, adapter, stats, setup: AutoSetup, whole, fronts, chosen):
+    """(allocation, report or None): `chosen`, or the allocation keeping the first stages exact when their
+    served-precision divergence outweighs what it costs (`divergence.choose`), for a whole-file budget on a 16-bit
+    checkpoint served by our runtime (`divergence_stages` > 0)."""
+    dtype = SERVED_DTYPES.get(setup.info.dtype)
+    if whole is None or dtype is None or config.divergence_stages == 0 or config.target != "moecompress":
+        return chosen, None
+    found = stages(adapter, whole, config.divergence_stages)
+    if not found:
+        return chosen, None
+    scale = item_scales(setup, whole)
+    run = lambda f, b: allocate(f, scale, b)  # noqa: E731
+    options = prefix_allocations(fronts, scale, setup.budget - whole.fixed, chosen, found, run)
+    ref = setup.ref if setup.ids is whole.ids else logprobs(adapter.model, whole.ids)
+    more, _ = calibration_ids(
+        stats, adapter, config.divergence_sequences, config.sensitivity_seq_len, config.seed
+    )
+    return choose(adapter, found, fronts, scale, options, (whole.ids, ref, more, dtype))
+
+
+def item_scales(setup: AutoSetup, whole) -> dict[int, float]:
+    """The allocation's scale of every item: s_l for MoE layers, 1 for tensors (their losses are KL already)."""
+    return {**setup.sens, **dict.fromkeys(whole.fronts() if whole is not None else {}, 1.0)}
+
+
 def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dict[int, int]]:
     """(fronts of every item, the chosen index of each): MoE layers and, for a whole-file budget, tensors."""
     fronts, scale, uniform = (
@@ -69,7 +95,7 @@ def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dic
     if whole is not None:
         tf = whole.fronts()
         fronts.update(tf)
-        scale.update(dict.fromkeys(tf, 1.0))  # tensor losses are in KL units already
+        scale = item_scales(setup, whole)
         for b in uniform:
             uniform[b].update(whole.uniform(b))
         budget -= whole.fixed
@@ -112,6 +138,7 @@ def _build_auto(config: AutoConfig, context: MethodContext):
     whole = whole_file(config, adapter, stats, setup)
     setup.finish_global(adapter, whole.extra_kl if whole is not None else None)
     fronts, chosen_idx = allocate_all(config, setup, whole)
+    chosen_idx, divergence = exact_stages(config, adapter, stats, setup, whole, fronts, chosen_idx)
     chosen = {i: fronts[i][chosen_idx[i]] for i in adapter.moe_layers}
     sample_error: dict[int, float] = {}
 
@@ -127,6 +154,8 @@ def _build_auto(config: AutoConfig, context: MethodContext):
     summary = report.summary(config, adapter, setup, plan, tensors, chosen, sample_error)
     if whole is not None:
         report.whole_summary(summary, whole, fronts, chosen_idx, plan, tensors, budget)
+    if divergence is not None:
+        summary["divergence"] = divergence
     if config.measure:
         with installed(adapter, plan, tensors, adapter.moe_layers):
             summary["measured_kl"] = sig(kl_to(setup.ref, adapter.model, setup.ids))

@@ -173,6 +173,16 @@ class AutoConfig(BaseModel):
         description="GPTQ Hessians: gate²-weighted "
         "(the objective the estimator scores) or every routed token",
     )
+    divergence_stages: int = Field(
+        5,
+        ge=0,
+        description="with budget_scope whole on a 16-bit checkpoint (target moecompress): the leading stages "
+        "(embeddings, then each layer's attention and MLP) whose served-precision divergence auto measures and "
+        "may keep exact (auto/divergence.py); 0: off",
+    )
+    divergence_sequences: int = Field(
+        64, ge=1, description="calibration sequences (of sensitivity_seq_len tokens) of the divergence probe"
+    )
     seed: int = 0
 
     @model_validator(mode="before")
