@@ -6,23 +6,25 @@ original has a part that depends on where the first change is, not on how large 
 whole-model evaluation floor: one bf16 step of one norm weight in the first layer). Computed in float32 the same
 plans rank otherwise; `auto`'s estimator, whose sensitivities are measured in float32, does not see it.
 
-So, with a whole-file budget, `auto` measures that part for the model's leading *stages* in computation order —
-the embeddings, then each decoder layer's attention and its MLP (the MoE block with its shared experts, or a dense
-MLP) — and chooses how many of them to keep exact:
+So, with a whole-file budget, `auto` chooses how many of the model's leading *stages* to keep exact, in
+computation order: the embeddings, then each decoder layer's attention and its MLP (the MoE block with its shared
+experts, or a dense MLP). `prefix_allocations` gives the allocation with the first p stages exact, for each p that
+fits; `choose` measures
 
     D_s = KL_served(original ‖ original with stage s's outputs moved by a rounding-level step)
 
-(`divergence_kl`: forwards in the served dtype, each stage in its own batch rows beside the reference's), and
+(`divergence_kl`: forwards in the served dtype, each stage in its own batch rows beside the reference's) and
+minimises
 
-    total(p) = Σ_items s·loss(allocation with stages 0 … p−1 kept exact) + D_{first stage the allocation changes}
+    total(p) = Σ_items s·loss(allocation p) + D_{first stage allocation p changes}
 
-is minimised over p (`exact_prefix`); a change after the last measured stage counts as that stage's D.
+over p; a change after the last measured stage counts as that stage's D. D_s is measured only when some p > 0
+could pay for itself (`choose`'s bound), so low budgets skip its forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +35,6 @@ from .tensors import KEY_OFFSET, _modules_of
 SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # checkpoint dtype -> what serves it
 STEP = 2.0**-8  # the relative move of a stage's outputs: about one bf16 rounding step
 BOUND = 4.0  # D_0 over the rounding KL (`choose`): about 1 to 2 on the fixtures; 4 leaves room for 8 sequences' noise
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -63,8 +64,7 @@ def stages(adapter, whole, n: int) -> list[Stage]:
         if it.cls == "embeddings":
             s = stage(-1, 0)
         else:
-            m = _LAYER.search(it.name)
-            s = stage(int(m.group(1)) if m else it.layer, 0 if it.cls == "attention" else 1)
+            s = stage(it.layer, 0 if it.cls == "attention" else 1)
         s.keys.append(KEY_OFFSET + k)
         s.modules.append(_modules_of(adapter, it.name)[0])
     return [found[key] for key in sorted(found)][:n]
