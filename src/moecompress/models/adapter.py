@@ -330,9 +330,10 @@ class MoEAdapter:
         try:
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
-                    if not p.is_meta and target(name, p) != p.dtype:
+                    want = target(name, p)
+                    if not p.is_meta and want != p.dtype:
                         saved.append((p, p.data))
-                        p.data = p.data.to(target(name, p))
+                        p.data = p.data.to(want)
             yield
         finally:
             for p, data in saved:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .measure import _kl, input_device, logprobs, sig
+from .measure import _kl, kl_per_slice, logprobs, output_hook, sig
 from .tensors import KEY_OFFSET, _modules_of
 
 SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # checkpoint dtype -> what serves it
@@ -73,15 +73,14 @@ def stages(adapter, whole, n: int) -> list[Stage]:
 def _moved(rows: slice, seed: int):
     """A forward hook moving the output's batch rows `rows` by ±STEP relatively (seeded signs)."""
 
-    def fn(module, args, output):
-        o = output[0] if isinstance(output, tuple) else output
+    def fn(o: torch.Tensor) -> torch.Tensor:
         part = o[rows].float()
         sign = torch.randint(0, 2, part.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
         o = o.clone()
         o[rows] = (part * (1 + STEP * sign)).to(o.dtype)
-        return (o,) + tuple(output[1:]) if isinstance(output, tuple) else o
+        return o
 
-    return fn
+    return output_hook(fn)
 
 
 def divergence_kl(
@@ -119,14 +118,8 @@ def _chunk_kl(adapter, found: list[Stage], ids: torch.Tensor) -> list[float]:
         for s, st in enumerate(found):
             fn = _moved(slice((s + 1) * b, (s + 2) * b), seed=s)
             for mod in st.modules:
-                h = mod.register_forward_hook(fn)
-                stack.callback(h.remove)
-        with torch.no_grad():
-            logits = adapter.model(ids.repeat(len(found) + 1, 1).to(input_device(adapter.model))).logits
-    ref = torch.log_softmax(logits[:b].double(), -1)
-    return [
-        _kl(ref, torch.log_softmax(logits[(s + 1) * b : (s + 2) * b].double(), -1)) for s in range(len(found))
-    ]
+                stack.callback(mod.register_forward_hook(fn).remove)
+        return kl_per_slice(None, adapter.model, ids, len(found) + 1)
 
 
 def first_changed(found: list[Stage], fronts: dict, chosen: dict[int, int]) -> int | None:

@@ -67,31 +67,36 @@ def _kl(ref: torch.Tensor, lp: torch.Tensor) -> float:
     return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
 
-def kl_per_slice(ref: torch.Tensor, model, ids: torch.Tensor, n: int) -> list[float]:
+def kl_per_slice(ref: torch.Tensor | None, model, ids: torch.Tensor, n: int) -> list[float]:
     """`kl_to` of n variants in one forward: `ids` repeated n times along the batch, variant v's hooks acting on
     rows v·len(ids) … (v+1)·len(ids) (`tensors.rounded_installed`). One read of a streamed checkpoint instead of n;
     its logits are n × len(ids) × seq_len × vocab float32 values at once, each variant's log-probs in float64
-    after the other."""
+    after the other. `ref` None: variant 0 is the original, the reference of the other n − 1 (whose KLs are
+    returned), computed in the same forward."""
     b = len(ids)
     with torch.no_grad():
         logits = model(ids.repeat(n, 1).to(input_device(model))).logits
-        out = []
-        for v in range(n):
-            lp = torch.log_softmax(logits[v * b : (v + 1) * b].double(), -1).cpu()
-            out.append(_kl(ref, lp))
-    return out
+        rows = lambda v: torch.log_softmax(logits[v * b : (v + 1) * b].double(), -1).cpu()  # noqa: E731
+        first = 0 if ref is not None else 1
+        ref = rows(0) if ref is None else ref
+        return [_kl(ref, rows(v)) for v in range(first, n)]
 
 
-@contextlib.contextmanager
-def perturbed(adapter, layer: int, fn):
-    """Temporarily replace layer `layer`'s MoE output o by fn(o) (a forward hook on its block)."""
+def output_hook(fn):
+    """A forward hook replacing a module's output o (or its first element, if a tuple) by fn(o)."""
 
     def hook(module, args, output):
         if isinstance(output, tuple):
             return (fn(output[0]),) + tuple(output[1:])
         return fn(output)
 
-    handle = adapter.layer(layer).block.register_forward_hook(hook)
+    return hook
+
+
+@contextlib.contextmanager
+def perturbed(adapter, layer: int, fn):
+    """Temporarily replace layer `layer`'s MoE output o by fn(o) (a forward hook on its block)."""
+    handle = adapter.layer(layer).block.register_forward_hook(output_hook(fn))
     try:
         yield
     finally:
