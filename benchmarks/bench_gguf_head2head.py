@@ -192,6 +192,7 @@ def run_fixture(fixture: str, work: Path) -> dict:
                     name=f"{t} ({'our' if 'our' in fam else 'its'} imatrix)",
                     family=fam,
                     type=t,
+                    written=written_types(out),
                     file_bytes=out.stat().st_size,
                     kl=float(np.mean(wk)),
                     window_kl=wk,
@@ -245,6 +246,95 @@ def run_fixture(fixture: str, work: Path) -> dict:
     )
 
 
+def tensor_class(name: str) -> str:
+    """The class of a GGUF tensor, from llama.cpp's tensor names."""
+    base = name.rsplit(".", 1)[0].split(".")[-1] if name.startswith("blk.") else name.split(".")[0]
+    if base.endswith("_norm") or base.endswith("norm"):
+        return "norms"
+    if base == "token_embd":
+        return "embeddings"
+    if base == "output":
+        return "output"
+    if base.startswith("attn_"):
+        return "attention"
+    if base == "ffn_gate_inp":
+        return "router"
+    if base.endswith("_exps"):
+        return "experts"
+    if base.endswith("_shexp"):
+        return "shared experts"
+    return "other"
+
+
+def written_types(path: Path) -> dict[str, dict[str, int]]:
+    """What a GGUF file really holds: tensor class -> {GGML type: tensor count}, read back with `gguf`'s reader."""
+    import gguf
+
+    out: dict[str, dict[str, int]] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        kind = out.setdefault(tensor_class(t.name), {})
+        kind[t.tensor_type.name] = kind.get(t.tensor_type.name, 0) + 1
+    return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
+
+
+def holds(arm: dict) -> str:
+    """An arm named by what its file holds: the quantizable classes' types (norms and routers stay F32)."""
+    w = arm.get("written")
+    if not w:
+        return "not recorded"
+    return "; ".join(f"{k} {'/'.join(v)}" for k, v in w.items() if k not in ("norms", "router"))
+
+
+def fell_back(arm: dict) -> bool:
+    """Whether llama-quantize wrote none of the requested type's own block types (a K-/i-quant request whose rows
+    were not a multiple of its super-block). A mix (Q4_K_M writes Q4_K and Q6_K) counts as written."""
+    w = arm.get("written") or {}
+    family = arm["type"].split("_")[0]  # "Q4" of Q4_K_M, "IQ2" of IQ2_XXS
+    return bool(w) and not any(t.startswith(family) for v in w.values() for t in v)
+
+
+def record_types(fixtures, work: Path) -> None:
+    """Re-create llama-quantize's files (the same bf16 GGUF, calibration and command as `run`) and record the types
+    each holds in the committed results. Which type llama-quantize writes depends only on the requested type and
+    the tensors' shapes, and each file's bytes must equal the measured one's, so these are the measured files'
+    types; refused otherwise."""
+    import moecompress
+    from moecompress.export.imatrix import EXPERT_STATS
+    from moecompress.testing import fixture_dir
+
+    res = load_results(RESULTS.name)
+    for fx in res["fixtures"]:
+        if fx["fixture"] not in fixtures:
+            continue
+        model = str(fixture_dir(fx["fixture"]))
+        d = work / f"types-{fx['fixture']}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        stats, orig = d / "stats", d / "bf16"
+        moecompress.calibrate(
+            model, CALIB, out=stats, for_method="auto", seq_len=SEQ_LEN, progress=False, stats=list(EXPERT_STATS)
+        )
+        moecompress.compress(
+            model, "auto", {"budget": 1.0, "search": "full"}, calib=str(stats), out=orig, format="gguf",
+            imatrix=True, progress=False,
+        )
+        for a in fx["arms"]:
+            if not a["family"].startswith("llama.cpp"):
+                continue
+            out = d / f"{a['type']}.gguf"
+            run_tool(
+                [*tool("llama-quantize"), "--imatrix", orig / "imatrix.gguf", orig / "model.gguf", out, a["type"],
+                 THREADS],
+                d / f"{out.stem}.log",
+            )
+            if out.stat().st_size != a["file_bytes"]:
+                sys.exit(f"{fx['fixture']} {a['name']}: re-quantized file has {out.stat().st_size} bytes, the "
+                         f"measured one {a['file_bytes']}; run the whole section instead.")
+            a["written"] = written_types(out)
+            out.unlink()
+    save_results(RESULTS.name, res)
+
+
 def compare(fx: dict) -> list[dict]:
     from moecompress.eval.stats import apply_holm, paired_bootstrap
 
@@ -259,7 +349,7 @@ def compare(fx: dict) -> list[dict]:
             ids, a["window_kl"], ids, b["window_kl"], metric="kl", higher_is_better=False, B=4000, seed=0
         ).to_dict()
         c.pop("per_task", None)
-        comps.append(dict(c, type=t, kl_ratio=a["kl"] / b["kl"] if b["kl"] else None))
+        comps.append(dict(c, type=t, auto=a, rival=b, kl_ratio=a["kl"] / b["kl"] if b["kl"] else None))
     apply_holm(comps, 0.05)
     return comps
 
@@ -347,23 +437,37 @@ def report() -> None:
             "",
             f"{fx['windows']} windows of {fx['window']} tokens.",
             "",
-            "| arm | family | file ratio | KL |",
-            "| --- | --- | --- | --- |",
+            "`llama-quantize TYPE` is the command's type argument; *holds* is what the file it wrote holds per "
+            "tensor class, read back with `gguf`'s reader (llama-quantize writes a fallback type where a row is "
+            "not a multiple of the requested type's block).",
+            "",
+            "| arm | family | holds | file ratio | KL |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for a in sorted(fx["arms"], key=lambda a: -a.get("file_bytes", 0)):
             if "refused" in a:
-                lines.append(f"| {a['name']} | {a['family']} | — | refused: {a['refused']} |")
+                lines.append(f"| {a['name']} | {a['family']} | — | — | refused: {a['refused']} |")
                 continue
-            lines.append(f"| {a['name']} | {a['family']} | {a['file_bytes'] / whole:.3f} | {_g(a['kl'])} |")
+            name = f"llama-quantize {a['name']}" if a["family"].startswith("llama.cpp") else a["name"]
+            held = holds(a) if a["family"].startswith("llama.cpp") else "—"
+            lines.append(
+                f"| {name} | {a['family']} | {held} | {a['file_bytes'] / whole:.3f} | {_g(a['kl'])} |"
+            )
         lines += imatrix_and_fallback_lines(fx)
         lines += [
             "",
-            "| type | KL ratio auto / llama.cpp | Δ KL [95 % CI] | Holm p | verdict |",
-            "| --- | --- | --- | --- | --- |",
+            "Pairing rule: at each requested type, `auto` at that type's file size against llama-quantize's file "
+            "with llama-imatrix's matrix, only where `auto`'s file is no larger.",
+            "",
+            "| requested type | llama.cpp's file holds | its file ratio | auto's file ratio | KL ratio auto / llama.cpp "
+            "| Δ KL [95 % CI] | Holm p | verdict |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for c in compare(fx):
+            held = holds(c["rival"]) + (" (fell back: no " + c["type"] + ")" if fell_back(c["rival"]) else "")
             lines.append(
-                f"| {c['type']} | {_g(c['kl_ratio'])} | {_g(c['delta'])} [{_g(c['ci_low'])}, "
+                f"| {c['type']} | {held} | {c['rival']['file_bytes'] / whole:.3f} | "
+                f"{c['auto']['file_bytes'] / whole:.3f} | {_g(c['kl_ratio'])} | {_g(c['delta'])} [{_g(c['ci_low'])}, "
                 f"{_g(c['ci_high'])}] | {_g(c.get('p_adjusted'))} | "
                 f"{words.get(c['verdict'], 'not detectably different')} |"
             )
@@ -373,4 +477,7 @@ def report() -> None:
 
 
 if __name__ == "__main__":
-    fixture_main(__doc__, FIXTURES, run, report, ROOT / "build" / "bench_gguf_head2head")
+    if sys.argv[1:2] == ["types"]:  # `types [FIXTURE ...]`: record the written types into the committed results
+        record_types(sys.argv[2:] or FIXTURES, ROOT / "build" / "bench_gguf_head2head")
+    else:
+        fixture_main(__doc__, FIXTURES, run, report, ROOT / "build" / "bench_gguf_head2head")

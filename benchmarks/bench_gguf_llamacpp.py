@@ -565,9 +565,8 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
         f"- Control (llama.cpp on the weights our runtime computes with, as F32): median token KL at most "
         f"{_g(max(a['control_kl']['kl_median'] for a in arms))} over the arms; the largest mean is {ctrl['arm']}'s "
         f"{_g(ctrl['control_kl']['kl'])}, of which its worst window carries {100 * share:.0f} % (max token KL "
-        f"{_g(ctrl['control_kl']['kl_max'])}): the differences are concentrated in few windows, as a near-tie in "
-        "top-k routing decided differently by the two computations would be. What the KL column adds to the "
-        "control is llama.cpp's arithmetic on the file's types.",
+        f"{_g(ctrl['control_kl']['kl_max'])}). The KL column and the control differ only in llama.cpp's arithmetic "
+        "on the file's types.",
     ]
     if quant:
         out.append(
@@ -578,9 +577,13 @@ def kl_lines(fx: dict, t: dict) -> list[str]:
                 f"file {_g(a['gguf_kl']['kl'])})"
                 for a in quant
             )
-            + ". Between the control and exact-weights columns lies our runtime's bf16 rounding of the "
-            "dequantized experts; between exact-weights and the file, llama.cpp's arithmetic on Q8_0/Q5_0/Q4_0 (8-bit "
-            "activations) and BF16 (bf16 activations) weights."
+            + ". By construction, the control and exact-weights arms differ only in our runtime's bf16 rounding "
+            "of the dequantized experts (control minus exact-weights: "
+            + ", ".join(f"{a['arm']} {_g(a['control_kl']['kl'] - a['exact_kl']['kl'])}" for a in quant)
+            + "), and exact-weights and the file only in llama.cpp's arithmetic on the file's types (file minus "
+            "exact-weights: "
+            + ", ".join(f"{a['arm']} {_g(a['gguf_kl']['kl'] - a['exact_kl']['kl'])}" for a in quant)
+            + ")."
         )
     return out
 
@@ -610,7 +613,7 @@ def bytes_lines(fx: dict, t: dict) -> list[str]:
             else "not " + ", ".join(fb_bad)
         )
         + f". The file adds the header and alignment ({min(header) / 1e3:.0f}–{max(header) / 1e3:.0f} kB: "
-        "metadata and the 4096-token tokenizer with its merges) to the tensor data; llama.cpp reads the tokenizer "
+        "metadata and the tokenizer with its merges) to the tensor data; llama.cpp reads the tokenizer "
         "from it, and its size does not grow with the model. The whole file is compared with the plan's bytes plus "
         "the GGUF metadata the export reports before writing any tensor (`ExportResult.container_bytes`: header, "
         f"hyperparameters, tokenizer; {min(a['container_bytes'] for a in arms):,}–"

@@ -327,9 +327,7 @@ def markdown(res: dict) -> str:
             + ", ".join(f"{f} {a['arm']} {a['equal']} / {len(a['prompts'])}" for f, a in f32)
             + (
                 " prompts equal: with bf16 rounding taken out, vLLM and transformers generate the same tokens "
-                "from every checkpoint here, the pruned exports included. What remains in bf16 are the ties and "
-                "near-ties above, which two bf16 computations (vLLM's fused CPU MoE and attention kernels, "
-                "batched, against transformers' eager modules, one prompt at a time) can break differently."
+                "from every checkpoint here, the pruned exports included."
                 if all(a["equal"] == len(a["prompts"]) for _, a in f32)
                 else " prompts equal; where float32 sequences differ too, the table gives the steps and gaps."
             )

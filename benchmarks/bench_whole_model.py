@@ -331,8 +331,7 @@ def floor_lines(res: dict) -> list[str]:
         )
         out.append(
             f"- {fx['fixture']}, evaluation floor: the original with its first `{f['edit']}` value moved one bf16 "
-            f"step, evaluated as every arm is, has KL {_g(f['kl'])}; any change early in the network costs about "
-            f"that here, as later bf16 roundings and near-tied routing decisions turn the other way. Issue 30's "
+            f"step, evaluated as every arm is, has KL {_g(f['kl'])}. Issue 30's "
             f"target ({PEER_FACTOR:g}× llm-compressor's KL) per ratio: {targets}."
         )
     return out
@@ -371,16 +370,21 @@ def report() -> None:
             )
         lines += [
             "",
-            "Paired comparisons (`auto` whole-file against each rival; bootstrap over windows, Holm over "
-            "this fixture's comparisons):",
+            "Paired comparisons (bootstrap over windows, Holm over this fixture's comparisons). Pairing rule: at "
+            "each target ratio, `auto` (whole) against the lowest-KL pure-GPTQ arm and the lowest-KL "
+            "llm-compressor arm whose file is no larger than that target, and against `auto` (routed) at the "
+            "same target; a rival may therefore be smaller than `auto`'s file, and both file ratios are shown:",
             "",
-            "| ratio | auto (whole) | rival | KL ratio | Δ KL [95 % CI] | Holm p | verdict |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| ratio | auto (whole) | its file ratio | rival | rival's file ratio | KL ratio | Δ KL [95 % CI] | "
+            "Holm p | verdict |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         words = {"A better": "auto (whole) lower", "B better": "auto (whole) higher"}
+        size = {a["name"]: a["file_ratio"] for a in fx["arms"] + fx["peer_arms"]}
         for c in fx["comparisons"]:
             lines.append(
-                f"| {c['ratio']:g} | {c['a']} | {c['b']} | {_g(c['kl_ratio'])} | {_g(c['delta'])} "
+                f"| {c['ratio']:g} | {c['a']} | {size[c['a']]:.3f} | {c['b']} | {size[c['b']]:.3f} | "
+                f"{_g(c['kl_ratio'])} | {_g(c['delta'])} "
                 f"[{_g(c['ci_low'])}, {_g(c['ci_high'])}] | {_g(c.get('p_adjusted'))} | "
                 f"{words.get(c['verdict'], 'not detectably different')} |"
             )

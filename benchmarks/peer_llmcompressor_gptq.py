@@ -567,7 +567,7 @@ def report() -> None:
         (
             f"- **Stored codes**: {100 * min(codes):.1f}–{100 * max(codes):.1f} % identical to the like-for-like "
             f"checkpoint per projection type, on {'/'.join(dtypes)} checkpoints. Their scales, rounded to bf16, "
-            f"equal ours in {100 * scales:.2f} % of groups. Codes that differ start at near-ties: llm-compressor "
+            f"equal ours in {100 * scales:.2f} % of groups. The rounding differs by construction: llm-compressor "
             "divides by the scale in the weight's dtype (and, on float32 weights, against a float32 scale), we "
             "divide in float32 against the stored bf16 scale; GPTQ's error feedback then carries each differing "
             "code into the later columns of its row. The GPTQ loop alone was compared with llm-compressor's "
