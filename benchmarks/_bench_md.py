@@ -30,6 +30,17 @@ def write_section(title: str, text: str, path: Path = ROOT / "BENCHMARKS.md") ->
     path.write_text(doc)
 
 
+def write_block(name: str, text: str, path: Path = ROOT / "README.md") -> None:
+    """Replace what lies between `<!-- NAME:start ... -->` and `<!-- NAME:end -->` in `path` with `text` (a generated
+    table inside a hand-written page); the markers must be there."""
+    doc = path.read_text()
+    start, end = f"<!-- {name}:start", f"<!-- {name}:end -->"
+    if start not in doc or end not in doc:
+        raise SystemExit(f"{path.name} has no '{start} ... {end}' block for the generated {name} table.")
+    head = doc.index("\n", doc.index(start)) + 1
+    path.write_text(doc[:head] + text.rstrip("\n") + "\n" + doc[doc.index(end) :])
+
+
 def stale_sections(doc: str) -> list[str]:
     """Headings in `doc` whose results files under benchmarks/results/ are not all there: sections measured
     before results were committed, i.e. on the float32 fixtures that preceded issue 17's bf16 ones."""

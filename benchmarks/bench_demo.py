@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_md import ROOT, load_results, machine, save_results, write_section
+from _bench_md import ROOT, load_results, machine, save_results, write_block, write_section
 
 SECTION = "## Demo (issue 5)"
 RESULTS = "demo.json"
@@ -116,9 +116,22 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def ranking(results: dict) -> str:
+    """The README's demo table: the arms as the demo ranks them, size, KL, perplexity, multiple-choice accuracy."""
+    from bench_methods import table
+
+    rows = [line.split("|")[1:-1] for line in table(results).splitlines()[2:]]
+    return "\n".join(
+        ["| arm | MiB | KL | ppl | mc acc |", "|---|---|---|---|---|"]
+        + ["|" + "|".join(r[:5]) + "|" for r in rows]
+    )
+
+
 def report() -> str:
-    text = markdown(load_results(RESULTS))
+    results = load_results(RESULTS)
+    text = markdown(results)
     write_section(SECTION, text)
+    write_block("demo-ranking", ranking(results))
     print(text)
     return text
 
