@@ -294,10 +294,10 @@ def fell_back(arm: dict) -> bool:
 
 
 def record_types(fixtures, work: Path) -> None:
-    """Re-create llama-quantize's files (the same bf16 GGUF, calibration and command as `run`) and record the types
-    each holds in the committed results. Which type llama-quantize writes depends only on the requested type and
-    the tensors' shapes, and each file's bytes must equal the measured one's, so these are the measured files'
-    types; refused otherwise."""
+    """Re-create llama-quantize's files (the same bf16 GGUF, calibration and command as `run`, with our importance
+    matrix for both imatrix families) and record the types each holds in the committed results. Which type
+    llama-quantize writes depends on the requested type and the tensors' shapes, not on the matrix's values, and
+    each file's bytes must equal the measured one's, so these are the measured files' types; refused otherwise."""
     import moecompress
     from moecompress.export.imatrix import EXPERT_STATS
     from moecompress.testing import fixture_dir

@@ -113,6 +113,12 @@ CASES = [
         ["compress", "{F}", "--rank", "-1", "--out", "x"],
         "field 'rank' for method 'prune'",
     ),
+    # a flag of another method names its owner (issue 49)
+    (
+        "compress-foreign-flag",
+        ["compress", "{F}", "--method", "conmoe", "--rank", "8", "--ratio", "0.5", "--out", "x"],
+        "--rank (recipe field 'rank') applies to --method prune, not conmoe",
+    ),
     ("compress-seq-len-zero", ["compress", "{F}", "--seq-len", "0", "--out", "x"], "--seq-len must be"),
     (
         "compress-calib-mode-unknown",

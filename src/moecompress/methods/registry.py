@@ -121,9 +121,25 @@ def parse_config(name: str, params: dict | BaseModel | None) -> BaseModel:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "params"
+        if err["type"] == "extra_forbidden":
+            raise MoECompressError(_foreign_parameter(loc, name)) from None
         raise MoECompressError(
             f"Recipe field '{loc}' for method '{name}' is invalid: {err['msg']}."
         ) from None
+
+
+def _foreign_parameter(field: str, name: str) -> str:
+    """A parameter method `name` does not take, named with its owners: "--rank applies to --method prune, not
+    conmoe" (the CLI flag is the field with dashes; a recipe spells it as the field)."""
+    owners = sorted(m for m, e in METHODS.items() if field in e.config_cls.model_fields)
+    flag = f"--{field.replace('_', '-')}"
+    takes = ", ".join(sorted(METHODS[name].config_cls.model_fields))
+    if owners:
+        return (
+            f"{flag} (recipe field '{field}') applies to --method {' / '.join(owners)}, not {name}; drop it or "
+            f"choose that method ({name} takes: {takes})."
+        )
+    return f"{flag} (recipe field '{field}') is not a parameter of {name}; drop it ({name} takes: {takes})."
 
 
 def _load_builtin_methods() -> None:
