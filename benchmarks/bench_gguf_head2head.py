@@ -293,11 +293,23 @@ def fell_back(arm: dict) -> bool:
     return bool(w) and not any(t.startswith(family) for v in w.values() for t in v)
 
 
+def label(arm: dict) -> str:
+    """A llama.cpp arm named by what its file holds: the experts' types, and the request when it fell back."""
+    imatrix = "our imatrix" if "our" in arm["family"] else "its imatrix"
+    experts = "/".join((arm.get("written") or {}).get("experts", {}))
+    if not experts:
+        return f"llama-quantize {arm['type']} ({imatrix}; types not recorded)"
+    if fell_back(arm):
+        return f"experts {experts} (llama-quantize {arm['type']} fell back; {imatrix})"
+    return f"experts {experts} (llama-quantize {arm['type']}; {imatrix})"
+
+
 def record_types(fixtures, work: Path) -> None:
-    """Re-create llama-quantize's files (the same bf16 GGUF, calibration and command as `run`, with our importance
-    matrix for both imatrix families) and record the types each holds in the committed results. Which type
-    llama-quantize writes depends on the requested type and the tensors' shapes, not on the matrix's values, and
-    each file's bytes must equal the measured one's, so these are the measured files' types; refused otherwise."""
+    """Re-create llama-quantize's files (the same bf16 GGUF, calibration, importance matrices, paths and commands as
+    `run`) and record the types each holds in the committed results. Which type llama-quantize writes depends on
+    the requested type and the tensors' shapes, not on the matrices' values, and each file's bytes must equal the
+    measured one's up to one 32-byte alignment step of metadata, so these are the measured files' types; refused
+    otherwise."""
     import moecompress
     from moecompress.export.imatrix import EXPERT_STATS
     from moecompress.testing import fixture_dir
@@ -307,7 +319,7 @@ def record_types(fixtures, work: Path) -> None:
         if fx["fixture"] not in fixtures:
             continue
         model = str(fixture_dir(fx["fixture"]))
-        d = work / f"types-{fx['fixture']}"
+        d = work / fx["fixture"]  # the paths `run` used: llama-quantize records the matrix's file name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         stats, orig = d / "stats", d / "bf16"
@@ -318,16 +330,25 @@ def record_types(fixtures, work: Path) -> None:
             model, "auto", {"budget": 1.0, "search": "full"}, calib=str(stats), out=orig, format="gguf",
             imatrix=True, progress=False,
         )
+        calibration_text(model, d / "calib.txt")
+        run_tool(
+            [*tool("llama-imatrix"), "-m", orig / "model.gguf", "-f", d / "calib.txt", "-c", SEQ_LEN, "--chunks",
+             CHUNKS, "-o", d / "llama_imatrix.gguf", "-t", THREADS],
+            d / "imatrix.log",
+        )
         for a in fx["arms"]:
             if not a["family"].startswith("llama.cpp"):
                 continue
-            out = d / f"{a['type']}.gguf"
+            ours = "our" in a["family"]
+            out = d / f"{a['type']}-{'ours' if ours else 'llama'}.gguf"
+            imatrix = orig / "imatrix.gguf" if ours else d / "llama_imatrix.gguf"
             run_tool(
-                [*tool("llama-quantize"), "--imatrix", orig / "imatrix.gguf", orig / "model.gguf", out, a["type"],
-                 THREADS],
+                [*tool("llama-quantize"), "--imatrix", imatrix, orig / "model.gguf", out, a["type"], THREADS],
                 d / f"{out.stem}.log",
             )
-            if out.stat().st_size != a["file_bytes"]:
+            # metadata strings (the matrices' names and datasets) move the tensor data by at most one 32-byte
+            # alignment step; a different type on any tensor moves it by far more
+            if abs(out.stat().st_size - a["file_bytes"]) > 32:
                 sys.exit(f"{fx['fixture']} {a['name']}: re-quantized file has {out.stat().st_size} bytes, the "
                          f"measured one {a['file_bytes']}; run the whole section instead.")
             a["written"] = written_types(out)
@@ -437,9 +458,10 @@ def report() -> None:
             "",
             f"{fx['windows']} windows of {fx['window']} tokens.",
             "",
-            "`llama-quantize TYPE` is the command's type argument; *holds* is what the file it wrote holds per "
-            "tensor class, read back with `gguf`'s reader (llama-quantize writes a fallback type where a row is "
-            "not a multiple of the requested type's block).",
+            "Each llama.cpp arm is named by the experts' types its file holds, then the `llama-quantize` type "
+            "argument that produced it; *holds* lists every tensor class's types, read back with `gguf`'s reader. "
+            "Where no tensor holds the requested type, the arm says the request fell back (llama-quantize writes a "
+            "fallback type for rows that are not a multiple of the requested type's block).",
             "",
             "| arm | family | holds | file ratio | KL |",
             "| --- | --- | --- | --- | --- |",
@@ -448,7 +470,7 @@ def report() -> None:
             if "refused" in a:
                 lines.append(f"| {a['name']} | {a['family']} | — | — | refused: {a['refused']} |")
                 continue
-            name = f"llama-quantize {a['name']}" if a["family"].startswith("llama.cpp") else a["name"]
+            name = label(a) if a["family"].startswith("llama.cpp") else a["name"]
             held = holds(a) if a["family"].startswith("llama.cpp") else "—"
             lines.append(
                 f"| {name} | {a['family']} | {held} | {a['file_bytes'] / whole:.3f} | {_g(a['kl'])} |"
