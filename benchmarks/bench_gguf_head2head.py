@@ -105,6 +105,15 @@ def logits(gguf_path: Path, ids_path: Path, out: Path):
     return x
 
 
+def llama_imatrix(model: str, original_gguf: Path, d: Path) -> None:
+    """`llama-imatrix` on the calibration text our side uses, into ``d/llama_imatrix.gguf``."""
+    calibration_text(model, d / "calib.txt")
+    args = ["-m", original_gguf, "-f", d / "calib.txt", "-c", SEQ_LEN, "--chunks", CHUNKS]
+    run_tool(
+        [*tool("llama-imatrix"), *args, "-o", d / "llama_imatrix.gguf", "-t", THREADS], d / "imatrix.log"
+    )
+
+
 def window_kl(ref, x) -> list[float]:
     import torch
 
@@ -148,25 +157,7 @@ def run_fixture(fixture: str, work: Path) -> dict:
     overhead = (
         original_gguf.stat().st_size - whole
     )  # what our writer adds to the plan's bytes (F32 norms, metadata)
-    calibration_text(model, d / "calib.txt")
-    run_tool(
-        [
-            *tool("llama-imatrix"),
-            "-m",
-            original_gguf,
-            "-f",
-            d / "calib.txt",
-            "-c",
-            SEQ_LEN,
-            "--chunks",
-            CHUNKS,
-            "-o",
-            d / "llama_imatrix.gguf",
-            "-t",
-            THREADS,
-        ],
-        d / "imatrix.log",
-    )
+    llama_imatrix(model, original_gguf, d)
     arms = [
         dict(
             name="bf16",
@@ -324,18 +315,25 @@ def record_types(fixtures, work: Path) -> None:
         d.mkdir(parents=True)
         stats, orig = d / "stats", d / "bf16"
         moecompress.calibrate(
-            model, CALIB, out=stats, for_method="auto", seq_len=SEQ_LEN, progress=False, stats=list(EXPERT_STATS)
+            model,
+            CALIB,
+            out=stats,
+            for_method="auto",
+            seq_len=SEQ_LEN,
+            progress=False,
+            stats=list(EXPERT_STATS),
         )
         moecompress.compress(
-            model, "auto", {"budget": 1.0, "search": "full"}, calib=str(stats), out=orig, format="gguf",
-            imatrix=True, progress=False,
+            model,
+            "auto",
+            {"budget": 1.0, "search": "full"},
+            calib=str(stats),
+            out=orig,
+            format="gguf",
+            imatrix=True,
+            progress=False,
         )
-        calibration_text(model, d / "calib.txt")
-        run_tool(
-            [*tool("llama-imatrix"), "-m", orig / "model.gguf", "-f", d / "calib.txt", "-c", SEQ_LEN, "--chunks",
-             CHUNKS, "-o", d / "llama_imatrix.gguf", "-t", THREADS],
-            d / "imatrix.log",
-        )
+        llama_imatrix(model, orig / "model.gguf", d)
         for a in fx["arms"]:
             if not a["family"].startswith("llama.cpp"):
                 continue
@@ -349,8 +347,10 @@ def record_types(fixtures, work: Path) -> None:
             # metadata strings (the matrices' names and datasets) move the tensor data by at most one 32-byte
             # alignment step; a different type on any tensor moves it by far more
             if abs(out.stat().st_size - a["file_bytes"]) > 32:
-                sys.exit(f"{fx['fixture']} {a['name']}: re-quantized file has {out.stat().st_size} bytes, the "
-                         f"measured one {a['file_bytes']}; run the whole section instead.")
+                sys.exit(
+                    f"{fx['fixture']} {a['name']}: re-quantized file has {out.stat().st_size} bytes, the "
+                    f"measured one {a['file_bytes']}; run the whole section instead."
+                )
             a["written"] = written_types(out)
             out.unlink()
     save_results(RESULTS.name, res)
@@ -499,7 +499,9 @@ def report() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["types"]:  # `types [FIXTURE ...]`: record the written types into the committed results
+    if sys.argv[1:2] == [
+        "types"
+    ]:  # `types [FIXTURE ...]`: record the written types into the committed results
         record_types(sys.argv[2:] or FIXTURES, ROOT / "build" / "bench_gguf_head2head")
     else:
         fixture_main(__doc__, FIXTURES, run, report, ROOT / "build" / "bench_gguf_head2head")

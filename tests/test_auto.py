@@ -5,6 +5,7 @@ identity, single-candidate runs reproduce the single methods, and the plan is de
 import itertools
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,10 +211,13 @@ def test_budget_holds_as_the_exporter_measures_it(olmoe, tmp_path):
                 stored += DTYPE_BYTES[t.get_dtype()] * math.prod(t.get_shape())
     # the checkpoint stores exactly what the solver counted (padding included), within the budget
     assert stored == info.other_bytes + plan.params["auto"]["routed_bytes"] <= info.other_bytes + budget
-    # absolute budget in routed-expert bytes (stored experts + operators), padding included
-    routed2 = result.logical_bytes - info.other_bytes - 1000
+    # absolute budget in routed-expert bytes (stored experts + operators), padding included, less what auto
+    # reserves for the files' headers (issue 48)
+    routed2 = budget - 1000
     plan2, tensors2 = _build(olmoe, budget_bytes=routed2, ranks=[4, 8], **FAST)
-    assert plan2.logical_bytes(tensors2, accounting="stored").routed <= routed2
+    a2 = plan2.params["auto"]
+    assert a2["budget_bytes"] == routed2 and a2["tensor_budget_bytes"] == routed2 - a2["reserved_bytes"]
+    assert plan2.logical_bytes(tensors2, accounting="stored").routed <= a2["tensor_budget_bytes"] < routed2
     # the compact checkpoint computes what the in-memory plan computes
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     ref = apply_plan(load_model(str(path), dtype="float32"), plan, tensors)
@@ -222,9 +226,16 @@ def test_budget_holds_as_the_exporter_measures_it(olmoe, tmp_path):
 
 
 def test_full_budget_keeps_everything(olmoe):
-    path, _, _, _ = olmoe
-    plan, tensors = _build(olmoe, budget=1.0, **FAST)
+    path, _, _, adapter = olmoe
+    # a budget the files hold every weight in, headers included (issue 48: --budget 1 is the original's tensor
+    # bytes, which its header does not fit beside)
+    files = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    plan, tensors = _build(olmoe, budget_bytes=files, **FAST)
     assert tensors == {} and all(len(lp.stored_ids()) == len(lp.slots) for lp in plan.layers)
+    # --budget 1 (the whole original) keeps everything too, and bounds no file: nothing was compressed
+    whole, _ = _build(olmoe, budget=1.0, **FAST)
+    assert all(len(lp.stored_ids()) == len(lp.slots) for lp in whole.layers)
+    assert whole.params["auto"]["files_budget_bytes"] is None
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
     base = load_model(str(path), dtype="float32")
     with torch.no_grad():
@@ -248,7 +259,10 @@ def test_reroute_only_is_the_prune_plan_of_the_least_estimated_losses(olmoe):
     plan, tensors = _build(olmoe, budget=budget, candidates=["reroute"], gates=["keep"], bits=[16], **FAST)
     info = plan.model
     per = info.layers[0].bytes_per_expert
-    n_remove = -(-(info.expert_bytes - int(budget * info.expert_bytes)) // per)
+    # the bytes the solver may fill: the budget less its reserve for the files' headers (issue 48)
+    allowed = plan.params["auto"]["tensor_budget_bytes"]
+    assert allowed == int(budget * info.expert_bytes) - plan.params["auto"]["reserved_bytes"]
+    n_remove = -(-(info.expert_bytes - allowed) // per)
     losses = sorted(
         (float(store.get(i, "auto_reroute_keep")[e]), i, e)
         for i in adapter.moe_layers
@@ -362,7 +376,8 @@ def test_pair_decisions_are_joint_and_disjoint(olmoe, tmp_path):
     """PuzzleMoE pairs: both slots of a pair are decided together, no slot is in two pairs, every member slot
     computes its own member of its packed merge, and the packed export reloads to the same logits."""
     path = olmoe[0]
-    plan, tensors = _build(olmoe, budget=0.3, candidates=["pair", "constant", "drop"], bits=[16], **FAST)
+    # 0.4, not 0.3: on this toy model the headers auto reserves for (issue 48) are a third of 0.3's budget
+    plan, tensors = _build(olmoe, budget=0.4, candidates=["pair", "constant", "drop"], bits=[16], **FAST)
     n_pairs = 0
     for lp in plan.layers:
         sc = plan.scope(lp.scope)
@@ -374,7 +389,7 @@ def test_pair_decisions_are_joint_and_disjoint(olmoe, tmp_path):
                 assert s.packing == "pair-bf16" and len(s.sources) == 2
                 assert all(lp.slots[e] == s.id for _, e in s.sources)
     assert n_pairs > 0
-    assert plan.logical_bytes(tensors).total <= plan.model.other_bytes + int(0.3 * plan.model.expert_bytes)
+    assert plan.logical_bytes(tensors).total <= plan.model.other_bytes + int(0.4 * plan.model.expert_bytes)
     assert choose_format(plan) == "packed"
     export(str(path), plan, tmp_path / "p", format="packed", tensors=tensors, quiet=True)
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))

@@ -108,7 +108,10 @@ def test_bits_16_is_the_structure_only_solver(olmoe):
         prob, _ = layer_problem(config, adapter, store, info, i, True)
         prob.options = [[c for c in slot if c.kind != "quant"] for slot in prob.options]
         fronts[i] = layer_front(prob, config, info.layer(i))
-    pick = allocate(fronts, {i: 1.0 for i in fronts}, routed_budget(config, info))
+    # the bytes plan16's solver allocated: the budget less what it reserved for the files' headers (issue 48)
+    allowed = plan16.params["auto"]["tensor_budget_bytes"]
+    assert allowed == routed_budget(config, info) - plan16.params["auto"]["reserved_bytes"]
+    pick = allocate(fronts, {i: 1.0 for i in fronts}, allowed)
     plan, tensors = plan_from_points(info, {i: fronts[i][k] for i, k in pick.items()})
     assert [lp.model_dump() for lp in plan.layers] == [lp.model_dump() for lp in plan16.layers]
     assert plan.scopes == plan16.scopes
@@ -180,7 +183,8 @@ def test_build_auto_runs_the_uniform_bits_check_on_its_allocation(olmoe, monkeyp
 
 def test_mixed_precision_plan_exports_compact_and_reloads_equal(olmoe, tmp_path):
     path = olmoe[0]
-    plan, tensors = _build(olmoe, budget=0.2, **FAST)
+    # 0.45, not 0.2: on this toy model the header entries auto reserves for (issue 48) exceed 0.2's budget
+    plan, tensors = _build(olmoe, budget=0.45, **FAST)
     specs = {s.quant.bits for sc in plan.scopes for s in sc.stored if s.quant is not None}
     assert len(specs) >= 2 or (specs and any(s.quant is None for sc in plan.scopes for s in sc.stored)), specs
     rows = plan.params["auto"]["layers"]

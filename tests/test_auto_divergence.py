@@ -85,6 +85,30 @@ def test_probe_rows_equal_the_reference_when_nothing_moves(bf16, monkeypatch):
     assert dv.divergence_kl(adapter, found, ids, torch.bfloat16, batch=2) == [0.0]
 
 
+@torch.no_grad()
+def test_each_stage_moves_its_own_rows_only(bf16):
+    """Stage s is moved in its own rows of the probe's batch, beside the reference's: a stage with nothing to
+    move measures exactly 0 beside one that moves the first layer's MoE output; the moving stage measures what
+    it measures alone; and that is KL(reference ‖ moved) as two separate served forwards compute it."""
+    _, _, adapter = bf16
+    ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    block = adapter.layer(0).block
+    moving, still = dv.Stage("layer 0 mlp", [0], [block]), dv.Stage("nothing", [], [])
+    moved, nothing = dv.divergence_kl(adapter, [moving, still], ids, torch.bfloat16, batch=2)
+    assert moved > 0 and nothing == 0.0
+    assert dv.divergence_kl(adapter, [moving], ids, torch.bfloat16, batch=2) == [moved]
+    from moecompress.methods.auto.measure import _kl, logprobs
+
+    with adapter.computing_in(torch.bfloat16):
+        ref = logprobs(adapter.model, ids)
+        handle = block.register_forward_hook(dv._moved(slice(0, 2), seed=0))  # stage 0's signs, on all rows
+        try:
+            alone = logprobs(adapter.model, ids)
+        finally:
+            handle.remove()
+    assert moved == pytest.approx(_kl(ref, alone), rel=0.02)
+
+
 def _front(*pts):
     return [LayerPoint("replace", [], b, l) for b, l in pts]
 
@@ -134,7 +158,9 @@ def test_exact_prefix_keeps_a_stage_exact_when_its_divergence_outweighs_the_loss
 
 def test_whole_plan_keeps_its_exact_stages_exact(bf16, monkeypatch):
     path, store, adapter = bf16
-    params = dict(budget=0.5, quant_group=32, divergence_sequences=2, sensitivity_sequences=2)
+    # 0.75: on this toy model auto reserves ~21 kB of the budget for the files' headers (issue 48); what is left for
+    # tensors is about what 0.5 left before
+    params = dict(budget=0.75, quant_group=32, divergence_sequences=2, sensitivity_sequences=2)
     build = lambda **extra: get_method("auto").build(  # noqa: E731
         parse_config("auto", {**params, **extra}), MethodContext(adapter, store)
     )[0]

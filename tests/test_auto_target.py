@@ -50,7 +50,9 @@ def calibrated(tmp_path_factory):
     return path, store, MoEAdapter(load_model(str(path), dtype="float32"))
 
 
-@pytest.mark.parametrize("budget", [0.6, 0.3])
+# not 0.3: the budget bounds model.gguf (issue 48), whose tokenizer alone (~128 kB) is a tenth of this toy model,
+# and below 0.4 no llama.cpp file of it fits
+@pytest.mark.parametrize("budget", [0.6, 0.4])
 def test_plan_is_one_llama_cpp_runs_within_the_whole_file_budget(calibrated, budget):
     _, store, adapter = calibrated
     plan, tensors = get_method("auto").build(
@@ -63,8 +65,10 @@ def test_plan_is_one_llama_cpp_runs_within_the_whole_file_budget(calibrated, bud
         assert len({s.quant for s in sc.stored}) == 1 and exact_type(sc.stored[0].quant) is not None
     assert all(exact_type(tq.quant) in ("Q8_0", "Q5_0", "Q4_0") for tq in plan.tensor_quant.values())
     a = plan.params["auto"]
-    assert plan.logical_bytes(tensors, accounting="stored").total == a["whole_bytes"] <= a["budget_bytes"]
-    if budget == 0.3:
+    assert (
+        plan.logical_bytes(tensors, accounting="stored").total == a["whole_bytes"] <= a["tensor_budget_bytes"]
+    )
+    if budget == 0.4:
         assert plan.tensor_quant  # the non-expert weights share the budget
 
 
@@ -204,6 +208,8 @@ def test_imatrix_gguf_is_llama_cpps_format_from_our_statistics(tmp_path, capsys)
         and {"blk.0.ffn_down_exps.weight", "blk.0.attn_q.weight", "blk.1.attn_output.weight"} <= bases
     )
     assert str(bytes(im.fields["general.type"].parts[-1]), "utf-8") == "imatrix"
+    chunks = (im.fields["imatrix.chunk_count"].contents(), im.fields["imatrix.chunk_size"].contents())
+    assert chunks == (4, 64)  # 4 calibration sequences of 64 tokens: 4 chunks of 64, as llama-imatrix counts
     plan = __import__("json").loads((tmp_path / "g" / "plan.json").read_text())
     kept = [e for e, t in enumerate(plan["layers"][0]["slots"]) if isinstance(t, int)]
     down = entries["blk.0.ffn_down_exps.weight.in_sum2"].data

@@ -358,7 +358,7 @@ PROBE = [
         "store-meta-malformed",
         ["compress", "{F}", "--criterion", "frequency", "--calib", "{R}/s_badmeta", "--out", "c"],
         2,
-        "made for another model",
+        "is not a stats store's metadata ('layers' must be",
     ),
     ("unicode-missing-model", ["inspect", "{R}/nöpe✓"], 2, "No model directory"),
     ("eval-dtype", ["eval", "{F}", *PPL, "--dtype", "float8"], 2, "Unknown dtype 'float8'"),

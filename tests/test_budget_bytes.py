@@ -1,8 +1,10 @@
 """`auto`'s budget holds as the exporter writes it, on bf16 and float32 checkpoints alike and with quantized
 experts among the stored ones (issue 14): with ``budget_scope: routed`` the routed-expert tensors in the exported
-safetensors equal the plan's byte count (CompressionPlan.logical_bytes) and match the budget within 1 % of the
-original routed-expert bytes as stored; with the default whole-file scope (issue 30) every weight tensor of the
-export does, against the original file's weights. Also through `moecompress compress`."""
+safetensors equal the plan's byte count (CompressionPlan.logical_bytes) and match the tensor budget (the budget
+less what auto reserves for the files' headers, issue 48) within 1 % of the original routed-expert bytes as stored;
+with the default whole-file scope (issue 30) every weight tensor of the export does, against the original file's
+weights. The weight files themselves, headers included, never exceed the budget (issue 48; more budgets and both
+fixtures: tests/test_budget_disk.py). Also through `moecompress compress`."""
 
 import math
 
@@ -16,6 +18,7 @@ from moecompress.disk import read_header, stored_tensors
 from moecompress.methods import MethodContext, get_method, parse_config
 from moecompress.methods.auto import config as A
 from moecompress.models import MoEAdapter, load_model
+from moecompress.plan import CompressionPlan
 from moecompress.testing import run_cli, tiny_model
 from moecompress.workflows.pipeline import choose_format
 
@@ -40,6 +43,18 @@ def routed_written(directory) -> int:
 def whole_written(directory) -> int:
     """Bytes of every tensor in an export's safetensors files (the whole file's weights)."""
     return sum(n for _, n in stored_tensors(directory).values())
+
+
+def files_written(directory) -> int:
+    """Bytes on disk of an export's weight files, headers included: what the budget bounds (issue 48)."""
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def tensor_budget(plan) -> int:
+    """What the allocation could use: the budget less the bytes reserved for the files' headers."""
+    a = plan.params["auto"]
+    assert 0 < a["reserved_bytes"] and a["tensor_budget_bytes"] == a["budget_bytes"] - a["reserved_bytes"]
+    return a["tensor_budget_bytes"]
 
 
 # the bf16 checkpoint (what real ones are) in the default run; the float32 one with the slow tests (README)
@@ -106,8 +121,10 @@ def test_fraction_budget_is_written_within_one_percent(calibrated, tmp_path, bud
         == plan.logical_bytes(tensors, accounting="stored").routed
         == plan.params["auto"]["routed_bytes"]
     )
-    assert target - 0.01 * original <= written <= target
+    assert tensor_budget(plan) - 0.01 * original <= written <= tensor_budget(plan) < target
     assert plan.params["auto"]["budget_bytes"] == target and not plan.tensor_quant
+    # a routed budget bounds the files less the tensors outside its scope, which it leaves as they are
+    assert files_written(out) <= plan.params["auto"]["files_budget_bytes"] == target + plan.model.other_bytes
     # the count holds with quantized experts (packed int32 codes + bf16 scales) among the stored ones
     assert any(s.quant is not None for sc in plan.scopes for s in sc.stored)
 
@@ -123,7 +140,8 @@ def test_absolute_budget_is_routed_expert_bytes(calibrated, tmp_path):
     assert plan.params["auto"]["budget_bytes"] == target
     out = tmp_path / "out"
     export(str(path), plan, out, format=choose_format(plan), tensors=tensors, quiet=True)
-    assert target - 0.01 * original <= routed_written(out) <= target
+    assert tensor_budget(plan) - 0.01 * original <= routed_written(out) <= tensor_budget(plan)
+    assert files_written(out) <= target + plan.model.other_bytes
 
 
 @pytest.mark.slow  # the CLI path is the whole-file test below; routed bytes are the API tests above
@@ -135,14 +153,19 @@ def test_cli_budget_half_writes_half_the_routed_bytes(calibrated, tmp_path, caps
     args = [*_cli_args(path, store, out), "--budget-scope", "routed"]
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
-    assert original // 2 - 0.01 * original <= routed_written(out) <= original // 2
+    plan = CompressionPlan.from_json((out / "plan.json").read_text())
+    assert tensor_budget(plan) - 0.01 * original <= routed_written(out) <= tensor_budget(plan) < original // 2
+    assert files_written(out) <= original // 2 + plan.model.other_bytes
     assert "auto: per-layer choices" in text and "-bit" in text  # representation × bits, per layer
 
 
-@pytest.mark.parametrize("budget", [0.3])  # 0.5: the CLI test below
+# 0.5: the CLI test below; not 0.3: on this 64-expert toy model of 24-wide experts the header entries of every
+# representation an export may write (auto's reserve, issue 48) already take a third of the file at 0.3
+@pytest.mark.parametrize("budget", [0.4])
 def test_whole_file_budget_is_written_within_one_percent(calibrated, tmp_path, budget):
     """The default scope: every weight of the export (experts, attention, embeddings, lm_head, norms, routers)
-    within the budget and within 1 % of it, non-expert weights quantized where that saves most (issue 30)."""
+    within the tensor budget and within 1 % of it, non-expert weights quantized where that saves most (issue 30);
+    the files, headers included, within the budget (issue 48)."""
     dtype, path, store, adapter = calibrated
     original = whole_written(path)
     plan, tensors = get_method("auto").build(
@@ -155,8 +178,9 @@ def test_whole_file_budget_is_written_within_one_percent(calibrated, tmp_path, b
     target = math.floor(budget * original)
     written = plan.logical_bytes(tensors, accounting="stored").total
     assert written == plan.params["auto"]["whole_bytes"] and plan.params["auto"]["budget_bytes"] == target
-    assert target - 0.01 * original <= written <= target
+    assert tensor_budget(plan) - 0.01 * original <= written <= tensor_budget(plan)
     assert whole_written(out) == written  # every tensor of the file, packed codes and their shapes included
+    assert written < files_written(out) <= target == plan.params["auto"]["files_budget_bytes"]
 
 
 def test_cli_budget_is_the_whole_file_by_default(calibrated, tmp_path, capsys):
@@ -166,7 +190,10 @@ def test_cli_budget_is_the_whole_file_by_default(calibrated, tmp_path, capsys):
     args = _cli_args(path, store, out)
     code, text, err = run_cli(args, capsys)
     assert code == 0, err
-    assert original // 2 - 0.02 * original <= whole_written(out) <= original // 2 + 0.01 * original
+    plan = CompressionPlan.from_json((out / "plan.json").read_text())
+    assert tensor_budget(plan) - 0.02 * original <= whole_written(out) <= tensor_budget(plan)
+    assert files_written(out) <= original // 2  # the files on disk, headers included (issue 48)
+    assert f"of the {original // 2}-byte budget" in " ".join(text.split())  # the summary prints the budget
 
 
 @pytest.mark.parametrize(

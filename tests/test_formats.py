@@ -156,15 +156,15 @@ def test_load_dispatches_on_the_recorded_format(tmp_path, monkeypatch):
         name = "probe"
 
         @staticmethod
-        def load(d, *args):
-            seen.append((d.name, args))
+        def load(d, *args, **kwargs):
+            seen.append((d.name, args, kwargs))
             return "probe-model"
 
     monkeypatch.setitem(FORMATS, "probe", Probe)
     marker = json.loads((tmp_path / "c" / "moecompress.json").read_text())
     (tmp_path / "c" / "moecompress.json").write_text(json.dumps(dict(marker, format="probe")))
     assert load(tmp_path / "c", dtype="float32") == "probe-model"
-    assert seen == [("c", (None, "float32", None, None))]
+    assert seen == [("c", (None, "float32", None, None), {"trust_remote_code": False})]  # never None
     (tmp_path / "c" / "moecompress.json").write_text(json.dumps(dict(marker, format=["compact"])))
     with pytest.raises(MoECompressError, match="names format"):
         load(tmp_path / "c")

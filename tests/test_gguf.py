@@ -738,3 +738,30 @@ def test_deepseek_v2_and_gpt_oss_refusals_name_what_llamacpp_lacks(tmp_path):
         model, ckpt, plan, _ = _tiny_checkpoint(tmp_path / why, "gpt_oss", **overrides)
         with pytest.raises(MoECompressError, match=f"{why}.*format='hf'"):
             export(str(ckpt), plan, tmp_path / why / "g", format="gguf", quiet=True)
+
+
+def test_a_gguf_architecture_is_one_class_and_one_register_call(tmp_path, monkeypatch):
+    """docs/architecture.md's worked example: an architecture with its own hyperparameter and config refusal is an
+    `Arch` subclass and a `register_arch` line in export/gguf_arches.py; the writer calls its hooks, nothing else
+    changes. Registered here at run time over OLMoE's entry."""
+    from dataclasses import dataclass
+
+    from moecompress.export import gguf_arches
+
+    @dataclass(frozen=True)
+    class Tagged(gguf_arches.Arch):
+        def check_config(self, cfg) -> None:
+            if cfg.num_hidden_layers > 64:
+                raise MoECompressError("This model is too deep for the tagged architecture.")
+
+        def add_family_hparams(self, w, cfg, leading_dense: int) -> None:
+            w.add_uint32("olmoe.tagged_layers", cfg.num_hidden_layers)
+
+    monkeypatch.setitem(gguf_arches.ARCHES, "olmoe", gguf_arches.ARCHES["olmoe"])  # restored after the test
+    base = gguf_arches.ARCHES["olmoe"]
+    gguf_arches.register_arch(
+        "olmoe", Tagged(base.arch, base.renormalises, base.output_required, base.expert_width_key)
+    )
+    reader = gguf.GGUFReader(_export_identity(tmp_path) / "model.gguf")
+    field = reader.fields["olmoe.tagged_layers"]
+    assert int(field.parts[field.data[0]][0]) == _model("olmoe-tiny").config.num_hidden_layers

@@ -164,7 +164,7 @@ def test_broken_gguf_directories_are_one_sentence(exports, tmp_path):
     (bad / GGUF_FILE).write_bytes(data[:1000])
     with pytest.raises(MoECompressError) as exc:
         load(bad)
-    assert "is not a readable GGUF file" in _sentence(str(exc.value))
+    assert "is not a valid GGUF file" in _sentence(str(exc.value))  # our bounded reader (gguf_guard)
     bare = tmp_path / "bare"  # no marker, no config.json: a directory holding only model.gguf
     bare.mkdir()
     shutil.copy(exports / "identity" / GGUF_FILE, bare / GGUF_FILE)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moecompress.atomic import MARKER, atomic_dir, clean_stale
+from moecompress.atomic import MARKER, TMP_MARKER, atomic_dir, clean_stale, mark_temporary
 from moecompress.errors import MoECompressError
 from moecompress.testing import fixture_dir
 
@@ -96,17 +96,28 @@ def test_an_output_replaced_by_the_users_directory_during_the_run_is_not_deleted
 
 
 def test_stale_temporaries_of_dead_runs_are_removed_and_reported(tmp_path, capsys):
-    dead = tmp_path / f".out.tmp-{_dead_pid()}-abc123"
+    """Only a temporary carrying our marker for this output, whose process is gone, is removed; a directory that
+    merely has such a name (the user's) is left alone (issue 51)."""
+    pid = _dead_pid()
+    dead = tmp_path / f".out.tmp-{pid}-abc123"
     (dead / "sub").mkdir(parents=True)
     (dead / "sub" / "w.bin").write_bytes(b"x" * 3000)
+    mark_temporary(dead, "output-tmp", "out", pid=pid)
+    size = 3000 + (dead / TMP_MARKER).stat().st_size
     live = tmp_path / f".out.tmp-{os.getpid()}-def456"
     live.mkdir()
-    other = tmp_path / f".other.tmp-{_dead_pid()}-ghi789"
+    mark_temporary(live, "output-tmp", "out")
+    other = tmp_path / f".other.tmp-{pid}-ghi789"
     other.mkdir()
+    mark_temporary(other, "output-tmp", "other", pid=pid)
+    users = tmp_path / f".out.old-{pid}-dec"  # named like one, but no marker: the user's
+    users.mkdir()
+    (users / "w").write_text("bak\n")
     removed = clean_stale(tmp_path / "out")
-    assert removed == [(dead, 3000)]
+    assert removed == [(dead, size)]
     assert not dead.exists() and live.exists() and other.exists()
-    assert "2.93 KiB" in capsys.readouterr().err
+    assert (users / "w").read_text() == "bak\n"
+    assert "KiB" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- signals, as a user sends them

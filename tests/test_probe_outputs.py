@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from moecompress.atomic import MARKER, lock_path
+from moecompress.atomic import MARKER, dir_bytes, human_bytes, lock_path, mark_temporary
 from moecompress.testing import another_run_writing, assert_refused, fixture_dir, run_cli
 
 F = fixture_dir("olmoe-tiny")
@@ -308,15 +308,67 @@ def test_refused_in_one_sentence_and_nothing_lost(ws, capsys, monkeypatch, argv,
         assert_refused(argv, capsys, fragment, (ws, F.parent))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def _as_without_dac_override(fn):
+    """fn() in a thread that, as root, first drops CAP_DAC_OVERRIDE from its own capabilities (Linux keeps them
+    per thread, and `access` checks root against the permitted set), so that permission bits bind it as they
+    bind any user; run as it is otherwise. (fn's result, or None where root cannot drop it.)"""
+    import ctypes
+    import threading
+
+    if os.geteuid() != 0:
+        return fn()
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
+
+    out = {}
+
+    def run():
+        libc = ctypes.CDLL(None, use_errno=True)
+        header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3, this thread
+        if libc.capget(ctypes.byref(header), data) != 0:
+            return
+        data[0].effective &= ~(1 << 1)  # CAP_DAC_OVERRIDE
+        data[0].permitted &= ~(1 << 1)
+        if libc.capset(ctypes.byref(header), data) != 0:
+            return
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # raised again in the calling thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("result")
+
+
 def test_out_under_a_read_only_directory(tmp_path, capsys):
+    """A directory of mode 555: root, too, once it no longer overrides permission bits (tests run as root)."""
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
+
+    def probe():
+        return os.access(ro, os.W_OK), run_cli(["analyze", str(F), "--out", str(ro / "a")], capsys)
+
     try:
-        code, _, err = run_cli(["analyze", str(F), "--out", str(ro / "a")], capsys)
+        result = _as_without_dac_override(probe)
     finally:
         ro.chmod(0o755)
+    if result is None:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here, so it writes into read-only directories")
+    writable, (code, _, err) = result
+    assert not writable  # the directory is read-only to the probe
     assert code == 2 and "Traceback" not in err and "not a writable directory" in err, err
     assert list(ro.iterdir()) == []
 
@@ -333,6 +385,8 @@ def test_stale_lock_and_temporary_of_a_dead_run_in_a_unicode_path(tmp_path, caps
     stale = parent / f".{out.name}.tmp-999999999-abc123"
     stale.mkdir()
     (stale / "layer_0000.safetensors").write_bytes(b"\0" * 2048)
+    mark_temporary(stale, "output-tmp", out.name, pid=999999999)  # ours: a temporary is proved by its marker
+    size = human_bytes(dir_bytes(stale))
     mine = parent / f".{out.name}.tmp-notes"  # not a temporary of ours (no pid): left alone
     mine.write_text("mine\n")
     code, _, err = run_cli(
@@ -341,7 +395,7 @@ def test_stale_lock_and_temporary_of_a_dead_run_in_a_unicode_path(tmp_path, caps
     assert code == 0, err
     assert "Traceback" not in err
     notes = [line for line in err.splitlines() if line.startswith("note: removed")]
-    assert len(notes) == 1 and "2.00 KiB" in notes[0], err
+    assert len(notes) == 1 and size in notes[0], err
     assert sorted(p.name for p in parent.iterdir()) == sorted([out.name, mine.name])
     assert json.loads((out / MARKER).read_text())["kind"] == "stats"
 

@@ -26,7 +26,10 @@ def test_the_readme_is_at_most_120_lines_and_holds_the_two_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     install = re.search(r'pip install -c constraints.txt -e "\.\[eval,dev,triton\]"', README)
     assert install and install.group(0) in ci
-    assert "OMP_WAIT_POLICY=PASSIVE python -m pytest" in README and "OMP_WAIT_POLICY=PASSIVE python -m pytest" in ci
+    assert (
+        "OMP_WAIT_POLICY=PASSIVE python -m pytest" in README
+        and "OMP_WAIT_POLICY=PASSIVE python -m pytest" in ci
+    )
     assert "moecompress demo" in README
 
 

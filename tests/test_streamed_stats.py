@@ -77,7 +77,8 @@ def test_a_pass_restricted_to_some_statistics_gathers_those_alone_and_equal(setu
             view.get(i, "auto_g2_yy")
 
 
-@pytest.mark.parametrize("search", ["full", "fast"])
+# the full search takes most of a minute here: with the slow tests (the fast search, the default, stays in the run)
+@pytest.mark.parametrize("search", [pytest.param("full", marks=pytest.mark.slow), "fast"])
 def test_auto_on_streamed_statistics_writes_the_store_path_checkpoint(setup, search):
     root, model, _, store = setup
     # every statistic and candidate as PARAMS has them; the sensitivity forwards and the measured KL (what made this

@@ -39,6 +39,8 @@ from .errors import MoECompressError
 from .eval import request as evaluation_request
 from .methods import parse_config, stats_to_gather
 from .plan import CompressionPlan
+from .plan.targets import DEFAULT_TARGET
+from .validate import check_device
 from .workflows.pipeline import (
     calibrate_for,
     check_calib_mode,
@@ -51,6 +53,7 @@ from .workflows.pipeline import (
     quant_config,
     target_format,
 )
+from .workflows.preview import check_format_early
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -156,7 +159,7 @@ def _compress_inputs(
         if isinstance(params, BaseModel)
         else dict(params or {})
     )
-    if target != "moecompress" and method == "auto":
+    if target != DEFAULT_TARGET and method == "auto":
         params = recorded = {**recorded, "target": target}
     # validated once, here: the method's config and the quantization setting (a bad field or spec is one sentence
     # before any compute); everything below takes these objects (`parse_config` returns them as they are)
@@ -167,6 +170,7 @@ def _compress_inputs(
     check_calib_mode(
         calib_mode, method, calib, quant_setting
     )  # and a calibration mode this run cannot honour
+    check_format_early(model, method, config, target, format)  # and a format the plan's form cannot take
     if imatrix:
         check_imatrix(calib, format, target)
     return model, protect, recorded, config, quant_setting
@@ -189,7 +193,7 @@ def _compress_recipe(
     }
     if calib_mode != "one-pass":  # recorded only when not the default: default outputs stay as they were
         recipe["calib_mode"] = calib_mode
-    if target != "moecompress":
+    if target != DEFAULT_TARGET:  # recorded only when given: default outputs stay as they were
         recipe["target"] = target
     return recipe
 
@@ -318,11 +322,14 @@ def _evaluate(model, reference, measure: dict, loading: dict, arithmetic: str, p
     """`evaluate`'s computation, once its outputs are checked and claimed: the results dict. measure: the
     keywords of `eval.runner.evaluate_model` (tasks, ppl, limit, num_fewshot, batch_size, include_path, window,
     stride, max_tokens, seed); loading: dtype, device, trust_remote_code."""
-    from .eval.runner import check_finite, evaluate_model, model_info
+    from .eval.loading import eval_tokenizer
+    from .eval.runner import check_finite, check_reference, evaluate_model, model_info
 
+    check_device(loading["device"])  # `--device bogus` named as such, CUDA on a CPU-only torch: one sentence
     m = _load_for_eval(model, **loading, arithmetic=arithmetic)
-    tok = _tokenizer(model, loading["trust_remote_code"])
+    tok = eval_tokenizer(model, loading["trust_remote_code"])
     ref = _load_for_eval(reference, **loading) if reference else None
+    check_reference(m, ref, str(model), str(reference))  # KL only between models of one family and vocabulary
     metrics = evaluate_model(m, tok, reference=ref, progress=progress, **measure)
     info = model_info(m, model)
     check_finite(info["name"], metrics, allow_nan)
@@ -430,9 +437,11 @@ def load(
     max_memory=None,
     offload_folder=None,
     arithmetic: str = "exact",
+    trust_remote_code: bool = False,
 ):
     """Load any export (compact/packed into the runtime; hf / materialized with plain transformers; gguf with
     transformers' GGUF loader where it reads the architecture, else refused in one sentence).
+    trust_remote_code: let a plain HF checkpoint's own modeling code run (never asked for on a terminal).
 
     max_memory / offload_folder: with ``device_map="auto"``, what does not fit is offloaded (accelerate).
     arithmetic: ``exact`` (default), or ``llama.cpp``: a compact export loaded in float32 computes what llama.cpp's
@@ -446,15 +455,19 @@ def load(
         max_memory=max_memory,
         offload_folder=offload_folder,
         arithmetic=arithmetic,
+        trust_remote_code=trust_remote_code,
     )
 
 
 def _load_for_eval(
     source: str, dtype: str, device: str | None, trust_remote_code: bool, arithmetic: str = "exact"
 ):
-    """A local export (compact into the runtime, hf/materialized, gguf) through `load`, else `models.load_model`."""
-    if Path(source).expanduser().is_dir() and not trust_remote_code:
-        return load(source, device_map=device, dtype=dtype, arithmetic=arithmetic)
+    """A local export (compact into the runtime, hf/materialized, gguf) through `load`, else `models.load_model`;
+    the user's trust_remote_code goes to either explicitly (a GGUF directory never runs the directory's code)."""
+    if Path(source).expanduser().is_dir():
+        return load(
+            source, device_map=device, dtype=dtype, arithmetic=arithmetic, trust_remote_code=trust_remote_code
+        )
     if arithmetic != "exact":
         raise MoECompressError(
             f"arithmetic='{arithmetic}' evaluates a compact export directory; {source} is not one."
@@ -462,15 +475,3 @@ def _load_for_eval(
     from .models import load_model
 
     return load_model(source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code)
-
-
-def _tokenizer(source: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError, KeyError):
-        raise MoECompressError(
-            f"No tokenizer could be loaded from {source}; copy the original model's tokenizer "
-            "files into the checkpoint directory."
-        ) from None

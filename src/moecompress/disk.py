@@ -39,13 +39,63 @@ def tag_bytes(tag: str, default: int) -> int:
     return DTYPES[tag][1] if tag in DTYPES else default
 
 
+MAX_HEADER = 100 * 2**20  # the largest safetensors header read (safetensors' own limit)
+
+
 def read_header(file: str | os.PathLike) -> dict[str, dict]:
-    """{tensor name: {"dtype", "shape", "data_offsets"}} of one safetensors file (metadata dropped)."""
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of one safetensors file (metadata dropped). A declared
+    header length beyond the file or `MAX_HEADER` is a ValueError, never a read of that many bytes."""
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(MAX_HEADER, os.fstat(f.fileno()).st_size - 8):
+            raise ValueError(f"{file}: header length {n} beyond the file")
         header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: header is not a JSON object")
     header.pop("__metadata__", None)
     return header
+
+
+def checked_header(file: str | os.PathLike) -> dict[str, tuple[str, list[int]]]:
+    """{tensor name: (dtype tag, shape)} of one safetensors file whose header agrees with the file's real bytes:
+    every entry a shape of non-negative integers whose bytes are exactly its data offsets, inside the file (a
+    dtype `DTYPES` lacks: its offsets inside the file). What a config's sizes are checked against
+    (`models.check_config_sizes`); one sentence otherwise."""
+    from .safejson import parse_json
+
+    file = Path(file)
+    bad = (
+        f"{file} is not a valid safetensors file (its header does not describe its bytes); re-download or "
+        "re-export the checkpoint"
+    )
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise MoECompressError(bad + ".")
+            header = parse_json(f.read(n), str(file), bad)
+    except OSError as exc:
+        raise MoECompressError(
+            f"{file} cannot be read ({exc.strerror}); re-download the checkpoint."
+        ) from None
+    header.pop("__metadata__", None)
+    data = size - 8 - n
+    out: dict[str, tuple[str, list[int]]] = {}
+    for name, h in header.items():
+        ok = isinstance(h, dict) and isinstance(h.get("dtype"), str) and isinstance(h.get("shape"), list)
+        ok = ok and all(type(d) is int and d >= 0 for d in h["shape"])
+        offsets = h.get("data_offsets") if ok else None
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        ok = ok and 0 <= offsets[0] <= offsets[1] <= data
+        # a dtype this table lacks (sub-byte, U32) is held to its offsets only
+        if not ok or (
+            h["dtype"] in DTYPES and offsets[1] - offsets[0] != math.prod(h["shape"]) * DTYPES[h["dtype"]][1]
+        ):
+            raise MoECompressError(f"{bad} (tensor '{str(name)[:100]}').")
+        out[name] = (h["dtype"], list(h["shape"]))
+    return out
 
 
 def stored_tensors(directory: str | os.PathLike) -> dict[str, tuple[str, int]]:
@@ -132,10 +182,11 @@ def read_weight_map(index: str | os.PathLike) -> dict[str, str]:
     """The `weight_map` of a ``model.safetensors.index.json``: tensor name -> shard path, relative to the
     checkpoint directory and confined to it. An entry such as ``../x.safetensors`` or ``/etc/x`` used to be
     opened outside the checkpoint. Only the names are checked, so symlinked shards (the HF cache) still load."""
+    from .safejson import try_load_json
+
     index = Path(index)
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    weight_map = (try_load_json(index) or {}).get("weight_map")
+    if weight_map is None:
         raise MoECompressError(
             f"{index} is not a valid safetensors index: the checkpoint is corrupted; re-download it."
         ) from None

@@ -14,3 +14,11 @@ class NonFiniteMetrics(MoECompressError):
     command line itself was fine. `--allow-nan` keeps such results instead."""
 
     exit_code = 1
+
+
+class BudgetExceeded(MoECompressError):
+    """The weight files an export wrote are larger than the budget its plan records (`auto`'s hard upper bound,
+    `export.budget.check_weight_budget`): exit 1, one sentence, nothing left behind. Not exit 2: the command line
+    was fine, the output did not fit."""
+
+    exit_code = 1

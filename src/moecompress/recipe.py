@@ -230,6 +230,32 @@ def _check_size(data, path) -> None:
             todo.extend(node)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, where: str):
+        super().__init__(key)
+        self.where = where
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a mapping naming one key twice (YAML itself keeps the last silently, so
+    ``ratio: 0.25`` then ``ratio: 0.75`` ran with 0.75 without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: explicit keys may override it
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class gives its own error
+                break
+            if duplicate:
+                raise _DuplicateKey(key, f" (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: str | os.PathLike, model: str | None = None) -> Recipe:
     """The one loader of recipe files (`compare`, `demo` and `compress --recipe`).
 
@@ -239,7 +265,11 @@ def load_recipe(path: str | os.PathLike, model: str | None = None) -> Recipe:
     if not p.is_file():
         raise MoECompressError(f"No recipe at {path}; pass a YAML recipe file.")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as exc:
+        raise MoECompressError(
+            f"{path} sets '{str(exc)[:80]}' twice{exc.where}; keep one (YAML would silently take the last)."
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise MoECompressError(
             f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file."

@@ -93,3 +93,45 @@ def check_seed(flag: str, seed) -> None:
         return
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise MoECompressError(f"{flag} must be an integer between 0 and {SEED_MAX}, not {seed}.")
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named device maps
+
+
+def check_device(device, flag: str = "--device") -> None:
+    """Refuse, before any model loads, a device this machine cannot run on, naming the device: a name torch does
+    not know (``--device bogus`` was blamed on the checkpoint), CUDA on a CPU-only torch or with no GPU visible
+    (a traceback), ``cuda:N`` beyond the devices present, or a device type moecompress does not run on. None
+    (the default) and accelerate's named maps (`DEVICE_MAPS`) pass."""
+    if device is None or str(device) in DEVICE_MAPS:
+        return
+    import torch
+
+    name = str(device)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise MoECompressError(
+            f"{flag} '{name}' is not a device; use cpu, cuda, cuda:N, mps or auto."
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MoECompressError(
+                f"{flag} {name} was requested but this torch sees no CUDA device (a CPU-only build, or no GPU "
+                "visible); pass --device cpu."
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise MoECompressError(
+                f"{flag} {name} names a CUDA device this machine lacks (it has {torch.cuda.device_count()}); "
+                "pass --device cuda:0 or auto."
+            )
+    elif dev.type == "mps" and not (
+        getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    ):
+        raise MoECompressError(
+            f"{flag} mps was requested but this torch has no MPS device; pass --device cpu."
+        )
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise MoECompressError(
+            f"{flag} '{name}' is a device type moecompress does not run on; use cpu, cuda, cuda:N, mps or auto."
+        )

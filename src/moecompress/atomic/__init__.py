@@ -19,21 +19,40 @@ The policy (docs/architecture.md, "Outputs"):
 - every file is fsynced before its rename (`fsync_tree`, `write_file`), so a crash right after a run
   cannot leave a complete-looking output with empty files;
 - temporary siblings left by a killed run (SIGKILL: no cleanup can run) are removed by the next
-  run that writes the same output, once their process is gone, and reported with their size;
+  run that writes the same output, once their process is gone, and reported with their size; a temporary
+  is recognised by the marker ``.moecompress-tmp`` written into it when it was made (`temporary_dir`), never
+  by its name alone, and a ``.NAME.partial`` is deleted only when its run.json is ours (`clear_partial`);
 - outputs get the permissions of an ordinary `mkdir` (the umask), not `mkdtemp`'s 0700.
 
 Modules: `checks` (which output paths a run may write), `lock` (one writer per output), `durable`
 (fingerprinted inputs, fsynced files, `atomic_dir`), `sizes` (bytes on disk, printed).
 """
 
-from .checks import MARKER, check_apart, check_output, check_path, marker_kind, write_marker
+from .checks import (
+    MARKER,
+    check_apart,
+    check_output,
+    check_path,
+    dry_run_output,
+    marker_kind,
+    write_marker,
+)
 from .durable import (
+    SPILL_PREFIX,
+    TMP_MARKER,
     Inputs,
     atomic_dir,
+    clean_marked,
     clean_stale,
+    clean_stale_spills,
+    clear_partial,
+    commit_file,
     fingerprint_inputs,
     fix_permissions,
     fsync_tree,
+    mark_temporary,
+    stage_file,
+    temporary_dir,
     write_file,
 )
 from .lock import claim, lock_path
@@ -41,20 +60,30 @@ from .sizes import dir_bytes, human_bytes
 
 __all__ = [
     "MARKER",
+    "SPILL_PREFIX",
+    "TMP_MARKER",
     "Inputs",
     "atomic_dir",
     "check_apart",
     "check_output",
     "check_path",
     "claim",
+    "clean_marked",
     "clean_stale",
+    "clean_stale_spills",
+    "clear_partial",
+    "commit_file",
     "dir_bytes",
+    "dry_run_output",
     "fingerprint_inputs",
     "fix_permissions",
     "fsync_tree",
     "human_bytes",
     "lock_path",
     "marker_kind",
+    "mark_temporary",
+    "stage_file",
+    "temporary_dir",
     "write_file",
     "write_marker",
 ]

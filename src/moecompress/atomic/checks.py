@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from ..errors import MoECompressError
@@ -117,10 +118,9 @@ def check_path(out: str | os.PathLike, flag: str = "--out") -> Path:
 
 def marker_kind(directory: str | os.PathLike) -> str | None:
     """The kind recorded in `directory`'s marker (None: no marker, or one too old to say)."""
-    try:
-        kind = json.loads((Path(directory) / MARKER).read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
-        return None
+    from ..safejson import try_load_json
+
+    kind = (try_load_json(Path(directory) / MARKER) or {}).get("kind")  # bounded: a crafted marker is "none"
     return (
         kind if isinstance(kind, str) and kind != "output" else None
     )  # "output": before kinds were recorded
@@ -181,16 +181,53 @@ def check_output(
                 f"{out} holds moecompress output of kind '{_family(old)}', not "
                 f"'{_family(kind)}', so --overwrite will not replace it; pass another output path."
             )
+        _check_movable(out, full, flag)
     return out
+
+
+def dry_run_output(
+    out: str | os.PathLike, overwrite: bool = False, protect=(), flag: str = "--out", kind: str | None = None
+) -> str:
+    """What a dry run says of its output `out`: new, replaced (``--overwrite``), or the sentence `check_output`
+    would refuse the run with."""
+    full = abs_path(out)
+    exists = full.exists() or full.is_symlink()
+    try:
+        check_output(out, overwrite, protect, flag, kind)
+    except MoECompressError as exc:
+        return f"{out} would be refused: {exc}"
+    if not exists:
+        return f"{out} (new)"
+    return f"{out} exists; --overwrite replaces it"
+
+
+def _check_movable(out, full: Path, flag: str) -> None:
+    """Refuse, before any compute, an existing output this user cannot move aside, as `--overwrite` does before
+    putting the new one in place: a directory moved to another parent needs write permission on itself (its
+    ``..`` entry), and one in a sticky directory must belong to this user. Otherwise the rename failed after all
+    the compute. (What the permissions cannot tell, an immutable directory say, is still one sentence then.)"""
+    if full.is_symlink():  # the link is moved, not its target
+        return
+    st, parent = full.stat(), full.parent.stat()
+    if not os.access(full, os.W_OK):
+        raise MoECompressError(
+            f"--overwrite cannot replace {flag} {out}: moving it aside needs write permission on it, which "
+            "this user lacks; fix its permissions or pass another output path."
+        )
+    euid = os.geteuid() if hasattr(os, "geteuid") else 0
+    if parent.st_mode & stat.S_ISVTX and euid not in (0, st.st_uid, parent.st_uid):
+        raise MoECompressError(
+            f"--overwrite cannot replace {flag} {out}: it belongs to another user in a sticky directory; "
+            "pass another output path."
+        )
 
 
 def _marker_readable(directory: Path) -> bool:
     """Whether `directory`'s marker says what it holds. A marker cut short or not ours tells nothing about the
     kind, so --overwrite must not take it as leave to replace the directory."""
-    try:
-        data = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
+    from ..safejson import try_load_json
+
+    data = try_load_json(directory / MARKER)  # bounded (`safejson`): a file nested 200,000 deep is unreadable
     return isinstance(data, dict) and isinstance(data.get("kind"), str)
 
 

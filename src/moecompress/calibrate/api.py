@@ -130,6 +130,9 @@ class Calibration:
         self.reader = CheckpointReader(model, o.trust_remote_code)
         self.dtype = None if o.dtype in (None, "auto") else parse_dtype(o.dtype)
         self.rank, self.world = dist.world()
+        from ..validate import check_device
+
+        check_device(o.device)  # `--device bogus` is a sentence naming the device, not a torch traceback
         self.device = dist.default_device(o.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoECompressError(
@@ -140,7 +143,7 @@ class Calibration:
         else:
             self.calib = load_calibration(
                 str(data),
-                load_tokenizer(str(self.reader.path), o.tokenizer),
+                load_tokenizer(str(self.reader.path), o.tokenizer, o.trust_remote_code),
                 o.seq_len,
                 o.seed,
                 o.padding,

@@ -64,9 +64,10 @@ class ActivationCache:
         """Reuse an on-disk buffer holding the outputs of `after_layer` for this run; False if none."""
         if self.dir is None or not (self.dir / "state.json").is_file():
             return False
-        try:
-            state = json.loads((self.dir / "state.json").read_text())
-        except json.JSONDecodeError:
+        from ..safejson import try_load_json
+
+        state = try_load_json(self.dir / "state.json")  # ours, but bounded all the same (`safejson`)
+        if state is None:
             return False
         if state.get("key") != key or state.get("after_layer") != after_layer:
             return False

@@ -40,6 +40,7 @@ def _calibration(model: str, data: dict):
         int(data["seed"]),
         bool(data.get("padded", False)),
         bool(data.get("chat_template", False)),
+        seq_len_from="--seq-len when calibrating again (this seq_len is the statistics store's)",
     )
     if data.get("fingerprint") not in (None, calib.fingerprint()):
         raise MoECompressError(

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from ..errors import MoECompressError
+from ..safejson import load_json, try_load_json
+from .store_checks import check_identity, check_meta
 
 FORMAT = "moecompress-stats/2"
 FORMATS = (
@@ -88,15 +90,18 @@ def _unpacked(t: torch.Tensor, name: str, path: Path) -> torch.Tensor:
     return unpack(t)
 
 
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], identity: dict | None = None) -> None:
     """One layer's file (symmetric statistics packed, `_pack`), fsynced before its rename so that a resumed run
-    never trusts a file the crash left empty; the temporary is removed on any failure."""
+    never trusts a file the crash left empty; the temporary is removed on any failure. `identity`: what the file
+    records of itself (its layer and the model's fingerprint, `_check_identity` on every read)."""
     from ..disk import write_tensors
 
     tmp = path.with_suffix(path.suffix + ".tmp")
     tensors, packed = _pack(tensors)
     try:
-        write_tensors(tmp, tensors, metadata={"format": FORMAT, "packed": ",".join(packed)})
+        write_tensors(
+            tmp, tensors, metadata={"format": FORMAT, "packed": ",".join(packed), **(identity or {})}
+        )
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -148,29 +153,34 @@ class StatsStore:
             raise MoECompressError(
                 f"{path} is not a stats store (no stats.json); run `moecompress calibrate` to create one."
             )
-        try:
-            meta = json.loads(meta_file.read_text())
-        except json.JSONDecodeError:
-            raise MoECompressError(
-                f"{meta_file} is not valid JSON: the stats store is corrupted; re-run calibration."
-            ) from None
+        meta = load_json(meta_file, "the stats store is corrupted, so re-run calibration")
         if meta.get("format") not in FORMATS:
             raise MoECompressError(
-                f"{path} holds stats format '{meta.get('format')}', which this version of "
+                f"{path} holds stats format '{str(meta.get('format'))[:80]}', which this version of "
                 f"moecompress does not read ({' or '.join(FORMATS)}); re-run calibration with this "
                 "version."
             )
+        check_meta(meta_file, meta)
         store = cls(path, meta)
         store.check(model_fingerprint, data_spec)
         return store
 
     def check(self, model_fingerprint: str | None = None, data_spec: str | None = None) -> None:
         """Refuse (one sentence) when the store was computed on another model or data spec."""
+        from ..checkpoint import legacy_fingerprint
+
         m, d = self.meta["model"], self.meta["data"]
+        if model_fingerprint is not None and legacy_fingerprint(m["fingerprint"]):
+            raise MoECompressError(
+                f"The stats store {self.path} was computed on another model or by an earlier moecompress (its "
+                "model fingerprint sampled the weights, so it cannot be shown to come from this model); re-run "
+                "calibration with this version (calibrate --overwrite replaces it)."
+            )
         if model_fingerprint is not None and m["fingerprint"] != model_fingerprint:
             raise MoECompressError(
-                f"The stats store {self.path} was computed on another model ({m['source']}); "
-                "re-run calibration for this model or pass the store made from it."
+                f"The stats store {self.path} was computed on another model or other weights of it "
+                f"({m['source']}, whose bytes differ from this model's); re-run calibration for this model "
+                "or pass the store made from it."
             )
         if data_spec is not None and d["spec"] != data_spec:
             raise MoECompressError(
@@ -286,13 +296,15 @@ class StatsStore:
 
         try:
             with safe_open(str(self._file(layer)), framework="pt") as f:
-                packed = name in _packed_in(f.metadata())
+                metadata = f.metadata()
+                packed = name in _packed_in(metadata)
                 t = f.get_tensor(name) if index is ... else f.get_slice(name)[index]
         except Exception:
             raise MoECompressError(
                 f"{self._file(layer)} is missing or unreadable: the stats store is corrupted; "
                 "re-run calibration."
             ) from None
+        check_identity(self._file(layer), metadata, layer, self.meta["model"]["fingerprint"])
         # calibration never writes NaN or inf (it refuses them, and unreached experts get 0), so one here was
         # edited in or damaged; it used to change the plan silently (NaN scores sort anywhere)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -311,7 +323,7 @@ class StatsStore:
     def describe(self) -> str:
         """One line for reports: calibration domain, token count, seed."""
         d = self.meta["data"]
-        domains = "; ".join(f"{s['term']}: {s['domain']}" for s in d.get("sources", []))
+        domains = "; ".join(f"{s.get('term')}: {s.get('domain')}" for s in d.get("sources", []))
         return f"calibration {d['spec']} ({domains}), {d['tokens']:,} tokens, seq_len {d['seq_len']}, seed {d['seed']}"
 
 
@@ -335,7 +347,9 @@ def write_store(
             Path(tmp) / "stats.json",
             {**meta, "packed": sorted(packed), "packing": "upper triangle, torch.triu_indices order"},
         )
-    return StatsStore(Path(out), json.loads((Path(out) / "stats.json").read_text()))
+    return StatsStore(
+        Path(out), load_json(Path(out) / "stats.json", "the stats store is corrupted, so re-run calibration")
+    )
 
 
 class PartialRun:
@@ -368,24 +382,37 @@ class PartialRun:
             self.close()
             raise
 
+    def _read_run(self) -> dict | None:
+        """run.json of the partial run in `dir` when it is ours (an identity and the finished layers), else None."""
+        if self.dir.is_symlink():
+            return None
+        # cut short by a crash of an older version, or not ours (or crafted: bounded, `safejson`)
+        old = try_load_json(self.dir / "run.json")
+        ours = isinstance(old, dict) and isinstance(old.get("identity"), dict)
+        finished = old.get("finished") if ours else None
+        layers = isinstance(finished, list) and all(type(i) is int and i >= 0 for i in finished)
+        return old if layers else None
+
     def _start(self, identity: dict, resume: bool) -> list[int]:
+        from ..atomic import clear_partial
+        from ..checkpoint import legacy_fingerprint
+
         run = self.dir / "run.json"
-        if self.dir.exists() and resume and run.is_file():
-            try:  # cut short by a crash of an older version, or not ours: a clear refusal, not a traceback
-                old = json.loads(run.read_text())
-            except (OSError, ValueError):
-                old = None
-            if not (
-                isinstance(old, dict)
-                and isinstance(old.get("identity"), dict)
-                and isinstance(old.get("finished"), list)
-            ):
+        old = self._read_run()
+        if self.dir.exists() and resume and (run.is_file() or run.is_symlink()):
+            if old is None:  # a clear refusal, not a traceback; and not deleted: nothing proves it ours
                 raise MoECompressError(
                     f"The interrupted run in {self.dir} cannot be resumed (its run.json is cut "
-                    "short or unreadable); drop --resume to start over."
+                    "short or unreadable); remove it and drop --resume to start over."
                 ) from None
+            if legacy_fingerprint(old["identity"].get("model_fingerprint")):
+                raise MoECompressError(
+                    f"The interrupted run in {self.dir} was made with another model or by an earlier "
+                    "moecompress (its model fingerprint sampled the weights, so its finished layers cannot be "
+                    "shown to come from this model); drop --resume to start over."
+                )
             for key, what in (
-                ("model_fingerprint", "another model"),
+                ("model_fingerprint", "another model or other weights of it"),
                 ("data_fingerprint", "other data"),
                 ("data_spec", "another data spec"),
             ):
@@ -402,8 +429,7 @@ class PartialRun:
                     "drop --resume to start over or pass the same settings."
                 )
             return [i for i in old["finished"] if (self.dir / f"layer_{i:04d}.safetensors").is_file()]
-        if self.dir.exists():
-            shutil.rmtree(self.dir)
+        clear_partial(self.dir, ours=old is not None)  # never deletes what moecompress did not write
         self.dir.mkdir(parents=True)
         try:
             _write_json(run, {"identity": identity, "finished": []})
@@ -413,14 +439,19 @@ class PartialRun:
         return []
 
     def save_layer(self, i: int, stats: dict[str, torch.Tensor]) -> None:
-        _save_tensors(self.dir / f"layer_{i:04d}.safetensors", stats)
-        run = json.loads((self.dir / "run.json").read_text())
+        run = load_json(self.dir / "run.json", "the interrupted run is corrupted, so drop --resume")
+        model = str(run.get("identity", {}).get("model_fingerprint"))
+        _save_tensors(self.dir / f"layer_{i:04d}.safetensors", stats, {"layer": str(i), "model": model})
         run["finished"] = sorted(set(run["finished"]) | {i})
         _write_json(self.dir / "run.json", run)
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
-        """A finished layer's statistics, symmetric ones rebuilt whole."""
-        return _load_tensors(self.dir / f"layer_{i:04d}.safetensors")
+        """A finished layer's statistics, symmetric ones rebuilt whole; refused when the file names another
+        layer or model (`_check_identity`)."""
+        run = load_json(self.dir / "run.json", "the interrupted run is corrupted, so drop --resume")
+        return _load_tensors(
+            self.dir / f"layer_{i:04d}.safetensors", i, run.get("identity", {}).get("model_fingerprint")
+        )
 
     @property
     def holding(self) -> bool:
@@ -448,11 +479,12 @@ def _file_packed(path: Path) -> frozenset[str]:
         return _packed_in(f.metadata())
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_tensors(path: Path, layer: int, model_fingerprint) -> dict[str, torch.Tensor]:
     """Every tensor of one layer file, packed ones rebuilt (`calibrate.symmetric.unpack`)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
+        check_identity(path, f.metadata(), layer, model_fingerprint)
         packed = _packed_in(f.metadata())
         names = list(f.keys())  # a safe_open handle is no mapping
         return {k: _unpacked(f.get_tensor(k), k, path) if k in packed else f.get_tensor(k) for k in names}

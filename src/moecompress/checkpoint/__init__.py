@@ -5,6 +5,6 @@ fingerprint that guards a user's files; `view`: the streamed method view over a 
 (`StreamedAdapter`, one decoder layer resident at a time) and where plan tensors spill to disk on it.
 """
 
-from .reader import CheckpointReader, checkpoint_fingerprint
+from .reader import CheckpointReader, checkpoint_fingerprint, legacy_fingerprint
 
-__all__ = ["CheckpointReader", "checkpoint_fingerprint"]
+__all__ = ["CheckpointReader", "checkpoint_fingerprint", "legacy_fingerprint"]

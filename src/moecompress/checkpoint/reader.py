@@ -33,7 +33,7 @@ from ..disk import read_weight_map, tag_bytes
 from ..errors import MoECompressError
 from ..memory import release_freed_memory
 
-__all__ = ["CheckpointReader", "checkpoint_fingerprint"]
+__all__ = ["CheckpointReader", "checkpoint_fingerprint", "legacy_fingerprint"]
 
 
 def _checkpoint_dir(path: str) -> Path:
@@ -75,6 +75,11 @@ def _index_shards(root: Path) -> dict[str, Path]:
             )
         return {k: root / f for k, f in weight_map.items()}
     shards = sorted(root.glob("*.safetensors"))
+    if not shards and (root / "model.gguf").is_file():  # a GGUF export: evaluation only, never a source
+        raise MoECompressError(
+            f"{root} holds a GGUF (model.gguf), which moecompress only evaluates and loads (eval, load); "
+            "calibrate and compress the original safetensors checkpoint instead."
+        )
     if not shards:
         raise MoECompressError(
             f"{root} holds no .safetensors weights; convert the checkpoint to safetensors "
@@ -190,7 +195,7 @@ class CheckpointReader:
         )
 
     def fingerprint(self) -> str:
-        """A cheap identity of the weights (see `checkpoint_fingerprint`)."""
+        """The identity of the weights: a hash of every byte (see `checkpoint_fingerprint`)."""
         return checkpoint_fingerprint(self.path)
 
     def converts(self, i: int | None) -> bool:
@@ -352,26 +357,75 @@ def parse_dtype_or_none(dtype):
     return parse_dtype(dtype)
 
 
+FINGERPRINT_SCHEME = "sha256-full/1"  # the prefix of every fingerprint `checkpoint_fingerprint` gives
+_CHUNK = 16 * 2**20  # bytes hashed per read
+_SHARD_DIGESTS: dict[tuple, str] = {}  # (path, device, inode, size, mtime, ctime) -> sha256 of the whole file
+
+
 def checkpoint_fingerprint(path: str | Path) -> str:
-    """sha256 identifying a checkpoint cheaply: config.json, every shard's name, size and header, and
-    four 64 KiB samples of each shard's tensor bytes (so two random models of one config differ)."""
+    """``sha256-full/1:<hex>``: the identity of a checkpoint, which changes when any byte of any tensor does.
+
+    sha256 over config.json, the shard index and, for every shard, its name, size and the sha256 of all its
+    bytes (streamed in 16 MiB reads, shards hashed on up to 4 threads; about 1-2 GB/s, so ~1 min for a 100 GB
+    checkpoint). A shard's digest is kept for the process, keyed on its inode, size, modification and change
+    times, so a run that fingerprints its model several times (at the start, again before its rename) reads
+    the weights once; a file rewritten in place changes its change time (ctime), which no user can set back,
+    and a file changed in the last 2 s is hashed again every time (a change in the same clock tick).
+
+    Earlier versions sampled 4 x 64 KiB of each shard (a bare 64-digit hex digest): a changed tensor went
+    unnoticed, so such a recorded fingerprint never equals this one (`legacy_fingerprint`) and stores or
+    interrupted runs that carry one are refused with a sentence saying to recalibrate (docs/calibration.md)."""
     import hashlib
 
     root = Path(path)
+    h = hashlib.sha256(FINGERPRINT_SCHEME.encode())
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (root / name).is_file():
+            h.update(f"\n{name}\n".encode())
+            h.update((root / name).read_bytes())
+    shards = sorted(root.glob("*.safetensors"))
+    for shard, digest in zip(shards, _shard_digests(shards)):
+        h.update(f"\n{shard.name}:{shard.stat().st_size}:{digest}".encode())
+    return f"{FINGERPRINT_SCHEME}:{h.hexdigest()}"
+
+
+def legacy_fingerprint(fingerprint) -> bool:
+    """Whether a recorded fingerprint is of the sampled kind earlier versions wrote (it proves nothing about
+    the weights), not `checkpoint_fingerprint`'s."""
+    return isinstance(fingerprint, str) and not fingerprint.startswith(FINGERPRINT_SCHEME + ":")
+
+
+def _shard_digests(shards: list[Path]) -> list[str]:
+    """sha256 of every byte of each shard, from the process's cache where the file is unchanged since."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    def key(shard: Path) -> tuple:
+        st = shard.stat()
+        return (str(shard.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    started = time.time_ns()
+    keys = [key(s) for s in shards]
+    todo = [(s, k) for s, k in zip(shards, keys) if k not in _SHARD_DIGESTS]
+    if len(todo) > 1:
+        with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:  # hashlib releases the GIL
+            digests = list(pool.map(lambda sk: _file_sha256(sk[0]), todo))
+    else:
+        digests = [_file_sha256(s) for s, _ in todo]
+    fresh = dict(zip((k for _, k in todo), digests))
+    for (s, k), d in zip(todo, digests):
+        # kept only for a file unchanged while hashed and last changed over 2 s before (a change within the
+        # same timestamp tick would leave the key as it was: git's "racy" rule)
+        if key(s) == k and started - max(k[4], k[5]) > 2 * 10**9:
+            _SHARD_DIGESTS[k] = d
+    return [fresh[k] if k in fresh else _SHARD_DIGESTS[k] for k in keys]
+
+
+def _file_sha256(file: Path) -> str:
+    import hashlib
+
     h = hashlib.sha256()
-    cfg = root / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    for shard in sorted(root.glob("*.safetensors")):
-        size = shard.stat().st_size
-        h.update(shard.name.encode())
-        h.update(size.to_bytes(8, "little"))
-        with open(shard, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little")
-            h.update(f.read(min(n, 1 << 26)))
-            start = 8 + n
-            for k in range(4):
-                f.seek(start + (size - start) * k // 4)
-                h.update(f.read(1 << 16))
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
     return h.hexdigest()

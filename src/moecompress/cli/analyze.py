@@ -64,7 +64,7 @@ def analyze_command(
         inputs = _reads(model)
         res = analyze_model(model, scope_size=scope, trust_remote_code=trust_remote_code, progress=True)
         path = write_analysis(res, out, overwrite=overwrite, protect=[model], inputs=inputs)
-    console = Console()
+    console = Console(markup=False)
     table = Table(title=f"cross-layer nearest neighbours (scope {scope})")
     table.add_column("layer", justify="right")
     table.add_column("cross-layer NN", justify="right")
@@ -129,5 +129,7 @@ def _mask_drift(
         table.add_row(
             "all domain pairs ÷ resampling", "", f"{s['overall']['ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
         )
-    Console().print(table)
-    Console().print(f"wrote {path / 'drift.json'} and {path / f'drift_{name.replace(chr(64), chr(95))}.png'}")
+    Console(markup=False).print(table)
+    Console(markup=False).print(
+        f"wrote {path / 'drift.json'} and {path / f'drift_{name.replace(chr(64), chr(95))}.png'}"
+    )

@@ -66,7 +66,7 @@ def calibrate_command(
     check_seed("--seed", seed)
     check_range("--batch-size", batch_size, 1)
     experts = _moment_experts(moment_experts) if moment_experts else None
-    console = Console()
+    console = Console(markup=False)  # what it prints embeds paths and data specs: never read as rich markup
     try:
         result = calibrate(
             model,
@@ -94,7 +94,23 @@ def calibrate_command(
         _leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 reports
-    _report(result, dry_run, as_json, console)
+    _report(result, dry_run, as_json, console, _output(model, out, overwrite) if dry_run else None)
+
+
+def _output(model: str, out: str, overwrite: bool) -> str:
+    """What a dry run says of --out: new, replaced, reused (a finished store that answers the request is), or
+    the sentence the run would be refused with (`atomic.dry_run_output`)."""
+    from pathlib import Path
+
+    from ..atomic import dry_run_output
+    from ..models import resolve_source
+
+    if not overwrite and (Path(out) / "stats.json").is_file():
+        return (
+            f"{out} exists: a stats store, reused if it answers this request (else refused); --overwrite "
+            "recomputes it"
+        )
+    return dry_run_output(out, overwrite, [resolve_source(model)], kind="stats")
 
 
 def _leave_process_group() -> None:
@@ -105,16 +121,19 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _report(result, dry_run: bool, as_json: bool, console: Console) -> None:
-    """Print the dry run's estimate (refused when it does not fit) or the stats store written, as a table or
-    JSON."""
+def _report(result, dry_run: bool, as_json: bool, console: Console, output: str | None = None) -> None:
+    """Print the dry run's estimate (refused when it does not fit) with what becomes of --out (`output`), or the
+    stats store written, as a table or JSON."""
     if dry_run:
         if as_json:
-            typer.echo(json.dumps(result.to_dict(), indent=2))
+            typer.echo(json.dumps({**result.to_dict(), "output": output}, indent=2))
         else:
+            from rich.text import Text
+
             table = Table(title="calibration dry run", show_header=False)
             for k, v in result.rows():
                 table.add_row(k, v)
+            table.add_row("output", Text(str(output)))
             console.print(table)
         if not result.fits:
             raise MoECompressError(result.problem())
@@ -122,7 +141,9 @@ def _report(result, dry_run: bool, as_json: bool, console: Console) -> None:
     if as_json:
         typer.echo(json.dumps({"out": str(result.path), **result.meta}, indent=2))
         return
-    console.print(f"[bold]stats store[/] {result.path}")
+    from rich.text import Text
+
+    console.print(Text.assemble(("stats store", "bold"), f" {result.path}"))
     console.print(result.describe())
     console.print(f"statistics: {', '.join(result.names)}")
     console.print(f"MoE layers: {result.layers}")

@@ -15,6 +15,7 @@ from rich.table import Table
 from ..api import compress
 from ..errors import MoECompressError
 from ..export.formats import FORMATS
+from ..plan.targets import TARGETS
 from ..validate import check_range, check_seed, parse_size
 from ..workflows.compress_dryrun import estimate_compress, refuse_if_over
 from ..workflows.pipeline import moment_fraction, needs_for, streamed_chunk
@@ -92,10 +93,9 @@ def compress_command(
     format: str = typer.Option("auto", help=" | ".join(("auto", *FORMATS)) + "."),
     target: str = typer.Option(
         "moecompress",
-        help="The runtime that serves the output: moecompress (every plan) | "
-        "llama.cpp (writes gguf; auto searches one expert count and one Q8_0 / Q5_0 / Q4_0 / 16-bit "
-        "type per layer tensor) | transformers | vllm (write hf; auto searches one expert count and one "
-        "expert precision, 4 or 8 bits for vllm); a plan the runtime cannot run is refused.",
+        help="The runtime that serves the output: "
+        + " | ".join(f"{t.name} ({t.help})" for t in TARGETS.values())
+        + "; a plan the runtime cannot run is refused.",
     ),
     imatrix: bool = typer.Option(
         False,
@@ -127,6 +127,8 @@ def compress_command(
     ),
 ) -> None:
     """Compress MODEL with one method and write a checkpoint that is really smaller."""
+    if as_json and not dry_run:  # it was ignored: the run went ahead and printed no JSON
+        raise MoECompressError("--json prints the --dry-run estimates as JSON; add --dry-run or drop --json.")
     check_range("--ratio", ratio, 0.0, 1.0, hi_open=True)
     check_range("--seq-len", seq_len, 1)
     check_seed("--seed", seed)
@@ -143,7 +145,9 @@ def compress_command(
         model, method, recipe, format, given, param, quant, quant_algo, quant_weighting, quant_scope
     )
     if dry_run or max_memory is not None:
-        _estimate(model, method, params, calib, seq_len, quant_setting, out, dry_run, as_json, max_memory)
+        _estimate(
+            model, method, params, calib, seq_len, quant_setting, out, dry_run, as_json, max_memory, overwrite
+        )
         if dry_run:
             return
     result = compress(
@@ -231,10 +235,11 @@ def _quant_flags(method: str, params: dict, quant_setting, quant, quant_algo, qu
 
 
 def _estimate(
-    model, method, params, calib, seq_len, quant_setting, out, dry_run, as_json, max_memory
+    model, method, params, calib, seq_len, quant_setting, out, dry_run, as_json, max_memory, overwrite=False
 ) -> None:
-    """Estimate the run (`compress_dryrun`), print it with --dry-run (as JSON with --json), and refuse it when
-    its peak exceeds --max-memory (default: the memory available now)."""
+    """Estimate the run (`compress_dryrun`), print it with --dry-run (as JSON with --json) with what becomes of
+    --out (`atomic.dry_run_output`: new, replaced, or refused), and refuse it when its peak exceeds --max-memory
+    (default: the memory available now)."""
     try:
         limit = parse_size(max_memory) if max_memory is not None else psutil.virtual_memory().available
     except ValueError:
@@ -252,20 +257,27 @@ def _estimate(
         streamed_chunk=streamed_chunk(method, calib, quant_setting, params),
         out=out,
     )
+    if dry_run:
+        from ..atomic import dry_run_output
+        from ..models import resolve_source
+
+        protect = [resolve_source(model), calib if calib is not None and Path(calib).is_dir() else None]
+        output = dry_run_output(out, overwrite, protect, kind="checkpoint")
     if dry_run and as_json:
-        typer.echo(json.dumps(est.to_dict(), indent=2))
+        typer.echo(json.dumps({**est.to_dict(), "output": output}, indent=2))
     elif dry_run:
         for k, v in est.rows():
-            Console().print(f"{k}: {v}", highlight=False)
+            Console(markup=False).print(f"{k}: {v}", highlight=False)
+        Console(markup=False).print(f"output: {output}", highlight=False, markup=False)
     refuse_if_over(est, limit)
 
 
 def _print_result(result) -> None:
     """Print the export's summary line, and auto's per-layer table when the method was auto."""
-    Console().print(result.describe())
+    Console(markup=False).print(result.describe())
     table = auto_table(Path(result.path) / "plan.json")
     if table is not None:
-        Console().print(table)
+        Console(markup=False).print(table)
 
 
 def auto_table(plan_json: Path):

@@ -61,7 +61,7 @@ def dense_command(
     )
     if "teacher_bytes" in s:
         msg += f" (teacher {s['teacher_bytes'] / 2**20:.2f} MiB)"
-    Console().print(msg)
+    Console(markup=False).print(msg)
 
 
 def dense_sweep_command(
@@ -121,5 +121,5 @@ def dense_sweep_command(
             window=window,
         )
         write_sweep(res, out, inputs)
-    Console().print(sweep_markdown(res))
-    Console().print(f"wrote {out}")
+    Console(markup=False).print(sweep_markdown(res))
+    Console(markup=False).print(f"wrote {out}")

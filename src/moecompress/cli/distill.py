@@ -95,7 +95,7 @@ def distill_command(
 def _print_run(r) -> None:
     """One line: the steps and tokens trained, validation KL and perplexity before and after, and the outputs."""
     m = r.metrics
-    Console().print(
+    Console(markup=False).print(
         f"{m['steps']} steps, {m['tokens']:,} tokens: val KL {m['before']['eval_kl']:.4f} → "
         f"{m['after']['eval_kl']:.4f}, val ppl {m['before']['eval_ppl']:.2f} → {m['after']['eval_ppl']:.2f} "
         f"(teacher {m['teacher_ppl']:.2f}); student {r.student_dir}, curve {r.curve}"

@@ -103,7 +103,7 @@ def eval_command(
 def _print_results(results: dict, out: Path | None, report: Path | None) -> None:
     """Print each task's aggregate metrics as a table, and where the results and report were written."""
     info, metrics = results["model"], results["arms"][0]["metrics"]
-    console = Console()
+    console = Console(markup=False)
     table = Table(title=f"{info['name']} ({info.get('model_type')})")
     for col in ("task", "metric", "value", "items"):
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")

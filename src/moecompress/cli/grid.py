@@ -92,5 +92,5 @@ def grid_command(
     results = compare(
         recipe, out, overwrite=overwrite, keep_checkpoints=False, pairs=pairs, allow_nan=allow_nan
     )
-    Console().print(ranking_table(results))
-    Console().print(f"grid report: {out / 'report.md'}")
+    Console(markup=False).print(ranking_table(results))
+    Console(markup=False).print(f"grid report: {out / 'report.md'}")

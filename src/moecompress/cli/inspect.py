@@ -23,7 +23,7 @@ def inspect_command(
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    console = Console()
+    console = Console(markup=False)
     head = Table(title=f"{info['architecture']} ({info['model_type']})", show_header=False)
     head.add_row(
         "layers", f"{info['num_layers']} ({len(info['moe_layers'])} MoE, {len(info['dense_layers'])} dense)"

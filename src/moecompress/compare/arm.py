@@ -21,7 +21,7 @@ def tokenizer_for(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never None: no prompt
     except (OSError, ValueError):
         return None
 

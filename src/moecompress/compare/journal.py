@@ -20,34 +20,38 @@ class ArmJournal:
         self.identity = identity
 
     def start(self, resume: bool) -> dict[str, dict[str, Any]]:
-        from ..atomic import write_file
+        from ..atomic import clear_partial, write_file
         from ..errors import MoECompressError
+        from ..safejson import load_json
 
         run = self.dir / "run.json"
-        old = self._read(run)
-        if self.dir.exists() and old is None:  # never delete what moecompress did not write
-            raise MoECompressError(
-                f"{self.dir} is in the way of this report's partial run and was not written by "
-                "moecompress (no readable run.json); remove it or choose another --out."
-            )
+        old = None if self.dir.is_symlink() else self._read(run)
         if resume and old is not None:
-            if old.get("identity") != self.identity:
+            ident = old.get("identity")
+            model = ident.get("model") if isinstance(ident, dict) else None
+            if model != self.identity.get("model"):
+                raise MoECompressError(
+                    f"The interrupted run in {self.dir} was made from other weights of the model (a tensor "
+                    "or its config changed since, or an earlier moecompress recorded it), so its finished "
+                    "arms would not match the rest; drop --resume to start over."
+                )
+            if ident != self.identity:
                 raise MoECompressError(
                     f"The interrupted run in {self.dir} was made with another recipe, model or "
                     "--keep-checkpoints setting; drop --resume to start over or pass the same ones."
                 )
-            return {p.stem: json.loads(p.read_text()) for p in sorted((self.dir / "arms").glob("*.json"))}
-        shutil.rmtree(self.dir, ignore_errors=True)  # ours: a stale partial run of this output
+            fix = "the interrupted run is corrupted, so drop --resume to start over"
+            return {p.stem: load_json(p, fix) for p in sorted((self.dir / "arms").glob("*.json"))}
+        clear_partial(self.dir, ours=old is not None)  # never deletes what moecompress did not write
         (self.dir / "arms").mkdir(parents=True)
         write_file(run, json.dumps({"identity": self.identity}))
         return {}
 
     @staticmethod
     def _read(run: Path) -> dict | None:
-        try:
-            got = json.loads(run.read_text())
-        except (OSError, ValueError):
-            return None
+        from ..safejson import try_load_json
+
+        got = try_load_json(run)
         return got if isinstance(got, dict) and "identity" in got else None
 
     def save(self, entry: dict[str, Any]) -> None:

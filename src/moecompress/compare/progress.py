@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(stderr=True)
 
@@ -40,7 +41,7 @@ class ArmProgress:
 
     def stage(self, arm: str, what: str, header: str | None = None) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, description=f"{arm}: {what}")
+            self._progress.update(self._task, description=escape(f"{arm}: {what}"))  # arm names: the user's
         elif header is not None:
             console.print(header)
 
@@ -55,7 +56,7 @@ class ArmProgress:
         size = entry.get("bytes", {}).get("model")
         kl = agg.get("kl")
         self._progress.console.print(
-            f"  [green]✓[/] {entry['name']:<24} {human_bytes(size) if size else '-':>10}"
+            f"  [green]✓[/] {escape(format(entry['name'], '<24'))} {human_bytes(size) if size else '-':>10}"
             + (f"  KL {kl:.4f}" if kl is not None else "")
         )
         self._progress.advance(self._task)

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 TABLE_WIDTH = 100  # the ranking table is laid out for (at most) this many terminal columns
 
@@ -30,15 +31,15 @@ def ranking_table(results: dict[str, Any]) -> Table:
             # fold, never ellipsize: on a terminal narrower than TABLE_WIDTH cells wrap instead of being cut
             table.add_column(col, justify="left" if col == "kind" else "right", overflow="fold")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(str(cell)) for cell in row))  # arm names are the user's: never rich markup
     return table
 
 
 def summary_console():
     """The console the ranking table is printed on: a file or pipe has no width of its own (rich would assume
     80 columns and squeeze the table), so it gets TABLE_WIDTH."""
-    c = Console()
-    return c if c.is_terminal else Console(width=TABLE_WIDTH)
+    c = Console(markup=False)  # its lines embed paths: never rich markup
+    return c if c.is_terminal else Console(width=TABLE_WIDTH, markup=False)
 
 
 def table_width(console) -> int:

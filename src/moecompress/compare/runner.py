@@ -10,6 +10,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
+
 from .arm import ArmEval, dense_arm, original_arm, plan_arm, tokenizer_for
 
 if TYPE_CHECKING:  # the recipe schema imports the quantizer and through it the runtime and transformers
@@ -102,7 +104,7 @@ def _evaluate_arms(
         arms.append(done["original"])
         track.done(done["original"])
     else:
-        track.stage("original", "evaluating", header=f"[bold]original[/] {model_path}")
+        track.stage("original", "evaluating", header=f"[bold]original[/] {escape(str(model_path))}")
         finished(original_arm(model_path, ref_eval, ev))
     for arm in recipe.arms:
         name = arm.display_name()
@@ -113,7 +115,8 @@ def _evaluate_arms(
         track.stage(
             name,
             "compressing",
-            header=f"[bold]{name}[/] ({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})",
+            header=f"[bold]{escape(name)}[/] "
+            + escape(f"({arm.method} {arm.params}{f' + {arm.quant.quant}' if arm.quant else ''})"),
         )
         ckpt = journal.fresh("checkpoints", name)
         if get_method(arm.method).family == "dense":

@@ -143,11 +143,13 @@ def load_calibration(
     seed: int = 0,
     padding: bool = False,
     chat_template: bool = False,
+    seq_len_from: str = "--seq-len",
 ) -> CalibrationData:
     """Tokenize, pack (or pad) and select the sequences a data spec asks for.
 
     Raises one sentence for a spec that names nothing, an empty file, a hub name offline, or data
-    too short for the sequences requested.
+    too short for the sequences requested. `seq_len_from`: what set `seq_len`, named in that sentence (a
+    statistics store's recorded seq_len is not the user's --seq-len).
     """
     if seq_len < 1:
         raise MoECompressError(f"--seq-len must be a positive number of tokens, not {seq_len}.")
@@ -174,7 +176,7 @@ def load_calibration(
             what = f"{want} sequences" if want is not None else "one sequence"
             raise MoECompressError(
                 f"The data '{src.term}' holds {win.tokens:,} tokens, {have} full sequence(s) of {seq_len}, fewer than "
-                f"the {what} requested; pass more text, a smaller count or a smaller --seq-len."
+                f"the {what} requested; pass more text, a smaller count or a smaller {seq_len_from}."
             )
         if want is None or lazy:
             pick = list(range(want if want is not None else have))
@@ -207,8 +209,9 @@ def _task_rows(src: SourceSpec, tokenizer, seq_len: int, seed: int, chat_templat
     )
 
 
-def load_tokenizer(source: str, tokenizer: str | None = None):
-    """The model's tokenizer (or an explicit one); one sentence when the directory has none."""
+def load_tokenizer(source: str, tokenizer: str | None = None, trust_remote_code: bool = False):
+    """The model's tokenizer (or an explicit one); one sentence when the directory has none. trust_remote_code
+    goes to transformers as a bool, never None (which makes it prompt on a terminal for a tokenizer's own code)."""
     from transformers import AutoTokenizer
 
     from ..models.loading import hub_reachable
@@ -219,7 +222,9 @@ def load_tokenizer(source: str, tokenizer: str | None = None):
         "the model's tokenizer."
     )
     try:
-        tok = AutoTokenizer.from_pretrained(name, local_files_only=not hub_reachable())
+        tok = AutoTokenizer.from_pretrained(
+            name, local_files_only=not hub_reachable(), trust_remote_code=bool(trust_remote_code)
+        )
     except Exception:
         raise MoECompressError(refusal) from None
     # a directory with a config.json but no tokenizer files gives the family's tokenizer class with an empty

@@ -6,13 +6,13 @@ A source yields *documents*: a string, or a ``(prompt, response)`` pair for inst
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MoECompressError
+from ..safejson import parse_json
 
 Document = str | tuple[str, str]
 
@@ -143,28 +143,20 @@ def file_documents(path: str, fld: str | None) -> list[Document]:
         return text_documents(raw)
     records = []
     if p.suffix.lower() == ".json":
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise MoECompressError(
-                f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file."
-            ) from None
-        except RecursionError:
-            raise MoECompressError(
-                f"{path} nests its JSON too deeply to hold text records; pass a list of "
-                '{"text": ...} objects.'
-            ) from None
+        # within `safejson`'s limits: nesting (no RecursionError) and number digits (no int-digit ValueError)
+        data = parse_json(raw, str(path), 'pass a list of {"text": ...} objects', expect=None)
         records = data if isinstance(data, list) else [data]
     else:
         for n, line in enumerate(raw.splitlines(), 1):
             if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except (json.JSONDecodeError, RecursionError):
-                    raise MoECompressError(
-                        f"Line {n} of {path} is not a JSON object; a .jsonl file holds one "
-                        "JSON record per line."
-                    ) from None
+                records.append(
+                    parse_json(
+                        line,
+                        f"Line {n} of {path}",
+                        "a .jsonl file holds one JSON record per line",
+                        expect=None,
+                    )
+                )
     docs = []
     for rec in records:
         if not isinstance(rec, dict) or fld not in rec:

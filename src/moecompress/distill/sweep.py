@@ -242,10 +242,9 @@ def check_sweep_out(out: str | Path, overwrite: bool = False, protect=()) -> Pat
 
 
 def _is_sweep(rows: Path) -> bool:
-    try:
-        data = json.loads(rows.read_text()) if rows.is_file() and not rows.is_symlink() else None
-    except (OSError, ValueError):
-        return False
+    from ..safejson import try_load_json
+
+    data = try_load_json(rows) if rows.is_file() and not rows.is_symlink() else None
     return isinstance(data, dict) and {"rows", "top_k"} <= data.keys()
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..errors import MoECompressError
+
 HEADROOM = 0.9  # of the available memory: activations, logits and the allocator need the rest
 
 
@@ -101,3 +103,32 @@ def load_for_eval(
     dm = getattr(model, "hf_device_map", None) or {}
     info["device_map"] = {str(d): sum(1 for v in dm.values() if v == d) for d in dict.fromkeys(dm.values())}
     return model, info
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def eval_tokenizer(source: str, trust_remote_code: bool):
+    """The checkpoint's tokenizer; one sentence saying what is missing when it has none (a directory without
+    tokenizer files gives transformers' tokenizer class with an empty vocabulary, which encodes text to nothing)."""
+    from transformers import AutoTokenizer
+
+    from ..export.gguf import GGUF_FILE
+
+    d = Path(source).expanduser()
+    if (d / GGUF_FILE).is_file() and not any((d / f).is_file() for f in _TOKENIZER_FILES):
+        raise MoECompressError(
+            f"{source} holds {GGUF_FILE} but no tokenizer files (tokenizer.json, tokenizer_config.json); copy "
+            "the original model's tokenizer files beside it."
+        )
+    refusal = (
+        f"No tokenizer could be loaded from {source}; copy the original model's tokenizer files into the "
+        "checkpoint directory."
+    )
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=bool(trust_remote_code))
+    except (OSError, ValueError, TypeError, KeyError):
+        raise MoECompressError(refusal) from None
+    if len(tok) <= 2 and not tok("a b c").input_ids:
+        raise MoECompressError(refusal)
+    return tok

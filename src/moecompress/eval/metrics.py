@@ -20,7 +20,6 @@ arms evaluated on the same stream can be paired window by window (`stats.paired_
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import MoECompressError
+from ..safejson import parse_json
 
 
 def _read_text_file(path: Path) -> str:
@@ -38,13 +38,9 @@ def _read_text_file(path: Path) -> str:
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise MoECompressError(
-                    f"{path} line {n} is not JSON; a .jsonl text file needs one "
-                    '{"text": ...} object per line.'
-                ) from None
+            row = parse_json(
+                line, f"{path} line {n}", 'a .jsonl text file needs one {"text": ...} object per line'
+            )
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise MoECompressError(
                     f"{path} line {n} has no string field 'text'; write one "

@@ -49,9 +49,14 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
     write_file(path, data)
 
 
+def results_text(results: dict) -> str:
+    """The results dict as the JSON text `eval --out` writes."""
+    return json.dumps(_json_safe(results), indent=1) + "\n"
+
+
 def write_results(path: Path, results: dict) -> None:
     """The results dict as the JSON file `eval --out` writes (atomically: complete or absent)."""
-    _write_atomic(path, json.dumps(_json_safe(results), indent=1) + "\n")
+    _write_atomic(path, results_text(results))
 
 
 def write_report(

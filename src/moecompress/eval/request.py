@@ -3,7 +3,6 @@ checked and claimed) and the writing of its results, so the API function reads a
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -52,6 +51,7 @@ def resolve_paths(model, reference, ppl, include_path, out, report, overwrite):
     model = resolve_fixture(model)
     reference = resolve_fixture(reference) if reference else None
     reads = [model, reference, ppl, *(include_path or [])]  # the ones that exist here (`atomic.check_apart`)
+    check_apart_outputs(out, report)
     if out is not None and out.is_dir():
         raise MoECompressError(
             f"--out {out} is a directory; pass a file path such as {out / 'results.json'}."
@@ -79,19 +79,63 @@ def claim_outputs(held, out, report) -> None:
             held.enter_context(claim(path, flag))
 
 
-def write_evaluation(results: dict, out, report, overwrite, reads, inputs) -> None:
-    """Write `evaluate`'s results JSON to `out` and its report into `report` (each when asked for)."""
-    from ..atomic import atomic_dir
-    from .report import write_report, write_results
+def check_apart_outputs(out, report) -> None:
+    """Refuse, before any model loads, a results file (`--out`) that is the report directory (`--report`) or lies
+    inside it, or a report under the results file: one would be written over the other after all the compute."""
+    if out is None or report is None:
+        return
+    from ..atomic.checks import abs_path
 
+    try:
+        a, b = abs_path(out).resolve(), abs_path(report).resolve()
+    except (RuntimeError, OSError):  # a loop of symbolic links: `check_output` refuses it in its own words
+        return
+    if a == b or b in a.parents or a in b.parents:
+        raise MoECompressError(
+            f"--out {out} and --report {report} overlap (the same path, or one inside the other); pass a "
+            "results file outside the report directory (the report holds its own results.json)."
+        )
+
+
+def write_evaluation(results: dict, out, report, overwrite, reads, inputs) -> None:
+    """Write `evaluate`'s results JSON to `out` and its report into `report` (each when asked for).
+
+    The two are one output: the results file is staged (a hidden temporary, `atomic.stage_file`) while the report
+    is written, and renamed into place only once the report is; if either fails neither remains, so a rerun is
+    not refused for a results file left by a run that failed (a full disk while writing the report)."""
+    from ..atomic import atomic_dir, commit_file, stage_file
+    from .report import results_text, write_report
+
+    staged = None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_results(out, results)
-    if report is not None:
-        with atomic_dir(
-            report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
-        ) as tmp:
-            write_report(results, tmp)
+        staged = stage_file(out, results_text(results))
+    try:
+        if report is not None:
+            with atomic_dir(
+                report, overwrite=overwrite, protect=reads, kind="report", inputs=inputs, flag="--report"
+            ) as tmp:
+                write_report(results, tmp)
+    except BaseException:
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+        raise
+    if staged is not None:
+        try:
+            commit_file(staged, out)
+        except BaseException:
+            _remove_report(report)
+            raise
+
+
+def _remove_report(report) -> None:
+    """The report this run has just put in place, removed when its results file could not follow (one output)."""
+    import shutil
+
+    from ..atomic import marker_kind
+
+    if report is not None and marker_kind(report) == "report":
+        shutil.rmtree(report, ignore_errors=True)
 
 
 def check_results_file(out: Path, overwrite: bool) -> None:
@@ -102,10 +146,9 @@ def check_results_file(out: Path, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:
             raise MoECompressError(f"{out} already exists; choose another --out or pass --overwrite.")
-        try:
-            ours = str(json.loads(out.read_text()).get("schema", "")).startswith("moecompress.")
-        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
-            ours = False
+        from ..safejson import try_load_json
+
+        ours = str((try_load_json(out) or {}).get("schema", "")).startswith("moecompress.")  # bounded
         if not ours:
             raise MoECompressError(
                 f"{out} is not a results file written by moecompress, so --overwrite will not "

@@ -45,6 +45,34 @@ def model_info(model, path=None, name: str | None = None) -> dict[str, Any]:
     return info
 
 
+def check_reference(model, reference, model_name: str, reference_name: str) -> None:
+    """Refuse KL(reference || model) (None: no reference, nothing to check) between models whose logits do not correspond: another family (a dense
+    student of the reference's family is the same family: `FamilySpec.dense_family`) or another vocabulary.
+    The two fixtures share a tokenizer, so KL of one against the other used to be computed without a word."""
+    from ..models.families import FAMILIES
+
+    if reference is None:
+        return
+
+    def kind(m) -> tuple[str | None, int | None]:
+        out = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+        # logits per token: the output layer's width (the config's vocab_size when it has none)
+        vocab = getattr(out, "out_features", None) or getattr(m.config, "vocab_size", None)
+        return getattr(m.config, "model_type", None), vocab
+
+    (mt, mv), (rt, rv) = kind(model), kind(reference)
+    related = {mt, getattr(FAMILIES.get(mt), "dense_family", None)} & {
+        rt,
+        getattr(FAMILIES.get(rt), "dense_family", None),
+    } - {None}
+    if (mt != rt and not related) or (mv is not None and rv is not None and mv != rv):
+        raise MoECompressError(
+            f"--reference {reference_name} is a {rt} model with {rv} output tokens but {model_name} is a {mt} "
+            f"model with {mv}: KL compares the same family's next-token distributions; pass the original "
+            f"{model_name} was made from as --reference."
+        )
+
+
 def evaluate_model(
     model,
     tokenizer=None,

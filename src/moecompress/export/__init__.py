@@ -3,6 +3,7 @@
 import sys
 import types
 
+from . import auto_reserve  # noqa: F401 - registers auto's file reserve (methods/auto/files.py)
 from .core import MARKER_FILE, ExportResult, export
 from .load import load
 from .writer import ShardWriter

@@ -25,6 +25,7 @@ from ..atomic import human_bytes as _human
 from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import stored_weights
 from ..runtime.build import _complete_bias, runtime_layout
+from .budget import check_weight_budget, recorded_budget
 from .formats import format_class
 from .naming import child_name
 from .readers import BASE_CONFIG_FILE
@@ -67,6 +68,8 @@ class ExportResult(BaseModel):
     original_other_bytes: int = 0  # every other tensor of the original, at its on-disk dtypes
     # what the weight files hold beyond the plan's tensors, known before writing (a GGUF's metadata and tokenizer)
     container_bytes: int = 0
+    # the budget the plan records for the weight files (auto's, headers included; checked before the rename)
+    budget_bytes: int | None = None
 
     @property
     def ratio(self) -> float:
@@ -93,7 +96,17 @@ class ExportResult(BaseModel):
         return (
             f"{self.format} checkpoint at {self.path}{label}: {_human(self.bytes_on_disk)} on disk, weights "
             f"{_human(self.weight_bytes)} vs original {_human(self.original_bytes)} ({100 * self.ratio:.1f}%)"
-            f"{routed}{other}"
+            f"{routed}{other}{self._budget()}"
+        )
+
+    def _budget(self) -> str:
+        """The weight files' bytes against the budget the plan recorded, and the headroom left (none: '')."""
+        if self.budget_bytes is None or self.evaluation_only:
+            return ""
+        left = self.budget_bytes - self.weight_bytes
+        return (
+            f"; weight files {self.weight_bytes} bytes of the {self.budget_bytes}-byte budget "
+            f"({100 * left / self.budget_bytes:.2f}% left)"
         )
 
 
@@ -251,6 +264,8 @@ def export(
         _stream(source, plan, fmt, writer, quiet)
         own = fmt.write_files(tmp)  # a format that writes its own file (gguf) names it; else the shards
         shards = writer.close() if own is None else own
+        # a budget the plan records bounds its weight files (auto's, headers included): refused before the rename
+        check_weight_budget(plan, _weights_bytes(tmp), fmt.evaluation_only)
         _write_metadata(tmp, source, plan, fmt, recipe)
         (tmp / MARKER_FILE).write_text(
             json.dumps(_marker(format, fmt, plan), indent=1, sort_keys=True) + "\n"
@@ -322,6 +337,7 @@ def _export_result(
         other_bytes=written.other,
         original_other_bytes=plan.model.other_bytes,
         container_bytes=fmt.container_bytes(),
+        budget_bytes=recorded_budget(plan),
     )
     # the summary line is the caller's to print (`compress` prints it once, on stdout); printing it here too
     # put it on stdout and stderr both

@@ -73,25 +73,7 @@ def per_expert_quantized(
     return out
 
 
-# vLLM's compressed-tensors loader: WNA16 schemes run on its Marlin kernels (4- and 8-bit, symmetric, groups below
-# or per channel), for linear layers and the fused MoE alike; its lm_head takes no quantization method
-VLLM_BITS, VLLM_GROUPS = (4, 8), (32, 64, 128, None)
-
-
-def vllm_reason(plan) -> str | None:
-    """Why vLLM cannot run `plan` from an hf checkpoint beyond what compressed-tensors itself holds (a clause), or
-    None when it can."""
-    quantized = [("experts", "experts", s) for s in plan.quant_specs() if s is not None]
-    quantized += [(tq.kind, f"{tq.kind} weight '{name}'", tq.quant) for name, tq in plan.tensor_quant.items()]
-    for kind, what, spec in quantized:
-        if kind == "lm_head":
-            return f"its {what} is quantized, and vLLM loads a compressed-tensors lm_head unquantized only"
-        if spec.bits not in VLLM_BITS or not spec.symmetric or spec.group_size not in VLLM_GROUPS:
-            return (
-                f"its {what} {spec.name()} is not one of vLLM's WNA16 schemes (symmetric 4 or 8 bits, group "
-                "32, 64, 128 or per channel)"
-            )
-    return None
+from ..plan.targets import VLLM_BITS, VLLM_GROUPS, vllm_reason  # noqa: E402,F401 - the vllm target's check
 
 
 def tensor_quant_problem(plan) -> str | None:

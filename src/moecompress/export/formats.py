@@ -51,7 +51,7 @@ class Format:
     runtime_tensors = False
     load = staticmethod(
         load_transformers
-    )  # (directory, device_map, dtype, max_memory, offload_folder) -> model
+    )  # (directory, device_map, dtype, max_memory, offload_folder, *, trust_remote_code=False) -> model
 
     @classmethod
     def reason(cls, plan: CompressionPlan) -> str | None:

@@ -39,18 +39,7 @@ from ..errors import MoECompressError
 from ..plan import CompressionPlan
 from ..quant.spec import QuantSpec
 from ..quant.tensor import QuantizedTensor
-from .gguf_arches import (
-    ARCHES,
-    SCALES,
-    Arch,
-    add_attention_hparams,
-    add_family_hparams,
-    check_family_config,
-    dense_reason,
-    full_name,
-    native_state,
-    tensor_reason,
-)
+from .gguf_arches import ARCHES, SCALES, Arch, dense_reason, full_name
 from .gguf_tokenizer import add_tokenizer
 
 GGUF_FILE = "model.gguf"
@@ -87,7 +76,7 @@ def reason(plan: CompressionPlan) -> str | None:
             )
         if tq.shape[1] % BLOCK:
             return f"its {tq.kind} weight '{name}' is {tq.shape[1]} wide, not a multiple of the {BLOCK}-weight block"
-        if (why := tensor_reason(info.model_type, name)) is not None:
+        if (why := arch.tensor_reason(name)) is not None:
             return why
     if (why := dense_reason(plan, arch)) is not None:
         return why
@@ -254,7 +243,7 @@ class GGUFFile:
                 "This model clips its q/k/v activations (clip_qkv), which llama.cpp's "
                 f"{self.arch.arch.lower()} does not; export it with format='hf' instead."
             )
-        check_family_config(cfg, self.plan.model.model_type)
+        self.arch.check_config(cfg)
 
     def _add_hparams(self, w, rope: dict) -> None:
         """Write the model's hyperparameters (sizes, heads, rope, norm epsilon, scales, expert counts) to `w`."""
@@ -272,7 +261,7 @@ class GGUFFile:
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         w.add_head_count(cfg.num_attention_heads)
-        add_attention_hparams(w, cfg, info.model_type)  # KV heads, key/value lengths (DeepSeek-V2's MLA)
+        self.arch.add_attention_hparams(w, cfg)  # KV heads, key/value lengths (DeepSeek-V2's MLA)
         if "rope_theta" in rope:
             w.add_rope_freq_base(float(rope["rope_theta"]))
         w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
@@ -281,7 +270,7 @@ class GGUFFile:
                 getattr(w, add)(float(getattr(cfg, key)))
         w.add_expert_count(k)
         w.add_expert_used_count(li.top_k)
-        add_family_hparams(w, cfg, info.model_type, info.num_hidden_layers - len(self.plan.layers))
+        self.arch.add_family_hparams(w, cfg, info.num_hidden_layers - len(self.plan.layers))
 
     def _file_type(self):
         """The GGUF file type: the experts' type when they all have one, else the model's float dtype."""
@@ -332,7 +321,7 @@ class GGUFFile:
         from ..runtime.tensor_quant import packed_of
 
         embedding = None
-        for name, t in sorted(native_state(self.plan.model.model_type, state, self.config).items()):
+        for name, t in sorted(self.arch.native_state(state, self.config).items()):
             gname = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
             if gname is None:
                 raise MoECompressError(
@@ -430,7 +419,8 @@ class GGUFFile:
 
 
 def tensor_bytes(path: str | Path) -> int:
-    """Bytes of every tensor's data in a GGUF file (as gguf's reader sees them), without header or padding."""
-    import gguf
+    """Bytes of every tensor's data in a GGUF file, without header or padding, as our bounded header reader
+    (`gguf_guard`, which agrees with gguf's reader on a valid file) finds them."""
+    from .gguf_guard import read_header
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    return read_header(path).tensor_bytes

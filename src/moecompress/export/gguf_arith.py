@@ -26,10 +26,6 @@ from ..plan import CompressionPlan
 from .gguf import BLOCK, exact_type, reason
 
 ARITHMETICS = ("exact", "llama.cpp")
-LATENT_ATTENTION = (
-    "deepseek_v2",
-    "deepseek_v3",
-)  # MLA: llama.cpp's deepseek2 graph attends over the latent cache
 ATTENTION = "moecompress_llama_cpp"  # the transformers attention implementation `attention` is registered as
 
 
@@ -118,7 +114,8 @@ def emulate_llama_cpp(model: nn.Module) -> nn.Module:
         raise MoECompressError("llama.cpp's arithmetic is emulated in float32: load with dtype='float32'.")
     if any(hasattr(m, "sinks") for m in model.modules()):
         raise MoECompressError("arithmetic='llama.cpp' does not cover attention sinks (GPT-OSS) yet.")
-    if plan.model.model_type in LATENT_ATTENTION:
+    # MLA (DeepSeek-V2/V3's kv_a_proj_with_mqa): llama.cpp's deepseek2 graph attends over the latent cache
+    if any(hasattr(m, "kv_a_proj_with_mqa") for m in model.modules()):
         raise MoECompressError(
             "arithmetic='llama.cpp' does not cover multi-head latent attention (DeepSeek), which llama.cpp computes "
             "in the latent space; check its GGUF inside llama.cpp."

@@ -20,19 +20,29 @@ from .gguf_load import load_gguf_dir
 from .readers import load_transformers, read_json
 
 
-def load(path, device_map=None, dtype="auto", max_memory=None, offload_folder=None, arithmetic="exact"):
+def load(
+    path,
+    device_map=None,
+    dtype="auto",
+    max_memory=None,
+    offload_folder=None,
+    arithmetic="exact",
+    trust_remote_code=False,
+):
     """Load an export: ``compact`` / ``packed`` into the runtime, ``hf`` / ``materialized`` (or any HF checkpoint)
     with plain transformers, ``gguf`` with transformers' GGUF loader where it reads the architecture; the plan,
     when present, is attached as ``model._moecompress_plan``.
     max_memory / offload_folder: accelerate's offloading with ``device_map="auto"``.
     arithmetic: ``exact``, or ``llama.cpp`` to compute as llama.cpp does from the plan's GGUF (a compact export in
-    float32; `gguf_arith.emulate_llama_cpp`)."""
+    float32; `gguf_arith.emulate_llama_cpp`).
+    trust_remote_code: whether the directory's own modeling code may run (passed to transformers explicitly, never
+    None, which makes it prompt on a terminal); a GGUF never needs it."""
     check_arithmetic(arithmetic)
-    model = _load(path, device_map, dtype, max_memory, offload_folder)
+    model = _load(path, device_map, dtype, max_memory, offload_folder, bool(trust_remote_code))
     return emulate_llama_cpp(model) if arithmetic == "llama.cpp" else model
 
 
-def _load(path, device_map, dtype, max_memory, offload_folder):
+def _load(path, device_map, dtype, max_memory, offload_folder, trust_remote_code=False):
     d = Path(path).expanduser()
     if not d.exists():
         raise MoECompressError(f"No checkpoint at {path}: pass the directory an export wrote.")
@@ -47,14 +57,14 @@ def _load(path, device_map, dtype, max_memory, offload_folder):
                 f"{marker_file} names format '{name}', which this moecompress cannot read; "
                 "upgrade moecompress or re-export."
             )
-        return fmt.load(d, device_map, dtype, max_memory, offload_folder)
+        return fmt.load(d, device_map, dtype, max_memory, offload_folder, trust_remote_code=trust_remote_code)
     safetensors = ("model.safetensors", "model.safetensors.index.json")
     # a GGUF beside its config.json, no marker
     if (d / GGUF_FILE).is_file() and not any((d / n).is_file() for n in safetensors):
-        return load_gguf_dir(d, device_map, dtype, max_memory, offload_folder)
+        return load_gguf_dir(d, device_map, dtype, max_memory, offload_folder, trust_remote_code)
     if not (d / "config.json").is_file():
         raise MoECompressError(
             f"{path} is neither a moecompress export nor a HuggingFace checkpoint (no "
             f"{MARKER_FILE} or config.json); pass the directory an export wrote."
         )
-    return load_transformers(d, device_map, dtype, max_memory, offload_folder)
+    return load_transformers(d, device_map, dtype, max_memory, offload_folder, trust_remote_code)

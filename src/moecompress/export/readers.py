@@ -6,7 +6,6 @@ export's marker records. The naming the runtime checkpoints share with their wri
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -14,7 +13,8 @@ from torch import nn
 
 from ..disk import read_weight_map
 from ..errors import MoECompressError
-from ..models import MoEAdapter, load_model, parse_dtype
+from ..models import MoEAdapter, load_model, parse_dtype, skeleton
+from ..models.sizes import check_config_sizes
 from ..plan import PLAN_FILE, CompressionPlan
 from ..runtime import CompressedMoEBlock, build_ops, empty_scope
 from .writer import INDEX_FILE
@@ -28,13 +28,10 @@ BASE_CONFIG_FILE = (
 
 
 def read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        raise MoECompressError(f"{path} is not valid JSON: the {what} is corrupted; re-export it.") from None
-    if not isinstance(data, dict):
-        raise MoECompressError(f"{path} does not hold a JSON object: the {what} is corrupted; re-export it.")
-    return data
+    """The JSON object in `path`, parsed within `safejson`'s limits; one sentence naming `what` otherwise."""
+    from ..safejson import load_json
+
+    return load_json(path, f"the {what} is corrupted, so re-export it")
 
 
 def _shards(d: Path) -> list[Path]:
@@ -80,9 +77,14 @@ def _check_shape(ref: torch.Tensor, t: torch.Tensor, name: str, where: Path) -> 
         )
 
 
-def load_runtime(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
+def load_runtime(
+    d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None, trust_remote_code=False
+):
     """A runtime checkpoint (`compact`, `packed`): the base model skeleton with a `CompressedMoEBlock` per
-    MoE layer, filled from the shards; the plan is attached as ``model._moecompress_plan``."""
+    MoE layer, filled from the shards; the plan is attached as ``model._moecompress_plan``. Every tensor the
+    skeleton and the plan's scopes expect must be in the shards (a fused gate_up_proj included), else one sentence.
+    trust_remote_code is accepted for the loaders' common signature and unused: the skeleton's class is always
+    transformers' own for base_config.json's model_type, never code from the directory."""
     model, plan, scopes, want = _runtime_skeleton(d, dtype)
     single = isinstance(device_map, (str, torch.device)) and str(device_map) != "auto"
     device = str(device_map) if single else "cpu"
@@ -130,7 +132,8 @@ def _runtime_skeleton(d: Path, dtype):
             "transformers does not know; upgrade transformers."
         )
     config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
-    plan = CompressionPlan.from_json((d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE))
+    check_config_sizes(config, d, str(d / BASE_CONFIG_FILE), skeleton, cfg)  # before anything allocates
+    plan = CompressionPlan.from_json((d / PLAN_FILE).read_bytes(), where=str(d / PLAN_FILE))
     file_dtype = getattr(torch, plan.model.dtype)
     want = parse_dtype(dtype) if dtype not in (None, "auto") else None
     with init_empty_weights(include_buffers=False):
@@ -268,18 +271,21 @@ def _check_quantized_slots(scopes, d: Path) -> None:
                     )
 
 
-def load_transformers(d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None):
+def load_transformers(
+    d: Path, device_map=None, dtype="auto", max_memory=None, offload_folder=None, trust_remote_code=False
+):
     """A vanilla checkpoint (`hf`, `materialized`, or any HF checkpoint) with plain transformers; the plan,
-    when present, is attached as ``model._moecompress_plan``."""
+    when present, is attached as ``model._moecompress_plan``. trust_remote_code: the user's flag (`load_model`)."""
     model = load_model(
         str(d),
         dtype=dtype or "auto",
         device_map=device_map,
         max_memory=max_memory,
         offload_folder=offload_folder,
+        trust_remote_code=bool(trust_remote_code),
     )
     if (d / PLAN_FILE).is_file():
         model._moecompress_plan = CompressionPlan.from_json(
-            (d / PLAN_FILE).read_text(), where=str(d / PLAN_FILE)
+            (d / PLAN_FILE).read_bytes(), where=str(d / PLAN_FILE)
         )
     return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -10,6 +9,8 @@ from pathlib import Path
 import torch
 
 from ..errors import MoECompressError
+from ..safejson import load_json
+from .sizes import check_config_sizes
 
 _DTYPES = {
     "auto": "auto",
@@ -87,27 +88,33 @@ def _offline_kwargs(src: str) -> dict:
 
 
 def load_config(source: str, trust_remote_code: bool = False):
+    """The transformers config of a directory or hub id. A local config.json is parsed within `safejson`'s limits
+    first, and its sizes are checked against the safetensors headers beside it (`check_config_sizes`)."""
     from transformers import AutoConfig
 
+    trust_remote_code = bool(trust_remote_code)  # None would make transformers prompt on a terminal
     src = resolve_source(source)
+    local = Path(src).is_dir()
+    raw = (
+        load_json(Path(src) / "config.json", "the checkpoint is corrupted, so re-download it")
+        if local
+        else {}
+    )
     try:
-        return AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, **_offline_kwargs(src))
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, **_offline_kwargs(src))
     except (OSError, ValueError, KeyError) as exc:
         if Path(src).is_dir():
-            try:
-                model_type = json.loads((Path(src) / "config.json").read_text()).get("model_type")
-            except (OSError, json.JSONDecodeError):
-                raise MoECompressError(
-                    f"{src}/config.json is not valid JSON: the checkpoint is corrupted; re-download it."
-                ) from None
             raise MoECompressError(
-                f"Unknown architecture '{model_type}' in {src}: the installed transformers does not know it; "
+                f"Unknown architecture '{str(raw.get('model_type'))[:80]}' in {src}: the installed transformers does not know it; "
                 "upgrade transformers or pass --trust-remote-code if you trust the checkpoint's code."
             ) from None
         raise MoECompressError(
             f"Could not fetch {src} from the HuggingFace hub ({'offline' if not hub_reachable() else type(exc).__name__}); "
             "download the checkpoint where the hub is reachable and pass its local directory."
         ) from None
+    if local:
+        check_config_sizes(config, src, f"{src}/config.json", skeleton, raw)
+    return config
 
 
 # torch's default dtype is one per process: `from_config` sets it to the config's dtype and back, and so does
@@ -156,10 +163,14 @@ def load_model(
 ):
     """Load a causal LM from a directory or hub id (safetensors only, never pickled weights).
 
-    device_map / max_memory / offload_folder go to `from_pretrained` (accelerate offloading)."""
+    device_map / max_memory / offload_folder go to `from_pretrained` (accelerate offloading). trust_remote_code goes
+    to transformers as a bool, never None (which makes it prompt on a terminal). A checkpoint lacking weights the
+    model has (transformers would initialise them at random) is refused in one sentence."""
     from transformers import AutoModelForCausalLM
 
     from ..disk import read_weight_map
+
+    trust_remote_code = bool(trust_remote_code)
 
     config = load_config(source, trust_remote_code)
     src = resolve_source(source)
@@ -170,6 +181,7 @@ def load_model(
         dtype=parse_dtype(dtype),
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
+        output_loading_info=True,
         **_offline_kwargs(src),
     )
     if device_map is not None:
@@ -181,12 +193,18 @@ def load_model(
     if experts_implementation:
         kwargs["experts_implementation"] = experts_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, config=config, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(src, config=config, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise MoECompressError(
             f"Could not load weights from {src} ({first}); check that the directory holds "
             "complete safetensors weights for this config."
         ) from None
+    missing = sorted(str(k) for k in info.get("missing_keys") or ())
+    if missing:
+        raise MoECompressError(
+            f"{src} lacks {len(missing)} of its model's weights (first: {missing[0]}), which would be "
+            "initialised at random; re-export or re-download the complete checkpoint."
+        )
     model.eval()
     return model

@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from ..errors import MoECompressError
+from ..safejson import MAX_BYTES, parse_json
 from .schema import PLAN_FILE, SCHEMA_VERSION, TENSORS_FILE, PlanTensors, fail
 
 
@@ -23,14 +24,11 @@ def to_json(plan) -> str:
     return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
 
 
-def from_json(cls, text: str, where: str = "the plan"):
-    """A `cls` (the plan class) read from JSON text; one sentence naming `where` if it is not a valid plan."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MoECompressError(
-            f"{where} is not valid JSON (line {exc.lineno}); regenerate or fix it."
-        ) from None
+def from_json(cls, text: str | bytes, where: str = "the plan"):
+    """A `cls` (the plan class) read from JSON text (or its UTF-8 bytes); one sentence naming `where` if it is
+    not a valid plan. Parsed within `safejson`'s limits (nesting, number digits), so a crafted plan.json is a
+    sentence too."""
+    data = parse_json(text, where, "regenerate or fix it", expect=None)
     if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
         fail(
             f"{where} has schema version {data.get('schema_version')}, but this moecompress reads version "
@@ -62,13 +60,23 @@ def save(plan, directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
     return d / PLAN_FILE
 
 
+def _read_plan_bytes(file: Path) -> bytes:
+    """plan.json's bytes, refused unread beyond `safejson.MAX_BYTES`."""
+    size = file.stat().st_size
+    if size > MAX_BYTES:
+        fail(
+            f"{file} is {size:,} bytes, more than the {MAX_BYTES:,} a plan.json may have; regenerate the plan."
+        )
+    return file.read_bytes()
+
+
 def load(cls, path: str | os.PathLike) -> tuple:
     """Read a plan (a plan.json file or a directory holding one) and its tensors if present."""
     p = Path(path)
     file = p / PLAN_FILE if p.is_dir() else p
     if not file.is_file():
         fail(f"No plan at {path}: pass a plan.json file or a directory that holds one.")
-    plan = cls.from_json(file.read_text(), where=str(file))
+    plan = cls.from_json(_read_plan_bytes(file), where=str(file))
     tensors: PlanTensors = {}
     tfile = file.parent / TENSORS_FILE
     if tfile.is_file():

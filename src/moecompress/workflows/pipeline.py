@@ -266,16 +266,11 @@ def check_format_name(requested: str) -> None:
         format_class(requested)
 
 
-TARGET_FORMAT = {"llama.cpp": "gguf", "vllm": "hf", "transformers": "hf"}  # the format each runtime loads
-
-
 def check_target_name(target: str, format: str = "auto") -> None:
     """Refuse, before any compute, an unknown target or a format the target's runtime does not load."""
-    if target != "moecompress" and target not in TARGET_FORMAT:
-        raise MoECompressError(
-            f"Target '{target}' is not known; use moecompress, {', '.join(TARGET_FORMAT)}."
-        )
-    fmt = TARGET_FORMAT.get(target)
+    from ..plan.targets import get_target
+
+    fmt = get_target(target).format
     if fmt is not None and format not in ("auto", fmt):
         raise MoECompressError(f"{target} loads --format {fmt}, not {format}; drop --format or --target.")
 
@@ -284,16 +279,17 @@ def target_format(plan, target: str, requested: str = "auto") -> str:
     """The export format for `plan` served by `target` (issue 31, item 3): ``auto`` becomes the format the runtime
     loads (llama.cpp: gguf; vLLM, transformers: hf), and a plan that format cannot hold is refused in one sentence
     naming why (whatever method made it)."""
-    if target == "moecompress":
+    from ..plan.targets import get_target
+
+    runtime = get_target(target)
+    if runtime.format is None:
         return choose_format(plan, requested)
     from ..export.formats import format_class
 
-    fmt = TARGET_FORMAT[target]
+    fmt = runtime.format
     why = format_class(fmt).reason(plan)
-    if why is None and target == "vllm":
-        from ..export.ct import vllm_reason
-
-        why = vllm_reason(plan)
+    if why is None and runtime.reason is not None:
+        why = runtime.reason(plan)
     if why is not None:
         hint = f" (auto --target {target} searches only what it runs)"
         raise MoECompressError(
@@ -309,8 +305,9 @@ def check_imatrix(calib, format: str, target: str) -> None:
     (the other linears' input moments come from one more pass over it)."""
     from ..calibrate.store import load_stats
     from ..export.imatrix import EXPERT_STATS
+    from ..plan.targets import get_target
 
-    if not (format == "gguf" or (format == "auto" and target == "llama.cpp")):
+    if not (format == "gguf" or (format == "auto" and get_target(target).format == "gguf")):
         raise MoECompressError(
             "--imatrix belongs with a GGUF output; add --format gguf or --target llama.cpp."
         )

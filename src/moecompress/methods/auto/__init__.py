@@ -24,7 +24,8 @@ the bytes it saves (issue 9; docs/auto.md, whose "Code layout" lists the modules
    tensors) whose ``params["auto"]`` holds the per-layer table: choices, bytes, estimated error and KL, the
    error measured on a token sample, and the measured KL.
 
-Byte accounting and the budget: config.py. The entry point, `build.build_auto`, is registered here.
+Byte accounting and the budget: config.py; what the budget reserves for the weight files' headers, which it
+bounds too (issue 48): reserve.py. The entry point, `build.build_auto`, is registered here.
 """
 
 from ..quantize import HESSIAN_CHUNK

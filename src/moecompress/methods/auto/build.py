@@ -13,12 +13,13 @@ from ..tensor_quant import quantize_tensors
 from . import report
 from .config import AutoConfig, needs_stats, routed_budget, scope_bytes
 from .divergence import SERVED_DTYPES, choose, prefix_allocations, stages
+from .files import file_overhead, files_budget
 from .materialise import plan_layer_by_layer
 from .measure import calibration_ids, kl_to, logprobs, plan_installed, sample_layer_error, sig
 from .sensitivity import noise_installed
 from .setup import AutoSetup, prepare
 from .solver import allocate, uniform_bits_check
-from .target import allocate_for_target, check_groups, unquantized_classes
+from .target import allocate_for_target, check_groups, constrained, unquantized_classes
 from .tensors import WholeFile, chosen_classes, dequantized_weights, hessians, weights_installed
 
 
@@ -59,7 +60,7 @@ def exact_stages(config: AutoConfig, adapter, stats, setup: AutoSetup, whole, fr
     served-precision divergence outweighs what it costs (`divergence.choose`), for a whole-file budget on a 16-bit
     checkpoint served by our runtime (`divergence_stages` > 0)."""
     dtype = SERVED_DTYPES.get(setup.info.dtype)
-    if whole is None or dtype is None or config.divergence_stages == 0 or config.target != "moecompress":
+    if whole is None or dtype is None or config.divergence_stages == 0 or constrained(config.target):
         return chosen, None
     found = stages(adapter, whole, config.divergence_stages)
     if not found:
@@ -87,10 +88,11 @@ def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dic
         {b: dict(v) for b, v in setup.uniform.items()},
     )
     budget = setup.budget
-    if config.target != "moecompress":
+    if constrained(config.target):
         extra = whole.fronts() if whole is not None else {}
         fixed = whole.fixed if whole else 0
-        fronts, chosen, _ = allocate_for_target(config, setup, extra, budget - fixed, fixed)
+        # `fixed` (as the target's refusal counts the file) includes the bytes reserved for the headers
+        fronts, chosen, _ = allocate_for_target(config, setup, extra, budget - fixed, fixed + setup.reserved)
         return fronts, chosen
     if whole is not None:
         tf = whole.fronts()
@@ -102,11 +104,17 @@ def allocate_all(config: AutoConfig, setup: AutoSetup, whole) -> tuple[dict, dic
         minimum = sum(f[0].bytes for f in fronts.values())
         if minimum > budget:
             raise MoECompressError(
-                f"The budget of {setup.budget} bytes is below the smallest whole file auto can "
-                f"reach ({minimum + whole.fixed}: every expert layer keeps what its router "
-                "needs, every weight at the lowest width tried, norms and routers as they "
-                "are); raise the budget or add lower widths to bits."
+                f"The budget of {setup.budget + setup.reserved} bytes ({setup.reserved} of them reserved for "
+                f"the files' headers) is below the smallest whole file auto can reach ({minimum + whole.fixed} "
+                "bytes of tensors: every expert layer keeps what its router needs, every weight at the lowest "
+                "width tried, norms and routers as they are); raise the budget or add lower widths to bits."
             )
+    elif (minimum := sum(f[0].bytes for f in fronts.values())) > budget:
+        raise MoECompressError(
+            f"The budget of {setup.budget + setup.reserved} routed-expert bytes is below the smallest reachable "
+            f"({minimum + setup.reserved}: every layer keeps what its router needs, and {setup.reserved} bytes are "
+            "reserved for the files' headers); raise the budget."
+        )
     chosen = allocate(fronts, scale, budget)
     return fronts, uniform_bits_check(fronts, scale, budget, chosen, uniform)
 
@@ -131,10 +139,16 @@ def _build_auto(config: AutoConfig, context: MethodContext):
     info = ModelInfo.from_model(adapter)
     check_groups(config, info)
     budget = routed_budget(config, info)
-    if scope_bytes(config, info) <= budget:
-        return report.identity(config, adapter, info, budget)
+    if config.budget is not None and config.budget >= 1:
+        # the whole original asked for: nothing is compressed, so no file bound (its header is not the original's)
+        return report.identity(config, adapter, info, budget, None, 0)
+    # the budget bounds the weight files written, headers included: what no choice makes is reserved first
+    files = files_budget(config, info, budget)
+    reserved = file_overhead(config, adapter, info, files)
+    if scope_bytes(config, info) + reserved <= budget:
+        return report.identity(config, adapter, info, budget, files, reserved)
 
-    setup = prepare(config, adapter, stats, context.progress)
+    setup = prepare(config, adapter, stats, context.progress, reserved=reserved)
     whole = whole_file(config, adapter, stats, setup)
     setup.finish_global(adapter, whole.extra_kl if whole is not None else None)
     fronts, chosen_idx = allocate_all(config, setup, whole)
@@ -151,9 +165,9 @@ def _build_auto(config: AutoConfig, context: MethodContext):
     plan, tensors = plan_layer_by_layer(config, adapter, stats, info, chosen, on_layer=measure_sample)
     if whole is not None and (specs := whole.specs(fronts, chosen_idx)):
         plan, tensors = quantize_tensors(plan, tensors, adapter, specs, hessians(adapter, stats, whole.ids))
-    summary = report.summary(config, adapter, setup, plan, tensors, chosen, sample_error)
+    summary = report.summary(config, adapter, setup, plan, tensors, chosen, sample_error, budget, files)
     if whole is not None:
-        report.whole_summary(summary, whole, fronts, chosen_idx, plan, tensors, budget)
+        report.whole_summary(summary, whole, fronts, chosen_idx, plan, tensors, setup.budget)
     if divergence is not None:
         summary["divergence"] = divergence
     if config.measure:

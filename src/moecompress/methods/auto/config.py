@@ -94,11 +94,10 @@ class AutoConfig(BaseModel):
         "for the non-expert weights (tensor_classes); routed: it counts the routed experts only, every other "
         "tensor stays as it is",
     )
-    target: Literal["moecompress", "llama.cpp", "vllm", "transformers"] = Field(
+    target: str = Field(
         "moecompress",
-        description="the runtime the plan must run in: moecompress (everything); llama.cpp (one "
-        "expert count in every layer, one Q8_0 / Q5_0 / Q4_0 / 16-bit type per layer tensor); transformers, "
-        "vllm (an hf checkpoint: one expert count and one expert precision; vllm: 4 or 8 bits): auto/target.py",
+        description="the runtime the plan must run in, one of plan/targets.py's `TARGETS` (moecompress: "
+        "everything; each other target's search space is its entry's `space`): auto/target.py",
     )
     tensor_classes: list[str] | None = Field(
         None,

@@ -12,13 +12,26 @@ from .setup import AutoSetup
 from .tensors import KEY_OFFSET
 
 
-def identity(config: AutoConfig, adapter, info: ModelInfo, budget: int):
+def budget_fields(budget: int, files: int | None, reserved: int) -> dict:
+    """The budget as params["auto"] records it: ``budget_bytes`` (the user's, in the budget's scope),
+    ``files_budget_bytes`` (what the weight files written may hold, headers included: the export refuses more,
+    `export.budget.check_weight_budget`), ``reserved_bytes`` (kept for the files' non-tensor bytes, `export.auto_reserve`)
+    and ``tensor_budget_bytes`` (what the allocation could use: the budget less the reserve)."""
+    return dict(
+        budget_bytes=budget,
+        files_budget_bytes=files,
+        reserved_bytes=reserved,
+        tensor_budget_bytes=budget - reserved,
+    )
+
+
+def identity(config: AutoConfig, adapter, info: ModelInfo, budget: int, files: int | None, reserved: int):
     """Everything fits: keep every expert (a zero-loss removal is still a change to the model)."""
     plan = CompressionPlan.identity(adapter.model, method="auto")
     params = config.model_dump()
     params["auto"] = dict(
         budget_scope=config.budget_scope,
-        budget_bytes=budget,
+        **budget_fields(budget, files, reserved),
         routed_bytes=info.expert_bytes,
         original_routed_bytes=info.expert_bytes,
         whole_bytes=info.expert_bytes + info.other_bytes,
@@ -40,8 +53,19 @@ def identity(config: AutoConfig, adapter, info: ModelInfo, budget: int):
     return plan.model_copy(update={"params": params}), {}
 
 
-def summary(config: AutoConfig, adapter, setup: AutoSetup, plan, tensors, chosen, sample_error) -> dict:
-    """params["auto"]: the per-layer table (what was chosen, estimated and measured) and the routed bytes."""
+def summary(
+    config: AutoConfig,
+    adapter,
+    setup: AutoSetup,
+    plan,
+    tensors,
+    chosen,
+    sample_error,
+    budget: int,
+    files: int,
+) -> dict:
+    """params["auto"]: the per-layer table (what was chosen, estimated and measured), the routed bytes and the
+    budget (`budget_fields`; `budget` the user's, `files` the weight files')."""
     sens, info = setup.sens, setup.info
     table = [
         _layer_row(config, adapter, setup, plan, tensors, i, chosen[i], sample_error)
@@ -56,7 +80,7 @@ def summary(config: AutoConfig, adapter, setup: AutoSetup, plan, tensors, chosen
         )
     return dict(
         budget_scope=config.budget_scope,
-        budget_bytes=setup.budget,
+        **budget_fields(budget, files, setup.reserved),
         routed_bytes=routed,
         dtype=info.dtype,
         original_routed_bytes=info.expert_bytes,

@@ -35,7 +35,7 @@ class AutoSetup:
     """Everything estimated once per model and calibration: candidates, frontiers, sensitivities."""
 
     info: ModelInfo
-    budget: int  # bytes in the budget's scope
+    budget: int  # tensor bytes the allocation may use in the budget's scope: the budget less `reserved`
     problems: dict[int, LayerProblem]
     moments: dict[int, LayerMoments]
     fronts: dict[int, list[LayerPoint]]
@@ -51,6 +51,8 @@ class AutoSetup:
     )  # bits -> layer -> bytes of pure quantization
     # the global noise probe's ε_l while it has not run (`finish_global`)
     noise_eps: dict[int, float] | None = None
+    # bytes of the budget reserved for the weight files' headers and other non-tensor bytes (`export.auto_reserve`)
+    reserved: int = 0
 
     def finish_global(self, adapter, kl: float | None) -> None:
         """The global noise sensitivity from `kl`, its probe's KL measured beside the class probes (`build`), or
@@ -65,7 +67,7 @@ class AutoSetup:
 
 
 def prepare(
-    config: AutoConfig, adapter, stats, progress: bool = False, keep_tensors: bool = False
+    config: AutoConfig, adapter, stats, progress: bool = False, keep_tensors: bool = False, reserved: int = 0
 ) -> AutoSetup:
     """Candidates and frontiers of every layer, and the sensitivities (a few forward passes).
 
@@ -73,11 +75,12 @@ def prepare(
     the layer sheds what its candidates hold beyond (bytes, loss) (`materialise.shed`), so the setup keeps
     numbers for every layer but tensors, codes and moments for none (`materialise.restore` rebuilds a chosen
     state's tensors). keep_tensors: keep every candidate's tensors and the full layer moments (benchmarks that
-    measure single candidates in memory)."""
+    measure single candidates in memory). reserved: bytes of the budget kept for the weight files' non-tensor bytes
+    (`export.auto_reserve`), which the allocation may not use."""
     from rich.progress import track
 
     info = ModelInfo.from_model(adapter)
-    budget = routed_budget(config, info)
+    budget = routed_budget(config, info) - reserved
     layers = adapter.moe_layers
     ids, ids_note, ref = None, None, None
     if config.sensitivity != "uniform" or config.measure:
@@ -97,7 +100,9 @@ def prepare(
         noise = layer_sensitivity(adapter, ids, rel=config.noise, ref=ref)
     raw = dict(noise)
     noise_sens = {i: sig(v, 4) for i, v in noise.items()}
-    setup = AutoSetup(info, budget, {}, {}, {}, {}, noise_sens, {}, ids, ids_note, ref, noise_eps=pending)
+    setup = AutoSetup(
+        info, budget, {}, {}, {}, {}, noise_sens, {}, ids, ids_note, ref, noise_eps=pending, reserved=reserved
+    )
     ratio = min(1.0, budget / scope_bytes(config, info))
     for i, layer_stats in track(
         each_layer(stats, layers, adapter),

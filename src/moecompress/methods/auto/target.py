@@ -28,62 +28,20 @@ construction are the unconstrained solver's (`setup.prepare`, `materialise.resto
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ...errors import MoECompressError
+from ...plan.targets import get_target
 from .solver import LayerPoint, allocate, pareto
-
-TARGETS = ("moecompress", "llama.cpp", "vllm", "transformers")
-STRUCTURE = dict(candidates=["reroute"], gates=["renorm"])  # what a standard router expresses
-
-
-@dataclass(frozen=True)
-class Space:
-    """What `auto` may search for a target: fields filled in where not given (`defaults`), the values a given
-    field may take (`allowed`: a list field must be a subset), whether every stored expert shares one width, the
-    non-expert classes never quantized, and the clause a refusal gives."""
-
-    defaults: dict
-    allowed: dict
-    one_expert_width: bool
-    unquantized_classes: tuple[str, ...] = field(default=())
-    why: str = ""
-
-
-SPACES = {
-    # what llama.cpp's GGUF types hold exactly (export.gguf.exact_type)
-    "llama.cpp": Space(
-        dict(STRUCTURE, bits=[16, 8, 5, 4], quant_group=32),
-        dict(STRUCTURE, bits=[16, 8, 5, 4], quant_group=[32]),
-        one_expert_width=False,
-        why="one GGUF type per layer tensor: Q8_0 / Q5_0 / Q4_0 from group-32 codes",
-    ),
-    "transformers": Space(
-        dict(STRUCTURE),
-        dict(STRUCTURE),
-        one_expert_width=True,
-        unquantized_classes=("embeddings",),
-        why="an hf checkpoint has one expert count and one expert precision, compressed-tensors for quantized weights",
-    ),
-    "vllm": Space(
-        dict(STRUCTURE, bits=[16, 8, 4]),
-        dict(STRUCTURE, bits=[16, 8, 4], quant_group=[32, 64, 128, None]),
-        one_expert_width=True,
-        unquantized_classes=("embeddings", "lm_head"),
-        why="its compressed-tensors loader runs WNA16 at 4 or 8 bits, groups 32 / 64 / 128 or per channel",
-    ),
-}
 
 
 def target_defaults(data: dict) -> dict:
     """An AutoConfig's input with the target's search space filled in where not given, or one sentence when a
     given field asks for what the target cannot run."""
-    if not isinstance(data, dict) or data.get("target", "moecompress") == "moecompress":
+    if not isinstance(data, dict) or not isinstance(data.get("target"), str):
         return data
     target = data["target"]
-    if target not in TARGETS:
-        raise MoECompressError(f"Target '{target}' is not known; use {', '.join(TARGETS)}.")
-    space = SPACES[target]
+    space = get_target(target).space
+    if space is None:  # a runtime that runs every plan
+        return data
     out = dict(data)
     for key, value in space.defaults.items():
         if out.get(key) is None:
@@ -101,20 +59,27 @@ def target_defaults(data: dict) -> dict:
     return out
 
 
+def constrained(target: str) -> bool:
+    """Whether `target`'s runtime runs only part of what `auto` searches (a search space of its own)."""
+    return get_target(target).space is not None
+
+
 def unquantized_classes(target: str) -> tuple[str, ...]:
     """The non-expert classes `target` loads only unquantized."""
-    return SPACES[target].unquantized_classes if target in SPACES else ()
+    space = get_target(target).space
+    return space.unquantized_classes if space is not None else ()
 
 
 def check_groups(config, info) -> None:
     """Refuse, before any search, a quantization group that leaves a shorter last group on one of the model's
     input dimensions: compressed-tensors cannot load it, nor llama.cpp's 32-weight blocks hold it."""
     group = config.quant_group
-    if config.target == "moecompress" or group is None:
+    space = get_target(config.target).space
+    if space is None or group is None:
         return
     dims = {info.hidden_size} | {li.intermediate_size for li in info.layers}
     if any(d % group for d in dims):
-        allowed = SPACES[config.target].allowed.get("quant_group", [128, 64, 32])
+        allowed = space.allowed.get("quant_group", [128, 64, 32])
         fits = [g for g in (128, 64, 32) if g in allowed and all(d % g == 0 for d in dims)]
         hint = f"pass quant_group={fits[0]}" if fits else "no group it loads fits; use --target moecompress"
         raise MoECompressError(
@@ -167,7 +132,7 @@ def allocate_for_target(config, setup, extra_fronts: dict, budget: int, fixed: i
     (and, where the target holds one expert precision, every expert width); `extra_fronts` are the non-expert
     items (their losses already in KL units), `fixed` the bytes no choice changes (outside `budget`)."""
     widths = sorted({16, *config.quant_bits}, reverse=True)
-    space = SPACES[config.target]
+    space = get_target(config.target).space
     best, smallest = None, None
     for k in kept_counts(setup):
         for ws in [[b] for b in widths] if space.one_expert_width else [widths]:
