@@ -105,6 +105,29 @@ def logits(gguf_path: Path, ids_path: Path, out: Path):
     return x
 
 
+def identity_gguf(model: str, d: Path) -> tuple[Path, Path]:
+    """(statistics store, bf16 identity export) under `d`: our calibration and the original as our writer's bf16
+    GGUF with our importance matrix."""
+    import moecompress
+    from moecompress.export.imatrix import EXPERT_STATS
+
+    stats, orig = d / "stats", d / "bf16"
+    moecompress.calibrate(
+        model, CALIB, out=stats, for_method="auto", seq_len=SEQ_LEN, progress=False, stats=list(EXPERT_STATS)
+    )
+    moecompress.compress(
+        model,
+        "auto",
+        {"budget": 1.0, "search": "full"},
+        calib=str(stats),
+        out=orig,
+        format="gguf",
+        imatrix=True,
+        progress=False,
+    )
+    return stats, orig
+
+
 def llama_imatrix(model: str, original_gguf: Path, d: Path) -> None:
     """`llama-imatrix` on the calibration text our side uses, into ``d/llama_imatrix.gguf``."""
     calibration_text(model, d / "calib.txt")
@@ -127,7 +150,6 @@ def run_fixture(fixture: str, work: Path) -> dict:
 
     import moecompress
     from moecompress.disk import stored_tensors
-    from moecompress.export.imatrix import EXPERT_STATS
     from moecompress.testing import fixture_dir
 
     model = str(fixture_dir(fixture))
@@ -136,21 +158,7 @@ def run_fixture(fixture: str, work: Path) -> dict:
     d.mkdir(parents=True)
     ids = windows(model)
     np.save(d / "ids.npy", ids.numpy().astype(np.int32))
-    stats = d / "stats"
-    moecompress.calibrate(
-        model, CALIB, out=stats, for_method="auto", seq_len=SEQ_LEN, progress=False, stats=list(EXPERT_STATS)
-    )
-    orig = d / "bf16"
-    moecompress.compress(
-        model,
-        "auto",
-        {"budget": 1.0, "search": "full"},
-        calib=str(stats),
-        out=orig,
-        format="gguf",
-        imatrix=True,
-        progress=False,
-    )
+    stats, orig = identity_gguf(model, d)
     original_gguf = orig / "model.gguf"
     ref = logits(original_gguf, d / "ids.npy", d / "ref.npy")
     whole = sum(n for _, n in stored_tensors(model).values())
@@ -301,8 +309,6 @@ def record_types(fixtures, work: Path) -> None:
     the requested type and the tensors' shapes, not on the matrices' values, and each file's bytes must equal the
     measured one's up to one 32-byte alignment step of metadata, so these are the measured files' types; refused
     otherwise."""
-    import moecompress
-    from moecompress.export.imatrix import EXPERT_STATS
     from moecompress.testing import fixture_dir
 
     res = load_results(RESULTS.name)
@@ -313,26 +319,7 @@ def record_types(fixtures, work: Path) -> None:
         d = work / fx["fixture"]  # the paths `run` used: llama-quantize records the matrix's file name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        stats, orig = d / "stats", d / "bf16"
-        moecompress.calibrate(
-            model,
-            CALIB,
-            out=stats,
-            for_method="auto",
-            seq_len=SEQ_LEN,
-            progress=False,
-            stats=list(EXPERT_STATS),
-        )
-        moecompress.compress(
-            model,
-            "auto",
-            {"budget": 1.0, "search": "full"},
-            calib=str(stats),
-            out=orig,
-            format="gguf",
-            imatrix=True,
-            progress=False,
-        )
+        stats, orig = identity_gguf(model, d)
         llama_imatrix(model, orig / "model.gguf", d)
         for a in fx["arms"]:
             if not a["family"].startswith("llama.cpp"):
